@@ -1,0 +1,81 @@
+"""The paged cache: MLA latents (and DSA indexer keys) per layer, a page table and row lengths.
+
+One `PagedCache` serves the target model and another (one layer) the MTP module. Rows own pages
+through `page_table`; the slot arithmetic lives in `jaxspec.pallas_kernels.paged`. Rejected draft
+entries are never erased: `lengths` decides what is committed, and later writes overwrite the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.pallas_kernels.paged import write_slots
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """latent: per layer [num_pages, page_size, kv_lora_rank + qk_rope_head_dim];
+    index_keys: per layer [num_pages, page_size, index_head_dim] (empty tuple without DSA);
+    page_table: [B, max_pages_per_row] int32; lengths: [B] int32 committed tokens per row."""
+
+    latent: tuple[jax.Array, ...]
+    index_keys: tuple[jax.Array, ...]
+    page_table: jax.Array
+    lengths: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.latent[0].shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row: the longest sequence (committed plus window) a row can hold."""
+        return self.page_table.shape[1] * self.page_size
+
+    def replace(self, **changes) -> "PagedCache":
+        return dataclasses.replace(self, **changes)
+
+    def write(self, layer: int, slots: jax.Array, latent: jax.Array, index_key: jax.Array | None = None):
+        """Write one layer's window entries: slots [B, Q] (-1 = skip), latent [B, Q, Dc], index_key [B, Q, Di]."""
+        latents = list(self.latent)
+        latents[layer] = write_slots(latents[layer], self.page_table, slots, latent)
+        keys = list(self.index_keys)
+        if index_key is not None:
+            keys[layer] = write_slots(keys[layer], self.page_table, slots, index_key)
+        return self.replace(latent=tuple(latents), index_keys=tuple(keys))
+
+
+def pages_per_row(capacity: int, page_size: int) -> int:
+    return -(-capacity // page_size)
+
+
+def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: int, index_dim: int = 0,
+               page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None) -> PagedCache:
+    """An empty cache giving each of `batch_size` rows room for `capacity` slots.
+
+    Pages are handed out row after row (row b owns pages [b*M, (b+1)*M)); pass `page_table`
+    ([batch_size, M] int32, entries a permutation of range(num_pages)) to lay them out otherwise.
+    index_dim > 0 adds DSA indexer-key pages for every layer.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity}: must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    num_row_pages = pages_per_row(capacity, page_size)
+    num_pages = batch_size * num_row_pages
+    if page_table is None:
+        page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch_size, num_row_pages)
+    elif page_table.shape != (batch_size, num_row_pages):
+        raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
+    latent = tuple(jnp.zeros((num_pages, page_size, latent_dim), dtype) for _ in range(num_layers))
+    keys = tuple(jnp.zeros((num_pages, page_size, index_dim), dtype) for _ in range(num_layers)) if index_dim else ()
+    return PagedCache(latent=latent, index_keys=keys, page_table=jnp.asarray(page_table, jnp.int32),
+                      lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -1,0 +1,65 @@
+"""The DeepSeek-V3.2 lightning indexer: per-token scores over visible slots, then top-k.
+
+    I[b, q, s] = sum_h weights[b, q, h] * relu(q_idx[b, q, h] . key[s])
+
+for every slot s that token (b, q) sees; the `topk` best slots feed sparse MLA. The query and key
+rotations, the weight scaling (`index_n_heads**-0.5 * index_head_dim**-0.5`) and the key cache
+writes belong to the model; this op only scores and selects.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .backend import resolve_backend
+from .paged import gather_rows
+from .visibility import Visibility, visible_mask
+
+
+def indexer_scores_reference(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array,
+                             page_table: jax.Array, vis: Visibility) -> jax.Array:
+    """q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] -> scores [B, Q, S] float32.
+
+    S = max_pages * page_size; invisible slots score -inf. Computed in float32.
+    """
+    keys = gather_rows(key_cache, page_table).astype(jnp.float32)  # [B, S, Di]
+    logits = jnp.einsum("bqhd,bsd->bqhs", q_idx.astype(jnp.float32), keys)
+    scores = jnp.einsum("bqhs,bqh->bqs", jax.nn.relu(logits), weights.astype(jnp.float32))
+    return jnp.where(visible_mask(vis, q_idx.shape[1], keys.shape[1]), scores, -jnp.inf)
+
+
+def select_topk(scores: jax.Array, topk: int) -> jax.Array:
+    """scores [B, Q, S] (-inf = invisible) -> indices [B, Q, topk] int32, best first, -1 padded.
+
+    Ties go to the lower slot (`lax.top_k` is stable), so kernels and reference agree exactly.
+    """
+    k = min(topk, scores.shape[-1])
+    values, indices = jax.lax.top_k(scores, k)
+    indices = jnp.where(values > -jnp.inf, indices, -1).astype(jnp.int32)
+    if k < topk:
+        indices = jnp.pad(indices, ((0, 0), (0, 0), (0, topk - k)), constant_values=-1)
+    return indices
+
+
+def indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, *, topk: int) -> jax.Array:
+    """The definition of `indexer_topk` (pure jnp). Same arguments and result."""
+    return select_topk(indexer_scores_reference(q_idx, weights, key_cache, page_table, vis), topk)
+
+
+def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
+                 vis: Visibility, *, topk: int, backend: str = "auto") -> jax.Array:
+    """Select the `topk` visible slots with the highest indexer score, per query token.
+
+    Args:
+      q_idx: [B, Q, Hi, Di] indexer queries (rotated); weights: [B, Q, Hi] per-head weights.
+      key_cache: [num_pages, page_size, Di] one layer's indexer keys; page_table: [B, max_pages].
+      vis: per-token visibility; topk: slots to keep; backend: "xla", "pallas" or "auto".
+
+    Returns:
+      indices [B, Q, topk] int32 row-local slots, best first; -1 where fewer than topk are visible.
+    """
+    if resolve_backend(backend) == "pallas":
+        from .indexer_pallas import indexer_topk_pallas
+        return indexer_topk_pallas(q_idx, weights, key_cache, page_table, vis, topk=topk)
+    return indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, topk=topk)

@@ -1,0 +1,76 @@
+"""Absorbed MLA attention over the paged latent cache.
+
+Each cache entry is `[latent (Dl) | rope key (Dr)]` (512 + 64 for DeepSeek), shared by all heads.
+With the key up-projection absorbed into the query, head h of token (b, q) scores slot s as
+
+    score = softmax_scale * (q_nope_absorbed[b,q,h] . latent[s] + q_rope[b,q,h] . rope_key[s])
+
+and its output is the softmax-weighted sum of `latent[s]` over the visible slots (see
+`visibility.py`). The caller projects that `[Dl]` output through the value up-projection.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .backend import resolve_backend
+from .paged import gather_rows
+from .visibility import Visibility, visible_mask
+
+# Log-sum-exp of a query that sees nothing: finite (no NaN or inf leaves a padding row), and
+# exp(EMPTY_LSE - m) == 0 for any real m, so a split-KV combine weights it out.
+EMPTY_LSE = -1e30
+
+
+def attend_latent(q_nope: jax.Array, q_rope: jax.Array, kv: jax.Array, mask: jax.Array,
+                  softmax_scale: float) -> tuple[jax.Array, jax.Array]:
+    """Masked softmax attention of absorbed queries over gathered latent entries.
+
+    q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], kv [B, Q|1, S, Dl + Dr], mask [B, Q, S] bool
+    -> out [B, Q, H, Dl] (q_nope.dtype), lse [B, Q, H] float32. Computed in float32.
+    """
+    dl = q_nope.shape[-1]
+    kv = kv.astype(jnp.float32)
+    scores = (jnp.einsum("bqhd,bqsd->bqhs", q_nope.astype(jnp.float32), kv[..., :dl])
+              + jnp.einsum("bqhd,bqsd->bqhs", q_rope.astype(jnp.float32), kv[..., dl:])) * softmax_scale
+    mask = mask[:, :, None, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1)
+    out = jnp.einsum("bqhs,bqsd->bqhd", probs, kv[..., :dl]) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    lse = jnp.where(denom > 0, row_max[..., 0] + jnp.log(jnp.where(denom > 0, denom, 1.0)), EMPTY_LSE)
+    return out.astype(q_nope.dtype), lse
+
+
+def mla_attention_reference(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
+                            page_table: jax.Array, vis: Visibility, *, softmax_scale: float):
+    """The definition of `mla_attention` (pure jnp). Same arguments and results."""
+    kv = gather_rows(latent_cache, page_table)[:, None]  # [B, 1, S, Dl + Dr]
+    mask = visible_mask(vis, q_nope.shape[1], kv.shape[2])
+    return attend_latent(q_nope, q_rope, kv, mask, softmax_scale)
+
+
+def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
+                  vis: Visibility, *, softmax_scale: float, backend: str = "auto"):
+    """Absorbed MLA attention of a `[B, Q]` window over the paged latent cache.
+
+    Args:
+      q_nope: [B, Q, H, Dl] queries with the key up-projection absorbed (Dl = kv_lora_rank).
+      q_rope: [B, Q, H, Dr] rotated RoPE part of the queries.
+      latent_cache: [num_pages, page_size, Dl + Dr] one layer's cache (window already written).
+      page_table: [B, max_pages] int32.
+      vis: per-token visibility (prefix, window length, optional tree mask).
+      softmax_scale: multiplies the scores before the softmax.
+      backend: "xla" (reference), "pallas" or "auto".
+
+    Returns:
+      out [B, Q, H, Dl] in q_nope's dtype (zeros for padding tokens) and lse [B, Q, H] float32
+      (`EMPTY_LSE` for padding tokens).
+    """
+    if resolve_backend(backend) == "pallas":
+        from .mla_attention_pallas import mla_attention_pallas
+        return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale)
+    return mla_attention_reference(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale)

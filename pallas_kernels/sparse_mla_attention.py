@@ -1,0 +1,44 @@
+"""MLA attention over a selected set of slots per query token (DSA sparse attention).
+
+Same math as `mla_attention`, but token (b, q) attends only to the slots `indices[b, q, :]`
+chosen by the indexer (`-1` entries skipped); all heads of a token share its index set. Visibility
+is already folded into the indices: the indexer only selects visible slots.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from .backend import resolve_backend
+from .mla_attention import attend_latent
+from .paged import read_slots
+
+
+def sparse_mla_attention_reference(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
+                                   page_table: jax.Array, indices: jax.Array, *, softmax_scale: float):
+    """The definition of `sparse_mla_attention` (pure jnp). Same arguments and results."""
+    batch, num_queries, topk = indices.shape
+    kv = read_slots(latent_cache, page_table, indices.reshape(batch, num_queries * topk))
+    kv = kv.reshape(batch, num_queries, topk, latent_cache.shape[-1])  # [B, Q, K, Dl + Dr]
+    return attend_latent(q_nope, q_rope, kv, indices >= 0, softmax_scale)
+
+
+def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
+                         indices: jax.Array, *, softmax_scale: float, backend: str = "auto"):
+    """Absorbed MLA attention of each query token over its own selected slots.
+
+    Args:
+      q_nope: [B, Q, H, Dl] absorbed queries; q_rope: [B, Q, H, Dr].
+      latent_cache: [num_pages, page_size, Dl + Dr]; page_table: [B, max_pages] int32.
+      indices: [B, Q, K] int32 slots to attend (row-local slot numbers), -1 = skip.
+      softmax_scale: multiplies the scores; backend: "xla", "pallas" or "auto".
+
+    Returns:
+      out [B, Q, H, Dl] (zeros where a token selects nothing) and lse [B, Q, H] float32.
+    """
+    if resolve_backend(backend) == "pallas":
+        from .sparse_mla_attention_pallas import sparse_mla_attention_pallas
+        return sparse_mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, indices,
+                                           softmax_scale=softmax_scale)
+    return sparse_mla_attention_reference(q_nope, q_rope, latent_cache, page_table, indices,
+                                          softmax_scale=softmax_scale)

@@ -1,0 +1,64 @@
+"""Per-token visibility over the paged cache: the data model every kernel shares.
+
+A model call sees a window of `Q` tokens per row. The window is laid out in the row's cache right
+after its committed prefix: window token q of row b is written to slot `prefix_len[b] + q`. Token
+(b, q) with q < query_len[b] sees
+
+  * every prefix slot `[0, prefix_len[b])`, and
+  * the window slots of its ancestors, itself included: for a chain (tree_mask None) the ancestors
+    of q are {0..q}; for a tree, `tree_mask[b, q, j]` says whether window token j is an ancestor of q.
+
+Tokens q >= query_len[b] are padding: they see nothing and write nothing. Trees must list parents
+before children (so every ancestor j of q has j <= q, and `prefix_len + q + 1` bounds what any token
+can see); `tree_mask[b, q, q]` must be True for valid tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Visibility(NamedTuple):
+    """prefix_len [B] int32, query_len [B] int32, tree_mask [B, Q, Q] bool or None (= chain)."""
+
+    prefix_len: jax.Array
+    query_len: jax.Array
+    tree_mask: jax.Array | None = None
+
+
+def query_valid(vis: Visibility, num_queries: int) -> jax.Array:
+    """[B, Q] bool: the window token is real (not padding)."""
+    q = jnp.arange(num_queries, dtype=jnp.int32)
+    return q[None, :] < vis.query_len[:, None]
+
+
+def window_slots(vis: Visibility, num_queries: int) -> jax.Array:
+    """[B, Q] int32: the cache slot each window token writes (`prefix_len + q`), -1 for padding."""
+    q = jnp.arange(num_queries, dtype=jnp.int32)
+    return jnp.where(query_valid(vis, num_queries), vis.prefix_len[:, None] + q[None, :], -1)
+
+
+def kv_bound(vis: Visibility, num_queries: int) -> jax.Array:
+    """[B, Q] int32: exclusive upper bound of the slots a token may see (0 for padding).
+
+    For a chain this is the whole visibility (`prefix_len + q + 1`); for a tree it is a bound the
+    kernels use to skip pages, refined by the mask inside the window.
+    """
+    return jnp.maximum(window_slots(vis, num_queries) + 1, 0)
+
+
+def visible_mask(vis: Visibility, num_queries: int, num_slots: int) -> jax.Array:
+    """[B, Q, S] bool: token (b, q) sees slot s. The dense definition the kernels must equal."""
+    s = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]
+    prefix = vis.prefix_len[:, None, None]
+    bound = kv_bound(vis, num_queries)[:, :, None]
+    mask = (s < bound) & query_valid(vis, num_queries)[:, :, None]
+    if vis.tree_mask is None:
+        return mask
+    in_window = s - prefix  # window index of slot s (negative in the prefix)
+    idx = jnp.clip(in_window, 0, num_queries - 1)
+    ancestor = jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(idx, vis.tree_mask.shape[:2] + (num_slots,)), axis=2)
+    return mask & ((in_window < 0) | ancestor)
