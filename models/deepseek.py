@@ -1,0 +1,122 @@
+"""DeepSeek-V3 / V3.2 transformer with its MTP (multi-token prediction) module, in Flax NNX.
+
+A call processes a window of tokens `[B, Q]` against a `PagedCache`: it writes the window's cache
+entries and returns logits, the final hidden states and the updated cache. Once split
+(`graphdef, params = nnx.split(model)`) the model is a pure function of params, tokens and cache.
+
+The MTP module (DeepSeek-V3 section 2.2) drafts the token after next. For window token i it takes
+the target's hidden state h_i and the embedding of token t_{i+1}:
+
+    h'_i = block(eh_proj(concat[enorm(embed(t_{i+1})), hnorm(h_i)]))
+    logits_i = lm_head(shared_head_norm(h'_i))       (predicts t_{i+2})
+
+`h_i` is the target's hidden state *after* its final norm, the input of its LM head: this is what
+the production engines feed DeepSeek's released MTP weights (vLLM's `DeepSeekMTP` and SGLang's
+`deepseek_nextn` both take the main model's normed output). Chained drafting (k > 1) feeds the MTP
+module its own output the same way: `shared_head_norm(h'_i)`, the input of the shared head. The
+embedding and LM head are the target's (shared, as DeepSeek specifies).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import PagedCache, init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.pallas_kernels import Visibility
+
+from .layers import MLP, Linear, RMSNorm
+from .mla import MLA
+from .moe import MoE
+from .rope import rope_angles
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + MLA(norm(x)), then + MLP-or-MoE(norm(.))."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLA(config, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.mlp = (MoE(config, rngs=rngs, dtype=dtype) if config.is_moe_layer(layer)
+                    else MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype))
+
+    def __call__(self, x, cos, sin, cache: PagedCache, cache_layer: int, vis: Visibility, *, form, backend):
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_layer, vis,
+                                     form=form, backend=backend)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class MTPModule(nnx.Module):
+    """DeepSeek's MTP layer: enorm, hnorm, eh_proj, one decoder block, shared_head_norm."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        dim = config.hidden_size
+        self.enorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Linear(2 * dim, dim, rngs=rngs, dtype=dtype)
+        # The MTP block sits at layer index num_hidden_layers, past first_k_dense_replace: it is MoE.
+        self.block = DecoderLayer(config, config.num_hidden_layers, rngs=rngs, dtype=dtype)
+        self.shared_head_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+
+
+class DeepseekV3(nnx.Module):
+    """The target model (DeepSeek-V3 or V3.2 by `config.model_type`) and, when
+    `config.num_nextn_predict_layers > 0`, its MTP draft module (`self.mtp`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(1.0))
+        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, dtype=dtype)
+                                for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+        self.mtp = MTPModule(config, rngs=rngs, dtype=dtype) if config.num_nextn_predict_layers > 0 else None
+
+    # -- caches ---------------------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
+                   page_table: jax.Array | None = None) -> PagedCache:
+        """An empty cache for the target (or, with `mtp=True`, for the one-layer MTP module)."""
+        c = self.config
+        return init_cache(num_layers=1 if mtp else c.num_hidden_layers, batch_size=batch_size, capacity=capacity,
+                          latent_dim=c.latent_dim, index_dim=c.index_head_dim if c.is_v32 else 0,
+                          page_size=page_size, dtype=self.dtype, page_table=page_table)
+
+    # -- forward passes -------------------------------------------------------------------------
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: PagedCache, vis: Visibility, *,
+                 form: str = "absorbed", backend: str = "auto") -> tuple[jax.Array, jax.Array, PagedCache]:
+        """Target forward over a window.
+
+        tokens, positions [B, Q] int32; vis: the window's visibility (`jaxspec.pallas_kernels.Visibility`)
+        -> logits [B, Q, V] float32, hidden [B, Q, D] (after the final norm), the updated cache.
+        """
+        cos, sin = rope_angles(self.config, positions)
+        x = self.embed_tokens(tokens).astype(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, cos, sin, cache, i, vis, form=form, backend=backend)
+        hidden = self.norm(x)
+        return self._logits(hidden), hidden, cache
+
+    def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: PagedCache,
+              vis: Visibility, *, form: str = "absorbed", backend: str = "auto"):
+        """MTP forward: next_tokens [B, Q] (t_{i+1}), hidden [B, Q, D] (h_i), positions [B, Q] (i)
+        -> logits [B, Q, V] float32 (for t_{i+2}), the MTP's own hidden [B, Q, D] (to chain), cache."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP module (config.num_nextn_predict_layers == 0)")
+        mtp = self.mtp
+        cos, sin = rope_angles(self.config, positions)
+        embedded = mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype))
+        x = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden.astype(self.dtype))], axis=-1))
+        x, cache = mtp.block(x, cos, sin, cache, 0, vis, form=form, backend=backend)
+        out_hidden = mtp.shared_head_norm(x)
+        return self._logits(out_hidden), out_hidden, cache

@@ -1,0 +1,51 @@
+"""The DeepSeek-V3.2 lightning indexer (DSA): picks, per query token, the slots MLA attends.
+
+  q_idx   = wq_b(q_latent)                      [B, Q, Hi, Di], first Dr dims rotated (half-split)
+  key     = k_norm(wk(x))                       [B, Q, Di], first Dr dims rotated, cached per slot
+  weights = weights_proj(x) * Hi^-0.5 * Di^-0.5  [B, Q, Hi]
+  score(s) = sum_h weights[h] * relu(q_idx[h] . key[s]);  indices = top-`index_topk` visible slots
+
+DeepSeek's release also applies a Hadamard rotation to q_idx and key before quantizing them to FP8.
+An orthogonal rotation of both sides leaves every dot product unchanged, so in bf16/fp32 it is
+omitted here; it only matters for FP8 indexer caches.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import ModelConfig
+from jaxspec.pallas_kernels import Visibility, indexer_topk
+
+from .layers import LayerNorm, Linear
+from .rope import apply_rope
+
+
+class Indexer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        heads, head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = Linear(config.q_lora_rank, heads * head_dim, rngs=rngs, dtype=dtype)
+        self.wk = Linear(config.hidden_size, head_dim, rngs=rngs, dtype=dtype)
+        self.k_norm = LayerNorm(head_dim, dtype=dtype)
+        self.weights_proj = Linear(config.hidden_size, heads, rngs=rngs, dtype=dtype)
+
+    def _rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        rope_dim = self.config.qk_rope_head_dim
+        return jnp.concatenate([apply_rope(x[..., :rope_dim], cos, sin, interleaved=False), x[..., rope_dim:]], axis=-1)
+
+    def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """x [B, Q, D] -> the window's indexer keys [B, Q, Di] (to be written to the cache)."""
+        return self._rotate(self.k_norm(self.wk(x)), cos, sin)
+
+    def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
+               page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:
+        """x [B, Q, D], q_latent [B, Q, q_lora_rank], key_cache holding the window's keys
+        -> indices [B, Q, index_topk] int32 (-1 padded)."""
+        batch, num_queries, _ = x.shape
+        heads, head_dim = self.config.index_n_heads, self.config.index_head_dim
+        q_idx = self._rotate(self.wq_b(q_latent).reshape(batch, num_queries, heads, head_dim), cos, sin)
+        weights = self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
+        return indexer_topk(q_idx, weights, key_cache, page_table, vis, topk=self.config.index_topk, backend=backend)

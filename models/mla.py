@@ -1,0 +1,126 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache.
+
+Per token: `kv_a_proj_with_mqa(x)` gives a latent [R = kv_lora_rank] (normalized by
+`kv_a_layernorm`) and one RoPE key [Dr] shared by all heads; their concatenation is the cached entry.
+`kv_b_proj` [R, H * (Dn + Dv)] up-projects the latent into per-head keys and values. Two equal forms:
+
+* expanded (`form="expanded"`): up-project every visible entry into per-head K/V and run ordinary
+  attention. Cheap when the window is long relative to the context (prefill).
+* absorbed (`form="absorbed"`): fold the key up-projection into the query
+  (`q_nope @ W_uk -> [R]`) and the value up-projection into the output, so attention runs directly
+  on the cached latents (the `mla_attention` kernel). Cheap for short windows (decode, verify).
+
+With DSA (V3.2), the indexer picks up to `index_topk` slots per token; the absorbed form runs
+`sparse_mla_attention` over them, the expanded form masks everything else.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import PagedCache
+from jaxspec.config import ModelConfig
+from jaxspec.pallas_kernels import (Visibility, gather_rows, mla_attention, sparse_mla_attention, visible_mask,
+                                    window_slots)
+
+from .indexer import Indexer
+from .layers import Linear, RMSNorm
+from .rope import apply_rope
+
+FORMS = ("expanded", "absorbed")
+
+
+def indices_to_mask(indices: jax.Array, num_slots: int) -> jax.Array:
+    """indices [B, Q, K] (-1 = none) -> [B, Q, S] bool, True at the selected slots."""
+    batch, num_queries, _ = indices.shape
+    target = jnp.where(indices >= 0, indices, num_slots)
+    b = jnp.arange(batch)[:, None, None]
+    q = jnp.arange(num_queries)[None, :, None]
+    return jnp.zeros((batch, num_queries, num_slots), bool).at[b, q, target].set(True, mode="drop")
+
+
+class MLA(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        dim, heads = config.hidden_size, config.num_attention_heads
+        if config.q_lora_rank is None:
+            self.q_proj = Linear(dim, heads * config.qk_head_dim, rngs=rngs, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(config.q_lora_rank, heads * config.qk_head_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(dim, config.latent_dim, rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(heads * config.v_head_dim, dim, rngs=rngs, dtype=dtype)
+        self.indexer = Indexer(config, rngs=rngs, dtype=dtype) if config.is_v32 else None
+
+    def _up_projections(self) -> tuple[jax.Array, jax.Array]:
+        """kv_b_proj split per head: W_uk [R, H, Dn], W_uv [R, H, Dv]."""
+        c = self.config
+        w = self.kv_b_proj.weight[...].reshape(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: PagedCache, layer: int,
+                 vis: Visibility, *, form: str, backend: str) -> tuple[jax.Array, PagedCache]:
+        """x [B, Q, D], cos/sin [B, Q, Dr/2] -> (out [B, Q, D], cache with the window's entries written)."""
+        if form not in FORMS:
+            raise ValueError(f"form={form!r}: must be one of {FORMS}")
+        c = self.config
+        batch, num_queries, _ = x.shape
+        heads = c.num_attention_heads
+
+        if c.q_lora_rank is None:
+            q_latent, q = None, self.q_proj(x)
+        else:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        q = q.reshape(batch, num_queries, heads, c.qk_head_dim)
+        q_nope = q[..., :c.qk_nope_head_dim]
+        q_rope = apply_rope(q[..., c.qk_nope_head_dim:], cos, sin, interleaved=True)
+
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
+        k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleaved=True)
+        slots = window_slots(vis, num_queries)
+        index_key = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
+        cache = cache.write(layer, slots, jnp.concatenate([latent, k_rope], axis=-1), index_key)
+        latent_cache = cache.latent[layer]
+
+        indices = None
+        if self.indexer is not None:
+            indices = self.indexer.select(x, q_latent, cos, sin, cache.index_keys[layer], cache.page_table, vis,
+                                          backend=backend)
+
+        w_uk, w_uv = self._up_projections()
+        if form == "absorbed":
+            q_absorbed = jnp.einsum("bqhn,rhn->bqhr", q_nope, w_uk.astype(q_nope.dtype))
+            if indices is None:
+                out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, vis,
+                                              softmax_scale=c.softmax_scale, backend=backend)
+            else:
+                out_latent, _ = sparse_mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, indices,
+                                                     softmax_scale=c.softmax_scale, backend=backend)
+            out = jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
+        else:
+            out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, cache.page_table), vis, indices, w_uk, w_uv)
+        return self.o_proj(out.reshape(batch, num_queries, heads * c.v_head_dim)), cache
+
+    def _expanded(self, q_nope, q_rope, rows, vis, indices, w_uk, w_uv):
+        """Ordinary attention over up-projected entries. rows [B, S, R + Dr] -> [B, Q, H, Dv]."""
+        c = self.config
+        num_queries, num_slots = q_nope.shape[1], rows.shape[1]
+        rows = rows.astype(jnp.float32)
+        keys_nope = jnp.einsum("bsr,rhn->bshn", rows[..., :c.kv_lora_rank], w_uk.astype(jnp.float32))
+        values = jnp.einsum("bsr,rhv->bshv", rows[..., :c.kv_lora_rank], w_uv.astype(jnp.float32))
+        scores = (jnp.einsum("bqhn,bshn->bqhs", q_nope.astype(jnp.float32), keys_nope)
+                  + jnp.einsum("bqhd,bsd->bqhs", q_rope.astype(jnp.float32), rows[..., c.kv_lora_rank:]))
+        mask = visible_mask(vis, num_queries, num_slots) if indices is None else indices_to_mask(indices, num_slots)
+        mask = mask[:, :, None, :]
+        # A large finite fill (not -inf) keeps rows that see nothing (padding) NaN-free: their
+        # softmax is uniform and the mask then zeroes it.
+        probs = jax.nn.softmax(jnp.where(mask, scores * c.softmax_scale, -1e30), axis=-1) * mask
+        return jnp.einsum("bqhs,bshv->bqhv", probs, values).astype(q_nope.dtype)

@@ -1,0 +1,81 @@
+"""DeepSeek-V3 mixture of experts: sigmoid router with bias-corrected, group-limited top-k.
+
+Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`):
+  1. scores = sigmoid(x @ gate)                              [T, E], float32
+  2. choice = scores + e_score_correction_bias               (the bias only steers selection)
+  3. with n_group > 1: a group's score is the sum of its top-2 choice values; keep the best
+     `topk_group` groups, mask the rest to -inf
+  4. experts = top-k(choice); weights = scores at those experts (no bias)
+  5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
+Output = sum_k weights_k * expert_k(x) + shared_experts(x).
+
+Experts run as grouped matmuls (`jax.lax.ragged_dot`) over the token-expert assignments sorted by
+expert, so compute scales with tokens * num_experts_per_tok, not with n_routed_experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import ModelConfig
+
+from .layers import MLP
+
+
+def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array):
+    """x [T, D], gate_weight [D, E], bias [E] -> (weights [T, k] float32, experts [T, k] int32)."""
+    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ gate_weight.astype(jnp.float32))
+    choice = scores + bias.astype(jnp.float32)
+    num_tokens, num_experts = scores.shape
+    if config.n_group > 1:
+        per_group = num_experts // config.n_group
+        grouped = choice.reshape(num_tokens, config.n_group, per_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)  # [T, G]
+        _, best_groups = jax.lax.top_k(group_score, config.topk_group)
+        keep = jnp.zeros((num_tokens, config.n_group), bool).at[
+            jnp.arange(num_tokens)[:, None], best_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if config.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class MoE(nnx.Module):
+    """Routed experts (stacked [E, ...] weights) plus `n_shared_experts` fused into one MLP."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        dim, hidden, num_experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+        self.config = config
+        self.gate_weight = nnx.Param(nnx.initializers.normal(dim ** -0.5)(rngs.params(), (dim, num_experts), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        init_in, init_out = nnx.initializers.normal(dim ** -0.5), nnx.initializers.normal(hidden ** -0.5)
+        self.experts_gate_proj = nnx.Param(init_in(rngs.params(), (num_experts, dim, hidden), dtype))
+        self.experts_up_proj = nnx.Param(init_in(rngs.params(), (num_experts, dim, hidden), dtype))
+        self.experts_down_proj = nnx.Param(init_out(rngs.params(), (num_experts, hidden, dim), dtype))
+        self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype)
+                               if config.n_shared_experts else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, Q, D] -> [B, Q, D]."""
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
+        num_tokens, topk = experts.shape
+        flat_expert = experts.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        token_of = order // topk
+        group_sizes = jnp.bincount(flat_expert, length=self.config.n_routed_experts).astype(jnp.int32)
+        sorted_in = tokens[token_of]
+        gate = jax.lax.ragged_dot(sorted_in, self.experts_gate_proj[...].astype(x.dtype), group_sizes)
+        up = jax.lax.ragged_dot(sorted_in, self.experts_up_proj[...].astype(x.dtype), group_sizes)
+        down = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.experts_down_proj[...].astype(x.dtype), group_sizes)
+        weighted = down.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        out = jnp.zeros((num_tokens, shape[-1]), jnp.float32).at[token_of].add(weighted)
+        out = out.astype(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.reshape(shape)
