@@ -1,0 +1,181 @@
+"""`generate`: prefill plus the speculative while-loop as one jitted computation, and its inputs' checks.
+
+    result = generate(model, [[1, 2, 3], [4, 5]], DecodeConfig(num_draft=3, max_new_tokens=32))
+    result.tokens            # [B, 32] emitted ids, PAD_TOKEN (-1) past each row's num_tokens
+    result.mean_accepted_length, result.acceptance_per_position
+
+Bad input raises `ValueError` before anything is traced: empty prompts, a prompt plus budget that
+does not fit the cache (or the model's positions), draft length out of range, a model without an
+MTP module asked to draft, more rows than a given page table holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.cache import PagedCache
+from jaxspec.config import DecodeConfig
+from jaxspec.loop import DecodeState, decode, prefill
+
+
+class PreparedBatch(NamedTuple):
+    prompts: jax.Array       # [B, P] int32, right-padded with 0
+    prompt_lens: jax.Array   # [B] int32
+    target_cache: PagedCache
+    mtp_cache: PagedCache | None
+
+
+def required_capacity(prompt_width: int, config: DecodeConfig) -> int:
+    """Slots a row needs: the prompt, the budget and one verification window past the last commit."""
+    return prompt_width + config.max_new_tokens + config.num_draft
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None,
+            page_table: jax.Array | None = None) -> PreparedBatch:
+    """Check the inputs, pad the prompts and build empty caches. Raises ValueError on bad input.
+
+    prompts: a sequence of token-id sequences, or a [B, P] int array (then `prompt_lens` [B] gives
+    each row's length; None means every row is P long). page_table: an optional [B, M] page layout
+    for both caches (M pages per row); by default rows get consecutive pages.
+    """
+    mconf = model.config
+    if config.num_draft > 0 and getattr(model, "mtp", None) is None:
+        raise ValueError(f"num_draft={config.num_draft} needs an MTP module, but the model has none "
+                         "(num_nextn_predict_layers == 0); use num_draft=0")
+
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts: empty batch; pass at least one prompt")
+        rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        lengths = np.array([len(r) for r in rows], np.int32)
+        width = int(lengths.max())
+        padded = np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            padded[i, :len(r)] = r
+        prompts_arr, lens_arr = jnp.asarray(padded), jnp.asarray(lengths)
+    else:
+        prompts_arr = jnp.asarray(prompts, jnp.int32)
+        if prompts_arr.ndim != 2:
+            raise ValueError(f"prompts: expected [B, P] token ids, got shape {prompts_arr.shape}")
+        width = prompts_arr.shape[1]
+        lens_arr = (jnp.full((prompts_arr.shape[0],), width, jnp.int32) if prompt_lens is None
+                    else jnp.asarray(prompt_lens, jnp.int32))
+        if lens_arr.shape != (prompts_arr.shape[0],):
+            raise ValueError(f"prompt_lens: expected shape ({prompts_arr.shape[0]},), got {lens_arr.shape}")
+        lengths = np.asarray(lens_arr) if _is_concrete(lens_arr) else None
+    batch = prompts_arr.shape[0]
+    if width < 1:
+        raise ValueError("prompts: every prompt needs at least one token")
+
+    if lengths is not None:
+        empty = np.flatnonzero(lengths < 1)
+        if empty.size:
+            raise ValueError(f"prompts: row(s) {empty.tolist()} are empty; every prompt needs at least one token")
+        if (lengths > width).any():
+            raise ValueError(f"prompt_lens: values must be <= the padded width {width}")
+    if _is_concrete(prompts_arr):
+        ids = np.asarray(prompts_arr)
+        mask = np.arange(width)[None, :] < (lengths[:, None] if lengths is not None else width)
+        bad = ids[mask & ((ids < 0) | (ids >= mconf.vocab_size))]
+        if bad.size:
+            raise ValueError(f"prompts: token ids must be in [0, vocab_size={mconf.vocab_size}); got {bad[:5].tolist()}")
+
+    needed = required_capacity(width, config)
+    if needed > mconf.max_position_embeddings:
+        raise ValueError(f"prompt length {width} + max_new_tokens {config.max_new_tokens} + num_draft "
+                         f"{config.num_draft} = {needed} exceeds max_position_embeddings={mconf.max_position_embeddings}")
+    capacity = config.max_cache_len if config.max_cache_len is not None else needed
+    if capacity < needed:
+        raise ValueError(f"DecodeConfig.max_cache_len={capacity} is too small: prompt length {width} + "
+                         f"max_new_tokens {config.max_new_tokens} + num_draft {config.num_draft} needs {needed} slots")
+    if page_table is not None:
+        rows_available = page_table.shape[0]
+        if batch > rows_available:
+            raise ValueError(f"batch size {batch} exceeds the cache's rows ({rows_available} in page_table)")
+        page_table = page_table[:batch]
+        if page_table.shape[1] * config.page_size < needed:
+            raise ValueError(f"page_table holds {page_table.shape[1] * config.page_size} slots per row; "
+                             f"{needed} are needed")
+        capacity = page_table.shape[1] * config.page_size
+
+    target_cache = model.init_cache(batch, capacity, page_size=config.page_size, page_table=page_table)
+    mtp_cache = (model.init_cache(batch, capacity, page_size=config.page_size, mtp=True, page_table=page_table)
+                 if config.num_draft > 0 else None)
+    return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache)
+
+
+def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, config) -> DecodeState:
+    state = prefill(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, config)
+    return decode(graphdef, params, state, config)
+
+
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "config"))
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """Emitted tokens and speculative statistics (arrays; device or host).
+
+    tokens [B, max_new_tokens] int32, PAD_TOKEN (-1) past `num_tokens[b]`.
+    target_calls [B]: verification steps per row; accepted [B]: drafts accepted per row;
+    position_accepts [B, k]: steps per row whose draft j was accepted.
+    """
+
+    tokens: jax.Array
+    num_tokens: jax.Array
+    target_calls: jax.Array
+    accepted: jax.Array
+    position_accepts: jax.Array
+
+    @property
+    def steps(self) -> int:
+        """Loop iterations: the most verification steps any row took."""
+        return int(np.max(self.target_calls))
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target verification call (accepted drafts + the bonus), over all rows."""
+        calls = int(np.sum(self.target_calls))
+        return (int(np.sum(self.accepted)) + calls) / max(calls, 1)
+
+    @property
+    def acceptance_per_position(self) -> np.ndarray:
+        """[k]: fraction of verification steps whose draft j (0-based) was accepted."""
+        calls = max(int(np.sum(self.target_calls)), 1)
+        return np.asarray(self.position_accepts).sum(axis=0) / calls
+
+    def row_tokens(self, row: int) -> list[int]:
+        """The ids row `row` emitted, without padding."""
+        return np.asarray(self.tokens[row, : int(self.num_tokens[row])]).tolist()
+
+
+def result_from_state(state: DecodeState, config: DecodeConfig) -> GenerateResult:
+    return GenerateResult(tokens=state.tokens[:, :config.max_new_tokens], num_tokens=state.num_generated,
+                          target_calls=state.target_calls, accepted=state.accepted,
+                          position_accepts=state.position_accepts)
+
+
+def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
+             page_table: jax.Array | None = None) -> GenerateResult:
+    """Greedy speculative decoding of `prompts` with the model's MTP module as the drafter.
+
+    One jitted computation (prefill, then a `jax.lax.while_loop` of speculative steps), compiled
+    once per (model structure, config, prompt width, batch size). Inside a user's `jax.jit`, pass
+    `prompts` as a [B, P] array (with `prompt_lens`); the checks that need concrete values are
+    then skipped. Output equals plain greedy decoding (`num_draft=0`) token for token.
+    """
+    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
+    graphdef, params = nnx.split(model)
+    state = _generate_jit(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
+                          config)
+    return result_from_state(state, config)
