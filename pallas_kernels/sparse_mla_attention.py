@@ -20,7 +20,8 @@ def sparse_mla_attention_reference(q_nope: jax.Array, q_rope: jax.Array, latent_
     batch, num_queries, topk = indices.shape
     kv = read_slots(latent_cache, page_table, indices.reshape(batch, num_queries * topk))
     kv = kv.reshape(batch, num_queries, topk, latent_cache.shape[-1])  # [B, Q, K, Dl + Dr]
-    return attend_latent(q_nope, q_rope, kv, indices >= 0, softmax_scale)
+    capacity = page_table.shape[1] * latent_cache.shape[1]
+    return attend_latent(q_nope, q_rope, kv, (indices >= 0) & (indices < capacity), softmax_scale)
 
 
 def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
@@ -30,7 +31,8 @@ def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax
     Args:
       q_nope: [B, Q, H, Dl] absorbed queries; q_rope: [B, Q, H, Dr].
       latent_cache: [num_pages, page_size, Dl + Dr]; page_table: [B, max_pages] int32.
-      indices: [B, Q, K] int32 slots to attend (row-local slot numbers), -1 = skip.
+      indices: [B, Q, K] int32 slots to attend (row-local slot numbers); -1, and any slot past the
+        row's pages, is skipped.
       softmax_scale: multiplies the scores; backend: "xla", "pallas" or "auto".
 
     Returns:

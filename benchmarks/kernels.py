@@ -1,0 +1,273 @@
+"""Decode-shape benchmark of the Pallas kernels against their XLA references (GPU).
+
+For every shape (B rows x context x Q window tokens, H heads) it times, for each op, the Pallas
+kernel and the pure-jnp reference, and prints time, achieved HBM bandwidth (the bytes the op must
+move at least: its cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of
+a device-to-device copy measured in the same run. The indexer's top-k is timed separately on the
+kernel's scores, for `lax.top_k` (what `indexer_topk_pallas` uses), `lax.approx_max_k` and a full
+stable sort, with approx_max_k's recall against the exact top-k.
+
+    python benchmarks/kernels.py                       # the full sweep, on a GPU
+    python benchmarks/kernels.py --batch 8 --context 16384 --queries 2
+    python benchmarks/kernels.py --smoke               # tiny shapes, any machine (interpret mode)
+
+Shapes whose inputs (or a reference's intermediates) do not fit in device memory are skipped and
+said so. A timing is the best of three runs of --iters back-to-back calls (after --warmup calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
+                                    sparse_mla_attention_reference)
+from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
+from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
+from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
+
+
+class Dims(NamedTuple):
+    """Model dims the benchmark runs at: DeepSeek-V3.2 by default, tiny for --smoke."""
+
+    heads: int
+    latent: int
+    rope: int
+    index_heads: int
+    index_dim: int
+    topk: int
+    page_size: int
+
+
+DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page_size=64)
+SMOKE = Dims(heads=4, latent=32, rope=16, index_heads=4, index_dim=32, topk=32, page_size=16)
+# Keep inputs plus the largest intermediate under this fraction of device memory.
+MEMORY_FRACTION = 0.7
+ITEM = 2  # bf16 bytes
+
+
+def timed(fn, *args, iters: int, warmup: int) -> float:
+    """Seconds per call: `iters` calls dispatched back to back and synchronised once (so host
+    dispatch overlaps device work, as in a decode loop), best of three such runs, after warmup."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - start) / iters)
+    return min(runs)
+
+
+def copy_bandwidth(nbytes: int, iters: int, warmup: int) -> float:
+    """Bytes/s of a device-to-device elementwise copy (read + write) of `nbytes`."""
+    x = jnp.zeros((nbytes // ITEM,), jnp.bfloat16)
+    seconds = timed(jax.jit(lambda v: v + 1), x, iters=iters, warmup=warmup)
+    return 2 * nbytes / seconds
+
+
+def device_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+class Case(NamedTuple):
+    batch: int
+    context: int
+    queries: int
+
+
+def inputs(case: Case, dims: Dims, key):
+    """Device arrays for one shape: a chain window of Q tokens at the end of `context` slots."""
+    batch, context, queries = case
+    pages_per_row = -(-context // dims.page_size)
+    num_pages = batch * pages_per_row
+    keys = jax.random.split(key, 8)
+    normal = lambda k, shape: jax.random.normal(k, shape, jnp.bfloat16)  # noqa: E731
+    page_table = jax.random.permutation(keys[0], num_pages).reshape(batch, pages_per_row).astype(jnp.int32)
+    vis = Visibility(jnp.full((batch,), context - queries, jnp.int32), jnp.full((batch,), queries, jnp.int32))
+    # Indices as the indexer would give them: distinct visible slots.
+    slot_scores = jax.random.uniform(keys[1], (batch, queries, pages_per_row * dims.page_size))
+    slot_scores = jnp.where(jnp.arange(slot_scores.shape[-1]) < context, slot_scores, -1.0)
+    indices = jax.lax.top_k(slot_scores, min(dims.topk, context))[1].astype(jnp.int32)
+    return dict(
+        q_nope=normal(keys[2], (batch, queries, dims.heads, dims.latent)),
+        q_rope=normal(keys[3], (batch, queries, dims.heads, dims.rope)),
+        latent_cache=normal(keys[4], (num_pages, dims.page_size, dims.latent + dims.rope)),
+        q_idx=normal(keys[5], (batch, queries, dims.index_heads, dims.index_dim)),
+        weights=jax.random.normal(keys[6], (batch, queries, dims.index_heads), jnp.float32),
+        key_cache=normal(keys[7], (num_pages, dims.page_size, dims.index_dim)),
+        page_table=page_table, vis=vis, indices=indices)
+
+
+class Op(NamedTuple):
+    """One op at one shape: its two implementations, their operands, and the work it must do."""
+
+    name: str
+    pallas: object
+    xla: object
+    args: tuple
+    bytes: float  # minimal HBM traffic
+    flops: float
+    xla_bytes: float  # the reference's largest float32 intermediate (for the memory check)
+
+
+def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
+    batch, context, queries = case
+    rows = batch * queries * dims.heads
+    width = dims.latent + dims.rope
+    scale = width ** -0.5
+    topk = arrays["indices"].shape[-1]
+    q_bytes = rows * width * ITEM + rows * dims.latent * ITEM  # queries in, outputs out
+    latent_args = (arrays["q_nope"], arrays["q_rope"], arrays["latent_cache"], arrays["page_table"])
+    index_args = (arrays["q_idx"], arrays["weights"], arrays["key_cache"], arrays["page_table"], arrays["vis"])
+    return [
+        Op("mla_attention",
+           jax.jit(functools.partial(mla_attention_pallas, softmax_scale=scale, **tuning)),
+           jax.jit(functools.partial(mla_attention_reference, softmax_scale=scale)),
+           (*latent_args, arrays["vis"]),
+           bytes=batch * context * width * ITEM + q_bytes,
+           flops=2 * rows * context * (width + dims.latent),
+           xla_bytes=4 * (batch * context * width + 2 * rows * context)),
+        Op("sparse_mla",
+           jax.jit(functools.partial(sparse_mla_attention_pallas, softmax_scale=scale, **tuning)),
+           jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale)),
+           (*latent_args, arrays["indices"]),
+           bytes=batch * queries * topk * (width * ITEM + 4) + q_bytes,
+           flops=2 * rows * topk * (width + dims.latent),
+           xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk)),
+        Op("indexer_scores", jax.jit(indexer_scores_pallas), jax.jit(indexer_scores_reference), index_args,
+           bytes=batch * context * dims.index_dim * ITEM + batch * queries * context * 4,
+           flops=2 * batch * queries * dims.index_heads * context * dims.index_dim,
+           xla_bytes=4 * (batch * context * dims.index_dim + batch * queries * dims.index_heads * context)),
+    ]
+
+
+def max_error(got, want) -> float:
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    errors = []
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        finite = np.isfinite(w) & (np.abs(w) < 1e29)  # skip -inf scores and EMPTY_LSE
+        errors.append(float(np.max(np.abs(g[finite] - w[finite]), initial=0.0)))
+    return max(errors)
+
+
+def topk_rows(scores, topk: int, iters: int, warmup: int):
+    """Time exact and approximate top-k on the kernel's scores [B, Q, S] -> [(name, seconds, recall)]."""
+    k = min(topk, scores.shape[-1])
+    variants = {
+        "lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, k)[1]),
+        "lax.approx_max_k": jax.jit(lambda s: jax.lax.approx_max_k(s, k, recall_target=0.95)[1]),
+        "stable sort": jax.jit(lambda s: jnp.argsort(-s, axis=-1, stable=True)[..., :k]),
+    }
+    exact = np.sort(np.asarray(variants["lax.top_k"](scores)), axis=-1)
+    results = []
+    for name, fn in variants.items():
+        seconds = timed(fn, scores, iters=iters, warmup=warmup)
+        got = np.sort(np.asarray(fn(scores)), axis=-1)
+        hits = [np.intersect1d(g, e).size for g, e in zip(got.reshape(-1, k), exact.reshape(-1, k))]
+        results.append((name, seconds, sum(hits) / exact.size))
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere (interpret mode off a GPU)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--block-m", type=int, default=None, help="query rows per MLA program (default: kernel's)")
+    parser.add_argument("--num-splits", type=int, default=None, help="split-KV parts (default: kernel's heuristic)")
+    parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
+    args = parser.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.smoke:
+        print(f"benchmarks/kernels.py needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
+              "use --smoke for a quick interpret-mode run of tiny shapes.", file=sys.stderr)
+        return 2
+    dims = SMOKE if args.smoke else DEEPSEEK_V32
+    if args.smoke:
+        args.batch, args.context, args.queries, args.iters, args.warmup = [2], [128], [2], 1, 1
+    tuning = {k: v for k, v in (("block_m", args.block_m), ("num_splits", args.num_splits)) if v is not None}
+    memory = device_memory()
+
+    copy_bytes = (1 << 20) if args.smoke else (1 << 30)
+    copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
+    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s "
+          f"(read + write of {copy_bytes >> 20} MiB); heads {dims.heads}, latent {dims.latent}+{dims.rope}, "
+          f"indexer {dims.index_heads}x{dims.index_dim}, top-k {dims.topk}, page {dims.page_size}")
+    if not on_gpu:
+        print("(interpret mode on CPU: the numbers only show the benchmark runs)")
+    header = (f"{'op':<16}{'impl':<18}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
+              f"{'%copy':>7}{'vs xla':>8}{'max err':>10}")
+    print(header)
+    print("-" * len(header))
+
+    key = jax.random.key(0)
+    for batch in args.batch:
+        for context in args.context:
+            for queries in args.queries:
+                case = Case(batch, context, queries)
+                run_case(case, dims, key, tuning, memory, copy_bw, args)
+                gc.collect()
+    return 0
+
+
+def run_case(case: Case, dims: Dims, key, tuning: dict, memory: int | None, copy_bw: float, args):
+    batch, context, queries = case
+    label = f"{batch:>5}{context:>7}{queries:>3}"
+    input_bytes = batch * context * (dims.latent + dims.rope + dims.index_dim) * ITEM
+    if memory is not None and input_bytes > MEMORY_FRACTION * memory:
+        print(f"{'(all)':<16}{'skipped: memory':<18}{label}")
+        return
+    arrays = inputs(case, dims, key)
+
+    def row(op, impl, seconds, nbytes, flops, xla_seconds=None, error=None):
+        bandwidth = nbytes / seconds
+        speedup = f"{xla_seconds / seconds:>7.2f}x" if xla_seconds else f"{'':>8}"
+        err = f"{error:>10.2e}" if error is not None else ""
+        print(f"{op:<16}{impl:<18}{label}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>9.0f}{flops / seconds / 1e12:>9.1f}"
+              f"{100 * bandwidth / copy_bw:>6.0f}%{speedup}{err}")
+
+    for op in ops(case, dims, arrays, tuning):
+        pallas_out = jax.block_until_ready(op.pallas(*op.args))
+        pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
+        xla_seconds = error = None
+        fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
+        if not args.no_xla and fits:
+            try:
+                with jax.default_matmul_precision("highest"):
+                    error = max_error(pallas_out, op.xla(*op.args))
+                xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
+            except jax.errors.JaxRuntimeError as failure:  # out of memory after all
+                print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
+        row(op.name, "pallas", pallas_seconds, op.bytes, op.flops, xla_seconds, error)
+        if xla_seconds:
+            row(op.name, "xla", xla_seconds, op.bytes, op.flops)
+        elif not args.no_xla and not fits:
+            print(f"{op.name:<16}{'xla: skip memory':<18}{label}")
+        if op.name == "indexer_scores":
+            score_bytes = batch * queries * pallas_out.shape[-1] * 4
+            for name, seconds, recall in topk_rows(pallas_out, dims.topk, args.iters, args.warmup):
+                row("indexer_topk", name, seconds, score_bytes, 0.0)
+                if recall < 1:
+                    print(f"{'':<16}{'  recall':<18}{label}{recall:>10.4f}")
+        del pallas_out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
