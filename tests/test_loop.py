@@ -1,0 +1,201 @@
+"""Loop invariants: greedy speculative decoding is lossless, the cached drafts equal a naive
+recompute, rows are independent (finished and padding rows change nothing), bad input is refused
+before tracing, and generate works inside a user's jit."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.config import DecodeConfig, preset
+from jaxspec.generate import generate
+from jaxspec.loop import init_state, step
+from jaxspec.models import DeepseekV3
+from jaxspec.pallas_kernels import Visibility
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Different lengths; some are not made of the training words, so early drafts get rejected. This
+# mix makes every acceptance count 0..k occur for k = 1..4 with both trained fixtures.
+PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy dog and"), list(b"zq"), list(b"brown cat ov"),
+           list(b"xylophone "), list(b"la")]
+
+
+def config(k, **changes):
+    return DecodeConfig(**{"num_draft": k, "max_new_tokens": 48, "page_size": 8, "backend": "xla", **changes})
+
+
+def acceptance_histogram(result, k):
+    """[k + 1]: verification steps that accepted exactly 0 .. k drafts, over all rows."""
+    at_least = [int(np.sum(result.target_calls))] + [int(np.sum(result.position_accepts[:, j])) for j in range(k)]
+    at_least.append(0)
+    return np.array([at_least[j] - at_least[j + 1] for j in range(k + 1)])
+
+
+@pytest.mark.parametrize("model_name", ["trained_v3", "trained_v32"])
+def test_greedy_speculative_equals_plain(model_name, request):
+    """Tokens equal plain greedy for k = 1..4, with every acceptance count 0..k occurring."""
+    model = request.getfixturevalue(model_name)
+    plain = generate(model, PROMPTS, config(0))
+    plain_tokens = np.asarray(plain.tokens)
+    assert plain.mean_accepted_length == 1.0
+    rng = np.random.default_rng(0)
+    for k in range(1, 5):
+        pages = -(-(len(PROMPTS[1]) + 48 + k) // 8)  # the longest prompt, the budget and a window
+        page_table = jnp.asarray(rng.permutation(len(PROMPTS) * pages).reshape(len(PROMPTS), pages), jnp.int32)
+        spec = generate(model, PROMPTS, config(k), page_table=page_table)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), plain_tokens, err_msg=f"k={k}")
+        histogram = acceptance_histogram(spec, k)
+        assert (histogram > 0).all(), f"k={k}: steps accepting 0..k drafts = {histogram.tolist()}"
+        assert spec.mean_accepted_length > 1.0
+
+
+@functools.cache
+def _naive_fns(graphdef):
+    @jax.jit
+    def target_hidden(params, tokens, lens):
+        model = nnx.merge(graphdef, params)
+        batch, width = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        vis = Visibility(jnp.zeros((batch,), jnp.int32), lens)
+        return model(tokens, positions, model.init_cache(batch, width, page_size=width), vis, form="expanded",
+                     backend="xla")[1]
+
+    @jax.jit
+    def mtp(params, next_tokens, hidden, lens):
+        model = nnx.merge(graphdef, params)
+        batch, width = next_tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        vis = Visibility(jnp.zeros((batch,), jnp.int32), lens)
+        logits, out_hidden, _ = model.draft(next_tokens, hidden, positions,
+                                            model.init_cache(batch, width, page_size=width, mtp=True), vis,
+                                            form="expanded", backend="xla")
+        return logits, out_hidden
+
+    return target_hidden, mtp
+
+
+def naive_drafts(model, sequences, k, width):
+    """Drafts from scratch: sequences[b] = t_0 .. t_n (t_n the last emitted token) -> [B, k].
+
+    The target runs over t_0 .. t_{n-1} without any cache reuse; each draft recomputes the MTP
+    module over the whole pair sequence (h_i, t_{i+1}), its own earlier drafts appended as
+    (MTP hidden, draft) pairs.
+    """
+    graphdef, params = nnx.split(model)
+    target_hidden, mtp = _naive_fns(graphdef)
+    batch = len(sequences)
+    n = np.array([len(s) - 1 for s in sequences])
+    tokens = np.zeros((batch, width), np.int32)
+    for b, s in enumerate(sequences):
+        tokens[b, :len(s)] = s
+    hidden = np.array(target_hidden(params, jnp.asarray(tokens), jnp.asarray(n, jnp.int32)))
+    next_tokens = np.zeros_like(tokens)
+    next_tokens[:, :-1] = tokens[:, 1:]
+    drafts = np.zeros((batch, k), np.int32)
+    lens = n.copy()
+    for j in range(k):
+        logits, mtp_hidden = mtp(params, jnp.asarray(next_tokens), jnp.asarray(hidden), jnp.asarray(lens, jnp.int32))
+        rows = np.arange(batch)
+        drafts[:, j] = np.argmax(np.asarray(logits)[rows, lens - 1], axis=-1)
+        hidden[rows, lens] = np.asarray(mtp_hidden)[rows, lens - 1]
+        next_tokens[rows, lens] = drafts[:, j]
+        lens = lens + 1
+    return drafts
+
+
+def test_cached_drafts_equal_naive_recompute(trained_v32):
+    """Every step's drafts (k = 3) equal a from-scratch recompute; stepping by hand equals generate."""
+    k = 3
+    cfg = config(k, max_new_tokens=30)
+    state = init_state(trained_v32, PROMPTS, cfg)
+    width = max(map(len, PROMPTS)) + cfg.max_new_tokens + k + 1
+    checked = 0
+    while not bool(np.all(state.done)):
+        sequences = [PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
+                     for b in range(len(PROMPTS))]
+        active = ~np.asarray(state.done)
+        expected = naive_drafts(trained_v32, sequences, k, width)
+        state = step(trained_v32, state, cfg)
+        np.testing.assert_array_equal(np.asarray(state.drafts)[active], expected[active])
+        checked += int(active.sum())
+    assert checked >= 20
+    result = generate(trained_v32, PROMPTS, cfg)
+    np.testing.assert_array_equal(np.asarray(state.tokens[:, :cfg.max_new_tokens]), np.asarray(result.tokens))
+
+
+def test_rows_are_independent_and_finish_cleanly(trained_v32):
+    """Rows stopped by EOS at different steps ride along without changing the others: each row equals
+    its own single-row run and plain greedy cut at the first EOS; nothing in the state is NaN."""
+    eos = ord(" ")
+    cfg = config(3, eos_token_id=eos)
+    batched = generate(trained_v32, PROMPTS, cfg)
+    plain = generate(trained_v32, PROMPTS, config(0))
+    finished_at = []
+    for b, prompt in enumerate(PROMPTS):
+        alone = generate(trained_v32, [prompt], cfg)
+        assert batched.row_tokens(b) == alone.row_tokens(0)
+        row = plain.row_tokens(b)
+        cut = row.index(eos) + 1 if eos in row else len(row)
+        assert batched.row_tokens(b) == row[:cut]
+        finished_at.append(cut)
+    assert len(set(finished_at)) > 1, "rows should finish at different lengths"
+    state = init_state(trained_v32, PROMPTS, cfg)
+    while not bool(np.all(state.done)):
+        state = step(trained_v32, state, cfg)
+    for leaf in jax.tree.leaves(state):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert np.isfinite(np.asarray(leaf)).all()
+
+
+def test_generate_inside_user_jit(trained_v32):
+    """generate traces inside a user's jitted function, with array prompts and lengths."""
+    cfg = config(2, max_new_tokens=12)
+    width = max(map(len, PROMPTS))
+    padded = np.zeros((len(PROMPTS), width), np.int32)
+    for b, p in enumerate(PROMPTS):
+        padded[b, :len(p)] = p
+    lens = np.array([len(p) for p in PROMPTS], np.int32)
+
+    @jax.jit
+    def user_fn(prompts, prompt_lens):
+        return generate(trained_v32, prompts, cfg, prompt_lens=prompt_lens).tokens
+
+    np.testing.assert_array_equal(np.asarray(user_fn(padded, lens)), np.asarray(generate(trained_v32, PROMPTS, cfg).tokens))
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kwargs, prompts, match", [
+    (dict(max_cache_len=20), [[1, 2, 3]], "max_cache_len=20 is too small"),
+    (dict(), [[1, 2], []], r"row\(s\) \[1\] are empty"),
+    (dict(), [], "empty batch"),
+    (dict(), [[1, 300]], "token ids must be in"),
+    (dict(max_new_tokens=2000), [[1, 2]], "max_position_embeddings"),
+])
+def test_bad_input_is_refused_before_tracing(random_model, kwargs, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        generate(random_model, prompts, DecodeConfig(**{"max_new_tokens": 16, **kwargs}))
+
+
+def test_bad_decode_config_and_batch(random_model):
+    with pytest.raises(ValueError, match=r"num_draft=8: must be in \[0, 7\]"):
+        DecodeConfig(num_draft=8)
+    with pytest.raises(ValueError, match=r"num_draft=-1"):
+        DecodeConfig(num_draft=-1)
+    with pytest.raises(ValueError, match="backend"):
+        DecodeConfig(backend="cuda")
+    page_table = jnp.arange(4, dtype=jnp.int32).reshape(2, 2)
+    with pytest.raises(ValueError, match="batch size 3 exceeds the cache's rows"):
+        generate(random_model, [[1], [2], [3]], DecodeConfig(max_new_tokens=4, page_size=8), page_table=page_table)
+    no_mtp = DeepseekV3(preset("tiny", num_nextn_predict_layers=0), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs an MTP module"):
+        generate(no_mtp, [[1, 2]], DecodeConfig(num_draft=2))
