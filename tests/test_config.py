@@ -1,0 +1,78 @@
+"""ModelConfig / DecodeConfig: Hugging Face config.json round trips, presets, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxspec.config import PRESETS, DecodeConfig, ModelConfig, preset
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_through_hf_json(name, tmp_path):
+    config = preset(name)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_hf()))
+    assert ModelConfig.from_hf(path) == config
+    assert ModelConfig.from_hf(tmp_path) == config  # a directory holding config.json
+
+
+def test_released_deepseek_v32_config_fields():
+    """The fields of DeepSeek-V3.2-Exp's released config.json (values as shipped) load as V3.2."""
+    raw = {
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+        "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "bos_token_id": 0, "eos_token_id": 1, "pretraining_tp": 1, "tie_word_embeddings": False,
+        "rope_theta": 10000, "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": 1,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "torch_dtype": "bfloat16",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+    }
+    config = ModelConfig.from_hf(raw)
+    assert config == preset("deepseek-v3.2")
+    assert config.is_v32 and config.latent_dim == 576 and config.rope_scaling.factor == 40
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(model_type="llama"), "model_type"),
+    (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
+    (dict(n_group=3), "n_group"),
+    (dict(topk_group=5), "topk_group"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(first_k_dense_replace=3), "first_k_dense_replace"),
+    (dict(index_topk=0), "index_topk"),
+    (dict(index_head_dim=4), "index_head_dim"),
+    (dict(hidden_size=0), "hidden_size"),
+])
+def test_impossible_values_name_the_field(changes, match):
+    with pytest.raises(ValueError, match=match):
+        preset("tiny", **changes)
+
+
+def test_unknown_and_unsupported_hf_fields():
+    raw = preset("tiny").to_hf()
+    with pytest.raises(ValueError, match=r"unknown fields \['hiden_size'\]"):
+        ModelConfig.from_hf({**raw, "hiden_size": 64})
+    assert ModelConfig.from_hf({**raw, "hiden_size": 64}, strict=False) == preset("tiny")
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf({**raw, "model_type": "qwen2"})
+    with pytest.raises(ValueError, match="rope_scaling type='linear'"):
+        ModelConfig.from_hf({**raw, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(ValueError, match="preset name='huge'"):
+        preset("huge")
+
+
+def test_decode_config_ranges():
+    for bad, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(page_size=0), "page_size"),
+                       (dict(max_cache_len=0), "max_cache_len"), (dict(num_draft=8), "num_draft")]:
+        with pytest.raises(ValueError, match=match):
+            DecodeConfig(**bad)
