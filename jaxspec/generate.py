@@ -12,7 +12,7 @@ MTP module asked to draft, more rows than a given page table holds.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +179,25 @@ def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), 
     state = _generate_jit(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
                           config)
     return result_from_state(state, config)
+
+
+def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
+                     page_table: jax.Array | None = None) -> Callable[[], GenerateResult]:
+    """`generate` for these exact inputs, compiled ahead of time: returns `run`, which only executes.
+
+    This splits what the first `generate` call does, so a caller can time compilation apart from
+    decoding: here the inputs are checked (the same `ValueError`s), prepared and compiled; each
+    `run()` executes the compiled computation on that prepared batch and the model's parameters as
+    they are now (later changes to the model are not seen), with no tracing, and returns the same
+    result `generate` would. Its arrays are dispatched asynchronously: block on them
+    (`jax.block_until_ready(result.tokens)`) before reading a clock.
+    """
+    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
+    graphdef, params = nnx.split(model)
+    args = (params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache)
+    compiled = _generate_jit.lower(graphdef, *args, config).compile()
+
+    def run() -> GenerateResult:
+        return result_from_state(compiled(*args), config)
+
+    return run

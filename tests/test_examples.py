@@ -1,0 +1,105 @@
+"""The main job (`examples/generate.py`) and the speculative benchmark run end to end.
+
+The scripts run as subprocesses on the CPU, all started together (compilation dominates their
+time and is mostly single-threaded), then each test reads its own one's output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATE = ROOT / "examples" / "generate.py"
+BENCHMARK = ROOT / "benchmarks" / "speculative.py"
+EXAMPLE_FLAGS = ["--seed", "1", "--max-new-tokens", "12", "--prompt", "hello", "--prompt", "ab", "--batch", "3",
+                 "--backend", "xla"]
+RUNS = {
+    "mtp3": [GENERATE, "--mtp", "3", *EXAMPLE_FLAGS],
+    "mtp0": [GENERATE, "--mtp", "0", *EXAMPLE_FLAGS],
+    "benchmark": [BENCHMARK, "--random", "--k", "1", "2", "--batch", "2", "--prompt-len", "8",
+                  "--max-new-tokens", "8", "--repeats", "1", "--backend", "xla"],
+}
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    """Each run's stdout, by name; a failed run fails the tests with its stderr."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = {name: subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+             for name, argv in RUNS.items()}
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name} failed:\n{err}"
+        results[name] = out
+    return results
+
+
+def _rows(output: str) -> list[str]:
+    """The per-row lines `[b] 'prompt' -> 'text'`."""
+    return [line for line in output.splitlines() if line.startswith("[")]
+
+
+def _stat(output: str, prefix: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, f"no single line starting with {prefix!r} in:\n{output}"
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_generate_prints_the_same_text_with_and_without_mtp(outputs):
+    with_mtp, plain = outputs["mtp3"], outputs["mtp0"]
+    rows = _rows(with_mtp)
+    assert [row[:4] for row in rows] == ["[0] ", "[1] ", "[2] "]
+    assert rows[0].startswith("[0] 'hello' -> ") and rows[2].startswith("[2] 'hello' -> ")
+    assert rows == _rows(plain)
+
+
+@pytest.mark.slow
+def test_generate_reports_speed_and_acceptance_apart_from_compilation(outputs):
+    with_mtp, plain = outputs["mtp3"], outputs["mtp0"]
+    for output in (with_mtp, plain):
+        assert "tokens/s" in _stat(output, "decode")
+        assert "s ahead of time" in _stat(output, "compile")
+        float(_stat(output, "mean accepted length").split()[3])
+    assert len(_stat(with_mtp, "acceptance per position").split()[3:]) == 3
+    assert "no drafts" in _stat(plain, "acceptance per position")
+
+
+@pytest.mark.slow
+def test_benchmark_has_a_lossless_row_per_draft_length(outputs):
+    table = [line.split() for line in outputs["benchmark"].splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])]
+    assert [row[0] for row in table] == ["0", "1", "2"], outputs["benchmark"]
+    assert all("yes" in row for row in table)  # the "= plain" column
+    assert table[0][3] == "1.00x"
+
+
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    (GENERATE, ["--mtp", "8"], "--mtp 8: must be in [0, 7]"),
+    (GENERATE, ["--mtp", "-1"], "--mtp -1: must be in [0, 7]"),
+    (GENERATE, ["--prompt", "a", "--prompt", "b", "--batch", "1"], "--batch 1: smaller than the number of prompts"),
+    (GENERATE, ["--prompt", ""], "--prompt: prompts must not be empty"),
+    (GENERATE, ["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (GENERATE, ["--preset", "deepseek-v3"], "--preset: invalid choice"),
+    (BENCHMARK, ["--k", "0", "1"], "--k [0]: each must be in [1, 7]"),
+    (BENCHMARK, ["--k", "8"], "--k [8]: each must be in [1, 7]"),
+    (BENCHMARK, ["--batch", "0"], "--batch: must be >= 1"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
+def test_scripts_reject_bad_flags(script, flags, message, capsys):
+    with pytest.raises(SystemExit):
+        _load_script(script).parse_args(flags)
+    assert message in capsys.readouterr().err
