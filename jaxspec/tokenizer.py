@@ -92,10 +92,6 @@ class HFTokenizer:
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tokenizer.get_vocab_size()
-
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

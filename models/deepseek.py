@@ -10,11 +10,25 @@ the target's hidden state h_i and the embedding of token t_{i+1}:
     h'_i = block(eh_proj(concat[enorm(embed(t_{i+1})), hnorm(h_i)]))
     logits_i = lm_head(shared_head_norm(h'_i))       (predicts t_{i+2})
 
-`h_i` is the target's hidden state *after* its final norm, the input of its LM head: this is what
-the production engines feed DeepSeek's released MTP weights (vLLM's `DeepSeekMTP` and SGLang's
-`deepseek_nextn` both take the main model's normed output). Chained drafting (k > 1) feeds the MTP
-module its own output the same way: `shared_head_norm(h'_i)`, the input of the shared head. The
-embedding and LM head are the target's (shared, as DeepSeek specifies).
+`h_i` is the target's hidden state *after* its final norm, the input of its LM head. DeepSeek's
+report says only "the representation given by the main model" and DeepSeek's inference code has
+no MTP (the question, deepseek-ai/DeepSeek-V3#839, went unanswered), so the evidence is the code
+that trains or serves these weights, which all takes the post-norm state:
+  * transformers 5.23 `generate(use_mtp=True)`: `MTPCandidateGenerator` feeds `hidden_states[-1]`,
+    which `capture_outputs` replaces by `last_hidden_state`, i.e. after `self.norm`;
+  * vLLM `DeepSeekMTP` and SGLang `deepseek_nextn`: the target model returns `self.norm(...)`;
+  * Megatron-LM's `MultiTokenPredictionLayer` (DeepSeek-V3-style training) receives the decoder
+    block's output after its `final_layernorm`;
+  * the `modeling_deepseek.py` shipped with AMD's DeepSeek-R1-0528-MXFP4-MTP passes the normed
+    output as `previous_hidden_states` (quoted in ROCm/ATOM#1764).
+Chained drafting (k > 1) feeds the MTP module its own output the same way, after
+`shared_head_norm` (the input of the shared head): transformers' `MtpLayer` returns
+`post_norm(...)` for the next depth, SGLang's `deepseek_nextn` returns the normed state, Megatron
+chains `final_layernorm` outputs; vLLM chained the pre-norm block output until
+vllm-project/vllm#45895, and ROCm/ATOM measured DeepSeek-R1 MTP acceptance rise from 61.4% to 64.6%
+when it made the same switch (ROCm/ATOM#1764). `tests/test_hf_parity.py` pins both hidden states
+against transformers' MTP layer. The embedding and LM head are the target's (shared, as DeepSeek
+specifies; the checkpoint's copies in the MTP layer are duplicates).
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ from .layers import Linear, RMSNorm
 from .rope import apply_rope
 
 FORMS = ("expanded", "absorbed")
+# The query and KV latent norms use a fixed epsilon, not config.rms_norm_eps: DeepSeek's reference
+# (`RMSNorm(q_lora_rank)`, `RMSNorm(kv_lora_rank)`) and transformers both build them with the default.
+LATENT_NORM_EPS = 1e-6
 
 
 def indices_to_mask(indices: jax.Array, num_slots: int) -> jax.Array:
@@ -49,10 +52,10 @@ class MLA(nnx.Module):
             self.q_proj = Linear(dim, heads * config.qk_head_dim, rngs=rngs, dtype=dtype)
         else:
             self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
             self.q_b_proj = Linear(config.q_lora_rank, heads * config.qk_head_dim, rngs=rngs, dtype=dtype)
         self.kv_a_proj_with_mqa = Linear(dim, config.latent_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
         self.kv_b_proj = Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
                                 rngs=rngs, dtype=dtype)
         self.o_proj = Linear(heads * config.v_head_dim, dim, rngs=rngs, dtype=dtype)

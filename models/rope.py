@@ -26,8 +26,9 @@ def rope_frequencies(config: ModelConfig) -> tuple[jax.Array, float]:
     the original context keep their frequency, slower than `beta_slow` are divided by `factor`, with
     a linear ramp between. It applies whenever `rope_scaling` is set (as in transformers), not only
     past the original length. The magnitude is `mscale(factor, mscale) / mscale(factor, mscale_all_dim)`
-    (1 for DeepSeek's released configs, where both are 1.0); the softmax side of YaRN is in
-    `ModelConfig.softmax_scale`.
+    when both are set (1 for DeepSeek's released configs, where both are 1.0), else YaRN's default
+    `mscale(factor, 1)`, as in transformers and DeepSeek's Hugging Face modeling code; the softmax
+    side of YaRN is in `ModelConfig.softmax_scale`.
     """
     dim = config.qk_rope_head_dim
     base = config.rope_theta
@@ -46,9 +47,10 @@ def rope_frequencies(config: ModelConfig) -> tuple[jax.Array, float]:
     ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
     keep = 1.0 - ramp  # 1 where the original frequency is kept (fast dims)
     inv_freq = inv_freq / rs.factor * (1.0 - keep) + inv_freq * keep
-    magnitude = 1.0
     if rs.mscale and rs.mscale_all_dim:
         magnitude = _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
+    else:
+        magnitude = _yarn_mscale(rs.factor, 1.0)
     return inv_freq, magnitude
 
 

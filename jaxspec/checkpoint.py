@@ -1,0 +1,347 @@
+"""Hugging Face DeepSeek-V3 / V3.2 checkpoint directories loaded into a `DeepseekV3`, tensor by tensor.
+
+    model = load_hf_checkpoint("DeepSeek-V3.2-Exp/", dtype=jnp.bfloat16)
+    model = load_model(path)      # a Hugging Face directory, or one written by `jaxspec convert`
+
+A directory holds `config.json` and `model.safetensors` (or shards listed by
+`model.safetensors.index.json`), as DeepSeek releases them or as transformers' `save_pretrained`
+writes them. Checkpoint names map to parameter paths (`nnx.state(model)`) as follows; every 2-D
+weight is transposed from the checkpoint's [out, in] to our [in, out]:
+
+    model.embed_tokens.weight                       -> embed_tokens.embedding
+    lm_head.weight, model.norm.weight               -> lm_head.weight, norm.weight
+    model.layers.{i}.<path>  (i < num_hidden_layers) -> layers.{i}.<path>, except
+        mlp.gate.weight, mlp.gate.e_score_correction_bias -> mlp.gate_weight, mlp.e_score_correction_bias
+        mlp.experts.{e}.{gate,up,down}_proj.weight  -> row e of mlp.experts_{gate,up,down}_proj [E, in, out]
+        mlp.experts.gate_up_proj [E, 2I, D], mlp.experts.down_proj [E, D, I]
+                                                    -> the same, from transformers' fused form
+    model.layers.{N}.<path>  (N = num_hidden_layers, the MTP layer):
+        enorm, hnorm, eh_proj, shared_head.norm     -> mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.shared_head_norm
+        embed_tokens, shared_head.head              -> none: DeepSeek shares them with the target, so
+                                                       they are shape-checked and not read
+        anything else (the decoder block)           -> mtp.block.<path>, as for a layer
+
+FP8 weights (`float8_e4m3fn` + `<name>_scale_inv`) are dequantized by `jaxspec.fp8`. A checkpoint
+without any `model.layers.{N}.` tensor loads with the MTP module off (and says so).
+
+Everything is checked from the shard headers before any tensor is read: missing, unexpected and
+mis-shaped tensors raise one `ValueError` listing them, so a load never half-succeeds. Then shards
+are read one after the other, each tensor read, moved to the device and converted there (FP8
+dequantized, transposed, cast) before the next is touched: memory beyond the model itself stays
+at a few copies of the largest tensor, far below one shard (per-expert tensors are written into
+their stacked parameter in place, through a donated buffer). Progress goes to stderr, a line per
+shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import sys
+import time
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec import fp8, shards
+from jaxspec.config import ModelConfig
+from jaxspec.models import DeepseekV3
+from jaxspec.orbax_io import PARAMS_DIR, restore_model
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.embedding", "lm_head.weight": "lm_head.weight",
+              "model.norm.weight": "norm.weight"}
+_MTP_OWN = {"enorm.weight": "mtp.enorm.weight", "hnorm.weight": "mtp.hnorm.weight",
+            "eh_proj.weight": "mtp.eh_proj.weight", "shared_head.norm.weight": "mtp.shared_head_norm.weight"}
+_MTP_SHARED = {"embed_tokens.weight": "embed_tokens.embedding", "shared_head.head.weight": "lm_head.weight"}
+_ROUTER = {"mlp.gate.weight": "mlp.gate_weight", "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias"}
+# Buffers some older exports include; they are recomputed from the config.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SHOWN_PER_KIND = 8
+# Conversions run on device arrays when loading, and on zero-byte numpy views to check shapes.
+Array = jax.Array | np.ndarray
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# -- checkpoint layout -> ours --------------------------------------------------------------------
+
+def _as_is(array: Array) -> Array:
+    return array
+
+
+def _transposed(array: Array) -> Array:
+    """[out, in] -> [in, out]; 1-D tensors (norms, biases) unchanged."""
+    return array.T if array.ndim == 2 else array
+
+
+def _experts_transposed(array: Array) -> Array:
+    """[E, out, in] -> [E, in, out]."""
+    return array.transpose(0, 2, 1)
+
+
+def _fused_gate(array: Array) -> Array:
+    """transformers' gate_up_proj [E, 2I, D]: the gate is its first I rows -> [E, D, I]."""
+    return array[:, : array.shape[1] // 2].transpose(0, 2, 1)
+
+
+def _fused_up(array: Array) -> Array:
+    return array[:, array.shape[1] // 2:].transpose(0, 2, 1)
+
+
+_FUSED = {"mlp.experts.gate_up_proj": (("mlp.experts_gate_proj", _fused_gate), ("mlp.experts_up_proj", _fused_up)),
+          "mlp.experts.down_proj": (("mlp.experts_down_proj", _experts_transposed),)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Write:
+    """The part of parameter `param` one checkpoint tensor fills, and how to convert it."""
+
+    param: str
+    convert: Callable[[Array], Array]
+    expert: int | None = None  # row of a stacked expert parameter; None = the whole parameter
+    shared: bool = False       # a duplicate of a target parameter: shape-checked, never read
+
+
+def _block_writes(prefix: str, rest: str) -> list[_Write]:
+    """A decoder block's tensor `rest` (relative to its layer) -> writes under parameter path `prefix`."""
+    if match := _EXPERT.fullmatch(rest):
+        return [_Write(f"{prefix}mlp.experts_{match[2]}", _transposed, expert=int(match[1]))]
+    if rest in _FUSED:
+        return [_Write(prefix + param, convert) for param, convert in _FUSED[rest]]
+    return [_Write(prefix + _ROUTER.get(rest, rest), _transposed)]
+
+
+def _writes(name: str, config: ModelConfig) -> list[_Write]:
+    """What checkpoint tensor `name` fills (unchecked: a parameter name may not exist)."""
+    if name in _TOP_LEVEL:
+        return [_Write(_TOP_LEVEL[name], _as_is if name == "model.embed_tokens.weight" else _transposed)]
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return []
+    layer, rest = int(match[1]), match[2]
+    if layer < config.num_hidden_layers:
+        return _block_writes(f"layers.{layer}.", rest)
+    if layer == config.num_hidden_layers and config.num_nextn_predict_layers > 0:
+        if rest in _MTP_OWN:
+            return [_Write(_MTP_OWN[rest], _transposed)]
+        if rest in _MTP_SHARED:
+            param = _MTP_SHARED[rest]
+            return [_Write(param, _as_is if param == "embed_tokens.embedding" else _transposed, shared=True)]
+        return _block_writes("mtp.block.", rest)
+    return []
+
+
+def _converted_shape(write: _Write, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape `write.convert` gives a tensor of `shape`, computed on a zero-byte view."""
+    try:
+        return write.convert(np.broadcast_to(np.int8(0), shape)).shape
+    except ValueError:  # e.g. a 2-D tensor where the fused [E, ...] form is expected
+        return None
+
+
+# -- the plan: every tensor checked against the model before anything is read --------------------
+
+@dataclasses.dataclass
+class _Plan:
+    """The tensors to read (each with the parameter parts it fills) and, one line each, what is wrong."""
+
+    loads: list[tuple[str, list[_Write]]] = dataclasses.field(default_factory=list)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    misshaped: list[str] = dataclasses.field(default_factory=list)
+
+    def report(self, directory: str) -> str | None:
+        groups = {"missing": self.missing, "unexpected": self.unexpected, "mis-shaped": self.misshaped}
+        if not any(groups.values()):
+            return None
+        counts = ", ".join(f"{len(items)} {kind}" for kind, items in groups.items() if items)
+        lines = [f"checkpoint {directory} does not match its config.json ({counts} tensor(s)):"]
+        for kind, items in groups.items():
+            lines += [f"  {kind}: {item}" for item in items[:_SHOWN_PER_KIND]]
+            if len(items) > _SHOWN_PER_KIND:
+                lines.append(f"  ... and {len(items) - _SHOWN_PER_KIND} more {kind}")
+        return "\n".join(lines)
+
+
+def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.ShapeDtypeStruct],
+          config: ModelConfig, block: tuple[int, int]) -> _Plan:
+    """Match every checkpoint tensor (from its header) to the parameters `expected` by path."""
+    plan = _Plan()
+    filled: dict[str, list[int | None]] = {}
+    for name, info in sorted(tensors.items()):
+        if name.endswith(fp8.SCALE_SUFFIX):
+            weight = tensors.get(name[: -len(fp8.SCALE_SUFFIX)])
+            if weight is None or weight.dtype not in fp8.FP8_DTYPES:
+                plan.unexpected.append(f"{name} {info.describe()} (a scale without an FP8 weight)")
+            continue
+        if name.endswith(_DERIVED_SUFFIXES):
+            continue
+        writes = _writes(name, config)
+        if not writes or any(w.param not in expected for w in writes):
+            plan.unexpected.append(f"{name} {info.describe()}")
+            continue
+        # Counted before the checks below, so a bad tensor is reported once, not also as missing.
+        for w in writes:
+            if not w.shared:
+                filled.setdefault(w.param, []).append(w.expert)
+        if info.dtype in fp8.FP8_DTYPES:
+            scale = tensors.get(name + fp8.SCALE_SUFFIX)
+            want = list(fp8.scale_shape(info.shape, block))
+            if scale is None:
+                plan.missing.append(f"{name}{fp8.SCALE_SUFFIX} {want} (the scale of FP8 {name})")
+                continue
+            if list(scale.shape) != want:
+                plan.misshaped.append(f"{name}{fp8.SCALE_SUFFIX} {list(scale.shape)}: expected {want} "
+                                      f"for {list(info.shape)} in {block[0]}x{block[1]} blocks")
+                continue
+        bad = []
+        for w in writes:
+            param = expected[w.param]
+            want = param.shape if w.expert is None else param.shape[1:]
+            got = _converted_shape(w, info.shape)
+            if got != tuple(want) or (w.expert is not None and w.expert >= param.shape[0]):
+                row = f" row {w.expert} of" if w.expert is not None else ""
+                bad.append(f"{name} {list(info.shape)} does not fit{row} {w.param} {list(param.shape)}")
+        if bad:
+            plan.misshaped += bad
+            continue
+        plan.loads.append((name, writes))
+
+    for param, spec in sorted(expected.items()):
+        parts = filled.get(param, [])
+        if not parts:
+            plan.missing.append(f"{param} {list(spec.shape)}")
+        elif parts != [None]:
+            rows = sorted(e for e in parts if e is not None)
+            if None in parts or len(rows) != len(set(rows)):
+                plan.unexpected.append(f"{param} is given more than once (fused and per-expert, or twice)")
+            elif len(rows) != spec.shape[0]:
+                absent = sorted(set(range(spec.shape[0])) - set(rows))
+                plan.missing.append(f"{param}: experts {absent[:10]}{' ...' if len(absent) > 10 else ''} "
+                                    f"of {spec.shape[0]}")
+    return plan
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(stacked: jax.Array, row_value: jax.Array, row: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, row_value, row, 0)
+
+
+def _read(name: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int]) -> jax.Array:
+    """The tensor on the device, as stored (FP8 dequantized to float32). Converting there rather
+    than in numpy runs the transposes, casts and dequantization on the accelerator (or XLA's
+    threads on a CPU); the host holds only the tensor's bytes, until the transfer."""
+    info = tensors[name]
+    array = jax.device_put(shards.read(info))
+    if info.dtype in fp8.FP8_DTYPES:
+        array = fp8.dequantize(array, jax.device_put(shards.read(tensors[name + fp8.SCALE_SUFFIX])), block)
+    return array
+
+
+def _mtp_setting(config: ModelConfig, tensors: Mapping[str, shards.TensorInfo], log) -> ModelConfig:
+    """MTP is on exactly when the config asks for it and the checkpoint has the layer."""
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    if config.num_nextn_predict_layers > 0 and not any(n.startswith(prefix) for n in tensors):
+        log(f"no MTP layer ({prefix}*) in the checkpoint: loading with MTP off (num_nextn_predict_layers=0)")
+        return config.replace(num_nextn_predict_layers=0)
+    return config
+
+
+def _abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State, dict[str, jax.ShapeDtypeStruct]]:
+    """The model's structure without allocating it: graphdef, abstract state, and each parameter's
+    shape and dtype by dotted path (`layers.0.self_attn.q_a_proj.weight`)."""
+    abstract = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    specs = {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(state)}
+    return graphdef, state, specs
+
+
+def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
+                       log: Callable[[str], None] = _stderr) -> DeepseekV3:
+    """Build the model `directory/config.json` describes and fill it from the directory's safetensors.
+
+    dtype: the parameters' dtype (the MoE router stays float32, as the model declares it).
+    log: receives the progress lines (default: stderr). Raises ValueError, before reading any tensor
+    data, when the checkpoint does not match its config.
+    """
+    directory = os.fspath(directory)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory}: no config.json; not a Hugging Face checkpoint directory")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    config = ModelConfig.from_hf(hf_config)
+    block = fp8.block_size(hf_config)
+    tensors = shards.read_headers(directory)
+    config = _mtp_setting(config, tensors, log)
+    graphdef, state, specs = _abstract_model(config, dtype)
+    plan = _plan(tensors, specs, config, block)
+    if (problems := plan.report(directory)) is not None:
+        raise ValueError(problems)
+
+    files = shards.checkpoint_files(directory)
+    by_file: dict[str, list[tuple[str, list[_Write]]]] = {path: [] for path in files}
+    for name, writes in plan.loads:
+        if not all(w.shared for w in writes):
+            by_file[tensors[name].file].append((name, writes))
+    total = sum(tensors[name].nbytes for entries in by_file.values() for name, _ in entries)
+    log(f"loading {directory}: {config.model_type}, {config.num_hidden_layers} layers"
+        f"{' + MTP' if config.num_nextn_predict_layers else ''}, {len(files)} file(s), {total / 2**30:.2f} GiB -> {jnp.dtype(dtype)}")
+
+    values: dict[str, jax.Array] = {}
+    start = time.perf_counter()
+    for index, path in enumerate(files, 1):
+        shard_start, shard_bytes = time.perf_counter(), 0
+        # File order keeps the reads sequential.
+        for name, writes in sorted(by_file[path], key=lambda entry: tensors[entry[0]].start):
+            array = _read(name, tensors, block)
+            shard_bytes += tensors[name].nbytes
+            for w in writes:
+                if w.shared:
+                    continue
+                spec = specs[w.param]
+                value = w.convert(array).astype(spec.dtype)
+                if w.expert is None:
+                    values[w.param] = value
+                else:
+                    stacked = values.get(w.param)
+                    if stacked is None:
+                        stacked = jnp.zeros(spec.shape, spec.dtype)
+                    values[w.param] = _set_row(stacked, value, w.expert)
+            del array
+        seconds = time.perf_counter() - shard_start
+        log(f"[{index}/{len(files)}] {os.path.basename(path)}: {len(by_file[path])} tensors, "
+            f"{shard_bytes / 2**30:.2f} GiB in {seconds:.1f} s")
+    log(f"loaded {len(values)} parameters in {time.perf_counter() - start:.1f} s")
+
+    loaded = nnx.from_flat_state({path: variable.replace(values[".".join(map(str, path))])
+                                  for path, variable in nnx.to_flat_state(state)})
+    return nnx.merge(graphdef, loaded)
+
+
+def is_orbax_checkpoint(directory: str | os.PathLike) -> bool:
+    """True for a directory written by `jaxspec convert` / `jaxspec.orbax_io.save_model`."""
+    return os.path.isdir(os.path.join(os.fspath(directory), PARAMS_DIR))
+
+
+def load_model(directory: str | os.PathLike, *, dtype=jnp.float32,
+               log: Callable[[str], None] = _stderr) -> DeepseekV3:
+    """A model from either kind of directory: converted (orbax, fast) or Hugging Face safetensors."""
+    if is_orbax_checkpoint(directory):
+        start = time.perf_counter()
+        model = restore_model(directory, dtype=dtype)
+        log(f"restored {os.fspath(directory)} (orbax) in {time.perf_counter() - start:.1f} s")
+        return model
+    return load_hf_checkpoint(directory, dtype=dtype, log=log)

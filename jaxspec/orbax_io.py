@@ -1,0 +1,95 @@
+"""Saving and restoring a `DeepseekV3` as an orbax checkpoint plus its Hugging Face `config.json`.
+
+A saved model is a directory:
+
+    config.json    ModelConfig.to_hf() (plus `torch_dtype`, the storage dtype, for information)
+    params/        an orbax (OCDBT) checkpoint of a flat dict {"layers.0.self_attn.o_proj.weight": array, ...}
+
+The params are keyed by their dotted NNX path (the same names as `nnx.state(model, nnx.Param)`),
+flat so the files carry no integer-keyed pytree structure and any tool that reads an orbax
+checkpoint sees the Hugging Face-like parameter names. Arrays may be stored in a narrower dtype
+(bfloat16 halves the size) and are cast back to the model's parameter dtypes on restore.
+
+    save_model(model, "ckpt/", dtype=jnp.bfloat16)
+    model = restore_model("ckpt/")                    # float32 parameters
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxspec.config import ModelConfig
+from jaxspec.models import DeepseekV3
+
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+
+
+def _param_name(path) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -> None:
+    """Write `model`'s config and parameters to `directory` (created; an existing save is replaced).
+
+    dtype: storage dtype for floating-point parameters (e.g. `jnp.bfloat16`); None keeps each
+    parameter's own dtype.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    params = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = variable.get_value()
+        if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            value = value.astype(dtype)
+        params[_param_name(path)] = value
+    config = model.config.to_hf()
+    config["torch_dtype"] = str(jnp.dtype(dtype if dtype is not None else model.dtype))
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(directory, PARAMS_DIR), params, force=True)
+
+
+def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32) -> DeepseekV3:
+    """Build the model `directory/config.json` describes and load its parameters.
+
+    The model is built abstractly (`nnx.eval_shape`, no random init), then every parameter is read
+    from the orbax checkpoint and cast to the dtype the model declares for it (`dtype` for the
+    weights; the MoE router stays float32). Raises `ValueError` listing every missing, unexpected
+    or mis-shaped parameter when the checkpoint does not match the config.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    config_path = os.path.join(directory, CONFIG_FILE)
+    params_path = os.path.join(directory, PARAMS_DIR)
+    if not os.path.isfile(config_path) or not os.path.isdir(params_path):
+        raise ValueError(f"{directory} is not a saved model: expected {CONFIG_FILE} and {PARAMS_DIR}/ in it")
+    config = ModelConfig.from_hf(config_path)
+    abstract = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, abstract_state = nnx.split(abstract)
+    expected = {_param_name(path): variable for path, variable in nnx.to_flat_state(abstract_state)}
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = dict(checkpointer.metadata(params_path).item_metadata)
+        problems = [f"missing {name} {tuple(expected[name].shape)}" for name in sorted(expected.keys() - stored.keys())]
+        problems += [f"unexpected {name} {tuple(stored[name].shape)}" for name in sorted(stored.keys() - expected.keys())]
+        problems += [f"{name}: checkpoint {tuple(stored[name].shape)} != model {tuple(expected[name].shape)}"
+                     for name in sorted(expected.keys() & stored.keys())
+                     if tuple(stored[name].shape) != tuple(expected[name].shape)]
+        if problems:
+            raise ValueError(f"checkpoint {params_path} does not match its config.json ({len(problems)} problem(s)):\n  "
+                             + "\n  ".join(problems))
+        target = {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype) for name, meta in stored.items()}
+        restored = checkpointer.restore(params_path, target)
+
+    state = nnx.from_flat_state({
+        path: variable.replace(restored[_param_name(path)].astype(variable.get_value().dtype))
+        for path, variable in nnx.to_flat_state(abstract_state)})
+    return nnx.merge(graphdef, state)
