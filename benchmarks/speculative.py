@@ -1,8 +1,10 @@
-"""Plain greedy decoding against MTP speculative decoding (k = 1, 2, 3) on one CPU-sized model.
+"""Plain greedy decoding against MTP speculative decoding (chains k = 1, 2, 3 and draft trees) on
+one CPU-sized model.
 
     python benchmarks/speculative.py                  # train the tiny model briefly, then measure
     python benchmarks/speculative.py --random         # random weights: almost nothing is accepted
     python benchmarks/speculative.py --k 1 2 3 4 --batch 8 --max-new-tokens 128
+    python benchmarks/speculative.py --tree small eagle 4,4,12   # static trees, a dynamic one
 
 With random weights the MTP module's drafts are noise and speculation only adds work, so by default
 the model (target and MTP module jointly, `jaxspec.train`) first learns a small synthetic language
@@ -16,6 +18,8 @@ Every configuration decodes the same prompts (windows of held-out text) to the f
 (no EOS). Times cover one execution of the compiled `generate` (prefill and the decode loop);
 compilation and a first warm-up execution are excluded. tokens/s = emitted tokens / time, best and
 median over --repeats executions. "= plain" checks that the emitted tokens equal plain decoding's.
+Rows name the draft: k for a chain, the tree otherwise; mean accepted length is tokens per target
+call, and acceptance per depth the fraction of steps whose accepted path reached each depth.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
-from jaxspec.flags import add_model_flags, positive_int
+from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, tree_spec
 from jaxspec.generate import GenerateResult, compile_generate
 from jaxspec.models import DeepseekV3
 from jaxspec.train import train
+from jaxspec.trees import parse_tree
 
 PHRASES = (b"the cat sat on the mat. ", b"a dog ran in the park. ", b"we drink green tea. ",
            b"it is a sunny day. ", b"she reads a long book. ", b"birds sing at dawn. ")
@@ -56,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3],
                         help=f"draft lengths to compare with plain decoding, each 1..{MAX_DRAFT_TOKENS}")
+    parser.add_argument("--tree", type=tree_spec, nargs="*", default=["small", "eagle", "4,4,12"],
+                        help=f"trees to compare as well (none: chains only); each a {TREE_HELP}")
     add_model_flags(parser, default_preset="tiny-v3")
     parser.add_argument("--batch", type=positive_int, default=4, help="rows decoded together")
     parser.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens per row")
@@ -78,7 +85,8 @@ def build_model(args: argparse.Namespace) -> DeepseekV3:
     if not args.random:
         rng = np.random.default_rng(args.seed)
         stream = phrase_stream(args.seed, 200_000)
-        length = args.prompt_len + args.max_new_tokens + max(args.k)
+        deepest = max(args.k + [parse_tree(tree).max_depth for tree in args.tree])
+        length = args.prompt_len + args.max_new_tokens + deepest
         batches = (windows(stream, rng, 8, length) for _ in range(args.train_steps))
         start = time.perf_counter()
         train(model, batches, steps=args.train_steps, learning_rate=1e-2, log_every=50)
@@ -109,14 +117,15 @@ def main(argv=None) -> None:
           f"prompt {args.prompt_len}, {args.max_new_tokens} new tokens per row, backend {args.backend}, "
           f"best / median of {args.repeats}")
 
-    header = f"{'k':>3} {'best tok/s':>11} {'median tok/s':>13} {'vs plain':>9} {'mean acc len':>13}  " \
-             f"{'= plain':<8} acceptance per position"
+    header = f"{'draft':>7} {'best tok/s':>11} {'median tok/s':>13} {'vs plain':>9} {'mean acc len':>13}  " \
+             f"{'= plain':<8} acceptance per depth"
     print(header)
     print("-" * len(header))
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_id=None, backend=args.backend)
+    drafts = [(str(k), base.replace(num_draft=k)) for k in [0] + args.k]
+    drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     plain_tokens, plain_rate = None, None
-    for k in [0] + args.k:
-        config = DecodeConfig(num_draft=k, max_new_tokens=args.max_new_tokens, eos_token_id=None,
-                              backend=args.backend)
+    for label, config in drafts:
         seconds, result = measure(model, prompts, config, args.repeats)
         emitted = int(np.sum(result.num_tokens))
         best, median = emitted / min(seconds), emitted / statistics.median(seconds)
@@ -125,7 +134,7 @@ def main(argv=None) -> None:
             plain_tokens, plain_rate = tokens, best
         same = "yes" if np.array_equal(tokens, plain_tokens) else "NO"
         acceptance = " ".join(f"{a:.2f}" for a in result.acceptance_per_position) or "-"
-        print(f"{k:>3} {best:>11,.0f} {median:>13,.0f} {best / plain_rate:>8.2f}x "
+        print(f"{label:>7} {best:>11,.0f} {median:>13,.0f} {best / plain_rate:>8.2f}x "
               f"{result.mean_accepted_length:>13.2f}  {same:<8} {acceptance}", flush=True)
 
 

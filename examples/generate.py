@@ -2,13 +2,24 @@
 
     python examples/generate.py                       # tiny model, MTP k = 3
     python examples/generate.py --mtp 0               # plain greedy decoding: the same text
+    python examples/generate.py --tree eagle          # a static draft tree; --tree 4,4,12 a dynamic one
+    python examples/generate.py --temperature 0.8 --top-p 0.95 --sample-seed 1   # lossless sampling
     python examples/generate.py --prompt "Hello" --prompt "Once upon" --batch 8 --max-new-tokens 128
+    python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype bfloat16 --prompt "Hello"
+    python examples/generate.py --checkpoint DIR --prompt-ids 1,2,3 --print-ids   # no tokenizer.json in DIR
 
-Greedy speculative decoding is lossless: for one seed, every --mtp prints the same text; only the
-speed and the acceptance statistics change. The model is the `tiny` preset (or `tiny-v3`) with
+Greedy speculative decoding is lossless: for one seed, every --mtp and --tree prints the same text;
+only the speed and the acceptance statistics change. Sampling (--temperature > 0) is lossless in
+distribution: the text is distributed as plain sampling's, drawn from one stream per row seeded by
+--sample-seed (a runtime input: changing it does not recompile). --relaxed accepts close runners-up
+too, which is lossy: it changes the text. The model is the `tiny` preset (or `tiny-v3`) with
 random weights drawn from --seed, so the text itself is noise and few drafts are accepted
 (`benchmarks/speculative.py` trains the model first). `generate` is compiled ahead of time and
 run once to warm up, so the decode time excludes both.
+
+--checkpoint runs a real model instead: a Hugging Face DeepSeek-V3 / V3.2 directory (safetensors,
+FP8 or not; loaded tensor by tensor) or one written by `jaxspec convert` (orbax, fast to restore).
+Its `tokenizer.json` encodes --prompt; a directory without one takes --prompt-ids and prints ids.
 """
 
 from __future__ import annotations
@@ -17,17 +28,31 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.checkpoint import load_model
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
-from jaxspec.flags import add_model_flags, positive_int
+from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
 from jaxspec.generate import compile_generate
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels.backend import resolve_backend
-from jaxspec.tokenizer import Tokenizer, load_tokenizer
+from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
 
 DEFAULT_PROMPTS = ("The quick brown fox", "Speculative decoding is")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def token_ids(text: str) -> list[int]:
+    """argparse type: comma-separated token ids, e.g. `1,2,3`."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
+    return ids
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,12 +64,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate per row")
     parser.add_argument("--mtp", type=int, default=3,
                         help=f"k, draft tokens per step from the MTP module, 0..{MAX_DRAFT_TOKENS} (0 = plain decoding)")
+    parser.add_argument("--tree", type=tree_spec, help=f"{TREE_HELP}; replaces the chain of --mtp drafts")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the most likely tokens holding this probability (1 = off)")
+    parser.add_argument("--relaxed", type=relaxed_spec, metavar="TOP_K,DELTA",
+                        help="LOSSY relaxed acceptance: also accept a draft among the target's TOP_K tokens "
+                             "within DELTA of the top-1 probability (greedy only)")
+    parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling streams (one per row)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model weights")
     add_model_flags(parser, default_preset="tiny")
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="run this checkpoint (Hugging Face safetensors, or a `jaxspec convert` output) "
+                             "instead of a random --preset model")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype of --checkpoint")
+    parser.add_argument("--prompt-ids", action="append", type=token_ids, metavar="IDS",
+                        help="a prompt as token ids, e.g. 1,2,3; repeat for several (instead of --prompt)")
+    parser.add_argument("--print-ids", action="store_true", help="print token ids instead of text")
     args = parser.parse_args(argv)
 
-    args.prompts = args.prompts or list(DEFAULT_PROMPTS)
+    if args.prompts and args.prompt_ids:
+        parser.error("--prompt and --prompt-ids: give one kind of prompt")
+    if args.checkpoint is not None and not has_hf_tokenizer(args.checkpoint):
+        if not args.prompt_ids:
+            parser.error(f"--checkpoint {args.checkpoint}: no tokenizer.json there; give --prompt-ids (e.g. 1,2,3)")
+        args.print_ids = True
+    args.prompts = args.prompt_ids or args.prompts or list(DEFAULT_PROMPTS)
     if any(not p for p in args.prompts):
         parser.error("--prompt: prompts must not be empty")
     if args.batch is None:
@@ -53,28 +100,67 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch {args.batch}: smaller than the number of prompts ({len(args.prompts)})")
     if not 0 <= args.mtp <= MAX_DRAFT_TOKENS:
         parser.error(f"--mtp {args.mtp}: must be in [0, {MAX_DRAFT_TOKENS}]")
+    try:
+        DecodeConfig(**draft_options(args))
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
-def build_model(args: argparse.Namespace) -> tuple[DeepseekV3, Tokenizer, str]:
-    """The model, its tokenizer, and a line saying where the weights came from."""
+def draft_options(args: argparse.Namespace) -> dict:
+    """The DecodeConfig fields that choose the drafts and the acceptance rule."""
+    return dict(num_draft=args.mtp, tree=args.tree, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, relaxed=args.relaxed)
+
+
+def describe_decoding(args: argparse.Namespace) -> str:
+    """E.g. `MTP tree eagle, sampling (temperature 0.8, top-k 0, top-p 0.95, seed 1)`."""
+    drafts = f"MTP tree {args.tree}" if args.tree else f"MTP k={args.mtp}"
+    if args.temperature > 0:
+        return (f"{drafts}, sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, "
+                f"seed {args.sample_seed})")
+    if args.relaxed:
+        return f"{drafts}, greedy with relaxed acceptance top-k {args.relaxed[0]}, delta {args.relaxed[1]} (LOSSY)"
+    return f"{drafts}, greedy"
+
+
+def build_model(args: argparse.Namespace) -> tuple[DeepseekV3, Tokenizer | None, str]:
+    """The model, its tokenizer (None: token ids only), and a line saying where the weights came from."""
+    if args.checkpoint is not None:
+        model = load_model(args.checkpoint, dtype=DTYPES[args.dtype])
+        if has_hf_tokenizer(args.checkpoint):
+            return model, load_tokenizer(args.checkpoint), f"{args.dtype} weights, its tokenizer.json"
+        return model, None, f"{args.dtype} weights, token ids (no tokenizer.json)"
     model = DeepseekV3(preset(args.preset), rngs=nnx.Rngs(args.seed))
     return model, load_tokenizer(None), f"random weights (seed {args.seed}), byte tokenizer"
+
+
+def encode(prompt: str | list[int], tokenizer: Tokenizer | None, args: argparse.Namespace) -> list[int]:
+    """A prompt's ids: --prompt-ids as given; text through the tokenizer, after the BOS token for a
+    checkpoint's own tokenizer (DeepSeek's models expect it; the tiny byte models are trained without)."""
+    if isinstance(prompt, list):
+        return prompt
+    bos = getattr(tokenizer, "bos_token_id", None) if args.checkpoint is not None else None
+    return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     model, tokenizer, weights = build_model(args)
     prompts = [args.prompts[row % len(args.prompts)] for row in range(args.batch)]
-    config = DecodeConfig(num_draft=args.mtp, max_new_tokens=args.max_new_tokens,
-                          eos_token_id=tokenizer.eos_token_id, page_size=args.page_size, backend=args.backend)
+    if args.mtp > 0 and model.mtp is None:
+        raise SystemExit(f"--mtp {args.mtp}: {args.checkpoint} has no MTP layer; use --mtp 0")
+    eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
+    config = DecodeConfig(**draft_options(args), max_new_tokens=args.max_new_tokens,
+                          eos_token_id=eos_token_id, page_size=args.page_size, backend=args.backend)
     mconf = model.config
-    print(f"model     {args.preset} ({mconf.model_type}, {mconf.num_hidden_layers} layers), {weights}")
-    print(f"decoding  batch {args.batch}, MTP k={args.mtp}, up to {args.max_new_tokens} new tokens per row, "
+    print(f"model     {args.checkpoint or args.preset} ({mconf.model_type}, {mconf.num_hidden_layers} layers"
+          f"{', MTP' if model.mtp is not None else ''}), {weights}")
+    print(f"decoding  batch {args.batch}, {describe_decoding(args)}, up to {args.max_new_tokens} new tokens per row, "
           f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}")
 
     start = time.perf_counter()
-    run = compile_generate(model, [tokenizer.encode(p) for p in prompts], config)
+    run = compile_generate(model, [encode(p, tokenizer, args) for p in prompts], config, key=args.sample_seed)
     compile_s = time.perf_counter() - start
     # The first execution also pays one-time runtime setup; time the second.
     start = time.perf_counter()
@@ -94,7 +180,10 @@ def main(argv=None) -> None:
     print(f"acceptance per position {acceptance}")
     print()
     for row, prompt in enumerate(prompts):
-        print(f"[{row}] {prompt!r} -> {tokenizer.decode(result.row_tokens(row))!r}")
+        if args.print_ids:
+            print(f"[{row}] {encode(prompt, tokenizer, args)} -> {result.row_tokens(row)}")
+        else:
+            print(f"[{row}] {prompt!r} -> {tokenizer.decode(result.row_tokens(row))!r}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 One `PagedCache` serves the target model and another (one layer) the MTP module. Rows own pages
 through `page_table`; the slot arithmetic lives in `jaxspec.pallas_kernels.paged`. Rejected draft
 entries are never erased: `lengths` decides what is committed, and later writes overwrite the rest.
+A tree's accepted path is made contiguous with `PagedCache.move`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.pallas_kernels.paged import write_slots
+from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +52,18 @@ class PagedCache:
         if index_key is not None:
             keys[layer] = write_slots(keys[layer], self.page_table, slots, index_key)
         return self.replace(latent=tuple(latents), index_keys=tuple(keys))
+
+    def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "PagedCache":
+        """Copy every layer's entries (latents and indexer keys) from src_slots to dst_slots, both
+        [B, L] int32 (-1 = skip the pair). All sources are read before anything is written, so a
+        destination may be another pair's source (compacting a tree path in place)."""
+        dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
+
+        def moved(layer_cache):
+            return write_slots(layer_cache, self.page_table, dst_slots,
+                               read_slots(layer_cache, self.page_table, src_slots))
+
+        return self.replace(latent=tuple(map(moved, self.latent)), index_keys=tuple(map(moved, self.index_keys)))
 
 
 def pages_per_row(capacity: int, page_size: int) -> int:

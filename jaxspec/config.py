@@ -5,19 +5,25 @@ found there, so a checkpoint's config loads with `ModelConfig.from_hf(path_or_di
 only matter to training or to other frameworks are accepted and ignored (`_IGNORED_HF_FIELDS`);
 anything else is an error, so a typo or a model family we do not implement never loads silently.
 
-`DecodeConfig` holds what the decoding loop needs and the model does not (draft length, token
-budget, cache geometry, kernel backend).
+Fields that are known but must hold one value (`_REQUIRED_HF_VALUES`: no attention bias, SiLU,
+sigmoid routing, interleaved RoPE, ...) are checked: a config describing a variant this code does
+not implement is an error, not a different model run silently.
+
+`DecodeConfig` holds what the decoding loop needs and the model does not (draft length or tree,
+sampling and acceptance rule, token budget, cache geometry, kernel backend).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from typing import Any, Mapping
 
 from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.trees import DynamicTreeSpec, StaticTree, chain_tree, parse_tree
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32")
 
@@ -32,7 +38,20 @@ _IGNORED_HF_FIELDS = frozenset({
     "_name_or_path", "tie_word_embeddings", "moe_layer_freq", "hidden_act", "scoring_func",
     "topk_method", "model_type", "rope_parameters", "eos_token_id", "index_topk_freq",
     "_attn_implementation_autoset", "use_bfloat16", "return_dict",
+    # Written by transformers 5 and checked below or by `from_hf` (derived or fixed for DeepSeek).
+    "qk_head_dim", "layer_types", "mlp_layer_types", "mlp_bias",
 })
+
+# Known fields that must hold these values: anything else is a model variant not implemented here.
+_REQUIRED_HF_VALUES = {
+    "attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu",), "scoring_func": ("sigmoid",),
+    "topk_method": ("noaux_tc",), "moe_layer_freq": (1,), "rope_interleave": (True,),
+    "tie_word_embeddings": (False,),
+}
+
+# rope_scaling / rope_parameters keys that are read elsewhere or are the defaults this code implements.
+_ROPE_KEYS_HANDLED = frozenset({"type", "rope_type", "rope_theta"})
+_ROPE_REQUIRED_VALUES = {"truncate": (True,), "partial_rotary_factor": (1, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,20 +225,30 @@ class ModelConfig:
         if unknown and strict:
             raise ValueError(f"config.json has unknown fields {unknown}; pass strict=False to ignore them")
 
+        for key, allowed in _REQUIRED_HF_VALUES.items():
+            if key in raw and raw[key] not in allowed:
+                raise ValueError(f"config.json {key}={raw[key]!r}: only {allowed[0]!r} is implemented")
+
         kwargs = {k: v for k, v in raw.items() if k in fields and k not in ("rope_scaling", "eos_token_id")}
         kwargs["model_type"] = model_type
         eos = raw.get("eos_token_id")
         kwargs["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+        if "first_k_dense_replace" in raw and "num_hidden_layers" in raw:
+            # transformers clamps it (a 2-layer test model keeps DeepSeek's default of 3); the MTP
+            # block, at index num_hidden_layers, then stays MoE as it always is in transformers.
+            kwargs["first_k_dense_replace"] = min(raw["first_k_dense_replace"], raw["num_hidden_layers"])
 
         rope = raw.get("rope_parameters")
         scaling = raw.get("rope_scaling")
         if rope is not None:  # transformers 5: theta and scaling live together
             kwargs["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
             scaling = rope
-        kwargs["rope_scaling"] = _parse_rope_scaling(scaling)
+        kwargs["rope_scaling"] = _parse_rope_scaling(scaling, raw.get("max_position_embeddings"))
         if "index_topk" in raw and model_type == "deepseek_v3":
             raise ValueError("config.json index_topk is set but model_type is deepseek_v3 (expected deepseek_v32)")
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        _check_derived_fields(raw, config)
+        return config
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict this config was (or could have been) read from."""
@@ -235,7 +264,13 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _parse_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+def _parse_rope_scaling(scaling: Mapping[str, Any] | None, max_position_embeddings: int | None) -> RopeScaling | None:
+    """`rope_scaling` (or transformers 5 `rope_parameters`) -> RopeScaling, None for plain RoPE.
+
+    A key this code does not implement (e.g. an explicit `attention_factor`) raises rather than
+    being dropped. A missing `factor` is `max_position_embeddings / original_max_position_embeddings`,
+    as transformers derives it.
+    """
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -244,7 +279,32 @@ def _parse_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None
     if kind != "yarn":
         raise ValueError(f"config.json rope_scaling type={kind!r}: only 'yarn' (DeepSeek-V3) is supported")
     names = {f.name for f in dataclasses.fields(RopeScaling)}
-    return RopeScaling(**{k: v for k, v in scaling.items() if k in names and v is not None})
+    for key, allowed in _ROPE_REQUIRED_VALUES.items():
+        if scaling.get(key, allowed[0]) not in allowed:
+            raise ValueError(f"config.json rope_scaling {key}={scaling[key]!r}: only {allowed[0]!r} is implemented")
+    unknown = sorted(k for k in scaling if k not in names | _ROPE_KEYS_HANDLED | _ROPE_REQUIRED_VALUES.keys())
+    if unknown:
+        raise ValueError(f"config.json rope_scaling has unsupported keys {unknown}")
+    values = {k: v for k, v in scaling.items() if k in names and v is not None}
+    if "factor" not in values and max_position_embeddings and "original_max_position_embeddings" in values:
+        values["factor"] = max_position_embeddings / values["original_max_position_embeddings"]
+    return RopeScaling(**values)
+
+
+def _check_derived_fields(raw: Mapping[str, Any], config: ModelConfig) -> None:
+    """Fields transformers 5 derives and writes must agree with the ones they derive from: the
+    per-layer type lists must say what first_k_dense_replace and model_type say (dense MLPs first,
+    then MoE; every layer indexed for V3.2), the only layouts implemented here."""
+    layers = range(config.num_hidden_layers)
+    expected = {
+        "qk_head_dim": config.qk_head_dim,
+        "mlp_layer_types": ["sparse" if config.is_moe_layer(i) else "dense" for i in layers],
+        "layer_types": ["indexed_attention" if config.is_v32 else "full_attention" for _ in layers],
+    }
+    for key, want in expected.items():
+        if key in raw and raw[key] != want:
+            raise ValueError(f"config.json {key}={raw[key]!r}: expected {want} for this model "
+                             f"(first_k_dense_replace={config.first_k_dense_replace}, model_type={config.model_type})")
 
 
 _TINY = dict(
@@ -271,6 +331,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
     # The same architecture without the DSA indexer: the V3 form of the tiny model.
     "tiny-v3": {**_TINY, "model_type": "deepseek_v3", "index_n_heads": 0, "index_head_dim": 0, "index_topk": 0},
+    # The shipped default model (examples/train_tiny.py, trained on the Python stdlib): deeper and
+    # wider than `tiny`, so a target call costs several MTP calls and drafting pays off on a CPU.
+    # Layer 0 is dense, the rest (and the MTP block) route each token to 1 of 4 experts plus a shared one.
+    "tiny-stdlib": {**_TINY, "hidden_size": 96, "intermediate_size": 384, "moe_intermediate_size": 96,
+                    "num_hidden_layers": 12, "first_k_dense_replace": 1, "q_lora_rank": 48, "kv_lora_rank": 48,
+                    "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 4,
+                    "n_group": 2, "topk_group": 1, "num_experts_per_tok": 1, "index_n_heads": 2,
+                    "index_head_dim": 32, "index_topk": 64},
     # DeepSeek-V3 (671B) shapes, no weights.
     "deepseek-v3": _DEEPSEEK_V3,
     # DeepSeek-V3.2-Exp shapes, no weights.
@@ -280,7 +348,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """A named configuration (`tiny`, `tiny-v3`, `deepseek-v3`, `deepseek-v3.2`), fields overridable."""
+    """A named configuration (`tiny`, `tiny-v3`, `tiny-stdlib`, `deepseek-v3`, `deepseek-v3.2`), fields overridable."""
     if name not in PRESETS:
         raise ValueError(f"preset name={name!r}: must be one of {sorted(PRESETS)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
@@ -291,10 +359,21 @@ MAX_DRAFT_TOKENS = 7
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """What the decoding loop needs beyond the model.
+    """What the decoding loop needs beyond the model. Every field is static (part of the compiled
+    computation); the sampling seed is not a field but an argument of `generate`.
 
-    num_draft: k, draft tokens per speculative step (0 = plain greedy decoding, the baseline;
-      1..MAX_DRAFT_TOKENS chains the one MTP layer).
+    num_draft: k, draft tokens per speculative step when `tree` is None (0 = plain decoding, the
+      baseline; 1..MAX_DRAFT_TOKENS chains the one MTP layer). With a tree it must be >= 1 and is
+      otherwise unused: the tree decides the drafts.
+    tree: None (a chain of num_draft), a `StaticTree`, a `DynamicTreeSpec` (EAGLE-2), or a string
+      for either (`jaxspec.trees.parse_tree`: a name in STATIC_TREES, or "top_k,depth,budget");
+      stored parsed.
+    temperature: 0 = greedy (lossless against plain greedy decoding); > 0 samples, and lossless
+      rejection sampling makes the output distributed as the target's processed distribution.
+    top_k / top_p: sampling filters (0 / 1.0 = off); they need temperature > 0.
+    relaxed: None, or (top_k, delta) for relaxed acceptance: a draft among the target's top_k and
+      within delta of its top-1 probability is accepted. LOSSY: the output is no longer the
+      target's greedy output. Needs temperature 0 and drafts.
     max_new_tokens: per-row budget of generated tokens (the first token after the prompt counts).
     eos_token_id: a row stops after emitting it; None = only the budget stops rows.
     page_size: cache slots per page.
@@ -308,6 +387,11 @@ class DecodeConfig:
     page_size: int = 64
     max_cache_len: int | None = None
     backend: str = "auto"
+    tree: StaticTree | DynamicTreeSpec | str | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    relaxed: tuple[int, float] | None = None
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -320,6 +404,64 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.max_cache_len={self.max_cache_len}: must be >= 1 or None")
         if self.backend not in BACKENDS:
             raise ValueError(f"DecodeConfig.backend={self.backend!r}: must be one of {BACKENDS}")
+        self._check_tree()
+        self._check_sampling()
+
+    def _check_tree(self):
+        if isinstance(self.tree, str):
+            object.__setattr__(self, "tree", parse_tree(self.tree))
+        if self.tree is None:
+            return
+        if not isinstance(self.tree, (StaticTree, DynamicTreeSpec)):
+            raise ValueError(f"DecodeConfig.tree={self.tree!r}: must be None, a StaticTree, a DynamicTreeSpec "
+                             "or a string for one")
+        if self.num_draft == 0:
+            raise ValueError("DecodeConfig.num_draft=0 means plain decoding, but a tree is given; "
+                             "use num_draft >= 1 (the tree decides the drafts)")
+
+    def _check_sampling(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"DecodeConfig.temperature={self.temperature}: must be a finite number >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"DecodeConfig.top_k={self.top_k}: must be >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"DecodeConfig.top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0)):
+            if self.temperature == 0 and value != off:
+                raise ValueError(f"DecodeConfig.{name}={value} filters sampling, but temperature=0 is greedy; "
+                                 f"set temperature > 0 or leave {name} at {off}")
+        if self.relaxed is None:
+            return
+        if len(self.relaxed) != 2:
+            raise ValueError(f"DecodeConfig.relaxed={self.relaxed!r}: must be None or (top_k, delta)")
+        top_k, delta = self.relaxed
+        if int(top_k) != top_k or top_k < 1:
+            raise ValueError(f"DecodeConfig.relaxed top_k={top_k}: must be an integer >= 1")
+        if not 0 <= delta <= 1:
+            raise ValueError(f"DecodeConfig.relaxed delta={delta}: must be in [0, 1] (a probability gap)")
+        if self.temperature > 0:
+            raise ValueError(f"DecodeConfig.relaxed={self.relaxed!r} is a lossy variant of greedy acceptance; "
+                             f"it needs temperature=0, got {self.temperature}")
+        if self.num_draft == 0:
+            raise ValueError("DecodeConfig.relaxed needs drafts to accept; num_draft=0 is plain decoding")
+        object.__setattr__(self, "relaxed", (int(top_k), float(delta)))  # hashable, whatever was passed
+
+    @functools.cached_property
+    def draft_tree(self) -> StaticTree | DynamicTreeSpec | None:
+        """The tree drafted each step: `tree`, else the chain of num_draft drafts; None for plain decoding."""
+        if self.tree is not None:
+            return self.tree
+        return chain_tree(self.num_draft) if self.num_draft else None
+
+    @property
+    def window_size(self) -> int:
+        """N: tokens per verification window (the root plus the drafts)."""
+        return 1 if self.draft_tree is None else self.draft_tree.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        """D: the most drafts one step can accept (the depth of the tree)."""
+        return 0 if self.draft_tree is None else self.draft_tree.max_depth
 
     def replace(self, **changes) -> "DecodeConfig":
         return dataclasses.replace(self, **changes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.trees import STATIC_TREES, parse_tree
 
 # The presets small enough to build and run on a CPU, with the byte tokenizer's vocabulary.
 CPU_PRESETS = ("tiny", "tiny-v3")
@@ -16,6 +17,30 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def tree_spec(text: str) -> str:
+    """argparse type: a named static tree or `top_k,depth,budget` (checked, returned as given)."""
+    try:
+        parse_tree(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def relaxed_spec(text: str) -> tuple[int, float]:
+    """argparse type: `top_k,delta` for relaxed acceptance, e.g. `3,0.1` (ranges checked by DecodeConfig)."""
+    parts = text.split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return int(parts[0]), float(parts[1])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected top_k,delta like 3,0.1, got {text!r}") from None
+
+
+TREE_HELP = (f"draft tree: one of {', '.join(sorted(STATIC_TREES))} (static), or top_k,depth,budget for a dynamic "
+             "EAGLE-2 tree (e.g. 4,4,12)")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, *, default_preset: str) -> None:

@@ -3,10 +3,12 @@
     result = generate(model, [[1, 2, 3], [4, 5]], DecodeConfig(num_draft=3, max_new_tokens=32))
     result.tokens            # [B, 32] emitted ids, PAD_TOKEN (-1) past each row's num_tokens
     result.mean_accepted_length, result.acceptance_per_position
+    generate(model, prompts, DecodeConfig(tree="eagle", temperature=0.8, top_p=0.9), key=7)
 
 Bad input raises `ValueError` before anything is traced: empty prompts, a prompt plus budget that
 does not fit the cache (or the model's positions), draft length out of range, a model without an
-MTP module asked to draft, more rows than a given page table holds.
+MTP module asked to draft, a tree asking for more candidates than the vocabulary, more rows than a
+given page table holds (bad `DecodeConfig` values already raise when it is built).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.config import DecodeConfig
+from jaxspec.drafting import mtp_draft_slots
 from jaxspec.loop import DecodeState, decode, prefill
+from jaxspec.sampling import base_key
 
 
 class PreparedBatch(NamedTuple):
@@ -32,8 +36,9 @@ class PreparedBatch(NamedTuple):
 
 
 def required_capacity(prompt_width: int, config: DecodeConfig) -> int:
-    """Slots a row needs: the prompt, the budget and one verification window past the last commit."""
-    return prompt_width + config.max_new_tokens + config.num_draft
+    """Slots a row needs: the prompt, the budget and one step's writes past the last commit (the
+    verification window, or the MTP's draft window when a dynamic tree's is wider)."""
+    return prompt_width + config.max_new_tokens + max(config.window_size, mtp_draft_slots(config)) - 1
 
 
 def _is_concrete(x) -> bool:
@@ -49,9 +54,11 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
     for both caches (M pages per row); by default rows get consecutive pages.
     """
     mconf = model.config
-    if config.num_draft > 0 and getattr(model, "mtp", None) is None:
-        raise ValueError(f"num_draft={config.num_draft} needs an MTP module, but the model has none "
-                         "(num_nextn_predict_layers == 0); use num_draft=0")
+    if config.draft_tree is not None and getattr(model, "mtp", None) is None:
+        raise ValueError(f"{'tree' if config.tree else f'num_draft={config.num_draft}'} needs an MTP module, "
+                         "but the model has none (num_nextn_predict_layers == 0); use num_draft=0")
+    if config.tree is not None and config.tree.top_k > mconf.vocab_size:
+        raise ValueError(f"DecodeConfig.tree top_k={config.tree.top_k} exceeds the vocabulary ({mconf.vocab_size})")
 
     if isinstance(prompts, (list, tuple)):
         if not prompts:
@@ -91,13 +98,14 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
             raise ValueError(f"prompts: token ids must be in [0, vocab_size={mconf.vocab_size}); got {bad[:5].tolist()}")
 
     needed = required_capacity(width, config)
+    step_slots = needed - width - config.max_new_tokens
     if needed > mconf.max_position_embeddings:
-        raise ValueError(f"prompt length {width} + max_new_tokens {config.max_new_tokens} + num_draft "
-                         f"{config.num_draft} = {needed} exceeds max_position_embeddings={mconf.max_position_embeddings}")
+        raise ValueError(f"prompt length {width} + max_new_tokens {config.max_new_tokens} + draft window "
+                         f"{step_slots} = {needed} exceeds max_position_embeddings={mconf.max_position_embeddings}")
     capacity = config.max_cache_len if config.max_cache_len is not None else needed
     if capacity < needed:
         raise ValueError(f"DecodeConfig.max_cache_len={capacity} is too small: prompt length {width} + "
-                         f"max_new_tokens {config.max_new_tokens} + num_draft {config.num_draft} needs {needed} slots")
+                         f"max_new_tokens {config.max_new_tokens} + draft window {step_slots} needs {needed} slots")
     if page_table is not None:
         rows_available = page_table.shape[0]
         if batch > rows_available:
@@ -110,12 +118,12 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
 
     target_cache = model.init_cache(batch, capacity, page_size=config.page_size, page_table=page_table)
     mtp_cache = (model.init_cache(batch, capacity, page_size=config.page_size, mtp=True, page_table=page_table)
-                 if config.num_draft > 0 else None)
+                 if config.draft_tree is not None else None)
     return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache)
 
 
-def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, config) -> DecodeState:
-    state = prefill(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, config)
+def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config) -> DecodeState:
+    state = prefill(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
     return decode(graphdef, params, state, config)
 
 
@@ -128,7 +136,8 @@ class GenerateResult:
 
     tokens [B, max_new_tokens] int32, PAD_TOKEN (-1) past `num_tokens[b]`.
     target_calls [B]: verification steps per row; accepted [B]: drafts accepted per row;
-    position_accepts [B, k]: steps per row whose draft j was accepted.
+    position_accepts [B, D]: steps per row whose accepted path reached depth j + 1 (D = k for a
+    chain, the tree's depth for a tree; for a chain, the steps whose draft j was accepted).
     """
 
     tokens: jax.Array
@@ -150,7 +159,8 @@ class GenerateResult:
 
     @property
     def acceptance_per_position(self) -> np.ndarray:
-        """[k]: fraction of verification steps whose draft j (0-based) was accepted."""
+        """[D]: fraction of verification steps whose accepted path reached depth j + 1 (for a chain:
+        whose draft j, 0-based, was accepted)."""
         calls = max(int(np.sum(self.target_calls)), 1)
         return np.asarray(self.position_accepts).sum(axis=0) / calls
 
@@ -166,23 +176,27 @@ def result_from_state(state: DecodeState, config: DecodeConfig) -> GenerateResul
 
 
 def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
-             page_table: jax.Array | None = None) -> GenerateResult:
-    """Greedy speculative decoding of `prompts` with the model's MTP module as the drafter.
+             page_table: jax.Array | None = None, key=0) -> GenerateResult:
+    """Speculative decoding of `prompts` with the model's MTP module as the drafter (a chain or a
+    tree, `config`).
 
     One jitted computation (prefill, then a `jax.lax.while_loop` of speculative steps), compiled
     once per (model structure, config, prompt width, batch size). Inside a user's `jax.jit`, pass
     `prompts` as a [B, P] array (with `prompt_lens`); the checks that need concrete values are
-    then skipped. Output equals plain greedy decoding (`num_draft=0`) token for token.
+    then skipped. With temperature 0 the output equals plain greedy decoding (`num_draft=0`) token
+    for token; with temperature > 0 it is distributed as plain sampling's. `key` (an int seed or a
+    `jax.random.key`) is a runtime argument: changing it does not recompile. Row b's draws depend
+    on (key, step, b) only. Relaxed acceptance (`config.relaxed`) is the one lossy mode.
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
     graphdef, params = nnx.split(model)
     state = _generate_jit(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-                          config)
+                          base_key(key), config)
     return result_from_state(state, config)
 
 
 def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
-                     page_table: jax.Array | None = None) -> Callable[[], GenerateResult]:
+                     page_table: jax.Array | None = None, key=0) -> Callable[[], GenerateResult]:
     """`generate` for these exact inputs, compiled ahead of time: returns `run`, which only executes.
 
     This splits what the first `generate` call does, so a caller can time compilation apart from
@@ -194,7 +208,7 @@ def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeCo
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
     graphdef, params = nnx.split(model)
-    args = (params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache)
+    args = (params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
     compiled = _generate_jit.lower(graphdef, *args, config).compile()
 
     def run() -> GenerateResult:

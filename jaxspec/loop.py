@@ -3,24 +3,29 @@
 Bookkeeping, per row b (n = `target_cache.lengths[b]`):
 
 * the target cache holds the committed tokens t_0 .. t_{n-1}; `last_token` t_n is emitted but not
-  yet cached (it is the first token of the next verification window);
+  yet cached (it is the root of the next verification window);
 * the MTP cache holds the same n entries: entry i is the MTP block's state for the pair
   (target hidden h_i, token t_{i+1});
-* `seed_token` is the MTP's prediction of t_{n+1} (draft d_1) and `seed_hidden` the MTP hidden
-  state that produced it, from which the chain continues.
+* `seed_logits` are the MTP's logits for t_{n+1} (the root's children) and `seed_hidden` the MTP
+  hidden state that produced them, from which drafting continues.
 
-One step (k = `DecodeConfig.num_draft` >= 1):
+One step (`DecodeConfig.draft_tree`: a chain of k = num_draft drafts, or a tree of N - 1 draft
+nodes and depth D; `jaxspec.drafting`):
 
-1. draft: the one MTP layer, chained k-1 times from the seed, proposes d_1 .. d_k;
-2. verify: one target call over the window [t_n, d_1 .. d_k] (positions n .. n+k) gives the
-   target's argmax g_0 .. g_k;
-3. accept: a = the number of leading drafts with d_{j+1} == g_j; the row emits g_0 .. g_a;
-4. commit: lengths += a + 1 (t_n, d_1 .. d_a were just written at slots n .. n+a); last_token = g_a;
-   output tokens appended; EOS and the token budget finish rows;
-5. catch up: the MTP module runs over the a+1 new pairs (h_{n+j}, g_j), overwriting its draft
-   entries; its output at pair a seeds the next step's d_1.
+1. draft: the MTP module fills the window [t_n, drafts] one depth at a time;
+2. verify: one target call over the window, each node at position n + its depth, seeing the prefix
+   and its ancestors (a tree passes the ancestor mask; dense MLA and the DSA indexer both obey it);
+3. accept (`jaxspec.acceptance`): greedy (temperature 0), lossless rejection sampling (temperature
+   > 0), or relaxed (opt-in, lossy) gives each row its accepted path of a drafts and a bonus token;
+4. commit: a tree's accepted path is moved to the contiguous slots n .. n + a of the target cache
+   (a chain's already is); lengths += a + 1; the path's tokens and the bonus are appended; EOS and
+   the token budget finish rows; last_token = the bonus;
+5. catch up: the MTP module runs over the a + 1 pairs (target hidden at path node j, emitted token
+   j + 1), overwriting its draft entries; its output at pair a seeds the next step.
 
-With k = 0 there is no MTP: the window is [t_n] and each step is one plain greedy decode step.
+With num_draft = 0 there is no MTP: the window is [t_n] and each step is one plain decode step.
+Sampling draws from one stream per row: the step's row keys are `row_keys(rng_key, step, B)`
+(prefill is step 0), so a row's tokens depend on (seed, step, row) only.
 Finished rows ride along with an empty window (query_len 0): they write nothing and change nothing.
 Everything runs inside one `jax.lax.while_loop` with no host round trip.
 """
@@ -33,10 +38,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.acceptance import greedy_accept_chain
+from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_chain, greedy_accept_tree,
+                                relaxed_accept_chain, relaxed_accept_tree, speculative_sample_chain,
+                                speculative_sample_tree)
 from jaxspec.cache import PagedCache
 from jaxspec.config import DecodeConfig
+from jaxspec.drafting import Draft, draft
 from jaxspec.pallas_kernels import Visibility
+from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params
+from jaxspec.trees import compact_slots
 
 PAD_TOKEN = -1  # fills the output buffer past a row's last emitted token
 
@@ -44,22 +54,26 @@ PAD_TOKEN = -1  # fills the output buffer past a row's last emitted token
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """The loop carry. Shapes: B rows, k drafts, D hidden, N = max_new_tokens + k + 1.
+    """The loop carry. Shapes: B rows, N window nodes, D the tree's depth (k for a chain), H hidden,
+    V vocabulary, T = max_new_tokens + D + 1.
 
-    target_cache / mtp_cache: PagedCache (mtp_cache is None when k == 0).
+    target_cache / mtp_cache: PagedCache (mtp_cache is None without drafts).
     last_token [B]: t_n, emitted, not yet in the target cache.
-    seed_token [B], seed_hidden [B, D]: the MTP's d_1 and its hidden state (zeros when k == 0).
-    drafts [B, k]: the drafts verified by the latest step (for inspection and tests).
-    tokens [B, N]: emitted tokens, PAD_TOKEN after `num_generated`.
+    seed_logits [B, V], seed_hidden [B, H]: the MTP's output for t_{n+1} (zeros without drafts).
+    drafts [B, N - 1]: the draft nodes verified by the latest step, in window order (for
+      inspection and tests).
+    tokens [B, T]: emitted tokens, PAD_TOKEN after `num_generated`.
     num_generated [B], done [B]: per-row progress.
     target_calls [B]: verification steps each row took part in (prefill excluded).
-    accepted [B]: drafts accepted in total; position_accepts [B, k]: steps whose draft j was accepted.
+    accepted [B]: drafts accepted in total; position_accepts [B, D]: steps whose accepted path
+      reached depth j + 1 (for a chain: whose draft j was accepted).
+    rng_key: the base PRNG key; steps []: loop steps taken (the RNG stream's step index).
     """
 
     target_cache: PagedCache
     mtp_cache: PagedCache | None
     last_token: jax.Array
-    seed_token: jax.Array
+    seed_logits: jax.Array
     seed_hidden: jax.Array
     drafts: jax.Array
     tokens: jax.Array
@@ -68,6 +82,8 @@ class DecodeState:
     target_calls: jax.Array
     accepted: jax.Array
     position_accepts: jax.Array
+    rng_key: jax.Array
+    steps: jax.Array
 
     def replace(self, **changes) -> "DecodeState":
         return dataclasses.replace(self, **changes)
@@ -80,6 +96,10 @@ def _argmax(logits: jax.Array) -> jax.Array:
 def _row_gather(x: jax.Array, index: jax.Array) -> jax.Array:
     """x [B, Q, ...], index [B] -> x[b, index[b]] [B, ...]."""
     return jax.vmap(lambda row, i: row[i])(x, index)
+
+
+def _sampling(config: DecodeConfig, batch: int) -> SamplingParams:
+    return sampling_params(batch, config.temperature, config.top_k, config.top_p)
 
 
 def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: DecodeConfig):
@@ -106,115 +126,135 @@ def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: D
 
 
 def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,
-            target_cache: PagedCache, mtp_cache: PagedCache | None, config: DecodeConfig) -> DecodeState:
+            target_cache: PagedCache, mtp_cache: PagedCache | None, rng_key: jax.Array,
+            config: DecodeConfig) -> DecodeState:
     """Run the prompts through the target (and the MTP module) and emit the first token.
 
-    prompts [B, P] int32 (right-padded), prompt_lens [B] int32 in [1, P]. Caches empty.
+    prompts [B, P] int32 (right-padded), prompt_lens [B] int32 in [1, P]. Caches empty. rng_key: the
+    base PRNG key (used when sampling).
     """
     model = nnx.merge(graphdef, params)
     batch, prompt_width = prompts.shape
-    k = config.num_draft
     positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
     vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=prompt_lens)
     logits, hidden, target_cache = model(prompts, positions, target_cache, vis, form="expanded",
                                          backend=config.backend)
     last = prompt_lens - 1
-    first_token = _argmax(_row_gather(logits, last))
+    last_logits = _row_gather(logits, last)
+    if config.temperature > 0:
+        first_token = sample_tokens(row_keys(rng_key, 0, batch), processed_probs(last_logits, _sampling(config, batch)))
+    else:
+        first_token = _argmax(last_logits)
     target_cache = target_cache.replace(lengths=prompt_lens)
 
-    seed_token = jnp.zeros((batch,), jnp.int32)
+    seed_logits = jnp.zeros_like(last_logits)
     seed_hidden = jnp.zeros((batch, hidden.shape[-1]), hidden.dtype)
-    if k > 0:
+    if config.draft_tree is not None:
         # MTP pair i is (h_i, t_{i+1}): the prompt shifted left, the first generated token last.
         shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], axis=1)
         next_tokens = shifted.at[jnp.arange(batch), last].set(first_token)
         mtp_logits, mtp_hidden, mtp_cache = model.draft(next_tokens, hidden, positions, mtp_cache, vis,
                                                         form="expanded", backend=config.backend)
         mtp_cache = mtp_cache.replace(lengths=prompt_lens)
-        seed_token = _argmax(_row_gather(mtp_logits, last))
+        seed_logits = _row_gather(mtp_logits, last)
         seed_hidden = _row_gather(mtp_hidden, last)
 
+    depth = config.max_depth
     state = DecodeState(
-        target_cache=target_cache, mtp_cache=mtp_cache, last_token=first_token, seed_token=seed_token,
-        seed_hidden=seed_hidden, drafts=jnp.zeros((batch, k), jnp.int32),
-        tokens=jnp.full((batch, config.max_new_tokens + k + 1), PAD_TOKEN, jnp.int32),
+        target_cache=target_cache, mtp_cache=mtp_cache, last_token=first_token, seed_logits=seed_logits,
+        seed_hidden=seed_hidden, drafts=jnp.zeros((batch, config.window_size - 1), jnp.int32),
+        tokens=jnp.full((batch, config.max_new_tokens + depth + 1), PAD_TOKEN, jnp.int32),
         num_generated=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool),
         target_calls=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32),
-        position_accepts=jnp.zeros((batch, k), jnp.int32))
+        position_accepts=jnp.zeros((batch, depth), jnp.int32), rng_key=rng_key, steps=jnp.zeros((), jnp.int32))
     tokens, num_generated, done = _emit(state, first_token[:, None], jnp.ones((batch,), jnp.int32), config)
     return state.replace(tokens=tokens, num_generated=num_generated, done=done)
 
 
-def draft_chain(model, state: DecodeState, config: DecodeConfig) -> tuple[jax.Array, PagedCache]:
-    """d_1 .. d_k [B, k] from the seed, chaining the one MTP layer k-1 times.
+def _chain_acceptance(accepted: jax.Array, bonus: jax.Array, num_draft: int) -> TreeAcceptance:
+    """A chain's (accepted [B], bonus [B]) as a TreeAcceptance: the path is nodes 0 .. accepted."""
+    nodes = jnp.arange(num_draft + 1, dtype=jnp.int32)
+    return TreeAcceptance(jnp.where(nodes <= accepted[:, None], nodes, -1), accepted, bonus)
 
-    Draft j >= 2 is the MTP's prediction for the pair (its own hidden, d_{j-1}) at position
-    n + j - 2; those entries go to the MTP cache past its committed length and are overwritten by
-    the next catch-up.
-    """
-    active = ~state.done
-    n = state.target_cache.lengths
-    drafts = [state.seed_token]
-    token, hidden, mtp_cache = state.seed_token, state.seed_hidden, state.mtp_cache
-    for j in range(1, config.num_draft):
-        position = n + j - 1
-        vis = Visibility(prefix_len=position, query_len=active.astype(jnp.int32))
-        logits, out_hidden, mtp_cache = model.draft(token[:, None], hidden[:, None], position[:, None], mtp_cache,
-                                                    vis, form="absorbed", backend=config.backend)
-        token, hidden = _argmax(logits[:, 0]), out_hidden[:, 0]
-        drafts.append(token)
-    return jnp.stack(drafts, axis=1), mtp_cache
+
+def accept(window: Draft, logits: jax.Array, config: DecodeConfig, keys: jax.Array,
+           params: SamplingParams) -> TreeAcceptance:
+    """logits [B, N, V] (the target's output at each window node), keys [B] the step's row keys
+    -> each row's accepted path (root first, [B, D + 1]), accepted count and bonus token, by the
+    rule the config selects (relaxed, greedy or rejection sampling; chain or tree form)."""
+    chain = window.tree_mask is None
+    drafts = window.tokens[:, 1:]
+    num_draft, depth = drafts.shape[1], config.max_depth
+    if config.relaxed is not None:
+        top_k, delta = config.relaxed
+        probs = jax.nn.softmax(logits, axis=-1)  # the raw target distribution the rule is stated in
+        if chain:
+            return _chain_acceptance(*relaxed_accept_chain(drafts, probs, top_k, delta), num_draft)
+        return relaxed_accept_tree(window.tokens, window.parents, probs, top_k, delta, depth)
+    if config.temperature == 0:
+        target_tokens = _argmax(logits)
+        if chain:
+            return _chain_acceptance(*greedy_accept_chain(drafts, target_tokens), num_draft)
+        return greedy_accept_tree(window.tokens, window.parents, target_tokens, depth)
+    probs = processed_probs(logits, params)
+    if num_draft == 0:  # plain sampling
+        return _chain_acceptance(jnp.zeros(keys.shape, jnp.int32), sample_tokens(keys, probs[:, 0]), 0)
+    if chain:
+        return _chain_acceptance(*speculative_sample_chain(keys, drafts, probs, window.draft_probs[:, :-1]),
+                                 num_draft)
+    return speculative_sample_tree(keys, window.tokens, window.parents, probs, window.draft_probs, depth)
 
 
 def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config: DecodeConfig) -> DecodeState:
     model = nnx.merge(graphdef, params)
-    k = config.num_draft
     batch = state.last_token.shape[0]
     active = ~state.done
     n = state.target_cache.lengths
-    window_len = jnp.where(active, k + 1, 0).astype(jnp.int32)
+    keys = row_keys(state.rng_key, state.steps + 1, batch)
+    sampling = _sampling(config, batch)
 
     # 1. draft
-    mtp_cache = state.mtp_cache
-    if k > 0:
-        drafts, mtp_cache = draft_chain(model, state, config)
-    else:
-        drafts = jnp.zeros((batch, 0), jnp.int32)
+    window = draft(model, state, config, keys, sampling)
 
-    # 2. verify: one target call over [t_n, d_1 .. d_k]
-    window = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
-    positions = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    vis = Visibility(prefix_len=n, query_len=window_len)
-    logits, hidden, target_cache = model(window, positions, state.target_cache, vis, form="absorbed",
-                                         backend=config.backend)
-    target_tokens = _argmax(logits)  # g_0 .. g_k
+    # 2. verify: one target call over the window
+    vis = Visibility(prefix_len=n, query_len=jnp.where(active, config.window_size, 0).astype(jnp.int32),
+                     tree_mask=window.tree_mask)
+    logits, hidden, target_cache = model(window.tokens, n[:, None] + window.depths, state.target_cache, vis,
+                                         form="absorbed", backend=config.backend)
 
     # 3. accept
-    accepted, bonus = greedy_accept_chain(drafts, target_tokens)
-    accepted = jnp.where(active, accepted, 0)
+    result = accept(window, logits, config, keys, sampling)
+    accepted = jnp.where(active, result.accepted, 0)
+    path_len = jnp.where(active, accepted + 1, 0)
+    emitted = emitted_tokens(window.tokens, result)  # [B, D + 1]: the path's drafts, the bonus, -1
 
     # 4. commit
-    tokens, num_generated, done = _emit(state, target_tokens, jnp.where(active, accepted + 1, 0), config)
-    new_len = jnp.where(active, n + accepted + 1, n)
+    tokens, num_generated, done = _emit(state, emitted, path_len, config)
+    if window.tree_mask is not None:  # a chain's path already sits at slots n .. n + a
+        target_cache = target_cache.move(*compact_slots(n, result.path, path_len))
+    new_len = n + path_len
     target_cache = target_cache.replace(lengths=new_len)
     position_accepts = state.position_accepts + (
-        (jnp.arange(k)[None, :] < accepted[:, None]) & active[:, None]).astype(jnp.int32)
+        jnp.arange(config.max_depth)[None, :] < accepted[:, None]).astype(jnp.int32)
 
-    # 5. catch up: MTP over the pairs (h_{n+j}, g_j), j <= a; its output at pair a seeds d_1.
-    seed_token, seed_hidden = state.seed_token, state.seed_hidden
-    if k > 0:
-        catch_vis = Visibility(prefix_len=n, query_len=jnp.where(active, accepted + 1, 0).astype(jnp.int32))
-        mtp_logits, mtp_hidden, mtp_cache = model.draft(target_tokens, hidden, positions, mtp_cache, catch_vis,
-                                                        form="absorbed", backend=config.backend)
+    # 5. catch up: MTP over the pairs (target hidden at path node j, emitted token j + 1), j <= a;
+    #    its output at pair a seeds the next step.
+    mtp_cache, seed_logits, seed_hidden = window.mtp_cache, state.seed_logits, state.seed_hidden
+    if config.draft_tree is not None:
+        path_hidden = jnp.take_along_axis(hidden, jnp.maximum(result.path, 0)[..., None], axis=1)
+        positions = n[:, None] + jnp.arange(config.max_depth + 1, dtype=jnp.int32)[None, :]
+        catch_vis = Visibility(prefix_len=n, query_len=path_len)
+        mtp_logits, mtp_hidden, mtp_cache = model.draft(jnp.maximum(emitted, 0), path_hidden, positions, mtp_cache,
+                                                        catch_vis, form="absorbed", backend=config.backend)
         mtp_cache = mtp_cache.replace(lengths=new_len)
-        seed_token = jnp.where(active, _argmax(_row_gather(mtp_logits, accepted)), seed_token)
+        seed_logits = jnp.where(active[:, None], _row_gather(mtp_logits, accepted), seed_logits)
         seed_hidden = jnp.where(active[:, None], _row_gather(mtp_hidden, accepted), seed_hidden)
 
     return state.replace(
-        target_cache=target_cache, mtp_cache=mtp_cache, last_token=jnp.where(active, bonus, state.last_token),
-        seed_token=seed_token, seed_hidden=seed_hidden, drafts=drafts, tokens=tokens, num_generated=num_generated,
-        done=done, target_calls=state.target_calls + active.astype(jnp.int32),
-        accepted=state.accepted + accepted, position_accepts=position_accepts)
+        target_cache=target_cache, mtp_cache=mtp_cache, last_token=jnp.where(active, result.bonus, state.last_token),
+        seed_logits=seed_logits, seed_hidden=seed_hidden, drafts=window.tokens[:, 1:], tokens=tokens,
+        num_generated=num_generated, done=done, target_calls=state.target_calls + active.astype(jnp.int32),
+        accepted=state.accepted + accepted, position_accepts=position_accepts, steps=state.steps + 1)
 
 
 def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config: DecodeConfig) -> DecodeState:
@@ -224,34 +264,29 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
     the bound only guards against a bug turning into a hang.
     """
 
-    def cond(carry):
-        iteration, state = carry
-        return jnp.any(~state.done) & (iteration < config.max_new_tokens)
+    def cond(state):
+        return jnp.any(~state.done) & (state.steps < config.max_new_tokens)
 
-    def body(carry):
-        iteration, state = carry
-        return iteration + 1, _step(graphdef, params, state, config)
-
-    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-    return state
+    return jax.lax.while_loop(cond, lambda state: _step(graphdef, params, state, config), state)
 
 
 _prefill_jit = jax.jit(prefill, static_argnames=("graphdef", "config"))
 _step_jit = jax.jit(_step, static_argnames=("graphdef", "config"))
 
 
-def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None) -> DecodeState:
+def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None, key=0) -> DecodeState:
     """Prefill `prompts` and return the loop state after the first emitted token (jitted).
 
-    `prompts` is a list of token-id sequences or a right-padded [B, P] array with `prompt_lens`.
-    Validation and cache sizing are those of `jaxspec.generate.generate`.
+    `prompts` is a list of token-id sequences or a right-padded [B, P] array with `prompt_lens`;
+    `key` an int seed or a `jax.random.key` (used when sampling). Validation and cache sizing are
+    those of `jaxspec.generate.generate`.
     """
     from jaxspec.generate import prepare
 
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens)
     graphdef, params = nnx.split(model)
     return _prefill_jit(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-                        config)
+                        base_key(key), config)
 
 
 def step(model: nnx.Module, state: DecodeState, config: DecodeConfig) -> DecodeState:

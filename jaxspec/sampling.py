@@ -72,6 +72,13 @@ def processed_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(greedy, argmax, jax.nn.softmax(scaled, axis=-1))
 
 
+def base_key(seed_or_key) -> jax.Array:
+    """An int seed (or a [] integer array, possibly traced) or a `jax.random.key` -> a PRNG key."""
+    if isinstance(seed_or_key, jax.Array) and jnp.issubdtype(seed_or_key.dtype, jax.dtypes.prng_key):
+        return seed_or_key
+    return jax.random.key(seed_or_key)
+
+
 def row_keys(key: jax.Array, step: jax.Array | int, num_rows: int) -> jax.Array:
     """key (a base PRNG key), step [] int -> [B] keys, one stream per (step, row)."""
     step_key = jax.random.fold_in(key, step)

@@ -16,7 +16,9 @@ Dynamic trees (`DynamicTree`, EAGLE-2) are grown per row from the draft's log-pr
 step functions rather than one function taking a draft callback: the decoding loop owns the draft
 model, its cache and its hidden states, and calls `dynamic_tree_init` once, `dynamic_tree_expand`
 once per further depth (from a Python loop or a `lax.fori_loop`; every shape is fixed), and
-`dynamic_tree_select` to obtain the verification window.
+`dynamic_tree_select` to obtain the verification window; `DynamicTreeSpec` fixes its shape.
+`parse_tree` reads either kind from its command-line form, and `chain_tree` is the chain of k drafts
+as a one-wide static tree.
 """
 
 from __future__ import annotations
@@ -158,6 +160,16 @@ EAGLE_TREE = StaticTree(
 STATIC_TREES = {"small": SMALL_TREE, "eagle": EAGLE_TREE}
 
 
+def chain_tree(num_draft: int) -> StaticTree:
+    """The chain of `num_draft` >= 1 drafts as a one-wide static tree (each node the rank-0 candidate)."""
+    return StaticTree(tuple((0,) * depth for depth in range(1, num_draft + 1)), top_k=1)
+
+
+def is_chain(tree: StaticTree) -> bool:
+    """True when every depth holds one node: the ancestor mask is then the causal one."""
+    return tree.num_nodes == tree.max_depth + 1
+
+
 def ancestor_mask(parents: jax.Array) -> jax.Array:
     """parents [B, N] int32 (-1 for the root) -> [B, N, N] bool: node j is an ancestor of node n,
     itself included. Jittable; walks up the tree N - 1 times, enough for any depth."""
@@ -224,6 +236,56 @@ class DynamicTree(NamedTuple):
     frontier_parent: jax.Array
     frontier_mask: jax.Array
     frontier_depth: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeSpec:
+    """The shape of an EAGLE-2 tree: grow `depth` levels, expanding the `top_k` best children of
+    the `top_k` best frontier nodes at each, then keep the `budget` best draft nodes.
+
+    Raises ValueError unless top_k >= 1, 1 <= depth <= budget (a node deeper than the budget could
+    never be kept with all its ancestors) and budget <= the candidate pool
+    (top_k + (depth - 1) * top_k^2). Hashable, so it can sit in a static config.
+    """
+
+    top_k: int
+    depth: int
+    budget: int
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise ValueError(f"DynamicTreeSpec.top_k={self.top_k}: must be >= 1")
+        if not 1 <= self.depth <= self.budget:
+            raise ValueError(f"DynamicTreeSpec.depth={self.depth}: must be in [1, budget={self.budget}]")
+        if self.budget > self.pool_size:
+            raise ValueError(f"DynamicTreeSpec.budget={self.budget}: must be <= the candidate pool "
+                             f"top_k + (depth - 1) * top_k^2 = {self.pool_size}")
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+    @property
+    def num_nodes(self) -> int:
+        """N: kept draft nodes plus the root."""
+        return self.budget + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+
+def parse_tree(spec: str) -> StaticTree | DynamicTreeSpec:
+    """A tree from its command-line form: a name in STATIC_TREES, or `top_k,depth,budget` for a
+    dynamic (EAGLE-2) tree. Raises ValueError on anything else."""
+    if spec in STATIC_TREES:
+        return STATIC_TREES[spec]
+    fields = spec.split(",")
+    if len(fields) != 3 or not all(field.strip().isdigit() for field in fields):
+        raise ValueError(f"tree {spec!r}: expected one of {sorted(STATIC_TREES)} or 'top_k,depth,budget' "
+                         "(three non-negative integers, e.g. '4,5,16')")
+    top_k, depth, budget = (int(field) for field in fields)
+    return DynamicTreeSpec(top_k=top_k, depth=depth, budget=budget)
 
 
 def dynamic_tree_init(root_logprobs: jax.Array, branching: int, depth: int) -> DynamicTree:

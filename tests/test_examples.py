@@ -22,7 +22,10 @@ EXAMPLE_FLAGS = ["--seed", "1", "--max-new-tokens", "12", "--prompt", "hello", "
 RUNS = {
     "mtp3": [GENERATE, "--mtp", "3", *EXAMPLE_FLAGS],
     "mtp0": [GENERATE, "--mtp", "0", *EXAMPLE_FLAGS],
-    "benchmark": [BENCHMARK, "--random", "--k", "1", "2", "--batch", "2", "--prompt-len", "8",
+    "tree": [GENERATE, "--tree", "small", *EXAMPLE_FLAGS],
+    "sampled": [GENERATE, "--tree", "2,2,3", "--temperature", "1.0", "--top-k", "5", "--sample-seed", "3",
+                *EXAMPLE_FLAGS],
+    "benchmark": [BENCHMARK, "--random", "--k", "1", "2", "--tree", "small", "--batch", "2", "--prompt-len", "8",
                   "--max-new-tokens", "8", "--repeats", "1", "--backend", "xla"],
 }
 
@@ -60,6 +63,16 @@ def test_generate_prints_the_same_text_with_and_without_mtp(outputs):
     assert [row[:4] for row in rows] == ["[0] ", "[1] ", "[2] "]
     assert rows[0].startswith("[0] 'hello' -> ") and rows[2].startswith("[2] 'hello' -> ")
     assert rows == _rows(plain)
+    assert rows == _rows(outputs["tree"])
+
+
+@pytest.mark.slow
+def test_generate_samples_one_stream_per_row(outputs):
+    sampled = outputs["sampled"]
+    assert "sampling (temperature 1.0, top-k 5, top-p 1.0, seed 3)" in _stat(sampled, "decoding")
+    rows = _rows(sampled)
+    assert rows[0].startswith("[0] 'hello' -> ") and rows[2].startswith("[2] 'hello' -> ")
+    assert rows[0][4:] != rows[2][4:]  # the same prompt, another stream
 
 
 @pytest.mark.slow
@@ -79,6 +92,8 @@ def test_benchmark_has_a_lossless_row_per_draft_length(outputs):
     assert [row[0] for row in table] == ["0", "1", "2"], outputs["benchmark"]
     assert all("yes" in row for row in table)  # the "= plain" column
     assert table[0][3] == "1.00x"
+    tree_rows = [line.split() for line in outputs["benchmark"].splitlines() if line.split()[:1] == ["small"]]
+    assert len(tree_rows) == 1 and "yes" in tree_rows[0]
 
 
 def _load_script(path: Path):
@@ -95,6 +110,12 @@ def _load_script(path: Path):
     (GENERATE, ["--prompt", ""], "--prompt: prompts must not be empty"),
     (GENERATE, ["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
     (GENERATE, ["--preset", "deepseek-v3"], "--preset: invalid choice"),
+    (GENERATE, ["--tree", "bushy"], "argument --tree: tree 'bushy'"),
+    (GENERATE, ["--tree", "small", "--mtp", "0"], "num_draft=0 means plain decoding"),
+    (GENERATE, ["--top-p", "0.5"], "top_p=0.5 filters sampling, but temperature=0 is greedy"),
+    (GENERATE, ["--temperature", "-1"], "temperature=-1.0: must be"),
+    (GENERATE, ["--relaxed", "3"], "argument --relaxed: expected top_k,delta"),
+    (BENCHMARK, ["--tree", "1,2"], "argument --tree: tree '1,2'"),
     (BENCHMARK, ["--k", "0", "1"], "--k [0]: each must be in [1, 7]"),
     (BENCHMARK, ["--k", "8"], "--k [8]: each must be in [1, 7]"),
     (BENCHMARK, ["--batch", "0"], "--batch: must be >= 1"),
