@@ -1,6 +1,7 @@
 """Generate text with MTP speculative decoding, and report speed and acceptance.
 
-    python examples/generate.py                       # tiny model, MTP k = 3
+    python examples/generate.py                       # the shipped trained model, MTP k = 3
+    python examples/generate.py --random              # random weights of the tiny preset (debugging)
     python examples/generate.py --mtp 0               # plain greedy decoding: the same text
     python examples/generate.py --tree eagle          # a static draft tree; --tree 4,4,12 a dynamic one
     python examples/generate.py --temperature 0.8 --top-p 0.95 --sample-seed 1   # lossless sampling
@@ -12,10 +13,12 @@ Greedy speculative decoding is lossless: for one seed, every --mtp and --tree pr
 only the speed and the acceptance statistics change. Sampling (--temperature > 0) is lossless in
 distribution: the text is distributed as plain sampling's, drawn from one stream per row seeded by
 --sample-seed (a runtime input: changing it does not recompile). --relaxed accepts close runners-up
-too, which is lossy: it changes the text. The model is the `tiny` preset (or `tiny-v3`) with
-random weights drawn from --seed, so the text itself is noise and few drafts are accepted
-(`benchmarks/speculative.py` trains the model first). `generate` is compiled ahead of time and
-run once to warm up, so the decode time excludes both.
+too, which is lossy: it changes the text. By default the model is the shipped checkpoint
+`examples/checkpoints/tiny-stdlib`: a small DeepSeek-V3.2 (MLA, DSA, MoE, MTP) that
+`examples/train_tiny.py` trained on the Python standard library's source, byte by byte, so Python
+prompts get Python-flavoured text and most drafts are accepted. --random uses the `tiny` preset (or
+`tiny-v3`) with random weights drawn from --seed instead: the text is noise and few drafts are
+accepted. `generate` is compiled ahead of time and run once to warm up, so the decode time excludes both.
 
 --checkpoint runs a real model instead: a Hugging Face DeepSeek-V3 / V3.2 directory (safetensors,
 FP8 or not; loaded tensor by tensor) or one written by `jaxspec convert` (orbax, fast to restore).
@@ -25,6 +28,7 @@ Its `tokenizer.json` encodes --prompt; a directory without one takes --prompt-id
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -37,10 +41,12 @@ from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
 from jaxspec.generate import compile_generate
 from jaxspec.models import DeepseekV3
+from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels.backend import resolve_backend
 from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
 
-DEFAULT_PROMPTS = ("The quick brown fox", "Speculative decoding is")
+DEFAULT_PROMPTS = ("import os\nimport sys\n\n\ndef ", "    def __repr__(self):\n        return ")
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny-stdlib")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -73,18 +79,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="LOSSY relaxed acceptance: also accept a draft among the target's TOP_K tokens "
                              "within DELTA of the top-1 probability (greedy only)")
     parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling streams (one per row)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random model weights")
+    parser.add_argument("--random", action="store_true",
+                        help="random weights of --preset (seeded by --seed) instead of the shipped trained model")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random model weights (with --random)")
     add_model_flags(parser, default_preset="tiny")
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="run this checkpoint (Hugging Face safetensors, or a `jaxspec convert` output) "
-                             "instead of a random --preset model")
+                             "instead of the shipped model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype of --checkpoint")
     parser.add_argument("--prompt-ids", action="append", type=token_ids, metavar="IDS",
                         help="a prompt as token ids, e.g. 1,2,3; repeat for several (instead of --prompt)")
     parser.add_argument("--print-ids", action="store_true", help="print token ids instead of text")
     args = parser.parse_args(argv)
 
+    if args.random and args.checkpoint is not None:
+        parser.error("--random and --checkpoint: choose one model")
     if args.prompts and args.prompt_ids:
         parser.error("--prompt and --prompt-ids: give one kind of prompt")
     if args.checkpoint is not None and not has_hf_tokenizer(args.checkpoint):
@@ -131,6 +141,9 @@ def build_model(args: argparse.Namespace) -> tuple[DeepseekV3, Tokenizer | None,
         if has_hf_tokenizer(args.checkpoint):
             return model, load_tokenizer(args.checkpoint), f"{args.dtype} weights, its tokenizer.json"
         return model, None, f"{args.dtype} weights, token ids (no tokenizer.json)"
+    if not args.random:
+        return (restore_model(DEFAULT_CHECKPOINT), load_tokenizer(None),
+                f"trained weights ({os.path.relpath(DEFAULT_CHECKPOINT)}), byte tokenizer")
     model = DeepseekV3(preset(args.preset), rngs=nnx.Rngs(args.seed))
     return model, load_tokenizer(None), f"random weights (seed {args.seed}), byte tokenizer"
 
@@ -154,7 +167,7 @@ def main(argv=None) -> None:
     config = DecodeConfig(**draft_options(args), max_new_tokens=args.max_new_tokens,
                           eos_token_id=eos_token_id, page_size=args.page_size, backend=args.backend)
     mconf = model.config
-    print(f"model     {args.checkpoint or args.preset} ({mconf.model_type}, {mconf.num_hidden_layers} layers"
+    print(f"model     {args.checkpoint or (args.preset if args.random else 'tiny-stdlib')} ({mconf.model_type}, {mconf.num_hidden_layers} layers"
           f"{', MTP' if model.mtp is not None else ''}), {weights}")
     print(f"decoding  batch {args.batch}, {describe_decoding(args)}, up to {args.max_new_tokens} new tokens per row, "
           f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}")

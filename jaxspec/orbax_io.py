@@ -86,7 +86,10 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32) -> Deepsee
         if problems:
             raise ValueError(f"checkpoint {params_path} does not match its config.json ({len(problems)} problem(s)):\n  "
                              + "\n  ".join(problems))
-        target = {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype) for name, meta in stored.items()}
+        # Onto this process's default device, whatever device the checkpoint was written from.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=device)
+                  for name, meta in stored.items()}
         restored = checkpointer.restore(params_path, target)
 
     state = nnx.from_flat_state({

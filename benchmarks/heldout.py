@@ -1,0 +1,157 @@
+"""Speculative decoding with the shipped default model on held-out stdlib files: acceptance and speed.
+
+    python benchmarks/heldout.py                                  # examples/checkpoints/tiny-stdlib
+    python benchmarks/heldout.py --prompts-per-file 4 --max-new-tokens 256 --repeats 5
+
+The prompts are byte windows of the files `examples/train_tiny.py` held out of training (listed in
+the checkpoint's `training.json`), starting at evenly spaced line starts. Every prompt is decoded
+greedily, one row at a time (the latency case speculative decoding is for), with plain decoding
+(k = 0), with the MTP module drafting chains of k = 1, 2, 3 tokens per step, and with draft trees
+(`--tree`). For each it reports the mean accepted length (tokens emitted per target call), the
+per-position acceptance (the fraction of steps whose j-th draft was accepted; for a tree, whose
+accepted path reached depth j), decode tokens/s and the speedup over k = 0, and checks that every
+draft emitted exactly the k = 0 tokens (greedy speculative decoding is lossless).
+
+All prompts have one length, so `generate` compiles once per k (before timing); each prompt is then
+decoded `--repeats` times and the fastest run counts, which filters out other processes on a shared
+machine. Times are whole `generate` calls: prefill, the decode loop and a few milliseconds of input
+checks and cache allocation, the same for every k. Before decoding, it also prints teacher-forced held-out losses and how often the MTP
+module's top-1 equals the target's next-next-token top-1, which bounds what drafting can accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.config import DecodeConfig
+from jaxspec.flags import TREE_HELP, tree_spec
+from jaxspec.generate import generate
+from jaxspec.orbax_io import restore_model
+from jaxspec.pallas_kernels import Visibility
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CHECKPOINT = os.path.join(REPO, "examples", "checkpoints", "tiny-stdlib")
+
+
+def held_out_files(checkpoint: str) -> list[str]:
+    with open(os.path.join(checkpoint, "training.json")) as f:
+        return json.load(f)["held_out"]
+
+
+def read_stdlib(name: str) -> bytes:
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], name), "rb") as f:
+        return f.read()
+
+
+def line_start_prompts(text: bytes, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` bytes, each starting at the first line start after an evenly spaced offset."""
+    prompts = []
+    for i in range(count):
+        start = text.find(b"\n", i * len(text) // count) + 1
+        start = min(start, len(text) - length)
+        prompts.append(list(text[start:start + length]))
+    return prompts
+
+
+@nnx.jit
+def teacher_forced(model, tokens):
+    """tokens [B, L] -> (target nats/byte, MTP nats/byte, MTP top-1 == target's top-1 for the token
+    after next), the MTP fed the true next token and the target's hidden state as in decoding."""
+    batch, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=jnp.full((batch,), length, jnp.int32))
+    logits, hidden, _ = model(tokens, positions, model.init_cache(batch, length, page_size=length), vis,
+                              form="expanded", backend="xla")
+    mtp_vis = vis._replace(query_len=vis.query_len - 1)
+    mtp_logits, _, _ = model.draft(tokens[:, 1:], hidden[:, :-1], positions[:, :-1],
+                                   model.init_cache(batch, length, page_size=length, mtp=True), mtp_vis,
+                                   form="expanded", backend="xla")
+    nll = lambda lg, t: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(lg), t[..., None], axis=-1))
+    agree = jnp.mean(jnp.argmax(mtp_logits[:, :-1], -1) == jnp.argmax(logits[:, 1:-1], -1))
+    return nll(logits[:, :-1], tokens[:, 1:]), nll(mtp_logits[:, :-1], tokens[:, 2:]), agree
+
+
+def measure(model, prompts: list[list[int]], config: DecodeConfig, repeats: int):
+    """Decode each prompt alone; returns (emitted tokens per prompt, summed stats, best decode seconds)."""
+    outputs, seconds = [], 0.0
+    calls = accepted = 0
+    position_accepts = 0
+    jax.block_until_ready(generate(model, [prompts[0]], config).tokens)  # compiles, once for all the prompts
+    for prompt in prompts:
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = generate(model, [prompt], config)
+            jax.block_until_ready(result.tokens)
+            best = min(best, time.perf_counter() - start)
+        seconds += best
+        outputs.append(result.row_tokens(0))
+        calls += int(np.sum(result.target_calls))
+        accepted += int(np.sum(result.accepted))
+        position_accepts += np.asarray(result.position_accepts).sum(axis=0)
+    return outputs, dict(calls=calls, accepted=accepted, position_accepts=position_accepts), seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory written by save_model")
+    parser.add_argument("--prompts-per-file", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=96, help="bytes per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=160,
+                        help="per prompt; prompt plus continuation stay within the 256-byte training windows")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt; the fastest counts")
+    parser.add_argument("--max-k", type=int, default=3, help="draft lengths 1..max-k are compared with k = 0")
+    parser.add_argument("--tree", type=tree_spec, nargs="*", default=["small"],
+                        help=f"draft trees to compare as well (none: chains only); each a {TREE_HELP}")
+    args = parser.parse_args(argv)
+
+    model = restore_model(args.checkpoint)
+    files = held_out_files(args.checkpoint)
+    texts = [read_stdlib(name) for name in files]
+    c = model.config
+    print(f"model      {args.checkpoint}: {c.model_type}, {c.num_hidden_layers} layers + MTP, hidden {c.hidden_size}, "
+          f"{c.n_routed_experts} routed experts, index_topk {c.index_topk}")
+    print(f"held out   {', '.join(files)} ({jax.default_backend()}, {jax.device_count()} device(s))")
+
+    windows = np.concatenate([np.frombuffer(t[:len(t) // 256 * 256], np.uint8).reshape(-1, 256) for t in texts])
+    target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32))
+    print(f"teacher-forced  target {float(target_nll):.3f} nats/byte, MTP (byte after next) {float(mtp_nll):.3f} "
+          f"nats/byte, MTP top-1 == target top-1 {float(agree):.1%}")
+
+    prompts = [p for t in texts for p in line_start_prompts(t, args.prompts_per_file, args.prompt_len)]
+    print(f"decoding   {len(prompts)} prompts x {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
+          f"batch 1, best of {args.repeats}\n")
+    print(f"{'draft':>5}  {'accepted length':>15}  {'acceptance per position':<26}  {'tokens/s':>9}  {'speedup':>7}  "
+          f"same tokens")
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla")
+    drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
+    drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
+    reference, base_rate, lossless = None, None, True
+    for label, config in drafts:
+        outputs, stats, seconds = measure(model, prompts, config, args.repeats)
+        rate = sum(len(o) for o in outputs) / seconds
+        if reference is None:
+            reference, base_rate = outputs, rate
+        same = outputs == reference
+        lossless &= same
+        length = (stats["accepted"] + stats["calls"]) / max(stats["calls"], 1)
+        per_position = " ".join(f"{a:.2f}" for a in np.atleast_1d(stats["position_accepts"]) / max(stats["calls"], 1))
+        print(f"{label:>5}  {length:>15.2f}  {per_position or '-':<26}  {rate:>9,.0f}  {rate / base_rate:>6.2f}x  "
+              f"{'yes' if same else 'NO'}", flush=True)
+    print(f"\nsample prompt (from {files[0]}):\n{bytes(prompts[0]).decode('utf-8', 'replace')}\n"
+          f"greedy continuation:\n{bytes(t for t in reference[0] if t < 256).decode('utf-8', 'replace')}")
+    return 0 if lossless else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
