@@ -15,8 +15,9 @@ draft emitted exactly the k = 0 tokens (greedy speculative decoding is lossless)
 All prompts have one length, so `generate` compiles once per k (before timing); each prompt is then
 decoded `--repeats` times and the fastest run counts, which filters out other processes on a shared
 machine. Times are whole `generate` calls: prefill, the decode loop and a few milliseconds of input
-checks and cache allocation, the same for every k. Before decoding, it also prints teacher-forced held-out losses and how often the MTP
-module's top-1 equals the target's next-next-token top-1, which bounds what drafting can accept.
+checks and cache allocation, the same for every k. Before decoding, it also prints teacher-forced
+held-out losses and how often the MTP module's top-1 equals the target's next-next-token top-1,
+which bounds what drafting can accept.
 """
 
 from __future__ import annotations
