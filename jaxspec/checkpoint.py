@@ -52,7 +52,7 @@ from flax import nnx
 from jaxspec import fp8, shards
 from jaxspec.config import ModelConfig
 from jaxspec.models import DeepseekV3
-from jaxspec.orbax_io import PARAMS_DIR, restore_model
+from jaxspec.orbax_io import PARAMS_DIR, abstract_model, restore_model
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -259,15 +259,6 @@ def _mtp_setting(config: ModelConfig, tensors: Mapping[str, shards.TensorInfo], 
     return config
 
 
-def _abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State, dict[str, jax.ShapeDtypeStruct]]:
-    """The model's structure without allocating it: graphdef, abstract state, and each parameter's
-    shape and dtype by dotted path (`layers.0.self_attn.q_a_proj.weight`)."""
-    abstract = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(abstract)
-    specs = {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(state)}
-    return graphdef, state, specs
-
-
 def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
                        log: Callable[[str], None] = _stderr) -> DeepseekV3:
     """Build the model `directory/config.json` describes and fill it from the directory's safetensors.
@@ -286,7 +277,8 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
     block = fp8.block_size(hf_config)
     tensors = shards.read_headers(directory)
     config = _mtp_setting(config, tensors, log)
-    graphdef, state, specs = _abstract_model(config, dtype)
+    graphdef, state, variables = abstract_model(config, dtype)
+    specs = {name: variable.get_value() for name, variable in variables.items()}
     plan = _plan(tensors, specs, config, block)
     if (problems := plan.report(directory)) is not None:
         raise ValueError(problems)

@@ -35,6 +35,14 @@ def _param_name(path) -> str:
     return ".".join(str(part) for part in path)
 
 
+def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State, dict[str, nnx.Variable]]:
+    """The model's structure without allocating it (`nnx.eval_shape`, no random init): graphdef,
+    abstract state, and each abstract parameter by dotted path (`layers.0.self_attn.o_proj.weight`)."""
+    abstract = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state, {_param_name(path): variable for path, variable in nnx.to_flat_state(state)}
+
+
 def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -> None:
     """Write `model`'s config and parameters to `directory` (created; an existing save is replaced).
 
@@ -72,9 +80,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32) -> Deepsee
     if not os.path.isfile(config_path) or not os.path.isdir(params_path):
         raise ValueError(f"{directory} is not a saved model: expected {CONFIG_FILE} and {PARAMS_DIR}/ in it")
     config = ModelConfig.from_hf(config_path)
-    abstract = nnx.eval_shape(lambda: DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, abstract_state = nnx.split(abstract)
-    expected = {_param_name(path): variable for path, variable in nnx.to_flat_state(abstract_state)}
+    graphdef, abstract_state, expected = abstract_model(config, dtype)
 
     with ocp.StandardCheckpointer() as checkpointer:
         stored = dict(checkpointer.metadata(params_path).item_metadata)
