@@ -18,6 +18,16 @@ machine. Times are whole `generate` calls: prefill, the decode loop and a few mi
 checks and cache allocation, the same for every k. Before decoding, it also prints teacher-forced
 held-out losses and how often the MTP module's top-1 equals the target's next-next-token top-1,
 which bounds what drafting can accept.
+
+Where a step's time goes on the 2-core CPU (jax 0.10.2; 30 `jaxspec.loop._step` calls timed in one
+`fori_loop`, batch 1, these prompts; a component's share is the time saved by replacing it with a
+stub): a plain step takes 0.77 ms, a k = 3 step 1.9 ms (2.5x, while it emits 3.27 tokens). Of the
+k = 3 step, the three MTP calls take 0.39 ms and the loop's own bookkeeping 0.04 ms; the rest is the
+target verifying 4 tokens, about twice its one-token cost. XLA's CPU backend is compute-bound at
+this size, not bandwidth-bound as a GPU decoding a large model is: the DSA indexer's `lax.top_k`
+costs about 5 us per query row and layer (0.26 ms of a plain step, 0.56 ms of a k = 3 step), and
+matmuls with 4 rows go through YNNPACK at about 2.5x the cost of the one-row matvec. Speculation
+pays where verifying k + 1 tokens costs about as much as one token.
 """
 
 from __future__ import annotations

@@ -9,8 +9,17 @@ Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`):
   5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
 Output = sum_k weights_k * expert_k(x) + shared_experts(x).
 
-Experts run as grouped matmuls (`jax.lax.ragged_dot`) over the token-expert assignments sorted by
-expert, so compute scales with tokens * num_experts_per_tok, not with n_routed_experts.
+Two equal ways to run the experts, chosen by the static token count T (k = num_experts_per_tok,
+E = n_routed_experts):
+
+* T * k <= E (decode and verification windows): each assignment gathers its expert's weights and
+  multiplies by them. It reads at most E expert matrices, and needs no sort or scatter.
+* otherwise (prefill, training): grouped matmuls (`jax.lax.ragged_dot`) over the assignments sorted
+  by expert, so each expert's weights are read once.
+
+Measured on the CPU with the shipped 12-layer model (`benchmarks/heldout.py` shapes, batch 1), the
+gathered path made a plain decode step 1.4x faster and a k = 3 speculative step 1.2x faster than
+ragged_dot, which XLA's CPU backend lowers to a matmul over every expert for every token.
 """
 
 from __future__ import annotations
@@ -64,18 +73,40 @@ class MoE(nnx.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
+        if experts.size <= self.config.n_routed_experts:
+            out = self._gathered(tokens, weights, experts)
+        else:
+            out = self._grouped(tokens, weights, experts)
+        out = out.astype(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.reshape(shape)
+
+    def _gathered(self, tokens, weights, experts):
+        """tokens [T, D], weights [T, k] float32, experts [T, k] -> [T, D] float32. Each assignment
+        multiplies by its own expert's gathered weights (T * k expert matrices); no sort or scatter."""
+        num_tokens, topk = experts.shape
+        flat = experts.reshape(-1)
+        x = jnp.repeat(tokens, topk, axis=0)  # [T * k, D], assignment-major like `flat`
+        w = lambda p: p[...][flat].astype(tokens.dtype)
+        gate = jnp.einsum("md,mdh->mh", x, w(self.experts_gate_proj))
+        up = jnp.einsum("md,mdh->mh", x, w(self.experts_up_proj))
+        down = jnp.einsum("mh,mhd->md", jax.nn.silu(gate) * up, w(self.experts_down_proj))
+        down = down.astype(jnp.float32).reshape(num_tokens, topk, -1)
+        return jnp.einsum("tkd,tk->td", down, weights)
+
+    def _grouped(self, tokens, weights, experts):
+        """Same arguments and result as `_gathered`, as grouped matmuls (`jax.lax.ragged_dot`) over
+        the assignments sorted by expert: each expert's weights are read once."""
         num_tokens, topk = experts.shape
         flat_expert = experts.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)
         token_of = order // topk
         group_sizes = jnp.bincount(flat_expert, length=self.config.n_routed_experts).astype(jnp.int32)
         sorted_in = tokens[token_of]
-        gate = jax.lax.ragged_dot(sorted_in, self.experts_gate_proj[...].astype(x.dtype), group_sizes)
-        up = jax.lax.ragged_dot(sorted_in, self.experts_up_proj[...].astype(x.dtype), group_sizes)
-        down = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.experts_down_proj[...].astype(x.dtype), group_sizes)
+        dtype = tokens.dtype
+        gate = jax.lax.ragged_dot(sorted_in, self.experts_gate_proj[...].astype(dtype), group_sizes)
+        up = jax.lax.ragged_dot(sorted_in, self.experts_up_proj[...].astype(dtype), group_sizes)
+        down = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.experts_down_proj[...].astype(dtype), group_sizes)
         weighted = down.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        out = jnp.zeros((num_tokens, shape[-1]), jnp.float32).at[token_of].add(weighted)
-        out = out.astype(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
-        return out.reshape(shape)
+        return jnp.zeros((num_tokens, tokens.shape[-1]), jnp.float32).at[token_of].add(weighted)

@@ -168,11 +168,15 @@ def test_moe_router_equals_loop(norm_topk_prob):
     assert (np.sort(np.argsort(-scores, axis=1)[:, :3], axis=1) != np.sort(ref_experts, axis=1)).any()
 
 
-def test_moe_layer_equals_loop():
-    """The ragged-dot expert computation equals a per-token sum over chosen experts."""
-    model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("extra_tokens", [-2, 0, 1, 9])
+def test_moe_layer_equals_loop(extra_tokens):
+    """Both expert paths equal a per-token sum over the chosen experts: the gathered path (T * k <=
+    E, here T = E / k + extra_tokens with extra_tokens <= 0) and the grouped ragged-dot path."""
+    config = preset("tiny", n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=2)
+    model = DeepseekV3(config, rngs=nnx.Rngs(0))
     moe = model.layers[1].mlp
-    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 7, 64)), jnp.float32)
+    num_tokens = config.n_routed_experts // config.num_experts_per_tok + extra_tokens
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(1, num_tokens, 64)), jnp.float32)
     out = nnx.jit(lambda m, x: m(x))(moe, x)
     tokens = np.asarray(x).reshape(-1, 64)
     weights, experts = _route_loop(moe.config, tokens, np.asarray(moe.gate_weight[...]),
