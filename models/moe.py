@@ -85,15 +85,11 @@ class MoE(nnx.Module):
     def _gathered(self, tokens, weights, experts):
         """tokens [T, D], weights [T, k] float32, experts [T, k] -> [T, D] float32. Each assignment
         multiplies by its own expert's gathered weights (T * k expert matrices); no sort or scatter."""
-        num_tokens, topk = experts.shape
-        flat = experts.reshape(-1)
-        x = jnp.repeat(tokens, topk, axis=0)  # [T * k, D], assignment-major like `flat`
-        w = lambda p: p[...][flat].astype(tokens.dtype)
-        gate = jnp.einsum("md,mdh->mh", x, w(self.experts_gate_proj))
-        up = jnp.einsum("md,mdh->mh", x, w(self.experts_up_proj))
-        down = jnp.einsum("mh,mhd->md", jax.nn.silu(gate) * up, w(self.experts_down_proj))
-        down = down.astype(jnp.float32).reshape(num_tokens, topk, -1)
-        return jnp.einsum("tkd,tk->td", down, weights)
+        w = lambda p: p[...][experts].astype(tokens.dtype)  # [T, k, ...]
+        gate = jnp.einsum("td,tkdh->tkh", tokens, w(self.experts_gate_proj))
+        up = jnp.einsum("td,tkdh->tkh", tokens, w(self.experts_up_proj))
+        down = jnp.einsum("tkh,tkhd->tkd", jax.nn.silu(gate) * up, w(self.experts_down_proj))
+        return jnp.einsum("tkd,tk->td", down.astype(jnp.float32), weights)
 
     def _grouped(self, tokens, weights, experts):
         """Same arguments and result as `_gathered`, as grouped matmuls (`jax.lax.ragged_dot`) over
