@@ -48,7 +48,7 @@ from flax import nnx
 
 from jaxspec.config import DecodeConfig
 from jaxspec.flags import TREE_HELP, tree_spec
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
 

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, tree_spec
-from jaxspec.generate import GenerateResult, compile_generate
+from jaxspec.generation import GenerateResult, compile_generate
 from jaxspec.models import DeepseekV3
 from jaxspec.train import train
 from jaxspec.trees import parse_tree

@@ -39,7 +39,7 @@ from flax import nnx
 from jaxspec.checkpoint import load_model
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
-from jaxspec.generate import compile_generate
+from jaxspec.generation import compile_generate
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels.backend import resolve_backend

@@ -1,7 +1,26 @@
 """jaxspec: lossless speculative decoding for DeepSeek-V3 / V3.2 in JAX.
 
-The public names are imported lazily so that `jaxspec.config`, `jaxspec.cache` and the
-`jaxspec.pallas_kernels` / `jaxspec.models` subpackages load without the engine.
+The public API (each name's docstring gives its arguments, shapes and errors):
+
+    ModelConfig, preset        model shapes from a Hugging Face config.json, or a named preset
+    DeepseekV3                 the Flax NNX model (target + MTP draft module)
+    DecodeConfig               draft length or tree, sampling, token budget, cache geometry, backend
+    generate                   prompts -> GenerateResult, one jitted prefill + while_loop
+    compile_generate           `generate` compiled ahead of time, returns a runner
+    GenerateResult             emitted tokens and speculative statistics
+    init_state, step           the same loop driven one speculative step at a time
+    DecodeState                the loop carry that `init_state` / `step` pass around
+    PagedCache, init_cache     the paged MLA / indexer cache
+    restore_model, save_model  orbax checkpoints of a model
+
+    from jaxspec import DecodeConfig, DeepseekV3, generate, preset
+
+The names resolve lazily (PEP 562 `__getattr__`), so `import jaxspec` and the leaf modules
+(`jaxspec.config`, `jaxspec.cache`, `jaxspec.pallas_kernels`) load without flax or the engine. No
+public name is also a submodule name: importing a submodule binds it as an attribute of this
+package, and a function and a module under one name would make `from jaxspec import generate`
+return whichever was bound last (the module `jaxspec/generate.py` did exactly that; it is now
+`jaxspec/generation.py`). Each name is cached in the package namespace on first use.
 """
 
 import importlib
@@ -13,11 +32,14 @@ _PUBLIC = {
     "PagedCache": "jaxspec.cache",
     "init_cache": "jaxspec.cache",
     "DeepseekV3": "jaxspec.models",
-    "generate": "jaxspec.generate",
-    "GenerateResult": "jaxspec.generate",
+    "generate": "jaxspec.generation",
+    "compile_generate": "jaxspec.generation",
+    "GenerateResult": "jaxspec.generation",
     "init_state": "jaxspec.loop",
     "step": "jaxspec.loop",
     "DecodeState": "jaxspec.loop",
+    "restore_model": "jaxspec.orbax_io",
+    "save_model": "jaxspec.orbax_io",
 }
 
 __all__ = sorted(_PUBLIC)
@@ -25,5 +47,11 @@ __all__ = sorted(_PUBLIC)
 
 def __getattr__(name):
     if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'jaxspec' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

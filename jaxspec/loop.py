@@ -279,9 +279,9 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
 
     `prompts` is a list of token-id sequences or a right-padded [B, P] array with `prompt_lens`;
     `key` an int seed or a `jax.random.key` (used when sampling). Validation and cache sizing are
-    those of `jaxspec.generate.generate`.
+    those of `jaxspec.generation.generate`.
     """
-    from jaxspec.generate import prepare
+    from jaxspec.generation import prepare
 
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens)
     graphdef, params = nnx.split(model)

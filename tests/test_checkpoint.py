@@ -19,7 +19,7 @@ from flax import nnx
 from jaxspec import cli, fp8
 from jaxspec.checkpoint import load_hf_checkpoint, load_model
 from jaxspec.config import DecodeConfig, ModelConfig, preset
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.shards import INDEX_FILE, write

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.config import DecodeConfig, preset
-from jaxspec.generate import compile_generate, generate
+from jaxspec.generation import compile_generate, generate
 from jaxspec.models import DeepseekV3
 
 

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.config import DecodeConfig, preset
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.config import DecodeConfig, preset
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility

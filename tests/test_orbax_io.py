@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.config import DecodeConfig, ModelConfig, preset
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model, save_model
 

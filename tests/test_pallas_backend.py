@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxspec.config import DecodeConfig
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 
 PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy"), list(b"zq")]
 

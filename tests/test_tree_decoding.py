@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import generate as generate_module
+from jaxspec import generation as generate_module
 from jaxspec.cache import PagedCache, init_cache
 from jaxspec.config import DecodeConfig, preset
-from jaxspec.generate import generate
+from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility, read_slots
