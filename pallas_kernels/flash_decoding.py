@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .cost import array_bytes
 from .mla_attention import EMPTY_LSE
 from .tiling import MIN_BLOCK, block_size, column_span, dot_nn, dot_nt, launch, load_block, num_parts
 
@@ -181,9 +182,18 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     parts = num_splits or num_parts(groups * row_blocks, pl.cdiv(num_slots, block_n), MIN_PART_SLOTS // block_n)
     kernel = functools.partial(kernel, dims=dims, rows=rows, rows_padded=rows_padded, page_size=page_size,
                                num_pages=num_pages, block_m=block_m, block_n=block_n, parts=parts, **params)
-    out, lse = launch(kernel, out_shape=part_shapes(groups, parts, rows_padded, dims.latent, q_nope.dtype),
-                      grid=(row_blocks, parts, groups), num_warps=num_warps or default_warps(block_m),
-                      num_stages=num_stages, name=name, interpret=interpret)(
+    out_shape = part_shapes(groups, parts, rows_padded, dims.latent, q_nope.dtype)
+    # Stated at full capacity (every slot visible; the real loop stops at each row's length). A
+    # group's query rows score Dl + Dr features and average Dl per slot; its slots come from HBM
+    # once (its row blocks share them through L2).
+    cost = pl.CostEstimate(
+        flops=2 * groups * rows * num_slots * (2 * dims.latent + dims.rope),
+        transcendentals=groups * rows * num_slots,
+        bytes_accessed=groups * num_slots * width * latent_cache.dtype.itemsize
+        + array_bytes(q_nope, q_rope, page_table, *operands, *out_shape))
+    out, lse = launch(kernel, out_shape=out_shape, grid=(row_blocks, parts, groups),
+                      num_warps=num_warps or default_warps(block_m), num_stages=num_stages, name=name,
+                      interpret=interpret, cost=cost)(
         q_nope.reshape(groups * rows, dims.latent), q_rope.reshape(groups * rows, dims.rope),
         latent_cache.reshape(num_pages * page_size, width), page_table.astype(jnp.int32), *operands)
     return combine_parts(out, lse, groups, parts, rows_padded, rows, q_nope.dtype)

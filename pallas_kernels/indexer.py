@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .backend import resolve_backend
+from .backend import interpret_mode, resolve_backend
 from .paged import gather_rows
 from .visibility import Visibility, visible_mask
 
@@ -61,5 +61,5 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
     """
     if resolve_backend(backend) == "pallas":
         from .indexer_pallas import indexer_topk_pallas
-        return indexer_topk_pallas(q_idx, weights, key_cache, page_table, vis, topk=topk)
+        return indexer_topk_pallas(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())
     return indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, topk=topk)

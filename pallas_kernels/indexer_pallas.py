@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .cost import array_bytes
 from .indexer import select_topk
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
                      slot_rows, tile_range, visibility_operands, visible)
@@ -122,11 +123,18 @@ def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
         _indexer_kernel, num_queries=num_queries, heads=heads, heads_block=heads_block, dim_block=block_size(dim),
         page_size=page_size, num_pages=num_pages, block_q=block_q, block_n=block_n, queries_padded=queries_padded,
         chunks=chunks)
-    scores = launch(kernel, out_shape=jax.ShapeDtypeStruct((batch * queries_padded, num_tiles * block_n), jnp.float32),
-                    grid=(token_blocks, chunks, batch), num_warps=num_warps, num_stages=num_stages,
-                    name="indexer_scores", interpret=interpret)(
+    out_shape = jax.ShapeDtypeStruct((batch * queries_padded, num_tiles * block_n), jnp.float32)
+    vis_operands = visibility_operands(vis, num_queries)
+    # Stated at full capacity (every slot visible): a row's keys come from HBM once; each head's
+    # logit is a Di-long dot, then ReLU, weight and sum.
+    cost = pl.CostEstimate(
+        flops=batch * num_queries * heads * num_slots * (2 * dim + 3), transcendentals=0,
+        bytes_accessed=batch * num_slots * dim * key_cache.dtype.itemsize
+        + array_bytes(q_idx, weights, page_table, *vis_operands, out_shape))
+    scores = launch(kernel, out_shape=out_shape, grid=(token_blocks, chunks, batch), num_warps=num_warps,
+                    num_stages=num_stages, name="indexer_scores", interpret=interpret, cost=cost)(
         q_idx.reshape(-1, dim), weights.reshape(-1), key_cache.reshape(num_pages * page_size, dim),
-        page_table.astype(jnp.int32), *visibility_operands(vis, num_queries))
+        page_table.astype(jnp.int32), *vis_operands)
     return scores.reshape(batch, queries_padded, -1)[:, :num_queries, :num_slots]
 
 

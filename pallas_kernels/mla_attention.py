@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .backend import resolve_backend
+from .backend import interpret_mode, resolve_backend
 from .paged import gather_rows
 from .visibility import Visibility, visible_mask
 
@@ -72,5 +72,6 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
     """
     if resolve_backend(backend) == "pallas":
         from .mla_attention_pallas import mla_attention_pallas
-        return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale)
+        return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale,
+                                    interpret=interpret_mode())
     return mla_attention_reference(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale)

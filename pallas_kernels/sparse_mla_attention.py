@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from .backend import resolve_backend
+from .backend import interpret_mode, resolve_backend
 from .mla_attention import attend_latent
 from .paged import read_slots
 
@@ -41,6 +41,6 @@ def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax
     if resolve_backend(backend) == "pallas":
         from .sparse_mla_attention_pallas import sparse_mla_attention_pallas
         return sparse_mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, indices,
-                                           softmax_scale=softmax_scale)
+                                           softmax_scale=softmax_scale, interpret=interpret_mode())
     return sparse_mla_attention_reference(q_nope, q_rope, latent_cache, page_table, indices,
                                           softmax_scale=softmax_scale)

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .backend import interpret_mode
+from .cost import cost_metadata
 from .visibility import Visibility, kv_bound
 
 # Triton's tl.dot needs every extent >= 16, so a block is never smaller than that.
@@ -39,15 +40,18 @@ def block_size(extent: int, cap: int | None = None) -> int:
     return size if cap is None else min(cap, size)
 
 
-def launch(kernel, *, out_shape, grid, num_warps: int, num_stages: int, name: str, interpret: bool | None):
+def launch(kernel, *, out_shape, grid, num_warps: int, num_stages: int, name: str, interpret: bool | None,
+           cost: pl.CostEstimate):
     """pallas_call with the Triton lowering; operands are whole arrays in global memory.
 
     interpret None = interpret mode exactly when there is no GPU; False forces the Triton lowering
-    (how the tests lower for CUDA on a CPU-only machine).
+    (how the tests lower for CUDA on a CPU-only machine). cost: the launch's flops and bytes, which
+    compiled programs count (`cost.py`).
     """
     interpret = interpret_mode() if interpret is None else interpret
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, name=name, interpret=interpret,
-                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+                          cost_estimate=cost, metadata=cost_metadata(cost))
 
 
 def column_span(start, width: int, block: int):

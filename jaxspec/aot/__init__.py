@@ -1,0 +1,22 @@
+"""Ahead-of-time compilation for NVIDIA GPUs on a host without one: the project's instrument.
+
+    import os; os.environ["JAX_PLATFORMS"] = "cpu"   # before JAX initializes (see compile.py)
+    from jaxspec import aot
+    devices = aot.gpu_devices("h100", num_devices=1)
+    compiled = aot.compile_gpu(fn, *shape_dtype_structs, devices=devices)
+    aot.memory(compiled), aot.program_cost(compiled), aot.kernel_launches(compiled), aot.collectives(compiled)
+
+What is measured is what the compiler decided (memory, flops, bytes, kernels' registers and
+shared memory, collectives): facts that tests may assert. Run times derived from them are
+projections (`benchmarks/projection.py`).
+"""
+
+from .analysis import (Collective, KernelLaunch, Memory, PallasCall, ProgramCost, collectives, kernel_launches, memory,
+                       pallas_calls, program_cost, ptxas_path, shape_bytes)
+from .compile import TARGETS, GpuCompiled, compile_gpu, gpu_devices, target_config
+
+__all__ = [
+    "TARGETS", "Collective", "GpuCompiled", "KernelLaunch", "Memory", "PallasCall", "ProgramCost", "collectives",
+    "compile_gpu", "gpu_devices", "kernel_launches", "memory", "pallas_calls", "program_cost", "ptxas_path",
+    "shape_bytes", "target_config",
+]

@@ -1,0 +1,273 @@
+"""What a program compiled for a GPU target costs, read from the compiler's own output.
+
+  * `memory`: XLA's buffer assignment per device (arguments, outputs, temporaries, aliased bytes);
+  * `program_cost`: XLA's HLO cost analysis of the optimized module (run through the CPU client:
+    the GPU path's `cost_analysis()` returns None without a GPU) plus the Pallas kernels' own
+    stated costs, which XLA counts as nothing (`jaxspec.pallas_kernels.cost`);
+  * `kernel_launches`: each Pallas kernel's grid, threads and shared memory from the dumped thunk
+    sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
+    dumped PTX;
+  * `collectives`: every collective of the optimized HLO with the bytes it produces.
+
+All of it parses XLA's text dumps; the formats are XLA's, not a stable API, so each parser is
+small and fails loudly (an unreadable dump raises instead of reporting zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import zlib
+from collections import Counter
+
+import jax
+
+from jaxspec.pallas_kernels.cost import read_cost_metadata
+
+from .compile import GpuCompiled
+
+# Custom-call targets of a Pallas kernel lowered through Triton: jaxlib <= 0.10.2 (metadata in
+# `serialized_metadata`) and later (metadata inside the zlib-compressed `opaque` kernel proto).
+_TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                "collective-permute", "collective-broadcast")
+_SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\(", re.M)
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in `text` (an HLO shape or tuple: "bf16[2,3]{1,0}")."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        bits = 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
+        total += math.ceil(math.prod(int(d) for d in dims.split(",") if d) * bits / 8)
+    return total
+
+
+def _unescape(literal: str) -> bytes:
+    """An MLIR string attribute as printed in HLO text (non-printable bytes as \\XX) -> its bytes."""
+    return re.sub(rb"\\([0-9A-Fa-f]{2})", lambda m: bytes([int(m.group(1), 16)]), literal.encode("latin-1"))
+
+
+def _attribute(line: str, name: str) -> str | None:
+    match = re.search(rf'\b{name} = "((?:[^"\\]|\\.)*)"', line)
+    return None if match is None else match.group(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasCall:
+    """One Pallas kernel launch in the optimized HLO: its name, result shape text, and stated cost
+    (None when the kernel states none)."""
+
+    name: str
+    result: str
+    flops: int | None
+    transcendentals: int | None
+    bytes_accessed: int | None
+
+
+def _optimized_hlo(compiled) -> str:
+    return compiled.as_text()
+
+
+def pallas_calls(compiled) -> list[PallasCall]:
+    """The Pallas (Triton) kernel launches of a compiled program, in HLO order."""
+    calls = []
+    for line in _optimized_hlo(compiled).splitlines():
+        if "custom-call(" not in line or not any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
+            continue
+        line = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
+        match = _INSTRUCTION.match(line)
+        metadata = _attribute(line, "serialized_metadata")
+        if metadata is not None:
+            metadata = _unescape(metadata).decode()
+        elif (opaque := _attribute(line, "opaque")) is not None:
+            proto = zlib.decompress(_unescape(opaque))
+            found = re.search(rb'\{"jaxspec_[^{}]*\}', proto)
+            metadata = found.group(0).decode() if found else None
+        cost = None if metadata is None else read_cost_metadata(metadata)
+        calls.append(PallasCall(name=_attribute(line, "name") or "?", result=match.group(2) if match else "",
+                                flops=cost and cost.flops, transcendentals=cost and cost.transcendentals,
+                                bytes_accessed=cost and cost.bytes_accessed))
+    return calls
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """Flops and bytes of one execution of a compiled program (a while loop's body counted once,
+    as XLA's analysis counts it). `xla_*`: XLA's HLO cost analysis; `kernel_*`: the Pallas
+    kernels' stated costs; `uncounted`: custom calls nobody states a cost for (target -> count)."""
+
+    flops: float
+    transcendentals: float
+    bytes_accessed: float
+    xla_flops: float
+    xla_bytes: float
+    kernel_flops: float
+    kernel_bytes: float
+    uncounted: dict[str, int]
+
+
+def program_cost(compiled) -> ProgramCost:
+    """XLA's HLO cost analysis of the optimized module plus the Pallas kernels' own costs."""
+    # Private but the only route: the public `cost_analysis()` of a deviceless GPU compile is None.
+    from jax._src.lib import _jax
+
+    executable = compiled.runtime_executable()
+    analysis = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, executable.hlo_modules()[0])
+    text = _optimized_hlo(compiled)
+    targets = Counter(re.findall(r'custom-call\(.*?custom_call_target="([^"]+)"', text))
+    # XLA marks each custom call's flops and bytes "unknown" by adding -1: take those back out.
+    unknown = sum(targets.values())
+    calls = pallas_calls(compiled)
+    stated = [c for c in calls if c.flops is not None]
+    uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS}
+    if len(stated) < len(calls):
+        uncounted["pallas kernels without a stated cost"] = len(calls) - len(stated)
+    kernel_flops = sum(c.flops for c in stated)
+    kernel_bytes = sum(c.bytes_accessed for c in stated)
+    xla_flops = analysis.get("flops", 0.0) + unknown
+    xla_bytes = analysis.get("bytes accessed", 0.0) + unknown
+    return ProgramCost(flops=xla_flops + kernel_flops,
+                       transcendentals=analysis.get("transcendentals", 0.0) + sum(c.transcendentals for c in stated),
+                       bytes_accessed=xla_bytes + kernel_bytes, xla_flops=xla_flops, xla_bytes=xla_bytes,
+                       kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, uncounted=uncounted)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of XLA's buffer assignment. `alias`: output bytes that reuse a donated
+    argument's buffer (counted in `argument`, not again in `output`'s peak); `peak` = argument +
+    output - alias + temp, the device memory the program needs while it runs."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    generated_code: int
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+
+def memory(compiled) -> Memory:
+    """Per-device argument / output / temp / alias bytes of a compiled program."""
+    stats = compiled.memory_analysis()
+    return Memory(argument=stats.argument_size_in_bytes, output=stats.output_size_in_bytes,
+                  temp=stats.temp_size_in_bytes, alias=stats.alias_size_in_bytes,
+                  generated_code=stats.generated_code_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the optimized HLO: op (e.g. "all-reduce"), bytes of its result, HLO name."""
+
+    op: str
+    bytes: int
+    name: str
+
+
+def collectives(compiled) -> list[Collective]:
+    """Every collective in the optimized HLO (async `-start` halves; `-done` halves skipped)."""
+    found = []
+    for name, result, op in _INSTRUCTION.findall(_optimized_hlo(compiled)):
+        base = op.removesuffix("-start")
+        if base in _COLLECTIVES:
+            # An async start returns (operands, results[, scratch]): count its largest part.
+            size = (max(shape_bytes(part) for part in re.findall(r"[a-z0-9]+\[[0-9,]*\]", result))
+                    if op.endswith("-start") else shape_bytes(result))
+            found.append(Collective(base, size, name))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunch:
+    """A Pallas kernel's launch resources: grid and threads per block from the thunk sequence,
+    shared memory (bytes per block), registers per thread and spill bytes from ptxas."""
+
+    name: str
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    shared_memory: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+def ptxas_path() -> str:
+    """The CUDA toolkit's ptxas that comes with the CUDA plugin (nvidia-cuda-nvcc), else PATH's."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        candidate = os.path.join(root, "cuda_nvcc", "bin", "ptxas")
+        if os.path.isfile(candidate):
+            return candidate
+    found = shutil.which("ptxas")
+    if found is None:
+        raise RuntimeError(f"ptxas not found: pip install 'jax[cuda12]=={jax.__version__}' brings it")
+    return found
+
+
+def _dump_files(compiled: GpuCompiled, suffix: str) -> list[str]:
+    module = compiled.runtime_executable().hlo_modules()[0].name
+    files = sorted(glob.glob(os.path.join(compiled.dump_dir, f"module_*.{module}.*{suffix}")))
+    if not files:
+        raise RuntimeError(f"no *{suffix} for module {module} in {compiled.dump_dir}: compile with compile_gpu")
+    # Several compilations of one module name in one directory: the latest (highest module number).
+    latest = max(os.path.basename(f).split(".")[0] for f in files)
+    return [f for f in files if os.path.basename(f).startswith(latest + ".")]
+
+
+_THUNK = re.compile(r"kCustomKernel\s+\[[^\]]*\]\s+(\S+) grid: \[(\d+), (\d+), (\d+)\] "
+                    r"threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
+_PTXAS_ENTRY = re.compile(r"Function properties for (\S+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                          r"(\d+) bytes spill loads\n.*?Used (\d+) registers")
+
+
+def ptxas_resources(ptx_files: list[str], arch: str = "sm_90a") -> dict[str, tuple[int, int, int]]:
+    """Entry name -> (registers, spill store bytes, spill load bytes), from `ptxas -arch -v`."""
+    resources = {}
+    for path in ptx_files:
+        run = subprocess.run([ptxas_path(), f"-arch={arch}", "-v", path, "-o", os.devnull],
+                             capture_output=True, text=True, check=True)
+        for name, _, stores, loads, registers in _PTXAS_ENTRY.findall(run.stdout + run.stderr):
+            resources[name] = (int(registers), int(stores), int(loads))
+    return resources
+
+
+def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
+    """Launch resources of each Pallas kernel launch of a `compile_gpu` result, in thunk order.
+
+    Only the PTX files that define a Pallas kernel go through ptxas (a full model has thousands
+    of XLA fusions).
+    """
+    kernel_names = {call.name for call in pallas_calls(compiled)}
+    thunks = []
+    for path in _dump_files(compiled, "thunk_sequence.txt"):
+        with open(path) as f:
+            thunks += [m for m in _THUNK.findall(f.read()) if _base_name(m[0]) in kernel_names]
+    wanted = {m[0] for m in thunks}
+    ptx_files = []
+    for path in _dump_files(compiled, ".ptx"):
+        with open(path) as f:
+            entries = set(re.findall(r"\.entry (\S+)\(", f.read()))
+        if entries & wanted:
+            ptx_files.append(path)
+    resources = ptxas_resources(ptx_files)
+    launches = []
+    for name, gx, gy, gz, tx, ty, tz, smem in thunks:
+        registers, stores, loads = resources[name]
+        launches.append(KernelLaunch(name, (int(gx), int(gy), int(gz)), (int(tx), int(ty), int(tz)), int(smem),
+                                     registers, stores, loads))
+    return launches
+
+
+def _base_name(thunk_name: str) -> str:
+    """XLA numbers repeated kernel names ("mla_attention_3"): the kernel's own name."""
+    return re.sub(r"_\d+$", "", thunk_name)

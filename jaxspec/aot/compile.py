@@ -1,0 +1,135 @@
+"""Compiling for NVIDIA GPUs on a host without one: abstract H100 / H200 devices and `compile_gpu`.
+
+JAX's CUDA plugin can compile for a GPU topology it does not have: `jax.experimental.topologies`
+builds N abstract devices from XLA's `GpuTargetConfig` of a GPU (the public specs of
+openxla/xla `xla/backends/gpu/target_config/specs/`, copied into `jaxspec/targets/`), and a
+program lowered with its arguments on those devices compiles to the same optimized HLO, PTX and
+buffer assignment a real GPU would get. Nothing runs; what is measured is what the compiler
+decided (memory, flops, kernels' registers and shared memory), never time.
+
+Requirements (checked by `gpu_devices`, which says what is missing):
+  * the CUDA plugin of the installed jax: `pip install "jax[cuda12]==<jax version>"`;
+  * the process's JAX platforms must exclude "cuda" where there is no GPU driver: run with
+    `JAX_PLATFORMS=cpu`, or call `jax.config.update("jax_platforms", "cpu")` before anything
+    initializes JAX's backends. Without it the plugin fails `cuInit`, logs an error and never
+    registers, and JAX cannot re-register it later in the same process. (On a host with a GPU the
+    plugin registers either way.) `jaxspec aot` sets it itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.resources
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jaxspec.pallas_kernels.backend import gpu_lowering
+
+# Target name -> XLA GpuTargetConfig text proto shipped in jaxspec/targets/.
+TARGETS = {"h100": "h100.txtpb", "h200": "h200.txtpb"}
+
+
+def target_config(target: str) -> str:
+    """The GpuTargetConfig text proto of `target` ("h100" = H100 SXM 80 GB, "h200" = H200 141 GB)."""
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: must be one of {sorted(TARGETS)}")
+    return (importlib.resources.files("jaxspec") / "targets" / TARGETS[target]).read_text()
+
+
+def _plugin_missing_error() -> RuntimeError:
+    return RuntimeError(f"compiling for a GPU needs JAX's CUDA plugin: pip install 'jax[cuda12]=={jax.__version__}'")
+
+
+def gpu_devices(target: str = "h100", num_devices: int = 1) -> list:
+    """`num_devices` abstract devices of `target` ("h100" or "h200") in one node (topology 1x1xN).
+
+    Raises ValueError for an unknown target or a device count below 1, RuntimeError naming the
+    fix when the CUDA plugin is missing or could not register (see the module docstring).
+    """
+    config = target_config(target)
+    if num_devices < 1:
+        raise ValueError(f"num_devices={num_devices}: must be >= 1")
+    try:
+        importlib.metadata.version("jax-cuda12-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        raise _plugin_missing_error() from None
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=config,
+                                                topology=f"1x1x{num_devices}")
+    except NotImplementedError:
+        raise RuntimeError(
+            "the CUDA plugin is installed but did not register in this process (no GPU driver): run with "
+            "JAX_PLATFORMS=cpu, or call jax.config.update('jax_platforms', 'cpu') before JAX initializes "
+            "its backends") from None
+    return list(topology.devices)
+
+
+def _place(tree, devices: Sequence):
+    """Give every `ShapeDtypeStruct` leaf without a sharding one on `devices`: the device itself for
+    one device, replicated over all of them otherwise (shard explicitly for anything else)."""
+    if len(devices) == 1:
+        sharding = SingleDeviceSharding(devices[0])
+    else:
+        sharding = NamedSharding(Mesh(list(devices), ("devices",)), PartitionSpec())
+
+    def place(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
+        return leaf
+
+    return jax.tree.map(place, tree)
+
+
+@dataclasses.dataclass
+class GpuCompiled:
+    """A program compiled for a GPU target: the `jax.stages.Compiled` (its attributes are reachable
+    on this object too), the directory XLA dumped it into (optimized HLO, thunk sequence, PTX) and
+    the wall time of lowering plus compiling."""
+
+    compiled: jax.stages.Compiled
+    dump_dir: str
+    compile_seconds: float
+    _dump_owner: Any = dataclasses.field(default=None, repr=False)  # keeps a temporary dump alive
+
+    def __getattr__(self, name):
+        if name == "compiled":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+
+def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_argnames: Sequence[str] = (),
+                donate_argnums: Sequence[int] = (), dump_dir: str | None = None, fail_on_spill: bool = True,
+                **kwargs) -> GpuCompiled:
+    """Compile `fn(*args, **kwargs)` for a GPU target without a GPU.
+
+    args / kwargs: `jax.ShapeDtypeStruct`s or pytrees of them (leaves without a sharding are put
+    on `devices`, see `_place`), and the static arguments named in `static_argnames`.
+    devices: from `gpu_devices` (default: one H100). donate_argnums: as in `jax.jit`.
+    dump_dir: where XLA dumps the compilation (default: a temporary directory kept as long as the
+    result). fail_on_spill: a kernel that spills registers fails the compile (XLA's
+    `xla_gpu_fail_ptx_compilation_on_register_spilling`); over-budget shared memory always does.
+    The ops trace inside `gpu_lowering()`: "auto" picks the Pallas kernels and they take the
+    Triton lowering even though the process's default backend is the CPU.
+    """
+    devices = gpu_devices() if devices is None else list(devices)
+    owner = None
+    if dump_dir is None:
+        owner = tempfile.TemporaryDirectory(prefix="jaxspec-aot-")
+        dump_dir = owner.name
+    static = set(static_argnames)
+    args = _place(args, devices)
+    kwargs = {k: v if k in static else _place(v, devices) for k, v in kwargs.items()}
+    start = time.perf_counter()
+    with gpu_lowering():
+        lowered = jax.jit(fn, static_argnames=tuple(static_argnames),
+                          donate_argnums=tuple(donate_argnums)).lower(*args, **kwargs)
+    compiled = lowered.compile(compiler_options={
+        "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spill, "xla_dump_to": dump_dir})
+    return GpuCompiled(compiled, dump_dir, time.perf_counter() - start, owner)
