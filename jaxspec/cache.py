@@ -74,9 +74,14 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
                page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None) -> PagedCache:
     """An empty cache giving each of `batch_size` rows room for `capacity` slots.
 
-    Pages are handed out row after row (row b owns pages [b*M, (b+1)*M)); pass `page_table`
-    ([batch_size, M] int32, entries a permutation of range(num_pages)) to lay them out otherwise.
-    index_dim > 0 adds DSA indexer-key pages for every layer.
+    num_layers: layers with a cache (the target's, or 1 for the MTP module); latent_dim: width of
+    one MLA entry (kv_lora_rank + qk_rope_head_dim); index_dim > 0 adds DSA indexer-key pages of
+    that width for every layer; page_size: slots per page (capacity is rounded up to whole pages);
+    dtype: the entries' dtype. Pages are handed out row after row (row b owns pages
+    [b*M, (b+1)*M)); pass `page_table` ([batch_size, M] int32, entries a permutation of
+    range(num_pages)) to lay them out otherwise. Returns latent [L, num_pages, page_size,
+    latent_dim], index_keys [L, num_pages, page_size, index_dim] (or None), page_table, lengths
+    [batch_size] = 0.
     """
     if capacity < 1:
         raise ValueError(f"capacity={capacity}: must be >= 1")

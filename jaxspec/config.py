@@ -72,6 +72,28 @@ class ModelConfig:
 
     Field names and meanings are those of the Hugging Face config. V3.2 adds the DSA lightning
     indexer (`index_n_heads`, `index_head_dim`, `index_topk`); for V3 they are 0.
+
+    Fields (defaults: DeepSeek-V3 671B):
+      model_type                 "deepseek_v3" or "deepseek_v32" (V3.2: DSA indexer in every layer)
+      vocab_size, hidden_size    token vocabulary; residual width D
+      intermediate_size          hidden width of the dense SwiGLU MLPs (layers < first_k_dense_replace)
+      moe_intermediate_size      hidden width of one routed (and each shared) expert
+      num_hidden_layers          decoder layers of the target (the MTP block is extra)
+      num_attention_heads        MLA query heads H
+      q_lora_rank                query latent width (None: a plain q_proj)
+      kv_lora_rank               cached KV latent width (512)
+      qk_nope_head_dim, qk_rope_head_dim, v_head_dim   per-head query/key parts and value width
+      n_routed_experts, n_shared_experts, num_experts_per_tok   E, shared experts, top-k per token
+      n_group, topk_group        group-limited routing: E split in n_group, top topk_group kept
+      norm_topk_prob, routed_scaling_factor   renormalise the top-k weights; scale them
+      first_k_dense_replace      layers below this use the dense MLP, the rest MoE
+      rms_norm_eps, rope_theta, rope_scaling (`RopeScaling`, YaRN), max_position_embeddings
+      num_nextn_predict_layers   MTP modules (0: none; one module is built and drafts)
+      index_n_heads, index_head_dim, index_topk   the V3.2 lightning indexer (0 for V3)
+      eos_token_id               the token that ends a row (None: rows end at the budget)
+
+    Build one with `ModelConfig.from_hf(path_or_dict)` or `preset(name)`. Every inconsistent or
+    impossible value raises ValueError naming the field (`validate`).
     """
 
     model_type: str = "deepseek_v3"
@@ -348,7 +370,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """A named configuration (`tiny`, `tiny-v3`, `tiny-stdlib`, `deepseek-v3`, `deepseek-v3.2`), fields overridable."""
+    """The `ModelConfig` of a named preset, with `overrides` (ModelConfig field=value) applied.
+
+    name: one of `PRESETS` (`tiny`, `tiny-v3`, `tiny-stdlib`, `deepseek-v3`, `deepseek-v3.2`).
+    Raises ValueError for an unknown name, and ModelConfig's ValueError for an inconsistent override.
+    """
     if name not in PRESETS:
         raise ValueError(f"preset name={name!r}: must be one of {sorted(PRESETS)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
