@@ -35,11 +35,13 @@ def default_warps(block_m: int) -> int:
 
 
 class LatentDims(NamedTuple):
-    """Static feature sizes: latent Dl (512), rope Dr (64), the power-of-two block Dr is read in,
-    and the dtype both dot operands are cast to."""
+    """Static feature sizes: latent Dl (512), rope Dr (64), the power-of-two blocks each is read in
+    (Dl itself for DeepSeek; a wider, zero-padded block for small models such as the shipped
+    kv_lora_rank=48 one), and the dtype both dot operands are cast to."""
 
     latent: int
     rope: int
+    latent_block: int
     rope_block: int
     dtype: jnp.dtype
 
@@ -49,32 +51,29 @@ def latent_dims(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array) -
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
     if latent_cache.shape[-1] != latent + rope:
         raise ValueError(f"latent_cache last dim {latent_cache.shape[-1]} != Dl + Dr = {latent} + {rope}")
-    if latent < MIN_BLOCK or latent & (latent - 1):
-        # The latent part is also the output block; a padded output would need masked stores.
-        raise ValueError(f"kv_lora_rank={latent}: the Pallas MLA kernels need a power of two >= 16 "
-                         "(use backend='xla')")
     dtype = jnp.promote_types(q_nope.dtype, latent_cache.dtype)
-    return LatentDims(latent, rope, block_size(rope), dtype)
+    return LatentDims(latent, rope, block_size(latent), block_size(rope), dtype)
 
 
 def load_queries(q_nope_ref, q_rope_ref, rows, valid, dims: LatentDims):
-    """q_nope_ref [N, Dl], q_rope_ref [N, Dr]; rows [BM] -> ([BM, Dl], [BM, Dr block]), zeros where not valid."""
-    latent_cols, _ = column_span(0, dims.latent, dims.latent)
+    """q_nope_ref [N, Dl], q_rope_ref [N, Dr]; rows [BM] -> ([BM, Dl block], [BM, Dr block]), zeros
+    where not valid (padding rows and padding columns)."""
+    latent_cols, latent_valid = column_span(0, dims.latent, dims.latent_block)
     rope_cols, rope_valid = column_span(0, dims.rope, dims.rope_block)
-    q_nope = load_block(q_nope_ref, rows, latent_cols, valid)
+    q_nope = load_block(q_nope_ref, rows, latent_cols, valid, latent_valid)
     q_rope = load_block(q_rope_ref, rows, rope_cols, valid, rope_valid)
     return q_nope.astype(dims.dtype), q_rope.astype(dims.dtype)
 
 
 def load_latent(cache_ref, rows, readable, dims: LatentDims):
-    """cache_ref [P * page, Dl + Dr]; rows [BN] -> (latent [BN, Dl], rope key [BN, Dr block]).
+    """cache_ref [P * page, Dl + Dr]; rows [BN] -> (latent [BN, Dl block], rope key [BN, Dr block]).
 
     Unreadable slots read as zeros, so stale or uninitialised cache memory never meets a zero
     probability (0 * NaN would poison the row).
     """
-    latent_cols, _ = column_span(0, dims.latent, dims.latent)
+    latent_cols, latent_valid = column_span(0, dims.latent, dims.latent_block)
     rope_cols, rope_valid = column_span(dims.latent, dims.rope, dims.rope_block)
-    latent = load_block(cache_ref, rows, latent_cols, readable)
+    latent = load_block(cache_ref, rows, latent_cols, readable, latent_valid)
     rope_key = load_block(cache_ref, rows, rope_cols, readable, rope_valid)
     return latent.astype(dims.dtype), rope_key.astype(dims.dtype)
 
@@ -84,7 +83,7 @@ def attend_tiles(queries, cache_ref, tile, lo, hi, softmax_scale: float, dims: L
 
     queries: (q_nope [BM, Dl], q_rope [BM, Dr block]) from `load_queries`.
     tile(t) -> (cache rows [BN] int32, readable [BN] bool, sees [BM or 1, BN] bool).
-    Returns (running max [BM], softmax denominator [BM], unnormalised output [BM, Dl]), float32.
+    Returns (running max [BM], softmax denominator [BM], unnormalised output [BM, Dl block]), float32.
     """
     q_nope, q_rope = queries
     block_m = q_nope.shape[0]
@@ -106,12 +105,12 @@ def attend_tiles(queries, cache_ref, tile, lo, hi, softmax_scale: float, dims: L
         return new_max, denom, acc
 
     init = (jnp.full((block_m,), -jnp.inf, jnp.float32), jnp.zeros((block_m,), jnp.float32),
-            jnp.zeros((block_m, dims.latent), jnp.float32))
+            jnp.zeros((block_m, dims.latent_block), jnp.float32))
     return jax.lax.fori_loop(lo, hi, step, init)
 
 
 def store_part(out_ref, lse_ref, start, row_max, denom, acc):
-    """Normalise and store one part at rows [start, start + BM) of out_ref [N, Dl] and lse_ref [N].
+    """Normalise and store one part at rows [start, start + BM) of out_ref [N, Dl block] and lse_ref [N].
 
     A row that saw nothing stores output 0 and lse EMPTY_LSE, as the reference does.
     """
@@ -135,7 +134,7 @@ def part_shapes(groups: int, num_parts: int, rows_per_group: int, latent: int, o
 
 
 def combine_parts(out, lse, groups: int, num_parts: int, rows_per_group: int, rows: int, out_dtype):
-    """Merge split-KV parts: out [G*S*Rp, Dl], lse [G*S*Rp] -> out [G, rows, Dl], lse [G, rows].
+    """Merge split-KV parts: out [G*S*Rp, Dl block], lse [G*S*Rp] -> out [G, rows, Dl block], lse [G, rows].
 
     Plain jnp (XLA fuses it into one pass over the partials, which are small next to the cache).
     Each part is already normalised, so the merge weights part s by exp(lse_s - lse). Empty parts
@@ -182,7 +181,7 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     parts = num_splits or num_parts(groups * row_blocks, pl.cdiv(num_slots, block_n), MIN_PART_SLOTS // block_n)
     kernel = functools.partial(kernel, dims=dims, rows=rows, rows_padded=rows_padded, page_size=page_size,
                                num_pages=num_pages, block_m=block_m, block_n=block_n, parts=parts, **params)
-    out_shape = part_shapes(groups, parts, rows_padded, dims.latent, q_nope.dtype)
+    out_shape = part_shapes(groups, parts, rows_padded, dims.latent_block, q_nope.dtype)
     # Stated at full capacity (every slot visible; the real loop stops at each row's length). A
     # group's query rows score Dl + Dr features and average Dl per slot; its slots come from HBM
     # once (its row blocks share them through L2).
@@ -196,4 +195,5 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
                       interpret=interpret, cost=cost)(
         q_nope.reshape(groups * rows, dims.latent), q_rope.reshape(groups * rows, dims.rope),
         latent_cache.reshape(num_pages * page_size, width), page_table.astype(jnp.int32), *operands)
-    return combine_parts(out, lse, groups, parts, rows_padded, rows, q_nope.dtype)
+    out, lse = combine_parts(out, lse, groups, parts, rows_padded, rows, q_nope.dtype)
+    return out[..., :dims.latent], lse

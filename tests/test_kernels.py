@@ -276,12 +276,13 @@ def check_mla(rng, *, batch, num_queries, heads, latent, rope, page_size, max_pa
     dict(num_queries=4, heads=16, latent=512, rope=64, page_size=64, max_pages=4, tree=True, dtype=jnp.bfloat16,
          num_splits=2),
     dict(num_queries=8, heads=2, latent=512, rope=64, page_size=16, max_pages=9, tree=False, dtype=jnp.float32),
-    dict(num_queries=8, heads=16, latent=32, rope=8, page_size=64, max_pages=3, tree=True, dtype=jnp.float32,
+    # The shipped model's dims: a latent that is not a power of two is read as a zero-padded block.
+    dict(num_queries=8, heads=16, latent=48, rope=16, page_size=64, max_pages=3, tree=True, dtype=jnp.float32,
          num_splits=1),
     dict(num_queries=2, heads=8, latent=512, rope=64, page_size=16, max_pages=7, tree=False, dtype=jnp.bfloat16,
          num_splits=4, block_n=16),
 ], ids=["q1-tiny-f32", "q2-tiny-bf16-tree-split3", "q4-h16-ds-bf16-tree-p64", "q8-h2-ds-f32-p16",
-        "q8-h16-tiny-f32-tree-2blocks", "q2-h8-ds-bf16-split4-bn16"])
+        "q8-h16-latent48-f32-tree-2blocks", "q2-h8-ds-bf16-split4-bn16"])
 def test_mla_pallas_matches_reference(case):
     check_mla(np.random.default_rng(10), batch=4, **case)
 
@@ -306,10 +307,10 @@ def check_sparse(rng, *, batch, num_queries, heads, latent, rope, page_size, max
     dict(num_queries=1, heads=4, latent=32, rope=8, page_size=16, max_pages=5, topk=40, dtype=jnp.float32),
     dict(num_queries=4, heads=16, latent=512, rope=64, page_size=64, max_pages=3, topk=64, dtype=jnp.bfloat16,
          num_splits=2),
-    dict(num_queries=8, heads=8, latent=32, rope=8, page_size=16, max_pages=4, topk=32, dtype=jnp.bfloat16,
+    dict(num_queries=8, heads=8, latent=48, rope=16, page_size=16, max_pages=4, topk=32, dtype=jnp.bfloat16,
          num_splits=3, block_n=16),
     dict(num_queries=2, heads=2, latent=512, rope=64, page_size=16, max_pages=8, topk=96, dtype=jnp.float32),
-], ids=["q1-tiny-f32-k40", "q4-h16-ds-bf16-split2", "q8-tiny-bf16-split3-bn16", "q2-ds-f32-k96"])
+], ids=["q1-tiny-f32-k40", "q4-h16-ds-bf16-split2", "q8-latent48-bf16-split3-bn16", "q2-ds-f32-k96"])
 def test_sparse_mla_pallas_matches_reference(case):
     check_sparse(np.random.default_rng(20), batch=3, **case)
 
