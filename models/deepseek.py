@@ -61,7 +61,8 @@ class DecoderLayer(nnx.Module):
         attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_layer, vis,
                                      form=form, backend=backend)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, backend=backend) if isinstance(self.mlp, MoE) else self.mlp(h)), cache
 
 
 class MTPModule(nnx.Module):

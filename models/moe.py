@@ -9,17 +9,26 @@ Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`):
   5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
 Output = sum_k weights_k * expert_k(x) + shared_experts(x).
 
-Two equal ways to run the experts, chosen by the static token count T (k = num_experts_per_tok,
-E = n_routed_experts):
+Two equal ways to run the experts; `expert_path` is the one place that picks (T = tokens in the
+call, k = num_experts_per_tok, E = n_routed_experts):
 
-* T * k <= E (decode and verification windows): each assignment gathers its expert's weights and
-  multiplies by them. It reads at most E expert matrices, and needs no sort or scatter.
-* otherwise (prefill, training): grouped matmuls (`jax.lax.ragged_dot`) over the assignments sorted
-  by expert, so each expert's weights are read once.
+* "grouped": the T * k assignments sorted by expert, then three grouped matmuls
+  (`pallas_kernels.grouped_matmul`: rows of one expert times that expert's matrix), each expert's
+  weights read once; the results are put back in assignment order and summed over k per token in
+  a fixed order (a gather, not a scatter-add, whose order a GPU does not fix). On the "pallas"
+  backend this is the only path, at every T: the Pallas kernel reads only the experts that have
+  rows, so decode costs what it routes. On "xla" it is `jax.lax.ragged_dot`, for T * k > E.
+* "gathered" (xla backend, T * k <= E: CPU decode and verification windows): each assignment
+  gathers its expert's weights and multiplies by them; no sort. Measured on the CPU with the
+  shipped 12-layer model (`benchmarks/heldout.py` shapes, batch 1), it made a plain decode step
+  1.4x faster and a k = 3 speculative step 1.2x faster than ragged_dot, which XLA's CPU backend
+  lowers to a matmul over every expert for every token. It materializes the chosen experts'
+  weights ([T, k, D, H]), so it is never used on a GPU.
 
-Measured on the CPU with the shipped 12-layer model (`benchmarks/heldout.py` shapes, batch 1), the
-gathered path made a plain decode step 1.4x faster and a k = 3 speculative step 1.2x faster than
-ragged_dot, which XLA's CPU backend lowers to a matmul over every expert for every token.
+XLA's GPU backend lowers `ragged_dot` to one dense matmul over all E experts (256x the routed
+flops at DeepSeek-V3's shapes): hence the Pallas kernel there (`benchmarks/moe.py` times the three).
+The xla backend's choice by T means a token's output can depend on how many tokens share the call
+(the two paths round differently); the pallas path's kernel keeps a token's bits independent of T.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.config import ModelConfig
+from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
 
 from .layers import MLP
 
@@ -53,6 +63,14 @@ def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.A
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def expert_path(num_assignments: int, num_experts: int, backend: str) -> str:
+    """"grouped" or "gathered" (module docstring) for a call with `num_assignments` = T * k token-expert
+    pairs on a resolved `backend` ("xla" or "pallas"): the only place the choice is made."""
+    if backend == "pallas" or num_assignments > num_experts:
+        return "grouped"
+    return "gathered"
+
+
 class MoE(nnx.Module):
     """Routed experts (stacked [E, ...] weights) plus `n_shared_experts` fused into one MLP."""
 
@@ -68,15 +86,16 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype)
                                if config.n_shared_experts else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, Q, D] -> [B, Q, D]."""
+    def __call__(self, x: jax.Array, *, backend: str = "auto") -> jax.Array:
+        """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas" or "auto", as for the attention ops."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
-        if experts.size <= self.config.n_routed_experts:
+        backend = resolve_backend(backend)
+        if expert_path(experts.size, self.config.n_routed_experts, backend) == "gathered":
             out = self._gathered(tokens, weights, experts)
         else:
-            out = self._grouped(tokens, weights, experts)
+            out = self._grouped(tokens, weights, experts, backend)
         out = out.astype(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -91,18 +110,18 @@ class MoE(nnx.Module):
         down = jnp.einsum("tkh,tkhd->tkd", jax.nn.silu(gate) * up, w(self.experts_down_proj))
         return jnp.einsum("tkd,tk->td", down.astype(jnp.float32), weights)
 
-    def _grouped(self, tokens, weights, experts):
-        """Same arguments and result as `_gathered`, as grouped matmuls (`jax.lax.ragged_dot`) over
-        the assignments sorted by expert: each expert's weights are read once."""
+    def _grouped(self, tokens, weights, experts, backend):
+        """Same arguments and result as `_gathered` (plus the resolved backend), as grouped matmuls
+        over the assignments sorted by expert: each expert's weights are read once."""
         num_tokens, topk = experts.shape
         flat_expert = experts.reshape(-1)
-        order = jnp.argsort(flat_expert, stable=True)
-        token_of = order // topk
+        order = jnp.argsort(flat_expert, stable=True)  # sorted position -> assignment
         group_sizes = jnp.bincount(flat_expert, length=self.config.n_routed_experts).astype(jnp.int32)
-        sorted_in = tokens[token_of]
+        sorted_in = tokens[order // topk]
         dtype = tokens.dtype
-        gate = jax.lax.ragged_dot(sorted_in, self.experts_gate_proj[...].astype(dtype), group_sizes)
-        up = jax.lax.ragged_dot(sorted_in, self.experts_up_proj[...].astype(dtype), group_sizes)
-        down = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.experts_down_proj[...].astype(dtype), group_sizes)
-        weighted = down.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((num_tokens, tokens.shape[-1]), jnp.float32).at[token_of].add(weighted)
+        matmul = lambda lhs, proj: grouped_matmul(lhs, proj[...].astype(dtype), group_sizes, backend=backend)
+        hidden = jax.nn.silu(matmul(sorted_in, self.experts_gate_proj)) * matmul(sorted_in, self.experts_up_proj)
+        down = matmul(hidden, self.experts_down_proj)
+        position = jnp.argsort(order)  # assignment -> sorted position
+        per_assignment = down[position].reshape(num_tokens, topk, -1)
+        return jnp.einsum("tkd,tk->td", per_assignment.astype(jnp.float32), weights)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxspec.config import preset
 from jaxspec.models import DeepseekV3, route
+from jaxspec.models.moe import expert_path
 from jaxspec.models.rope import apply_rope, rope_frequencies
 from jaxspec.pallas_kernels import Visibility
 
@@ -168,16 +169,20 @@ def test_moe_router_equals_loop(norm_topk_prob):
     assert (np.sort(np.argsort(-scores, axis=1)[:, :3], axis=1) != np.sort(ref_experts, axis=1)).any()
 
 
-@pytest.mark.parametrize("extra_tokens", [-2, 0, 1, 9])
-def test_moe_layer_equals_loop(extra_tokens):
-    """Both expert paths equal a per-token sum over the chosen experts: the gathered path (T * k <=
-    E, here T = E / k + extra_tokens with extra_tokens <= 0) and the grouped ragged-dot path."""
+@pytest.mark.parametrize("backend,extra_tokens", [("xla", -2), ("xla", 0), ("xla", 1), ("xla", 9), ("pallas", -2),
+                                                   ("pallas", 9)])
+def test_moe_layer_equals_loop(backend, extra_tokens):
+    """Every expert path equals a per-token sum over the chosen experts: on xla the gathered path
+    (T * k <= E, here T = E / k + extra_tokens with extra_tokens <= 0) and the grouped ragged-dot
+    path; on pallas the grouped-matmul kernel (interpret mode) at both sizes."""
     config = preset("tiny", n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=2)
     model = DeepseekV3(config, rngs=nnx.Rngs(0))
     moe = model.layers[1].mlp
     num_tokens = config.n_routed_experts // config.num_experts_per_tok + extra_tokens
+    assert expert_path(num_tokens * config.num_experts_per_tok, config.n_routed_experts, backend) == (
+        "gathered" if backend == "xla" and extra_tokens <= 0 else "grouped")
     x = jnp.asarray(np.random.default_rng(6).normal(size=(1, num_tokens, 64)), jnp.float32)
-    out = nnx.jit(lambda m, x: m(x))(moe, x)
+    out = nnx.jit(lambda m, x: m(x, backend=backend))(moe, x)
     tokens = np.asarray(x).reshape(-1, 64)
     weights, experts = _route_loop(moe.config, tokens, np.asarray(moe.gate_weight[...]),
                                    np.asarray(moe.e_score_correction_bias[...]))

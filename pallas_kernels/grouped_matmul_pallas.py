@@ -1,0 +1,168 @@
+"""Pallas GPU kernel (Triton lowering) for `grouped_matmul`: only groups with rows cost anything.
+
+Work items. Each group's rows are cut into row tiles of BLOCK_M rows starting at the group's first
+row (a group of 0 rows has no tile, one of 17 rows has two), and the tiles of all groups are
+numbered in group order. XLA computes the table (tile -> group, first row, end row) from
+`group_sizes` before the launch and passes it as ordinary inputs (GPU Pallas has no scalar
+prefetch). The grid is
+
+    (work items, N / BLOCK_N)     axis 0 varies fastest on the GPU
+
+with a static number of work items, `M // BLOCK_M + min(G, M)`, enough for any group sizes (each
+group with rows adds at most one partial tile); items past the real count return at once. A
+program multiplies its tile's rows by the [K, BLOCK_N] column block of its group's matrix, looping
+over K in BLOCK_K steps, and stores only its own rows (a masked store: the tile's last rows may
+belong to the next group). So every group with rows has its matrix read once per row tile, and an
+empty group costs nothing. At decode and verification sizes (a few hundred token-expert rows over
+up to 256 experts) a group has one tile, so each hit expert's weights are read once; in prefill a
+group's tiles are adjacent work items, so its weight blocks are re-read from L2 rather than HBM.
+
+Why BLOCK_M = 16: decode is memory-bound, and 16 is the smallest tile Triton's dot takes, so the
+tensor-core work spent on a group's unused tile rows stays small (a 1-row group computes 16 rows).
+Prefill pays for it with more, smaller tiles; it stays memory- or L2-bound, never 256x.
+
+Bit-exact rows (speculative decoding needs a token's output not to depend on how many tokens share
+the call): the tile configuration is a module constant, never chosen from the row count, and every
+row's K reduction runs in the same fixed order (BLOCK_K steps from 0 up, float32 accumulator), so
+a row's result is the same bits whatever other rows, groups and M come with it.
+
+Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from the static shapes:
+  * flops = 2 * M * K * N, the useful work of every row. The tensor cores also execute the unused
+    rows of partial tiles (at most `work items * BLOCK_M` rows in all, 17x the useful rows for
+    single-row groups); that padding is hidden under the weight reads in the memory-bound regime
+    and is not counted.
+  * bytes = lhs once + the matrices of min(G, M) groups once (the most groups that can have rows)
+    + the output once + the work table: HBM traffic, with re-reads of lhs rows and of a group's
+    weight blocks served by L2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .grouped_matmul import check_grouped_matmul_args
+from .tiling import block_indices, dot_nn, launch, load_block
+
+# The one tile configuration (see the module docstring: never chosen from the row count).
+BLOCK_M = 16  # rows per tile: the smallest Triton dot
+BLOCK_N = 128  # output columns per program
+BLOCK_K = 64  # reduction step: a [64, 128] bf16 weight block is 16 KiB
+NUM_WARPS = 4
+NUM_STAGES = 4  # weight blocks in flight per program: streaming HBM needs several
+
+
+def num_work_items(num_rows: int, num_groups: int) -> int:
+    """Row tiles any `group_sizes` summing to <= num_rows can need: sum_g ceil(size_g / BLOCK_M)
+    <= num_rows // BLOCK_M + (groups with rows)."""
+    return num_rows // BLOCK_M + min(num_groups, num_rows)
+
+
+def work_items(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """group_sizes [G] -> (group [W], first row [W], end row [W]) int32 of the row tiles, in group
+    order; items past the real tile count (and anything `group_sizes` summing past num_rows would
+    put out of bounds) have first row == end row: no rows."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    num_groups = sizes.shape[0]
+    row_end = jnp.cumsum(sizes)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tile_end = jnp.cumsum(tiles)
+    item = jnp.arange(num_work_items(num_rows, num_groups), dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, item, side="right"), num_groups - 1).astype(jnp.int32)
+    first_tile = tile_end[group] - tiles[group]
+    start = row_end[group] - sizes[group] + (item - first_tile) * BLOCK_M
+    end = jnp.minimum(start + BLOCK_M, row_end[group])
+    real = item < tile_end[-1]
+    start = jnp.where(real, jnp.clip(start, 0, num_rows), 0)
+    end = jnp.where(real, jnp.clip(end, start, num_rows), 0)
+    return group, start, end
+
+
+def _tile(start, block: int, extent: int):
+    """Indices [start, start + block) of an axis of `extent` -> (clamped indices, valid or None when
+    the axis is a whole number of blocks, so Triton gets unmasked, contiguous loads)."""
+    index, valid = block_indices(start, block, extent)
+    return index, (None if extent % block == 0 else valid)
+
+
+def _weight_block(rhs_ref, group, step, column_block, depth: int, width: int):
+    """The [BLOCK_K, BLOCK_N] block (step, column_block) of `group`'s matrix in rhs_ref [G * K, N].
+
+    When K and N are whole numbers of blocks (DeepSeek's are) the block is a plain slice, which
+    Triton pipelines with asynchronous copies (NUM_STAGES blocks in flight, measured in the PTX:
+    the index-array gather below gets none, and streaming the weights is all the time at decode);
+    otherwise a clamped, masked gather reads zeros past the edges (a slice there would be clamped
+    as a whole, shifting the block, in interpret mode).
+    """
+    if depth % BLOCK_K == 0 and width % BLOCK_N == 0:
+        return rhs_ref[pl.ds(group * depth + step * BLOCK_K, BLOCK_K), pl.ds(column_block * BLOCK_N, BLOCK_N)]
+    inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
+    columns, column_valid = _tile(column_block * BLOCK_N, BLOCK_N, width)
+    return load_block(rhs_ref, group * depth + inner, columns, inner_valid, column_valid)
+
+
+def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, out_ref, *, depth: int, width: int):
+    """One (row tile, column block) program.
+
+    lhs_ref [M, K], rhs_ref [G * K, N] (the groups' matrices stacked), group_ref / start_ref /
+    end_ref [W] int32 (the work table); out_ref [M + BLOCK_M, N padded to BLOCK_N].
+    """
+    item, column_block = pl.program_id(0), pl.program_id(1)
+    start, end = start_ref[item], end_ref[item]
+
+    @pl.when(start < end)
+    def _():
+        num_rows = lhs_ref.shape[0]
+        # Rows of the next group (or past M) are computed but never stored: no load mask needed.
+        rows = jnp.minimum(start + jnp.arange(BLOCK_M, dtype=jnp.int32), num_rows - 1)
+        group = group_ref[item]
+
+        def accumulate(step, acc):
+            inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
+            a = load_block(lhs_ref, rows, inner, column_valid=inner_valid)
+            b = _weight_block(rhs_ref, group, step, column_block, depth, width)
+            dtype = jnp.promote_types(a.dtype, b.dtype)
+            return acc + dot_nn(a.astype(dtype), b.astype(dtype))
+
+        acc = jax.lax.fori_loop(0, pl.cdiv(depth, BLOCK_K), accumulate, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+        mine = start + jnp.arange(BLOCK_M, dtype=jnp.int32) < end
+        plgpu.store(out_ref.at[pl.ds(start, BLOCK_M), pl.ds(column_block * BLOCK_N, BLOCK_N)],
+                    acc.astype(out_ref.dtype), mask=mine[:, None])
+
+
+def grouped_matmul_cost(lhs, rhs, out_dtype) -> pl.CostEstimate:
+    """The launch's cost from the static shapes (what it counts: the module docstring)."""
+    (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape
+    table_bytes = 3 * 4 * num_work_items(num_rows, num_groups)
+    return pl.CostEstimate(
+        flops=2 * num_rows * depth * width, transcendentals=0,
+        bytes_accessed=(lhs.size * lhs.dtype.itemsize + min(num_groups, num_rows) * depth * width * rhs.dtype.itemsize
+                        + num_rows * width * jnp.dtype(out_dtype).itemsize + table_bytes))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                          interpret: bool | None = None) -> jax.Array:
+    """`grouped_matmul_reference` as a Pallas kernel.
+
+    lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (sum <= M) -> [M, N] in the
+    promoted dtype, float32 accumulation; rows past sum(group_sizes) are zero. interpret None =
+    interpret mode off a GPU.
+    """
+    check_grouped_matmul_args(lhs, rhs, group_sizes)
+    (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape
+    out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    group, start, end = work_items(group_sizes, num_rows)
+    column_blocks = pl.cdiv(width, BLOCK_N)
+    kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width)
+    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((num_rows + BLOCK_M, column_blocks * BLOCK_N), out_dtype),
+                 grid=(group.shape[0], column_blocks), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                 name="grouped_matmul", interpret=interpret, cost=grouped_matmul_cost(lhs, rhs, out_dtype))(
+        lhs, rhs.reshape(num_groups * depth, width), group, start, end)
+    # No program writes the rows past sum(group_sizes): they are defined as zero.
+    covered = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes, 0))
+    return jnp.where(covered[:, None], out[:num_rows, :width], 0).astype(out_dtype)

@@ -1,0 +1,208 @@
+"""The grouped matmul (MoE experts): reference against a numpy loop, the Pallas kernel against the
+reference (interpret mode), its rows' independence of the other rows, its CUDA lowering, and one
+DeepSeek-V3.2 MoE layer compiled for an H100 without a GPU: flops and bytes at the routed cost.
+
+Inputs are seeded random; group sizes include empty groups, groups that are not a multiple of the
+kernel's row tile, rows past the groups' total, and the decode shape (one row per group).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.config import preset
+from jaxspec.models.moe import MoE
+from jaxspec.pallas_kernels import grouped_matmul, grouped_matmul_reference
+from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_M, grouped_matmul_pallas, num_work_items, work_items
+
+
+def random_sizes(rng, num_groups: int, total: int, empty_fraction: float) -> np.ndarray:
+    """[G] int32 group sizes summing to `total`, about `empty_fraction` of the groups empty."""
+    used = rng.random(num_groups) >= empty_fraction
+    used[rng.integers(num_groups)] = True
+    chosen = rng.choice(np.flatnonzero(used), size=total)
+    return np.bincount(chosen, minlength=num_groups).astype(np.int32)
+
+
+def grouped_loop(lhs: np.ndarray, rhs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The definition, in float64 numpy, one group at a time."""
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(sizes):
+        out[start:start + size] = lhs[start:start + size].astype(np.float64) @ rhs[g].astype(np.float64)
+        start += size
+    return out
+
+
+def make_case(seed: int, rows: int, depth: int, width: int, sizes: np.ndarray, dtype):
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.normal(size=(rows, depth)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(len(sizes), depth, width)) * depth ** -0.5, dtype)
+    return lhs, rhs, jnp.asarray(sizes)
+
+
+def test_reference_matches_loop():
+    rng = np.random.default_rng(0)
+    sizes = random_sizes(rng, 9, 50, 0.4)
+    lhs, rhs, group_sizes = make_case(1, 57, 24, 40, sizes, jnp.float32)  # 7 rows past the total
+    got = jax.jit(grouped_matmul_reference)(lhs, rhs, group_sizes)
+    np.testing.assert_allclose(got, grouped_loop(np.asarray(lhs), np.asarray(rhs), sizes), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[50:] == 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_work_items_cover_each_row_once(seed):
+    """The work table tiles each group's rows in BLOCK_M pieces and never exceeds its static size."""
+    rng = np.random.default_rng(seed)
+    num_groups, rows = int(rng.integers(1, 40)), int(rng.integers(1, 300))
+    sizes = random_sizes(rng, num_groups, int(rng.integers(1, rows + 1)), 0.5)
+    group, start, end = map(np.asarray, jax.jit(work_items, static_argnums=1)(jnp.asarray(sizes), rows))
+    assert group.shape == (num_work_items(rows, num_groups),)
+    owner = np.repeat(np.arange(num_groups), sizes)
+    covered = np.zeros(rows, int)
+    for g, s, e in zip(group, start, end):
+        assert 0 <= s <= e <= rows and e - s <= BLOCK_M
+        covered[s:e] += 1
+        assert np.all(owner[s:e] == g)
+    np.testing.assert_array_equal(covered, np.arange(rows) < sizes.sum())
+
+
+CASES = {
+    # name: (rows, depth, width, groups, rows in groups, empty fraction, dtype)
+    "f32-edges": (70, 48, 40, 8, 64, 0.4, jnp.float32),  # K, N not whole blocks: masked gathers
+    "bf16-edges": (70, 48, 40, 8, 64, 0.4, jnp.bfloat16),
+    "f32-blocks": (90, 128, 256, 12, 90, 0.3, jnp.float32),  # whole blocks: the sliced weight loads
+    "bf16-blocks": (90, 128, 256, 12, 90, 0.3, jnp.bfloat16),
+    "bf16-decode": (32, 128, 128, 32, 32, 0.0, jnp.bfloat16),  # one row in most groups
+    "bf16-one-group": (40, 64, 128, 5, 40, 0.9, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_pallas_matches_reference(case):
+    rows, depth, width, groups, total, empty, dtype = CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    sizes = random_sizes(rng, groups, total, empty)
+    lhs, rhs, group_sizes = make_case(int(rng.integers(1 << 30)), rows, depth, width, sizes, dtype)
+    got = grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=True)
+    want = grouped_matmul_reference(lhs, rhs, group_sizes)
+    assert got.dtype == want.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    assert np.all(np.asarray(got)[total:] == 0)
+    np.testing.assert_allclose(np.asarray(got, np.float32), grouped_loop(np.asarray(lhs, np.float32),
+                               np.asarray(rhs, np.float32), sizes), rtol=tol, atol=tol)
+
+
+def test_op_dispatch_and_argument_errors():
+    lhs, rhs, sizes = make_case(3, 20, 32, 16, np.array([5, 0, 15], np.int32), jnp.float32)
+    np.testing.assert_array_equal(grouped_matmul(lhs, rhs, sizes, backend="xla"),
+                                  grouped_matmul_reference(lhs, rhs, sizes))
+    np.testing.assert_allclose(grouped_matmul(lhs, rhs, sizes, backend="pallas"),
+                               grouped_matmul_reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="lhs"):
+        grouped_matmul(lhs[None], rhs, sizes)
+    with pytest.raises(ValueError, match="rhs"):
+        grouped_matmul(lhs, rhs[:, :8], sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul(lhs, rhs, sizes[:2])
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul(lhs, rhs, sizes.astype(jnp.float32))
+    with pytest.raises(ValueError, match="backend"):
+        grouped_matmul(lhs, rhs, sizes, backend="cuda")
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """The same rows give the same bits alone, among more rows in their groups, and with more
+    groups before them (speculative decoding's bit-exactness rests on this)."""
+    rng = np.random.default_rng(11)
+    lhs, rhs, _ = make_case(12, 64, 128, 128, np.zeros(8, np.int32), jnp.bfloat16)
+    mine = lhs[:3]  # one row in group 2, two in group 5
+    alone = grouped_matmul_pallas(mine, rhs, jnp.asarray([0, 0, 1, 0, 0, 2, 0, 0]), interpret=True)
+    crowd = jnp.asarray(rng.normal(size=(40, 128)), jnp.bfloat16)
+    # 9 rows of group 0, then 1 + 13 rows of group 2 (mine first), then 2 + 15 of group 5.
+    batch = jnp.concatenate([crowd[:9], mine[:1], crowd[9:22], mine[1:], crowd[22:37]])
+    together = grouped_matmul_pallas(batch, rhs, jnp.asarray([9, 0, 14, 0, 0, 17, 0, 0]), interpret=True)
+    np.testing.assert_array_equal(np.asarray(together[jnp.asarray([9, 23, 24])]), np.asarray(alone))
+
+
+def test_cuda_lowering_at_deepseek_shapes():
+    """The real Pallas-to-Triton lowering at DeepSeek-V3.2's expert shapes emits one Triton kernel."""
+    args = (jax.ShapeDtypeStruct((256, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((256, 7168, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256,), jnp.int32))
+    fn = functools.partial(grouped_matmul_pallas, interpret=False)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1 and re.search(r'\bname = "grouped_matmul"', calls[0])
+    assert jax.eval_shape(fn, *args).shape == (256, 2048)
+
+
+# ----------------------------------------------------------------------------------------------
+# One DeepSeek-V3.2 MoE layer compiled for an H100 (no GPU needed; the CUDA plugin is)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def h100():
+    from jaxspec import aot
+    try:
+        return aot.gpu_devices("h100")
+    except RuntimeError as error:
+        pytest.skip(str(error))
+
+
+# Tokens per MoE call at batch 32: decode and an MTP draft step (Q = 1), chain verification and
+# the MTP catch-up at k = 3 (Q = 4), a tree of 8 (Q = 8); prefill of a 1024-token chunk.
+@pytest.mark.parametrize("num_tokens,slack", [(32, 1.25), (128, 1.25), (256, 1.25), (1024, 1.5)],
+                         ids=["decode-mtp", "verify-k3", "tree-8", "prefill-1024"])
+def test_moe_layer_compiled_at_routed_cost(h100, num_tokens, slack):
+    """Flops within `slack` of the routed work (3 matmuls per token-expert pair, the shared expert,
+    the router), bytes within `slack` of reading each expert that can be hit once (min(E, T * k):
+    the static worst case) plus the shared expert, router and activations, temporaries of
+    activation size only, and kernels within the H100's shared memory with no spills."""
+    from jaxspec import aot
+
+    config = preset("deepseek-v3.2")
+    dim, hidden, experts, topk = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
+                                  config.num_experts_per_tok)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))
+    x = jax.ShapeDtypeStruct((1, num_tokens, dim), jnp.bfloat16)
+    compiled = aot.compile_gpu(lambda p, x: nnx.merge(graphdef, p)(x, backend="auto"), params, x, devices=h100)
+
+    assignments, expert_bytes = num_tokens * topk, 3 * dim * hidden * 2
+    routed_flops = 2 * 3 * dim * hidden * (assignments + num_tokens * config.n_shared_experts)
+    router_flops = 2 * dim * experts * num_tokens
+    ideal_bytes = ((min(experts, assignments) + config.n_shared_experts) * expert_bytes + dim * experts * 4
+                   + 2 * num_tokens * dim * 2)
+    cost = aot.program_cost(compiled)
+    assert [call.name for call in aot.pallas_calls(compiled)] == ["grouped_matmul"] * 3
+    assert not cost.uncounted
+    assert routed_flops + router_flops <= cost.flops <= slack * (routed_flops + router_flops)
+    assert ideal_bytes * 0.99 <= cost.bytes_accessed <= slack * ideal_bytes
+    # Activations only: the gathered path's [T, k, D, H] weights would be 21 GB here.
+    assert aot.memory(compiled).temp <= 8 * assignments * dim * 2
+    launches = aot.kernel_launches(compiled)
+    assert launches and all(l.shared_memory <= 227 * 1024 and l.spill_stores == l.spill_loads == 0 for l in launches)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU: the kernel compiled, at DeepSeek-V3.2's expert shapes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,empty", [(256, 0.0), (1024, 0.5)], ids=["decode", "prefill-half-empty"])
+def test_pallas_compiled_on_gpu(rows, empty):
+    rng = np.random.default_rng(rows)
+    sizes = random_sizes(rng, 256, rows, empty)
+    lhs, rhs, group_sizes = make_case(rows + 1, rows, 7168, 2048, sizes, jnp.bfloat16)
+    got = grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=False)
+    want = grouped_matmul_reference(lhs, rhs, group_sizes)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
