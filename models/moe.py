@@ -63,6 +63,9 @@ def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.A
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
+EXPERT_PATHS = ("grouped", "gathered")
+
+
 def expert_path(num_assignments: int, num_experts: int, backend: str) -> str:
     """"grouped" or "gathered" (module docstring) for a call with `num_assignments` = T * k token-expert
     pairs on a resolved `backend` ("xla" or "pallas"): the only place the choice is made."""
@@ -86,13 +89,18 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype)
                                if config.n_shared_experts else None)
 
-    def __call__(self, x: jax.Array, *, backend: str = "auto") -> jax.Array:
-        """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas" or "auto", as for the attention ops."""
+    def __call__(self, x: jax.Array, *, backend: str = "auto", path: str | None = None) -> jax.Array:
+        """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas" or "auto", as for the attention ops.
+        path: None = `expert_path`'s choice; "gathered" or "grouped" forces one (benchmarks/moe.py)."""
+        if path not in (None, *EXPERT_PATHS):
+            raise ValueError(f"path={path!r}: must be None or one of {EXPERT_PATHS}")
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
         backend = resolve_backend(backend)
-        if expert_path(experts.size, self.config.n_routed_experts, backend) == "gathered":
+        if path is None:
+            path = expert_path(experts.size, self.config.n_routed_experts, backend)
+        if path == "gathered":
             out = self._gathered(tokens, weights, experts)
         else:
             out = self._grouped(tokens, weights, experts, backend)

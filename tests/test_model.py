@@ -183,6 +183,8 @@ def test_moe_layer_equals_loop(backend, extra_tokens):
         "gathered" if backend == "xla" and extra_tokens <= 0 else "grouped")
     x = jnp.asarray(np.random.default_rng(6).normal(size=(1, num_tokens, 64)), jnp.float32)
     out = nnx.jit(lambda m, x: m(x, backend=backend))(moe, x)
+    with pytest.raises(ValueError, match="path"):
+        moe(x, backend=backend, path="dense")
     tokens = np.asarray(x).reshape(-1, 64)
     weights, experts = _route_loop(moe.config, tokens, np.asarray(moe.gate_weight[...]),
                                    np.asarray(moe.e_score_correction_bias[...]))

@@ -1,0 +1,128 @@
+"""One DeepSeek-V3.2 MoE layer (hidden 7168, 256 experts of 2048, top-8, one shared expert) timed
+on a GPU for the three ways to run its experts (`models/moe.py`):
+
+  * pallas     — the grouped-matmul Pallas kernel (`pallas_kernels/grouped_matmul_pallas.py`);
+  * ragged_dot — `jax.lax.ragged_dot`, which XLA's GPU backend lowers to a matmul over every expert;
+  * gathered   — each assignment's expert weights gathered ([T, k, D, H] materialized).
+
+For T tokens per call (default 8, 32, 128, 1024: decode at batch 8 and 32, verification at k = 3,
+prefill) it prints time per layer, the distinct experts the call hit, achieved bandwidth (the bytes
+the layer must move at least: each hit expert's three matrices once, the shared expert, the router
+and the activations, divided by the time) as GB/s and as a fraction of a device-to-device copy
+measured in the same run, TFLOP/s of the routed work, the speedup of the kernel over each XLA
+path, and each path's largest difference from the kernel's output. Weights and inputs are random
+(bf16, 22.5 GB of experts); a path whose memory would not fit is skipped and said so.
+
+    python benchmarks/moe.py                    # the sweep, on a GPU (H100 / H200)
+    python benchmarks/moe.py --tokens 32 128
+    python benchmarks/moe.py --smoke            # tiny widths, any machine (interpret mode)
+
+A timing is the best of three runs of --iters back-to-back calls (after --warmup calls), as in
+`benchmarks/kernels.py`, whose timing and copy-bandwidth helpers this script imports (run it as
+a script from the repository: `benchmarks/` is on the path then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, timed
+
+from jaxspec.config import preset
+from jaxspec.models.moe import MoE, route
+
+# (label, MoE path, backend)
+PATHS = (("pallas", "grouped", "pallas"), ("ragged_dot", "grouped", "xla"), ("gathered", "gathered", "xla"))
+SMOKE_WIDTHS = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                    n_group=4, topk_group=2, n_shared_experts=1)
+
+
+def extra_memory(label: str, config, num_tokens: int) -> int:
+    """Bytes a path needs beyond the weights, roughly: the gathered path's [T, k, D, H] weights; the
+    dense ragged_dot's [T * k, E, H] partial products (what XLA's GPU lowering allocates, in f32)."""
+    dim, hidden, experts, topk = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
+                                  config.num_experts_per_tok)
+    if label == "gathered":
+        return 3 * num_tokens * topk * dim * hidden * 2
+    if label == "ragged_dot":
+        return num_tokens * topk * experts * max(dim, hidden) * 4
+    return 16 * num_tokens * topk * dim * 4
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 1024], help="tokens per MoE call")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.smoke:
+        print(f"benchmarks/moe.py needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
+              "use --smoke for a quick interpret-mode run at tiny widths.", file=sys.stderr)
+        return 2
+    config = preset("deepseek-v3.2", **(SMOKE_WIDTHS if args.smoke else {}))
+    if args.smoke:
+        args.tokens, args.iters, args.warmup = [2, 8], 1, 1
+    dim, hidden, experts, topk = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
+                                  config.num_experts_per_tok)
+    expert_bytes = 3 * dim * hidden * 2
+    moe = MoE(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    graphdef, params = nnx.split(moe)
+    memory = device_memory()
+    weight_bytes = experts * expert_bytes
+
+    copy_bytes = (1 << 20) if args.smoke else (1 << 30)
+    copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
+    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of "
+          f"{copy_bytes >> 20} MiB); hidden {dim}, {experts} experts of {hidden}, top-{topk}, "
+          f"{config.n_shared_experts} shared; expert weights {weight_bytes / 2**30:.1f} GiB")
+    if not on_gpu:
+        print("(interpret mode on CPU: the numbers only show the benchmark runs)")
+    header = f"{'T':>6}  {'path':<10}{'hit':>5}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}{'vs pallas':>10}{'max diff':>10}"
+    print(header)
+    print("-" * len(header))
+
+    for num_tokens in args.tokens:
+        x = jax.random.normal(jax.random.key(num_tokens), (1, num_tokens, dim), jnp.bfloat16)
+        _, chosen = route(config, x[0], moe.gate_weight[...], moe.e_score_correction_bias[...])
+        hit = len(np.unique(np.asarray(chosen)))
+        shared = config.n_shared_experts
+        min_bytes = (hit + shared) * expert_bytes + dim * experts * 4 + 2 * num_tokens * dim * 2
+        flops = 2 * (3 * dim * hidden * num_tokens * (topk + shared) + dim * experts * num_tokens)
+        kernel_out = kernel_seconds = None
+        for label, path, backend in PATHS:
+            prefix = f"{num_tokens:>6}  {label:<10}{hit:>5}"
+            if memory is not None and weight_bytes + extra_memory(label, config, num_tokens) > MEMORY_FRACTION * memory:
+                print(f"{prefix}  skipped: memory")
+                continue
+            fn = jax.jit(lambda p, x, path=path, backend=backend: nnx.merge(graphdef, p)(x, path=path, backend=backend))
+            try:
+                out = jax.block_until_ready(fn(params, x))
+                seconds = timed(fn, params, x, iters=args.iters, warmup=args.warmup)
+            except jax.errors.JaxRuntimeError as failure:  # out of memory after all
+                print(f"{prefix}  {type(failure).__name__}")
+                continue
+            if label == "pallas":
+                kernel_out, kernel_seconds = out, seconds
+            versus = diff = ""
+            if kernel_out is not None:  # time / the kernel's time, and the largest output difference
+                versus = f"{seconds / kernel_seconds:>9.2f}x"
+                diff = f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - kernel_out.astype(jnp.float32)))):>10.2e}"
+            bandwidth = min_bytes / seconds
+            print(f"{prefix}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>8.0f}{100 * bandwidth / copy_bw:>6.0f}%"
+                  f"{flops / seconds / 1e12:>9.1f}{versus}{diff}")
+            del out
+            gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
