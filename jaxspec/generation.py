@@ -116,8 +116,11 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
                              f"{needed} are needed")
         capacity = page_table.shape[1] * config.page_size
 
-    target_cache = model.init_cache(batch, capacity, page_size=config.page_size, page_table=page_table)
-    mtp_cache = (model.init_cache(batch, capacity, page_size=config.page_size, mtp=True, page_table=page_table)
+    # Each cache gets its own copy of the page table: the caches are donated to the computation,
+    # which must consume neither the caller's array nor one buffer twice.
+    own = lambda: None if page_table is None else jnp.array(page_table, jnp.int32)
+    target_cache = model.init_cache(batch, capacity, page_size=config.page_size, page_table=own())
+    mtp_cache = (model.init_cache(batch, capacity, page_size=config.page_size, mtp=True, page_table=own())
                  if config.draft_tree is not None else None)
     return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache)
 
@@ -127,7 +130,24 @@ def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, r
     return decode(graphdef, params, state, config)
 
 
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "config"))
+# The caches are donated: the loop updates them in place (one copy of the cache on the device).
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "config"), donate_argnames=("target_cache", "mtp_cache"))
+
+
+def _empty_cache(layout: PagedCache | None) -> PagedCache | None:
+    """New empty buffers laid out as `layout` (arrays or ShapeDtypeStructs) and a copy of its page table."""
+    if layout is None:
+        return None
+    empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout.replace(page_table=None))
+    return empty.replace(page_table=jnp.array(layout.page_table))
+
+
+def _layout(cache: PagedCache | None) -> PagedCache | None:
+    """`cache` as ShapeDtypeStructs, except its page table (kept as an array)."""
+    if cache is None:
+        return None
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache.replace(page_table=None))
+    return shapes.replace(page_table=cache.page_table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,10 +228,17 @@ def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeCo
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
     graphdef, params = nnx.split(model)
-    args = (params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
-    compiled = _generate_jit.lower(graphdef, *args, config).compile()
+    rng_key = base_key(key)
+    compiled = _generate_jit.lower(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache,
+                                   batch.mtp_cache, rng_key, config).compile()
+    # The computation consumes (donates) its caches, so every run gets new empty ones; only their
+    # layout and page tables are kept here, not a second copy of the caches.
+    target_layout, mtp_layout = _layout(batch.target_cache), _layout(batch.mtp_cache)
+    prompts, prompt_lens = batch.prompts, batch.prompt_lens
+    del batch
 
     def run() -> GenerateResult:
-        return result_from_state(compiled(*args), config)
+        return result_from_state(compiled(params, prompts, prompt_lens, _empty_cache(target_layout),
+                                          _empty_cache(mtp_layout), rng_key), config)
 
     return run

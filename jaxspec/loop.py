@@ -270,8 +270,11 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
     return jax.lax.while_loop(cond, lambda state: _step(graphdef, params, state, config), state)
 
 
-_prefill_jit = jax.jit(prefill, static_argnames=("graphdef", "config"))
-_step_jit = jax.jit(_step, static_argnames=("graphdef", "config"))
+# The caches and the loop state are donated at the jit boundary: XLA aliases them to the outputs,
+# so a step updates the cache in place instead of writing a second one (`jaxspec.aot.memory`
+# shows the aliased bytes). `step`'s state argument is consumed.
+_prefill_jit = jax.jit(prefill, static_argnames=("graphdef", "config"), donate_argnames=("target_cache", "mtp_cache"))
+_step_jit = jax.jit(_step, static_argnames=("graphdef", "config"), donate_argnames=("state",))
 
 
 def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None, key=0) -> DecodeState:
@@ -290,6 +293,7 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
 
 
 def step(model: nnx.Module, state: DecodeState, config: DecodeConfig) -> DecodeState:
-    """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted)."""
+    """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
+    `state` is donated: its arrays are consumed, use the returned state)."""
     graphdef, params = nnx.split(model)
     return _step_jit(graphdef, params, state, config)

@@ -181,7 +181,9 @@ def test_commit_leaves_the_caches_of_the_emitted_tokens(trained_v32):
     snapshots = []
     while not bool(np.all(state.done)):
         state = step(trained_v32, state, cfg)
-        snapshots.append((state.target_cache, state.mtp_cache, np.asarray(state.num_generated), np.asarray(state.done)))
+        # Host copies: the next step consumes (donates) this state's arrays.
+        snapshots.append((*jax.device_get((state.target_cache, state.mtp_cache)), np.asarray(state.num_generated),
+                          np.asarray(state.done)))
     assert int(np.sum(state.position_accepts[:, 1])) > 0, "no step accepted a path that needs moving"
     sequences = [PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
                  for b in range(len(PROMPTS))]

@@ -105,17 +105,17 @@ class GpuCompiled:
 
 
 def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_argnames: Sequence[str] = (),
-                donate_argnums: Sequence[int] = (), dump_dir: str | None = None, fail_on_spill: bool = True,
-                **kwargs) -> GpuCompiled:
+                donate_argnums: Sequence[int] = (), donate_argnames: Sequence[str] = (), dump_dir: str | None = None,
+                fail_on_spill: bool = True, **kwargs) -> GpuCompiled:
     """Compile `fn(*args, **kwargs)` for a GPU target without a GPU.
 
     args / kwargs: `jax.ShapeDtypeStruct`s or pytrees of them (leaves without a sharding are put
     on `devices`, see `_place`), and the static arguments named in `static_argnames`.
-    devices: from `gpu_devices` (default: one H100). donate_argnums: as in `jax.jit`.
+    devices: from `gpu_devices` (default: one H100). donate_argnums / donate_argnames: as in `jax.jit`.
     dump_dir: where XLA dumps the compilation (default: a temporary directory kept as long as the
     result). fail_on_spill: a kernel that spills registers fails the compile (XLA's
     `xla_gpu_fail_ptx_compilation_on_register_spilling`); over-budget shared memory always does.
-    The ops trace inside `gpu_lowering()`: "auto" picks the Pallas kernels and they take the
+    Large sorts use XLA's sort kernel instead of CUB's (see below). The ops trace inside `gpu_lowering()`: "auto" picks the Pallas kernels and they take the
     Triton lowering even though the process's default backend is the CPU.
     """
     devices = gpu_devices() if devices is None else list(devices)
@@ -129,7 +129,12 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
     start = time.perf_counter()
     with gpu_lowering():
         lowered = jax.jit(fn, static_argnames=tuple(static_argnames),
-                          donate_argnums=tuple(donate_argnums)).lower(*args, **kwargs)
+                          donate_argnums=tuple(donate_argnums),
+                          donate_argnames=tuple(donate_argnames)).lower(*args, **kwargs)
     compiled = lowered.compile(compiler_options={
-        "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spill, "xla_dump_to": dump_dir})
+        "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spill, "xla_dump_to": dump_dir,
+        # XLA sizes a CUB radix sort's scratch by asking the CUDA runtime, which fails without a
+        # device ("invalid device ordinal"): large sorts (top-k of the DSA indexer) use XLA's own
+        # sort kernel here, where a GPU host's compile would call CUB.
+        "xla_gpu_enable_cub_radix_sort": False})
     return GpuCompiled(compiled, dump_dir, time.perf_counter() - start, owner)

@@ -1,0 +1,80 @@
+"""The model's own programs compiled for a GPU target: prefill and one speculative decode step of
+a DeepSeek-V3 / V3.2 at a given batch and context, with abstract parameters (nothing allocated).
+
+    compiled = compile_model(preset("deepseek-v3.2"), DecodeConfig(num_draft=3, backend="pallas"),
+                             phase="decode", batch=32, context=4096, devices=gpu_devices("h100"))
+
+The decode step is `jaxspec.loop._step` exactly as `generate` runs it inside its while loop, with
+the loop state donated as at `step`'s jit boundary; prefill is `jaxspec.loop.prefill` over a
+prompt of `context` tokens with its caches donated. Cache geometry: a step sees caches of
+`required_capacity` slots per row for `context` tokens (the context plus one step's window), so
+its attention kernels' stated costs are those of a full context.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import DecodeConfig, ModelConfig
+from jaxspec.generation import required_capacity
+from jaxspec.loop import _step, prefill
+from jaxspec.orbax_io import abstract_model
+from jaxspec.sampling import base_key
+
+from .compile import GpuCompiled, compile_gpu
+
+PHASES = ("prefill", "decode")
+
+
+def reduced_depth(config: ModelConfig, layers: int) -> ModelConfig:
+    """`config` with `layers` decoder layers at full width, keeping at least one MoE layer (the
+    dense prefix shrinks to layers - 1 when it would cover them all)."""
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise ValueError(f"layers={layers}: must be in [1, num_hidden_layers={config.num_hidden_layers}]")
+    return config.replace(num_hidden_layers=layers,
+                          first_k_dense_replace=min(config.first_k_dense_replace, layers - 1))
+
+
+def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig):
+    target = jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size))
+    mtp = (jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size, mtp=True))
+           if decode.draft_tree is not None else None)
+    return target, mtp
+
+
+def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: int, context: int,
+                  devices: Sequence, dtype=jnp.bfloat16, dump_dir: str | None = None,
+                  fail_on_spill: bool = True) -> GpuCompiled:
+    """Compile prefill (a `context`-token prompt) or one decode step (at `context` cached tokens)
+    of `config` for `devices`, parameters in `dtype`, decoding as `decode` says (draft chain or
+    tree, backend: "pallas" for the GPU kernels). Raises ValueError on a bad phase, batch or context."""
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r}: must be one of {PHASES}")
+    if batch < 1:
+        raise ValueError(f"batch={batch}: must be >= 1")
+    if not 1 <= context <= config.max_position_embeddings:
+        raise ValueError(f"context={context}: must be in [1, max_position_embeddings={config.max_position_embeddings}]")
+    graphdef, params, _ = abstract_model(config, dtype)
+    model = nnx.merge(graphdef, params)
+    prompt_width = context if phase == "prefill" else 1
+    decode = decode.replace(max_new_tokens=1 if phase == "prefill" else context, max_cache_len=None)
+    target_cache, mtp_cache = _abstract_caches(model, batch, required_capacity(prompt_width, decode), decode)
+    prompts = jax.ShapeDtypeStruct((batch, prompt_width), jnp.int32)
+    prompt_lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    rng_key = jax.eval_shape(lambda: base_key(0))
+    options = dict(devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
+                   static_argnames=("graphdef", "config"))
+    if phase == "prefill":
+        return compile_gpu(prefill, graphdef=graphdef, params=params, prompts=prompts, prompt_lens=prompt_lens,
+                           target_cache=target_cache, mtp_cache=mtp_cache, rng_key=rng_key, config=decode,
+                           donate_argnames=("target_cache", "mtp_cache"), **options)
+    # The loop state after prefill, as shapes (its tokens buffer sized by max_new_tokens = context).
+    state = jax.eval_shape(functools.partial(prefill, graphdef, config=decode), params, prompts, prompt_lens,
+                           target_cache, mtp_cache, rng_key)
+    return compile_gpu(_step, graphdef=graphdef, params=params, state=state, config=decode,
+                       donate_argnames=("state",), **options)
