@@ -2,6 +2,13 @@
 
     jaxspec convert SRC DST [--dtype bfloat16]
 
+    jaxspec aot --target h100|h200 [--devices N] (--preset NAME | --config config.json)
+                --batch B --context C [--mtp K | --tree SPEC] [--phase prefill|decode] [--layers L]
+
+`aot` compiles the model's prefill or one decode step for an NVIDIA GPU target without a GPU
+(`jaxspec.aot`) and prints per-device memory, flops and bytes (XLA ops plus the Pallas kernels'),
+the collectives, each Pallas kernel's launch resources and the compile time.
+
 `convert` reads the Hugging Face checkpoint directory SRC tensor by tensor (FP8 weights
 dequantized, progress on stderr), writes DST with `jaxspec.orbax_io.save_model` (config.json plus
 an orbax params/ directory) and copies SRC's tokenizer files, so that DST runs on its own:
@@ -45,6 +52,32 @@ def convert(src: str, dst: str, *, dtype=jnp.bfloat16) -> None:
          f"{'; copied ' + ', '.join(copied) if copied else '; no tokenizer files to copy'}")
 
 
+def aot(args: argparse.Namespace) -> None:
+    """`jaxspec aot`: compile and print the report (see the module docstring)."""
+    if "JAX_PLATFORMS" not in os.environ:
+        # The CUDA plugin registers without a GPU driver only when CUDA is not a requested platform.
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    from jaxspec import aot as instrument
+    from jaxspec.aot.model import compile_model, reduced_depth
+    from jaxspec.config import DecodeConfig, ModelConfig, preset
+
+    config = preset(args.preset) if args.config is None else ModelConfig.from_hf(args.config)
+    if args.layers is not None:
+        config = reduced_depth(config, args.layers)
+    decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend)
+    devices = instrument.gpu_devices(args.target, args.devices)
+    compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
+                             devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
+                             fail_on_spill=not args.allow_spills)
+    drafting = f"tree {args.tree}" if args.tree else (f"MTP chain k={args.mtp}" if args.mtp else "plain")
+    title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
+             f"{drafting}, batch {args.batch}, context {args.context}, backend {args.backend}; "
+             f"{args.devices} x {devices[0].device_kind}")
+    print(instrument.report(compiled, title))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxspec", description="jaxspec tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,11 +89,37 @@ def main(argv: list[str] | None = None) -> int:
     convert_parser.add_argument("dst", help="output directory (config.json + params/ + tokenizer files)")
     convert_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                                 help="parameter dtype of the converted model (default: bfloat16)")
+    aot_parser = commands.add_parser(
+        "aot", help="compile prefill or a decode step for an H100/H200 without a GPU and report its costs",
+        description="Compile the model's prefill or one speculative decode step for NVIDIA GPUs on this host "
+                    "(needs pip install 'jax[cuda12]==<jax version>') and print memory, flops, bytes, "
+                    "collectives, Pallas kernel resources and the compile time.")
+    aot_parser.add_argument("--target", choices=("h100", "h200"), default="h100", help="GPU (default h100: H100 SXM)")
+    aot_parser.add_argument("--devices", type=int, default=1, help="devices in the node (default 1)")
+    model_source = aot_parser.add_mutually_exclusive_group(required=True)
+    model_source.add_argument("--preset", help="a jaxspec.config preset, e.g. deepseek-v3.2")
+    model_source.add_argument("--config", help="a Hugging Face config.json")
+    aot_parser.add_argument("--batch", type=int, required=True, help="rows B")
+    aot_parser.add_argument("--context", type=int, required=True, help="cached tokens per row (decode) or prompt length (prefill)")
+    drafting = aot_parser.add_mutually_exclusive_group()
+    drafting.add_argument("--mtp", type=int, default=0, help="MTP chain length k (default 0: plain decoding)")
+    drafting.add_argument("--tree", help="a draft tree: a static tree's name or 'top_k,depth,budget'")
+    aot_parser.add_argument("--phase", choices=("prefill", "decode"), default="decode")
+    aot_parser.add_argument("--layers", type=int, help="decoder layers (reduced depth, full width; default: all)")
+    aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype")
+    aot_parser.add_argument("--backend", choices=("pallas", "xla"), default="pallas", help="attention kernels")
+    aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
+    aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
     args = parser.parse_args(argv)
     try:
-        convert(args.src, args.dst, dtype=DTYPES[args.dtype])
-    except ValueError as error:
-        _log(f"jaxspec convert: error: {error}")
+        if args.command == "aot":
+            if args.tree is not None and args.mtp == 0:
+                args.mtp = 1  # a tree drafts with the MTP module; its nodes, not num_draft, decide the drafts
+            aot(args)
+        else:
+            convert(args.src, args.dst, dtype=DTYPES[args.dtype])
+    except (ValueError, RuntimeError) as error:
+        _log(f"jaxspec {args.command}: error: {error}")
         return 1
     return 0
 

@@ -251,7 +251,7 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
     thunks = []
     for path in _dump_files(compiled, "thunk_sequence.txt"):
         with open(path) as f:
-            thunks += [m for m in _THUNK.findall(f.read()) if _base_name(m[0]) in kernel_names]
+            thunks += [m for m in _THUNK.findall(f.read()) if {m[0], kernel_name(m[0])} & kernel_names]
     wanted = {m[0] for m in thunks}
     ptx_files = []
     for path in _dump_files(compiled, ".ptx"):
@@ -268,6 +268,6 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
     return launches
 
 
-def _base_name(thunk_name: str) -> str:
-    """XLA numbers repeated kernel names ("mla_attention_3"): the kernel's own name."""
+def kernel_name(thunk_name: str) -> str:
+    """A launch's kernel: XLA numbers repeated kernel names ("mla_attention_3" -> "mla_attention")."""
     return re.sub(r"_\d+$", "", thunk_name)

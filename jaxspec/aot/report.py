@@ -1,0 +1,43 @@
+"""The instrument's printed report of one compiled program (what `jaxspec aot` prints)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .analysis import collectives, kernel_launches, kernel_name, memory, program_cost
+from .compile import GpuCompiled
+
+GIB = 2 ** 30
+
+
+def report(compiled: GpuCompiled, title: str) -> str:
+    """Per-device memory, flops and bytes (XLA ops plus the Pallas kernels' own), collectives,
+    each Pallas kernel's launch resources (identical launches counted once, with how many) and
+    the compile time, as text."""
+    mem, cost = memory(compiled), program_cost(compiled)
+    lines = [title, f"compile time {compiled.compile_seconds:.1f} s",
+             f"memory per device: arguments {mem.argument / GIB:.2f} GiB, outputs {mem.output / GIB:.2f} GiB, "
+             f"temp {mem.temp / GIB:.3f} GiB, aliased {mem.alias / GIB:.2f} GiB, peak {mem.peak / GIB:.2f} GiB",
+             f"flops {cost.flops:.3e} (XLA ops {cost.xla_flops:.3e}, Pallas kernels {cost.kernel_flops:.3e})",
+             f"bytes accessed {cost.bytes_accessed:.3e} (XLA ops {cost.xla_bytes:.3e}, "
+             f"Pallas kernels {cost.kernel_bytes:.3e})"]
+    if cost.uncounted:
+        lines.append("not counted (no cost known): " + ", ".join(f"{n} x {t}" for t, n in sorted(cost.uncounted.items())))
+    found = collectives(compiled)
+    if found:
+        totals = Counter()
+        counts = Counter()
+        for c in found:
+            totals[c.op] += c.bytes
+            counts[c.op] += 1
+        lines.append("collectives: " + ", ".join(f"{counts[op]} x {op} ({totals[op] / GIB:.3f} GiB)" for op in sorted(counts)))
+    else:
+        lines.append("collectives: none")
+    launches = Counter((kernel_name(k.name), k.grid, k.threads, k.shared_memory, k.registers, k.spill_stores,
+                        k.spill_loads)
+                       for k in kernel_launches(compiled))
+    lines.append(f"{'Pallas kernel':<24}{'launches':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}{'spills':>8}")
+    for (name, grid, threads, smem, registers, stores, loads), n in sorted(launches.items()):
+        lines.append(f"{name:<24}{n:>9}  {'x'.join(map(str, grid)):<16}{threads[0] * threads[1] * threads[2]:>8}"
+                     f"{smem:>9}{registers:>6}{stores + loads:>8}")
+    return "\n".join(lines)
