@@ -1,0 +1,149 @@
+"""`jaxspec.aot`: the Pallas kernels and a reduced-depth DeepSeek-V3.2 decode step compiled for an
+H100 (sm_90a) on this CPU host, and the facts the compiler reports about them.
+
+The compiles need JAX's CUDA plugin and a process whose JAX platforms exclude CUDA
+(`JAX_PLATFORMS=cpu`, as `.ci/run` sets); without either, they skip and say which is missing.
+Kernel resources are facts of the compiled program: shared memory within the 227 KB a block may
+opt into on sm_90, no register spills (the compile itself fails on one), and the stated cost the
+program counts for each kernel equals the kernel's arithmetic.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxspec import aot
+from jaxspec.aot.model import compile_model, reduced_depth
+from jaxspec.config import DecodeConfig, preset
+from jaxspec.pallas_kernels import Visibility
+from jaxspec.pallas_kernels.indexer_pallas import indexer_topk_pallas
+from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
+from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
+
+V32 = preset("deepseek-v3.2")
+SHARED_MEMORY_LIMIT = 232448  # bytes a block may opt into on sm_90 (227 KB), the H100 spec's value
+Spec = jax.ShapeDtypeStruct
+
+
+@pytest.fixture(scope="module")
+def h100():
+    try:
+        return aot.gpu_devices("h100")
+    except RuntimeError as missing:
+        pytest.skip(str(missing))
+
+
+def test_unknown_target_names_the_known_ones():
+    with pytest.raises(ValueError, match=r"target='a100': must be one of \['h100', 'h200'\]"):
+        aot.gpu_devices("a100")
+    with pytest.raises(ValueError, match=r"num_devices=0: must be >= 1"):
+        aot.gpu_devices("h200", 0)
+
+
+def test_missing_plugin_says_what_to_install(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(RuntimeError, match=rf"pip install 'jax\[cuda12\]=={jax.__version__}'"):
+        aot.gpu_devices("h100")
+
+
+def test_shape_bytes_reads_hlo_shapes():
+    assert aot.shape_bytes("bf16[2,3]{1,0}") == 12
+    assert aot.shape_bytes("(f32[4]{0}, s32[], pred[8]{0})") == 16 + 4 + 8
+    assert aot.shape_bytes("f8e4m3fn[16]{0}") == 16
+
+
+def _visibility(batch: int, num_queries: int, tree: bool) -> Visibility:
+    mask = Spec((batch, num_queries, num_queries), jnp.bool_) if tree else None
+    return Visibility(Spec((batch,), jnp.int32), Spec((batch,), jnp.int32), mask)
+
+
+BATCH, CONTEXT = 32, 4096
+PAGES = CONTEXT // 64
+LATENT, ROPE, HEADS = V32.kv_lora_rank, V32.qk_rope_head_dim, V32.num_attention_heads
+
+
+def _mla(num_queries, tree):
+    args = (Spec((BATCH, num_queries, HEADS, LATENT), jnp.bfloat16), Spec((BATCH, num_queries, HEADS, ROPE), jnp.bfloat16),
+            Spec((BATCH * PAGES, 64, LATENT + ROPE), jnp.bfloat16), Spec((BATCH, PAGES), jnp.int32),
+            _visibility(BATCH, num_queries, tree))
+    # Each query row scores Dl + Dr features and averages Dl per slot, over every slot of its row.
+    flops = 2 * BATCH * num_queries * HEADS * CONTEXT * (2 * LATENT + ROPE)
+    return mla_attention_pallas, args, flops
+
+
+def _sparse_mla(num_queries, tree):
+    args = (Spec((BATCH, num_queries, HEADS, LATENT), jnp.bfloat16), Spec((BATCH, num_queries, HEADS, ROPE), jnp.bfloat16),
+            Spec((BATCH * PAGES, 64, LATENT + ROPE), jnp.bfloat16), Spec((BATCH, PAGES), jnp.int32),
+            Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
+    flops = 2 * BATCH * num_queries * HEADS * V32.index_topk * (2 * LATENT + ROPE)
+    return sparse_mla_attention_pallas, args, flops
+
+
+def _indexer(num_queries, tree):
+    heads, dim = V32.index_n_heads, V32.index_head_dim
+    args = (Spec((BATCH, num_queries, heads, dim), jnp.bfloat16), Spec((BATCH, num_queries, heads), jnp.float32),
+            Spec((BATCH * PAGES, 64, dim), jnp.bfloat16), Spec((BATCH, PAGES), jnp.int32),
+            _visibility(BATCH, num_queries, tree))
+    # A Di-long dot per (token, head, slot), then ReLU, weight and sum.
+    flops = BATCH * num_queries * heads * CONTEXT * (2 * dim + 3)
+    return indexer_topk_pallas, args, flops
+
+
+# Sparse MLA takes each token's index list, not visibility: a tree window is its chain case.
+KERNEL_CASES = [(kernel, q, False) for kernel in (_mla, _sparse_mla, _indexer) for q in (1, 4, 8)]
+KERNEL_CASES += [(_mla, 8, True), (_indexer, 8, True)]
+
+
+@pytest.mark.parametrize("kernel, num_queries, tree", KERNEL_CASES,
+                         ids=[f"{k.__name__[1:]}-q{q}{'-tree' if t else ''}" for k, q, t in KERNEL_CASES])
+def test_kernel_compiles_for_h100_at_v32_shapes(h100, kernel, num_queries, tree):
+    """Real DeepSeek-V3.2 widths, B = 32, a 4096-slot context; the compile fails on any spill."""
+    fn, args, flops = kernel(num_queries, tree)
+    static = {"softmax_scale": V32.softmax_scale} if kernel is not _indexer else {"topk": V32.index_topk}
+    compiled = aot.compile_gpu(fn, *args, devices=h100, interpret=False, static_argnames=(*static, "interpret"),
+                               **static)
+    (launch,) = aot.kernel_launches(compiled)
+    assert 0 < launch.shared_memory <= SHARED_MEMORY_LIMIT
+    assert launch.spill_stores == launch.spill_loads == 0
+    assert launch.registers <= 255
+    (call,) = aot.pallas_calls(compiled)
+    assert call.flops == flops
+    cost = aot.program_cost(compiled)
+    assert cost.kernel_flops == flops and cost.flops >= flops and not cost.uncounted
+
+
+def test_collectives_of_a_two_device_program(h100):
+    devices = aot.gpu_devices("h100", 2)
+    mesh = jax.sharding.Mesh(devices, ("rows",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    compiled = aot.compile_gpu(lambda x: x.sum(axis=0), Spec((1024, 512), jnp.float32, sharding=rows), devices=devices)
+    (collective,) = aot.collectives(compiled)
+    assert (collective.op, collective.bytes) == ("all-reduce", 512 * 4)
+
+
+@pytest.mark.slow
+def test_reduced_depth_v32_decode_step_aliases_its_caches(h100):
+    """Real widths, 2 layers (one dense, one MoE) plus the MTP block, MTP chain k = 3, B = 32,
+    4096 tokens of context: the compiled step updates its caches in place (donated, aliased), and
+    its temporaries hold activations, not expert weights."""
+    config = reduced_depth(V32, 2)
+    compiled = compile_model(config, DecodeConfig(num_draft=3, backend="pallas"), phase="decode", batch=BATCH,
+                             context=CONTEXT, devices=h100)
+    mem = aot.memory(compiled)
+    slots = BATCH * -(-(CONTEXT + 3) // 64) * 64  # the context plus the verification window, in whole pages
+    cache_bytes = 2 * slots * (config.latent_dim * (config.num_hidden_layers + 1)
+                               + config.index_head_dim * (config.num_hidden_layers + 1))
+    assert mem.alias >= cache_bytes
+    assert mem.output - mem.alias < cache_bytes / 100  # no second copy of the cache
+    expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
+    assert mem.temp < config.num_experts_per_tok * expert_bytes  # less than one token's routed experts
+    launches = aot.kernel_launches(compiled)
+    assert {aot.kernel_name(k.name) for k in launches} >= {"indexer_scores", "sparse_mla_attention"}
+    assert all(k.shared_memory <= SHARED_MEMORY_LIMIT and k.spill_stores == 0 for k in launches)
