@@ -145,5 +145,6 @@ def test_reduced_depth_v32_decode_step_aliases_its_caches(h100):
     expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
     assert mem.temp < config.num_experts_per_tok * expert_bytes  # less than one token's routed experts
     launches = aot.kernel_launches(compiled)
+    assert len(launches) == len(aot.pallas_calls(compiled))  # every kernel launch found in the dump
     assert {aot.kernel_name(k.name) for k in launches} >= {"indexer_scores", "sparse_mla_attention"}
     assert all(k.shared_memory <= SHARED_MEMORY_LIMIT and k.spill_stores == 0 for k in launches)

@@ -269,5 +269,5 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
 
 
 def kernel_name(thunk_name: str) -> str:
-    """A launch's kernel: XLA numbers repeated kernel names ("mla_attention_3" -> "mla_attention")."""
-    return re.sub(r"_\d+$", "", thunk_name)
+    """A launch's kernel: XLA numbers repeated kernel names ("mla_attention__3" -> "mla_attention")."""
+    return re.sub(r"__\d+$", "", thunk_name)
