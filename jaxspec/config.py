@@ -405,6 +405,18 @@ class DecodeConfig:
     page_size: cache slots per page.
     max_cache_len: slots per row; None sizes the cache to the prompts and the budget.
     backend: kernel implementation, "xla" (pure-jnp references), "pallas", or "auto".
+    window_invariant: compute every token of a verification window as if it were alone in a
+      plain [B, 1] decode step (`jaxspec.models.layers.per_position`: the window's positions run
+      one after another through the token-local ops, and attention reads each token's entries in
+      plain decoding's order with the pure-jnp reference ops, whatever `backend` says). Then
+      greedy speculative decoding emits exactly the tokens of plain greedy decoding with the same
+      flag, batch and prompts, for every k and tree, in bfloat16 as in float32: guaranteed on
+      XLA's CPU backend (tests/test_exactness.py). Without it the guarantee holds only up to
+      rounding: a window computes its tokens with matmul and reduction algorithms chosen for
+      k + 1 rows, so in bfloat16 a near-tie between two logits can resolve differently (measured:
+      11 of 12 held-out rows identical at k = 1, 10 of 12 at k = 3). Off by default: it costs
+      speed (`benchmarks/heldout.py --window-invariant`). On a GPU it is untested; it reads the
+      weights once per window position, so it forfeits most of verification's saving there.
     """
 
     num_draft: int = 3
@@ -418,6 +430,7 @@ class DecodeConfig:
     top_k: int = 0
     top_p: float = 1.0
     relaxed: tuple[int, float] | None = None
+    window_invariant: bool = False
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -430,6 +443,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.max_cache_len={self.max_cache_len}: must be >= 1 or None")
         if self.backend not in BACKENDS:
             raise ValueError(f"DecodeConfig.backend={self.backend!r}: must be one of {BACKENDS}")
+        if not isinstance(self.window_invariant, bool):
+            raise ValueError(f"DecodeConfig.window_invariant={self.window_invariant!r}: must be True or False")
         self._check_tree()
         self._check_sampling()
 

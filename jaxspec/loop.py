@@ -220,7 +220,8 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
     vis = Visibility(prefix_len=n, query_len=jnp.where(active, config.window_size, 0).astype(jnp.int32),
                      tree_mask=window.tree_mask)
     logits, hidden, target_cache = model(window.tokens, n[:, None] + window.depths, state.target_cache, vis,
-                                         form="absorbed", backend=config.backend)
+                                         form="absorbed", backend=config.backend,
+                                         window_invariant=config.window_invariant)
 
     # 3. accept
     result = accept(window, logits, config, keys, sampling)

@@ -33,6 +33,8 @@ specifies; the checkpoint's copies in the MTP layer are duplicates).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -41,7 +43,7 @@ from jaxspec.cache import PagedCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
-from .layers import MLP, Linear, RMSNorm
+from .layers import MLP, Linear, RMSNorm, per_position
 from .mla import MLA
 from .moe import MoE
 from .rope import rope_angles
@@ -57,12 +59,16 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(config, rngs=rngs, dtype=dtype) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype))
 
-    def __call__(self, x, cos, sin, cache: PagedCache, cache_layer: int, vis: Visibility, *, form, backend):
-        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, cache, cache_layer, vis,
-                                     form=form, backend=backend)
+    def __call__(self, x, cos, sin, cache: PagedCache, cache_layer: int, vis: Visibility, *, form, backend,
+                 window_invariant: bool = False):
+        each = functools.partial(per_position, enabled=window_invariant)
+        attn, cache = self.self_attn(each(self.input_layernorm, x), cos, sin, cache, cache_layer, vis,
+                                     form=form, backend=backend, window_invariant=window_invariant)
         x = x + attn
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, backend=backend) if isinstance(self.mlp, MoE) else self.mlp(h)), cache
+        h = each(self.post_attention_layernorm, x)
+        # Per position, the MoE sees B tokens whatever Q is, so it also takes the same expert path.
+        mlp = (lambda h: self.mlp(h, backend=backend)) if isinstance(self.mlp, MoE) else self.mlp
+        return x + each(mlp, h), cache
 
 
 class MTPModule(nnx.Module):
@@ -105,11 +111,21 @@ class DeepseekV3(nnx.Module):
 
     # -- forward passes -------------------------------------------------------------------------
 
-    def _logits(self, hidden: jax.Array) -> jax.Array:
-        return self.lm_head(hidden).astype(jnp.float32)
+    def _head(self, norm: RMSNorm, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, Q, D] (the last block's output) -> (logits [B, Q, V] float32, norm(x) [B, Q, D] in x's dtype).
+
+        The logits that greedy decoding and acceptance compare are computed in float32 from x: the
+        norm's float32 output times the float32 head, never rounded to bfloat16 in between (as
+        serving engines compute logits for sampling). A bfloat16 logit has 8 significant bits, so
+        near-ties would otherwise become exact ties or flip order on the last rounding.
+        """
+        normed = norm(x.astype(jnp.float32))
+        logits = normed @ self.lm_head.weight[...].astype(jnp.float32)
+        return logits, normed.astype(x.dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: PagedCache, vis: Visibility, *,
-                 form: str = "absorbed", backend: str = "auto") -> tuple[jax.Array, jax.Array, PagedCache]:
+                 form: str = "absorbed", backend: str = "auto",
+                 window_invariant: bool = False) -> tuple[jax.Array, jax.Array, PagedCache]:
         """Target forward over a window.
 
         tokens, positions [B, Q] int32; vis: the window's visibility (`jaxspec.pallas_kernels.Visibility`)
@@ -118,9 +134,12 @@ class DeepseekV3(nnx.Module):
         cos, sin = rope_angles(self.config, positions)
         x = self.embed_tokens(tokens).astype(self.dtype)
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, cache, i, vis, form=form, backend=backend)
-        hidden = self.norm(x)
-        return self._logits(hidden), hidden, cache
+            x, cache = layer(x, cos, sin, cache, i, vis, form=form, backend=backend, window_invariant=window_invariant)
+        logits, hidden = per_position(functools.partial(self._head, self.norm), x, enabled=window_invariant)
+        return logits, hidden, cache
+        window_invariant: every token's logits and hidden state are bit-identical to what the same
+        token gets alone in a [B, 1] call on the same cache (`DecodeConfig.window_invariant`;
+        absorbed form only).
 
     def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: PagedCache,
               vis: Visibility, *, form: str = "absorbed", backend: str = "auto"):
@@ -133,5 +152,5 @@ class DeepseekV3(nnx.Module):
         embedded = mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype))
         x = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden.astype(self.dtype))], axis=-1))
         x, cache = mtp.block(x, cos, sin, cache, 0, vis, form=form, backend=backend)
-        out_hidden = mtp.shared_head_norm(x)
-        return self._logits(out_hidden), out_hidden, cache
+        logits, out_hidden = self._head(mtp.shared_head_norm, x)
+        return logits, out_hidden, cache

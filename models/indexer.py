@@ -40,12 +40,18 @@ class Indexer(nnx.Module):
         """x [B, Q, D] -> the window's indexer keys [B, Q, Di] (to be written to the cache)."""
         return self._rotate(self.k_norm(self.wk(x)), cos, sin)
 
-    def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
-               page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:
-        """x [B, Q, D], q_latent [B, Q, q_lora_rank], key_cache holding the window's keys
-        -> indices [B, Q, index_topk] int32 (-1 padded)."""
+    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array):
+        """The token-local part of selection: x [B, Q, D], q_latent [B, Q, q_lora_rank]
+        -> (q_idx [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32, scaled)."""
         batch, num_queries, _ = x.shape
         heads, head_dim = self.config.index_n_heads, self.config.index_head_dim
         q_idx = self._rotate(self.wq_b(q_latent).reshape(batch, num_queries, heads, head_dim), cos, sin)
         weights = self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
+        return q_idx, weights
+
+    def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
+               page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:
+        """x [B, Q, D], q_latent [B, Q, q_lora_rank], key_cache holding the window's keys
+        -> indices [B, Q, index_topk] int32 (-1 padded)."""
+        q_idx, weights = self.queries(x, q_latent, cos, sin)
         return indexer_topk(q_idx, weights, key_cache, page_table, vis, topk=self.config.index_topk, backend=backend)

@@ -1,4 +1,4 @@
-"""Small building blocks: linear layers, RMSNorm, LayerNorm and the SwiGLU MLP.
+"""Small building blocks: linear layers, RMSNorm, LayerNorm, the SwiGLU MLP, and `per_position`.
 
 Parameter names follow the Hugging Face DeepSeek checkpoints (`weight`, `bias`), with linear
 weights stored `[in, out]` (the checkpoint loader transposes), so a loaded tree reads like the file.
@@ -66,3 +66,30 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def per_position(fn, *window_args, enabled: bool = True):
+    """Apply `fn` to each window position of `window_args` separately: a window-invariant call.
+
+    window_args: pytrees of [B, Q, ...] arrays (None leaves allowed); fn takes them as [B, 1, ...]
+    and returns a pytree of [B, 1, ...] arrays; the result is fn's outputs stacked back to [B, Q, ...].
+    With `enabled=False`, simply fn(*window_args).
+
+    Why: XLA's CPU backend picks a matmul or reduction algorithm by the operand shapes (a one-row
+    matmul is an Eigen matrix-vector product, four rows go to YNNPACK with other blocking), so a
+    token computed with Q - 1 others can round differently from the same token alone, and a greedy
+    near-tie can then flip. Here the window's Q positions run one after another through a
+    `jax.lax.map` (a rolled loop, so XLA neither unrolls nor merges the Q copies), each with the
+    [B, 1] shapes of a plain decode step: every token meets exactly the algorithms it would meet
+    alone. An optimization barrier around fn's inputs and outputs, at every Q (1 included), fixes
+    where values are rounded to the model's dtype: without it XLA may keep a bfloat16 result in
+    float32 into the next op (excess precision) in one program and not in the other.
+    """
+    if not enabled:
+        return fn(*window_args)
+    isolated = lambda *args: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+    if jax.tree.leaves(window_args)[0].shape[1] == 1:
+        return isolated(*window_args)
+    stacked = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0)[:, :, None], window_args)  # [Q, B, 1, ...]
+    out = jax.lax.map(lambda args: isolated(*args), stacked)
+    return jax.tree.map(lambda y: jnp.moveaxis(y[:, :, 0], 0, 1), out)

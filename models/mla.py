@@ -16,17 +16,21 @@ With DSA (V3.2), the indexer picks up to `index_topk` slots per token; the absor
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.config import ModelConfig
-from jaxspec.pallas_kernels import (Visibility, gather_rows, mla_attention, sparse_mla_attention, visible_mask,
-                                    window_slots)
+from jaxspec.pallas_kernels import (Visibility, attend_latent, gather_rows, mla_attention, read_slots, select_topk,
+                                    sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels.indexer import score_keys
+from jaxspec.pallas_kernels.visibility import ancestor_slots
 
 from .indexer import Indexer
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, per_position
 from .rope import apply_rope
 
 FORMS = ("expanded", "absorbed")
@@ -68,49 +72,97 @@ class MLA(nnx.Module):
         return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: PagedCache, layer: int,
-                 vis: Visibility, *, form: str, backend: str) -> tuple[jax.Array, PagedCache]:
-        """x [B, Q, D], cos/sin [B, Q, Dr/2] -> (out [B, Q, D], cache with the window's entries written)."""
+                 vis: Visibility, *, form: str, backend: str,
+                 window_invariant: bool = False) -> tuple[jax.Array, PagedCache]:
+        """x [B, Q, D], cos/sin [B, Q, Dr/2] -> (out [B, Q, D], cache with the window's entries written).
+
+        window_invariant (absorbed form only): compute each token as if it were alone in its call
+        (`per_position` for the token-local projections, `_attend_alone` for attention), so its
+        output is bit-identical whatever the window around it; see `DecodeConfig.window_invariant`.
+        """
         if form not in FORMS:
             raise ValueError(f"form={form!r}: must be one of {FORMS}")
+        if window_invariant and form != "absorbed":
+            raise ValueError(f"window_invariant=True needs form='absorbed', got form={form!r}")
         c = self.config
         batch, num_queries, _ = x.shape
-        heads = c.num_attention_heads
+        each = functools.partial(per_position, enabled=window_invariant)
+        q_latent, q_nope, q_rope, entry, index_key = each(self._project, x, cos, sin)
+        cache = cache.write(layer, window_slots(vis, num_queries), entry, index_key)
 
+        w_uk, w_uv = self._up_projections()
+        if window_invariant:
+            index_queries = (None if self.indexer is None
+                             else each(self.indexer.queries, x, q_latent, cos, sin))
+            out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
+        else:
+            indices = None
+            if self.indexer is not None:
+                indices = self.indexer.select(x, q_latent, cos, sin, cache.index_keys[layer], cache.page_table, vis,
+                                              backend=backend)
+            latent_cache = cache.latent[layer]
+            if form == "absorbed":
+                q_absorbed = jnp.einsum("bqhn,rhn->bqhr", q_nope, w_uk.astype(q_nope.dtype))
+                if indices is None:
+                    out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, vis,
+                                                  softmax_scale=c.softmax_scale, backend=backend)
+                else:
+                    out_latent, _ = sparse_mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, indices,
+                                                         softmax_scale=c.softmax_scale, backend=backend)
+                out = jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
+            else:
+                out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, cache.page_table), vis, indices,
+                                     w_uk, w_uv)
+        return each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,))), out), cache
+
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """The token-local part: x [B, Q, D] -> q_latent [B, Q, q_lora_rank] (None without q_lora_rank),
+        q_nope [B, Q, H, Dn], rotated q_rope [B, Q, H, Dr], the cache entry [B, Q, R + Dr] and the
+        indexer key [B, Q, Di] (None without DSA)."""
+        c = self.config
+        batch, num_queries, _ = x.shape
         if c.q_lora_rank is None:
             q_latent, q = None, self.q_proj(x)
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
-        q = q.reshape(batch, num_queries, heads, c.qk_head_dim)
-        q_nope = q[..., :c.qk_nope_head_dim]
+        q = q.reshape(batch, num_queries, c.num_attention_heads, c.qk_head_dim)
         q_rope = apply_rope(q[..., c.qk_nope_head_dim:], cos, sin, interleaved=True)
-
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
         k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleaved=True)
-        slots = window_slots(vis, num_queries)
         index_key = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
-        cache = cache.write(layer, slots, jnp.concatenate([latent, k_rope], axis=-1), index_key)
-        latent_cache = cache.latent[layer]
+        return q_latent, q[..., :c.qk_nope_head_dim], q_rope, jnp.concatenate([latent, k_rope], axis=-1), index_key
 
-        indices = None
-        if self.indexer is not None:
-            indices = self.indexer.select(x, q_latent, cos, sin, cache.index_keys[layer], cache.page_table, vis,
-                                          backend=backend)
+    def _attend_alone(self, q_nope, q_rope, index_queries, cache: PagedCache, layer: int, vis: Visibility,
+                      w_uk, w_uv) -> jax.Array:
+        """Absorbed attention, each window token on its own: q_nope [B, Q, H, Dn], q_rope [B, Q, H, Dr],
+        index_queries (q_idx [B, Q, Hi, Di], weights [B, Q, Hi]) or None -> [B, Q, H, Dv].
 
-        w_uk, w_uv = self._up_projections()
-        if form == "absorbed":
+        Token q reads the entries it sees in the order plain decoding would have stored them
+        (`ancestor_slots`: the prefix, then its ancestors by depth), so a tree node meets the same
+        numbers at the same positions as the token decoded alone, and every reduction adds them in
+        the same order. It is the pure-jnp definition of the attention ops (`attend_latent`,
+        `score_keys`, `select_topk`) whatever the backend: the Pallas kernels tile a window's
+        query rows together and are not window-invariant.
+        """
+        c = self.config
+        slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
+
+        def alone(q_nope, q_rope, index_queries, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
+            visible = slots[:, 0]
+            kv = read_slots(cache.latent[layer], cache.page_table, visible)  # [B, S, R + Dr]
+            mask = visible >= 0
+            if index_queries is not None:
+                keys = read_slots(cache.index_keys[layer], cache.page_table, visible)
+                chosen = select_topk(score_keys(*index_queries, keys, mask[:, None]), c.index_topk)[:, 0]  # [B, K]
+                kv = jnp.take_along_axis(kv, jnp.maximum(chosen, 0)[..., None], axis=1)
+                mask = chosen >= 0
             q_absorbed = jnp.einsum("bqhn,rhn->bqhr", q_nope, w_uk.astype(q_nope.dtype))
-            if indices is None:
-                out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, vis,
-                                              softmax_scale=c.softmax_scale, backend=backend)
-            else:
-                out_latent, _ = sparse_mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, indices,
-                                                     softmax_scale=c.softmax_scale, backend=backend)
-            out = jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
-        else:
-            out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, cache.page_table), vis, indices, w_uk, w_uv)
-        return self.o_proj(out.reshape(batch, num_queries, heads * c.v_head_dim)), cache
+            out_latent, _ = attend_latent(q_absorbed, q_rope, kv[:, None], mask[:, None], c.softmax_scale)
+            return jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
+
+        return per_position(alone, q_nope, q_rope, index_queries, slots)
 
     def _expanded(self, q_nope, q_rope, rows, vis, indices, w_uk, w_uv):
         """Ordinary attention over up-projected entries. rows [B, S, R + Dr] -> [B, Q, H, Dv]."""

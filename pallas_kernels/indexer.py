@@ -23,10 +23,16 @@ def indexer_scores_reference(q_idx: jax.Array, weights: jax.Array, key_cache: ja
 
     S = max_pages * page_size; invisible slots score -inf. Computed in float32.
     """
-    keys = gather_rows(key_cache, page_table).astype(jnp.float32)  # [B, S, Di]
-    logits = jnp.einsum("bqhd,bsd->bqhs", q_idx.astype(jnp.float32), keys)
+    keys = gather_rows(key_cache, page_table)  # [B, S, Di]
+    return score_keys(q_idx, weights, keys, visible_mask(vis, q_idx.shape[1], keys.shape[1]))
+
+
+def score_keys(q_idx: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array) -> jax.Array:
+    """The score itself, over gathered keys: q_idx [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, S, Di],
+    mask [B, Q, S] bool -> scores [B, Q, S] float32, -inf where mask is False."""
+    logits = jnp.einsum("bqhd,bsd->bqhs", q_idx.astype(jnp.float32), keys.astype(jnp.float32))
     scores = jnp.einsum("bqhs,bqh->bqs", jax.nn.relu(logits), weights.astype(jnp.float32))
-    return jnp.where(visible_mask(vis, q_idx.shape[1], keys.shape[1]), scores, -jnp.inf)
+    return jnp.where(mask, scores, -jnp.inf)
 
 
 def select_topk(scores: jax.Array, topk: int) -> jax.Array:

@@ -62,3 +62,27 @@ def visible_mask(vis: Visibility, num_queries: int, num_slots: int) -> jax.Array
     idx = jnp.clip(in_window, 0, num_queries - 1)
     ancestor = jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(idx, vis.tree_mask.shape[:2] + (num_slots,)), axis=2)
     return mask & ((in_window < 0) | ancestor)
+
+
+def ancestor_slots(vis: Visibility, num_queries: int, num_slots: int) -> jax.Array:
+    """[B, Q, S] int32: for token (b, q), the cache slot of each entry it sees, in the order plain
+    decoding would have stored them: the prefix slots `0 .. prefix_len - 1`, then its window
+    ancestors in window (= depth) order, itself last; -1 after that, and everywhere for padding.
+
+    It is the layout the same token would see if its ancestors had been decoded one by one, which
+    is what window-invariant attention reads (`jaxspec.models.mla`): a tree node's ancestors sit at
+    scattered window slots, and a reduction that met them at other positions than plain decoding
+    does could round differently. For a chain it is the identity on `[0, prefix_len + q]`.
+    """
+    s = jnp.arange(num_slots, dtype=jnp.int32)
+    valid = query_valid(vis, num_queries)[:, :, None]
+    prefix = vis.prefix_len[:, None, None]
+    if vis.tree_mask is None:
+        return jnp.where(valid & (s < kv_bound(vis, num_queries)[:, :, None]), s, -1)
+    in_prefix = jnp.where(valid & (s < prefix), s, -1)
+    ancestor = vis.tree_mask & valid
+    rank = jnp.cumsum(ancestor, axis=-1, dtype=jnp.int32) - 1  # j's place among q's ancestors
+    target = jnp.where(ancestor, prefix + rank, num_slots)  # dropped where j is no ancestor
+    window = prefix + jnp.arange(num_queries, dtype=jnp.int32)[None, None, :]
+    batch, queries = jnp.indices(ancestor.shape[:2])
+    return in_prefix.at[batch[..., None], queries[..., None], target].set(window, mode="drop")
