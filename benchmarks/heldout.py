@@ -2,6 +2,7 @@
 
     python benchmarks/heldout.py                                  # examples/checkpoints/tiny-stdlib
     python benchmarks/heldout.py --prompts-per-file 4 --max-new-tokens 256 --repeats 5
+    python benchmarks/heldout.py --dtype bfloat16 --window-invariant   # exact in bfloat16 (issue 14)
 
 The prompts are byte windows of the files `examples/train_tiny.py` held out of training (listed in
 the checkpoint's `training.json`), starting at evenly spaced line starts. Every prompt is decoded
@@ -9,8 +10,9 @@ greedily, one row at a time (the latency case speculative decoding is for), with
 (k = 0), with the MTP module drafting chains of k = 1, 2, 3 tokens per step, and with draft trees
 (`--tree`). For each it reports the mean accepted length (tokens emitted per target call), the
 per-position acceptance (the fraction of steps whose j-th draft was accepted; for a tree, whose
-accepted path reached depth j), decode tokens/s and the speedup over k = 0, and checks that every
-draft emitted exactly the k = 0 tokens (greedy speculative decoding is lossless).
+accepted path reached depth j), decode tokens/s and the speedup over k = 0, and how many prompts' outputs are identical to
+those of k = 0 (all of them, or the exit status is 1). In bfloat16 without `--window-invariant`
+a few rows may depart at a near-tie (`DecodeConfig.window_invariant` says why).
 
 All prompts have one length, so `generate` compiles once per k (before timing); each prompt is then
 decoded `--repeats` times and the fastest run counts, which filters out other processes on a shared
@@ -52,6 +54,7 @@ from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
 
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CHECKPOINT = os.path.join(REPO, "examples", "checkpoints", "tiny-stdlib")
 
@@ -74,6 +77,11 @@ def line_start_prompts(text: bytes, count: int, length: int) -> list[list[int]]:
         start = min(start, len(text) - length)
         prompts.append(list(text[start:start + length]))
     return prompts
+
+
+def held_out_prompts(checkpoint: str, per_file: int = 3, length: int = 96) -> list[list[int]]:
+    """The benchmark's prompts: `per_file` line-start windows of `length` bytes from each held-out file."""
+    return [p for name in held_out_files(checkpoint) for p in line_start_prompts(read_stdlib(name), per_file, length)]
 
 
 @nnx.jit
@@ -126,27 +134,31 @@ def main(argv=None) -> int:
     parser.add_argument("--max-k", type=int, default=3, help="draft lengths 1..max-k are compared with k = 0")
     parser.add_argument("--tree", type=tree_spec, nargs="*", default=["small"],
                         help=f"draft trees to compare as well (none: chains only); each a {TREE_HELP}")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' and caches' dtype")
+    parser.add_argument("--window-invariant", action="store_true",
+                        help="DecodeConfig(window_invariant=True): every token computed as if alone in its call")
     args = parser.parse_args(argv)
 
-    model = restore_model(args.checkpoint)
+    model = restore_model(args.checkpoint, dtype=DTYPES[args.dtype])
     files = held_out_files(args.checkpoint)
     texts = [read_stdlib(name) for name in files]
     c = model.config
     print(f"model      {args.checkpoint}: {c.model_type}, {c.num_hidden_layers} layers + MTP, hidden {c.hidden_size}, "
           f"{c.n_routed_experts} routed experts, index_topk {c.index_topk}")
-    print(f"held out   {', '.join(files)} ({jax.default_backend()}, {jax.device_count()} device(s))")
+    print(f"held out   {', '.join(files)} ({jax.default_backend()}, {jax.device_count()} device(s)), "
+          f"{args.dtype}, window_invariant={args.window_invariant}")
 
     windows = np.concatenate([np.frombuffer(t[:len(t) // 256 * 256], np.uint8).reshape(-1, 256) for t in texts])
     target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32))
     print(f"teacher-forced  target {float(target_nll):.3f} nats/byte, MTP (byte after next) {float(mtp_nll):.3f} "
           f"nats/byte, MTP top-1 == target top-1 {float(agree):.1%}")
 
-    prompts = [p for t in texts for p in line_start_prompts(t, args.prompts_per_file, args.prompt_len)]
+    prompts = held_out_prompts(args.checkpoint, args.prompts_per_file, args.prompt_len)
     print(f"decoding   {len(prompts)} prompts x {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
           f"batch 1, best of {args.repeats}\n")
     print(f"{'draft':>5}  {'accepted length':>15}  {'acceptance per position':<26}  {'tokens/s':>9}  {'speedup':>7}  "
-          f"same tokens")
-    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla")
+          f"rows identical to k = 0")
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant)
     drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     reference, base_rate, lossless = None, None, True
@@ -155,12 +167,12 @@ def main(argv=None) -> int:
         rate = sum(len(o) for o in outputs) / seconds
         if reference is None:
             reference, base_rate = outputs, rate
-        same = outputs == reference
-        lossless &= same
+        same = sum(a == b for a, b in zip(outputs, reference))
+        lossless &= same == len(reference)
         length = (stats["accepted"] + stats["calls"]) / max(stats["calls"], 1)
         per_position = " ".join(f"{a:.2f}" for a in np.atleast_1d(stats["position_accepts"]) / max(stats["calls"], 1))
         print(f"{label:>5}  {length:>15.2f}  {per_position or '-':<26}  {rate:>9,.0f}  {rate / base_rate:>6.2f}x  "
-              f"{'yes' if same else 'NO'}", flush=True)
+              f"{same} / {len(reference)}", flush=True)
     print(f"\nsample prompt (from {files[0]}):\n{bytes(prompts[0]).decode('utf-8', 'replace')}\n"
           f"greedy continuation:\n{bytes(t for t in reference[0] if t < 256).decode('utf-8', 'replace')}")
     return 0 if lossless else 1

@@ -1,0 +1,132 @@
+"""Window invariance: with `DecodeConfig(window_invariant=True)` greedy speculative decoding emits
+exactly the tokens of plain greedy decoding, in bfloat16 as in float32 (issue 14).
+
+The held-out prompts are those of `benchmarks/heldout.py` (shipped model, 12 line-start prompts of
+the held-out stdlib files), where bfloat16 rounding flips greedy near-ties unless every token's
+activations are independent of how many tokens share its call. Two levels are pinned: a
+verification window's hidden states equal those of single-token steps bit for bit (chain and
+tree), and whole generations are identical row for row (chains k = 1..4, a static and a dynamic
+tree, batched and batch 1; randomized tiny V3 and V3.2 models too).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.config import DecodeConfig, preset
+from jaxspec.generation import generate
+from jaxspec.models import DeepseekV3
+from jaxspec.orbax_io import restore_model
+from jaxspec.pallas_kernels import Visibility
+from jaxspec.trees import ancestor_mask
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from heldout import DEFAULT_CHECKPOINT, held_out_prompts  # noqa: E402
+
+NEW_TOKENS = 40
+
+
+@functools.lru_cache(maxsize=None)
+def shipped(dtype) -> DeepseekV3:
+    return restore_model(DEFAULT_CHECKPOINT, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def prompts() -> list[list[int]]:
+    return held_out_prompts(DEFAULT_CHECKPOINT)
+
+
+def rows(model, prompt_list, config: DecodeConfig) -> list[list[int]]:
+    result = generate(model, prompt_list, config)
+    return [result.row_tokens(b) for b in range(len(prompt_list))]
+
+
+@functools.partial(nnx.jit, static_argnames=("prompt_width",))
+def _prefill(model, tokens, prompt_width):
+    batch = tokens.shape[0]
+    positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
+    vis = Visibility(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), prompt_width, jnp.int32))
+    _, _, cache = model(tokens, positions, model.init_cache(batch, prompt_width + 16), vis, form="expanded",
+                        backend="xla")
+    return cache
+
+
+@nnx.jit
+def _window(model, tokens, positions, cache, prefix_len, tree_mask):
+    vis = Visibility(prefix_len, jnp.full(prefix_len.shape, tokens.shape[1], jnp.int32), tree_mask)
+    logits, hidden, cache = model(tokens, positions, cache, vis, form="absorbed", backend="xla", window_invariant=True)
+    return logits, hidden, cache
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_window_hidden_states_equal_single_steps(dtype):
+    """A chain window of 4 and a tree window of 6 against the same tokens decoded one per call,
+    from the same prefilled cache: logits and hidden states bit for bit, every row."""
+    model = shipped(dtype)
+    tokens = jnp.asarray(prompts(), jnp.int32)
+    batch, width = tokens.shape
+    cache = _prefill(model, tokens, width)
+    rng = np.random.default_rng(0)
+    parents = np.array([-1, 0, 0, 1, 2, 3])  # two branches: 0-1-3-5 and 0-2-4
+    window = jnp.asarray(rng.integers(32, 127, (batch, len(parents))), jnp.int32)
+    depths = np.array([0, 1, 1, 2, 2, 3])
+    prefix = jnp.full((batch,), width, jnp.int32)
+    mask = jnp.broadcast_to(jnp.asarray(ancestor_mask(jnp.asarray(parents)[None]))[0], (batch, 6, 6))
+    tree_logits, tree_hidden, _ = _window(model, window, width + jnp.asarray(depths)[None].repeat(batch, 0), cache,
+                                          prefix, mask)
+    chain_logits, chain_hidden, _ = _window(model, window[:, :4], width + jnp.arange(4)[None].repeat(batch, 0),
+                                            cache, prefix, None)
+    for path in ([0, 1, 3, 5], [0, 2, 4]):  # decode each root-to-leaf path one token per call
+        step_cache = cache
+        for depth, node in enumerate(path):
+            logits, hidden, step_cache = _window(model, window[:, node:node + 1], jnp.full((batch, 1), width + depth),
+                                                 step_cache, prefix + depth, None)
+            np.testing.assert_array_equal(np.asarray(tree_hidden[:, node]), np.asarray(hidden[:, 0]))
+            np.testing.assert_array_equal(np.asarray(tree_logits[:, node]), np.asarray(logits[:, 0]))
+    # the chain window 0, 1, 2, 3 as four steps
+    step_cache = cache
+    for q in range(4):
+        logits, hidden, step_cache = _window(model, window[:, q:q + 1], jnp.full((batch, 1), width + q), step_cache,
+                                             prefix + q, None)
+        np.testing.assert_array_equal(np.asarray(chain_hidden[:, q]), np.asarray(hidden[:, 0]))
+        np.testing.assert_array_equal(np.asarray(chain_logits[:, q]), np.asarray(logits[:, 0]))
+
+
+DRAFTS = [dict(num_draft=k) for k in (1, 2, 3, 4)] + [dict(num_draft=1, tree="small"),
+                                                      dict(num_draft=1, tree="4,3,8")]
+
+
+def test_shipped_bf16_every_row_equals_plain_greedy():
+    """The issue's case: bfloat16, the 12 held-out prompts batched, k = 3 and a dynamic tree (each
+    shipped-model program compiles for about 30 s on a 2-core CPU, so k = 1..4 and the static tree
+    run on the tiny models below); then batch 1 for k = 3."""
+    model = shipped(jnp.bfloat16)
+    base = DecodeConfig(max_new_tokens=NEW_TOKENS, backend="xla", num_draft=0, window_invariant=True)
+    plain = rows(model, prompts(), base)
+    for draft in (dict(num_draft=3), dict(num_draft=1, tree="4,3,8")):
+        assert rows(model, prompts(), base.replace(**draft)) == plain, draft
+    alone = prompts()[4:5]
+    assert rows(model, alone, base.replace(num_draft=3)) == [plain[4]]
+
+
+@pytest.mark.parametrize("name, drafts", [("tiny", DRAFTS[1::2] + DRAFTS[4:5]), ("tiny-v3", DRAFTS[0::2] + DRAFTS[5:])],
+                         ids=["v3.2", "v3"])
+def test_random_tiny_bf16_every_row_equals_plain_greedy(name, drafts):
+    """Randomized tiny V3.2 / V3 models in bfloat16 (prompts of mixed lengths, so rows sit at
+    different positions): k = 1..4, the static and the dynamic tree, split between the two models
+    (every configuration is a compile of about 15 s on a 2-core CPU)."""
+    model = DeepseekV3(preset(name), rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    batch_prompts = [list(rng.integers(0, 256, n)) for n in (5, 17, 30, 9)]
+    base = DecodeConfig(max_new_tokens=24, backend="xla", num_draft=0, window_invariant=True)
+    plain = rows(model, batch_prompts, base)
+    for draft in drafts:
+        assert rows(model, batch_prompts, base.replace(**draft)) == plain, draft
