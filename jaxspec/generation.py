@@ -207,6 +207,20 @@ def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), 
     for token; with temperature > 0 it is distributed as plain sampling's. `key` (an int seed or a
     `jax.random.key`) is a runtime argument: changing it does not recompile. Row b's draws depend
     on (key, step, b) only. Relaxed acceptance (`config.relaxed`) is the one lossy mode.
+
+    model: a `DeepseekV3` (with an MTP module unless `config.num_draft == 0`).
+    prompts: a list of B token-id sequences (lengths may differ; ids in [0, vocab_size)), or a
+      right-padded [B, P] int array with `prompt_lens` [B] (None: every row is P long).
+    config: a `DecodeConfig` (draft length or tree, sampling, budget, cache geometry, backend).
+    page_table: optional [B', M] int32 page layout shared by the target and MTP caches (B' >= B,
+      M pages of `config.page_size` slots per row); by default each row gets consecutive pages.
+    key: an int seed or a `jax.random.key` for sampling (ignored when greedy).
+    Returns a `GenerateResult`: tokens [B, max_new_tokens] int32 (-1 past num_tokens[b]) and the
+    per-row statistics. Raises ValueError (before tracing) for: an empty batch or an empty row,
+    token ids outside the vocabulary, `prompt_lens` of the wrong shape or longer than P, a prompt
+    plus budget plus draft window over `max_position_embeddings` or `config.max_cache_len`, a
+    `page_table` with too few rows or slots, drafting (`num_draft > 0` or a tree) with a model that
+    has no MTP module, a tree whose top_k exceeds the vocabulary.
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
     graphdef, params = nnx.split(model)
@@ -225,6 +239,9 @@ def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeCo
     they are now (later changes to the model are not seen), with no tracing, and returns the same
     result `generate` would. Its arrays are dispatched asynchronously: block on them
     (`jax.block_until_ready(result.tokens)`) before reading a clock.
+
+    model, prompts, config, prompt_lens, page_table, key: as for `generate` (and the same
+    ValueErrors, raised here, before compiling). Returns `run() -> GenerateResult`.
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
     graphdef, params = nnx.split(model)

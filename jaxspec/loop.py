@@ -284,6 +284,10 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
     `prompts` is a list of token-id sequences or a right-padded [B, P] array with `prompt_lens`;
     `key` an int seed or a `jax.random.key` (used when sampling). Validation and cache sizing are
     those of `jaxspec.generation.generate`.
+
+    model: a `DeepseekV3`; config: the `DecodeConfig` every later `step` must be given too.
+    Returns a `DecodeState` (tokens [B, max_new_tokens + depth + 1] so far, `done` [B], statistics).
+    Raises the ValueErrors `generate` raises, before tracing.
     """
     from jaxspec.generation import prepare
 
@@ -295,6 +299,13 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
 
 def step(model: nnx.Module, state: DecodeState, config: DecodeConfig) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
-    `state` is donated: its arrays are consumed, use the returned state)."""
+    `state` is donated: its arrays are consumed, use the returned state).
+
+    model: the `DeepseekV3` that `init_state` was given (its parameters as they are now); state:
+    the `DecodeState` from `init_state` or the previous `step`; config: the same `DecodeConfig`.
+    Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
+    `while not state.done.all(): state = step(model, state, config)`, then read
+    `state.tokens[b, :state.num_generated[b]]`.
+    """
     graphdef, params = nnx.split(model)
     return _step_jit(graphdef, params, state, config)

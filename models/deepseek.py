@@ -86,7 +86,15 @@ class MTPModule(nnx.Module):
 
 class DeepseekV3(nnx.Module):
     """The target model (DeepSeek-V3 or V3.2 by `config.model_type`) and, when
-    `config.num_nextn_predict_layers > 0`, its MTP draft module (`self.mtp`)."""
+    `config.num_nextn_predict_layers > 0`, its MTP draft module (`self.mtp`).
+
+    DeepseekV3(config, rngs=nnx.Rngs(seed), dtype=jnp.float32): config is a `ModelConfig`
+    (`preset(name)` or `ModelConfig.from_hf(path)`); rngs seeds the random initial weights; dtype
+    is the parameters' and caches' dtype. Trained weights come from `restore_model(dir)` or
+    `jaxspec.checkpoint.load_model(dir)` (a Hugging Face or orbax directory) instead. Calls take
+    a `[B, Q]` token window (see `__call__` and `draft`); `generate` and `init_state` / `step`
+    drive them.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
@@ -130,6 +138,9 @@ class DeepseekV3(nnx.Module):
 
         tokens, positions [B, Q] int32; vis: the window's visibility (`jaxspec.pallas_kernels.Visibility`)
         -> logits [B, Q, V] float32, hidden [B, Q, D] (after the final norm), the updated cache.
+        window_invariant: every token's logits and hidden state are bit-identical to what the same
+        token gets alone in a [B, 1] call on the same cache (`DecodeConfig.window_invariant`;
+        absorbed form only).
         """
         cos, sin = rope_angles(self.config, positions)
         x = self.embed_tokens(tokens).astype(self.dtype)
@@ -137,9 +148,6 @@ class DeepseekV3(nnx.Module):
             x, cache = layer(x, cos, sin, cache, i, vis, form=form, backend=backend, window_invariant=window_invariant)
         logits, hidden = per_position(functools.partial(self._head, self.norm), x, enabled=window_invariant)
         return logits, hidden, cache
-        window_invariant: every token's logits and hidden state are bit-identical to what the same
-        token gets alone in a [B, 1] call on the same cache (`DecodeConfig.window_invariant`;
-        absorbed form only).
 
     def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: PagedCache,
               vis: Visibility, *, form: str = "absorbed", backend: str = "auto"):
