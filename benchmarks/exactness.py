@@ -26,7 +26,7 @@ from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 
 DRAFTS = [("k=1", dict(num_draft=1)), ("k=2", dict(num_draft=2)), ("k=3", dict(num_draft=3)),
-          ("k=4", dict(num_draft=4)), ("small", dict(tree="small")), ("4,3,8", dict(tree="4,3,8"))]
+          ("k=4", dict(num_draft=4)), ("small", dict(num_draft=1, tree="small")), ("4,3,8", dict(num_draft=1, tree="4,3,8"))]
 
 
 def first_departures(rows: list[list[int]], reference: list[list[int]]) -> list[int]:
