@@ -46,9 +46,29 @@ def trained_v32() -> DeepseekV3:
 
 
 @pytest.fixture(scope="session")
+def h100():
+    """One abstract H100 SXM for compiling GPU programs on this host (`jaxspec.aot`); skips with
+    the instrument's reason (the CUDA plugin is missing, or the run lacks JAX_PLATFORMS=cpu)."""
+    from jaxspec import aot
+    try:
+        return aot.gpu_devices("h100")
+    except RuntimeError as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.fixture(scope="session")
 def trained_v3() -> DeepseekV3:
     """The `tiny-v3` preset (dense MLA, MoE), trained the same way."""
     return _trained("tiny-v3")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module: one pytest process compiles hundreds of
+    programs, and keeping them all for the whole run only grows memory (a full run once crashed
+    inside XLA's CPU compiler late in the session; each module alone passed)."""
+    yield
+    jax.clear_caches()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,14 +29,6 @@ SHARED_MEMORY_LIMIT = 232448  # bytes a block may opt into on sm_90 (227 KB), th
 Spec = jax.ShapeDtypeStruct
 
 
-@pytest.fixture(scope="module")
-def h100():
-    try:
-        return aot.gpu_devices("h100")
-    except RuntimeError as missing:
-        pytest.skip(str(missing))
-
-
 def test_unknown_target_names_the_known_ones():
     with pytest.raises(ValueError, match=r"target='a100': must be one of \['h100', 'h200'\]"):
         aot.gpu_devices("a100")

@@ -149,15 +149,6 @@ def test_cuda_lowering_at_deepseek_shapes():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def h100():
-    from jaxspec import aot
-    try:
-        return aot.gpu_devices("h100")
-    except RuntimeError as error:
-        pytest.skip(str(error))
-
-
 # Tokens per MoE call at batch 32: decode and an MTP draft step (Q = 1), chain verification and
 # the MTP catch-up at k = 3 (Q = 4), a tree of 8 (Q = 8); prefill of a 1024-token chunk.
 @pytest.mark.parametrize("num_tokens,slack", [(32, 1.25), (128, 1.25), (256, 1.25), (1024, 1.5)],
