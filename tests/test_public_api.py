@@ -99,6 +99,8 @@ def readme_commands() -> list[str]:
         for line in block.splitlines():
             for command in line.split("#")[0].split("&&"):
                 words = command.split()
+                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value prefixes
+                    words = words[1:]
                 if words[:1] == ["python"] and len(words) > 1 and words[1].endswith(".py"):
                     commands.append(" ".join(words[:2]))
                 elif words[:1] == ["jaxspec"]:
