@@ -54,6 +54,18 @@ MEMORY_FRACTION = 0.7
 ITEM = 2  # bf16 bytes
 
 
+def gpu_or_smoke(script: str, smoke: bool) -> bool:
+    """Whether `script` can run here: on a GPU, or anywhere with --smoke (interpret mode); says why
+    not on stderr otherwise."""
+    if jax.default_backend() == "gpu" or smoke:
+        if jax.default_backend() != "gpu":
+            print("(interpret mode on CPU: the numbers only show the benchmark runs)")
+        return True
+    print(f"{script} needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
+          "use --smoke for a quick interpret-mode run at tiny sizes.", file=sys.stderr)
+    return False
+
+
 def timed(fn, *args, iters: int, warmup: int) -> float:
     """Seconds per call: `iters` calls dispatched back to back and synchronised once (so host
     dispatch overlaps device work, as in a decode loop), best of three such runs, after warmup."""
@@ -194,10 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     args = parser.parse_args(argv)
 
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.smoke:
-        print(f"benchmarks/kernels.py needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
-              "use --smoke for a quick interpret-mode run of tiny shapes.", file=sys.stderr)
+    if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
         return 2
     dims = SMOKE if args.smoke else DEEPSEEK_V32
     if args.smoke:
@@ -210,8 +219,6 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s "
           f"(read + write of {copy_bytes >> 20} MiB); heads {dims.heads}, latent {dims.latent}+{dims.rope}, "
           f"indexer {dims.index_heads}x{dims.index_dim}, top-k {dims.topk}, page {dims.page_size}")
-    if not on_gpu:
-        print("(interpret mode on CPU: the numbers only show the benchmark runs)")
     header = (f"{'op':<16}{'impl':<18}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
               f"{'%copy':>7}{'vs xla':>8}{'max err':>10}")
     print(header)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, timed
+from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, gpu_or_smoke, timed
 
 from jaxspec.config import preset
 from jaxspec.models.moe import MoE, route
@@ -63,10 +63,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
 
-    on_gpu = jax.default_backend() == "gpu"
-    if not on_gpu and not args.smoke:
-        print(f"benchmarks/moe.py needs a GPU (jax.default_backend() is {jax.default_backend()!r}); "
-              "use --smoke for a quick interpret-mode run at tiny widths.", file=sys.stderr)
+    if not gpu_or_smoke("benchmarks/moe.py", args.smoke):
         return 2
     config = preset("deepseek-v3.2", **(SMOKE_WIDTHS if args.smoke else {}))
     if args.smoke:
@@ -84,8 +81,6 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of "
           f"{copy_bytes >> 20} MiB); hidden {dim}, {experts} experts of {hidden}, top-{topk}, "
           f"{config.n_shared_experts} shared; expert weights {weight_bytes / 2**30:.1f} GiB")
-    if not on_gpu:
-        print("(interpret mode on CPU: the numbers only show the benchmark runs)")
     header = f"{'T':>6}  {'path':<10}{'hit':>5}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}{'vs pallas':>10}{'max diff':>10}"
     print(header)
     print("-" * len(header))
