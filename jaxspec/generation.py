@@ -41,6 +41,23 @@ def required_capacity(prompt_width: int, config: DecodeConfig) -> int:
     return prompt_width + config.max_new_tokens + max(config.window_size, mtp_draft_slots(config)) - 1
 
 
+def default_capacity(prompt_width: int, config: DecodeConfig) -> int:
+    """Slots per row when `DecodeConfig.max_cache_len` is None: whole pages for the prompt and the
+    budget, plus whole pages (at least one) for one step's writes past the last commit.
+
+    Why whole pages for the step's writes, even for plain decoding: attention reduces over the
+    cache's capacity (masked slots add exact zeros), and on a GPU the order of that reduction
+    depends on its length. Sized exactly, a plain run and a k = 3 run at the same prompt and budget
+    can differ by a page, and then compute even the shared prefill with a different rounding
+    (issue 14: a row departing at its first token on an H100). With this rounding every draft
+    setting whose step writes at most a page (chains up to k = page_size - 1, trees up to
+    page_size nodes) gets the same capacity as plain decoding.
+    """
+    pages = lambda slots: -(-slots // config.page_size)
+    step_slots = required_capacity(prompt_width, config) - prompt_width - config.max_new_tokens
+    return (pages(prompt_width + config.max_new_tokens) + max(1, pages(step_slots))) * config.page_size
+
+
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
@@ -102,7 +119,7 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
     if needed > mconf.max_position_embeddings:
         raise ValueError(f"prompt length {width} + max_new_tokens {config.max_new_tokens} + draft window "
                          f"{step_slots} = {needed} exceeds max_position_embeddings={mconf.max_position_embeddings}")
-    capacity = config.max_cache_len if config.max_cache_len is not None else needed
+    capacity = config.max_cache_len if config.max_cache_len is not None else default_capacity(width, config)
     if capacity < needed:
         raise ValueError(f"DecodeConfig.max_cache_len={capacity} is too small: prompt length {width} + "
                          f"max_new_tokens {config.max_new_tokens} + draft window {step_slots} needs {needed} slots")

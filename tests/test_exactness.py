@@ -109,3 +109,18 @@ def test_random_tiny_v32_bf16_every_row_equals_plain_greedy():
     plain = rows(model, batch_prompts, base)
     for draft in (dict(num_draft=4), dict(num_draft=1, tree="4,3,8")):
         assert rows(model, batch_prompts, base.replace(**draft)) == plain, draft
+
+
+def test_cache_capacity_does_not_depend_on_the_draft_setting():
+    """Attention reduces over the cache's capacity, whose reduction order a GPU picks by length: a
+    plain run and a speculative run of the same prompts must get the same capacity, or even their
+    shared prefill rounds differently. 96 + 160 = 256 slots is a page boundary, where an exactly
+    sized cache gained a page for k >= 1."""
+    from jaxspec.generation import prepare
+    model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0)))  # prepare reads only its config
+    prompt = [[1 + i % 60 for i in range(96)]]
+    settings = [dict(num_draft=k) for k in range(8)] + [dict(num_draft=3, tree="small"),
+                                                        dict(num_draft=3, tree="4,3,8")]
+    capacities = {str(s): prepare(model, prompt, DecodeConfig(max_new_tokens=160, **s)).target_cache.capacity
+                  for s in settings}
+    assert set(capacities.values()) == {320}, capacities
