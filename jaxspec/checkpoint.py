@@ -21,8 +21,13 @@ weight is transposed from the checkpoint's [out, in] to our [in, out]:
                                                        they are shape-checked and not read
         anything else (the decoder block)           -> mtp.block.<path>, as for a layer
 
-FP8 weights (`float8_e4m3fn` + `<name>_scale_inv`) are dequantized by `jaxspec.fp8`. A checkpoint
-without any `model.layers.{N}.` tensor loads with the MTP module off (and says so).
+FP8 weights (`float8_e4m3fn` + `<name>_scale_inv`) are dequantized by `jaxspec.fp8` into a float
+`dtype`. With `dtype=jnp.float8_e4m3fn` they stay as they are: the model is built in DeepSeek's FP8
+layout (`jaxspec.fp8` lists its FP8 weights), each FP8 weight fills its parameter as stored and its
+scale, transposed like the weight, fills `<parameter>_scale_inv` (per-expert scales their row of
+`mlp.experts_*_proj_scale_inv`); a checkpoint without FP8 weights, with other than 128 x 128
+blocks, or with a weight in bf16 that the layout has in FP8 is refused before anything is read.
+A checkpoint without any `model.layers.{N}.` tensor loads with the MTP module off (and says so).
 
 Everything is checked from the shard headers before any tensor is read: missing, unexpected and
 mis-shaped tensors raise one `ValueError` listing them, so a load never half-succeeds. Then shards
@@ -110,6 +115,7 @@ class _Write:
     convert: Callable[[Array], Array]
     expert: int | None = None  # row of a stacked expert parameter; None = the whole parameter
     shared: bool = False       # a duplicate of a target parameter: shape-checked, never read
+    fp8: bool = False          # kept FP8: the tensor's scale fills `param + "_scale_inv"` the same way
 
 
 def _block_writes(prefix: str, rest: str) -> list[_Write]:
@@ -159,9 +165,11 @@ class _Plan:
     missing: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
     misshaped: list[str] = dataclasses.field(default_factory=list)
+    not_fp8: list[str] = dataclasses.field(default_factory=list)
 
     def report(self, directory: str) -> str | None:
-        groups = {"missing": self.missing, "unexpected": self.unexpected, "mis-shaped": self.misshaped}
+        groups = {"missing": self.missing, "unexpected": self.unexpected, "mis-shaped": self.misshaped,
+                  "not FP8": self.not_fp8}
         if not any(groups.values()):
             return None
         counts = ", ".join(f"{len(items)} {kind}" for kind, items in groups.items() if items)
@@ -190,10 +198,18 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
         if not writes or any(w.param not in expected for w in writes):
             plan.unexpected.append(f"{name} {info.describe()}")
             continue
+        # An FP8-layout model has a scale beside each parameter it keeps in FP8.
+        writes = [dataclasses.replace(w, fp8=w.param + fp8.SCALE_SUFFIX in expected) for w in writes]
         # Counted before the checks below, so a bad tensor is reported once, not also as missing.
         for w in writes:
             if not w.shared:
                 filled.setdefault(w.param, []).append(w.expert)
+            if w.fp8:
+                filled.setdefault(w.param + fp8.SCALE_SUFFIX, []).append(w.expert)
+        if any(w.fp8 for w in writes) and info.dtype not in fp8.FP8_DTYPES:
+            plan.not_fp8.append(f"{name} {info.describe()}: FP8 with a scale in DeepSeek's layout (jaxspec.fp8), "
+                                "as a float8_e4m3fn model keeps it")
+            continue
         if info.dtype in fp8.FP8_DTYPES:
             scale = tensors.get(name + fp8.SCALE_SUFFIX)
             want = list(fp8.scale_shape(info.shape, block))
@@ -212,6 +228,13 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
             if got != tuple(want) or (w.expert is not None and w.expert >= param.shape[0]):
                 row = f" row {w.expert} of" if w.expert is not None else ""
                 bad.append(f"{name} {list(info.shape)} does not fit{row} {w.param} {list(param.shape)}")
+            elif w.fp8:
+                scale_param = expected[w.param + fp8.SCALE_SUFFIX]
+                scale_want = scale_param.shape if w.expert is None else scale_param.shape[1:]
+                scale_got = _converted_shape(w, tensors[name + fp8.SCALE_SUFFIX].shape)
+                if scale_got != tuple(scale_want):
+                    bad.append(f"{name}{fp8.SCALE_SUFFIX} {list(tensors[name + fp8.SCALE_SUFFIX].shape)} does not fit "
+                               f"{w.param}{fp8.SCALE_SUFFIX} {list(scale_param.shape)}")
         if bad:
             plan.misshaped += bad
             continue
@@ -239,15 +262,41 @@ def _set_row(stacked: jax.Array, row_value: jax.Array, row: jax.Array) -> jax.Ar
     return jax.lax.dynamic_update_index_in_dim(stacked, row_value, row, 0)
 
 
-def _read(name: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int]) -> jax.Array:
-    """The tensor on the device, as stored (FP8 dequantized to float32). Converting there rather
-    than in numpy runs the transposes, casts and dequantization on the accelerator (or XLA's
-    threads on a CPU); the host holds only the tensor's bytes, until the transfer."""
+def _read(name: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int],
+          keep_fp8: bool) -> tuple[jax.Array, jax.Array | None]:
+    """The tensor on the device as stored, and its scale when it stays FP8 (`keep_fp8`); otherwise
+    FP8 is dequantized to float32 and the scale is None. Converting on the device rather than in
+    numpy runs the transposes, casts and dequantization on the accelerator (or XLA's threads on a
+    CPU); the host holds only the tensor's bytes, until the transfer."""
     info = tensors[name]
     array = jax.device_put(shards.read(info))
-    if info.dtype in fp8.FP8_DTYPES:
-        array = fp8.dequantize(array, jax.device_put(shards.read(tensors[name + fp8.SCALE_SUFFIX])), block)
-    return array
+    if info.dtype not in fp8.FP8_DTYPES:
+        return array, None
+    scale_inv = jax.device_put(shards.read(tensors[name + fp8.SCALE_SUFFIX]))
+    return (array, scale_inv) if keep_fp8 else (fp8.dequantize(array, scale_inv, block), None)
+
+
+def _store(values: dict[str, jax.Array], param: str, spec: jax.ShapeDtypeStruct, value: jax.Array,
+           expert: int | None) -> None:
+    """Put a converted tensor into `values[param]`: the whole parameter, or row `expert` of its stack."""
+    value = value.astype(spec.dtype)
+    if expert is None:
+        values[param] = value
+        return
+    stacked = values.get(param)
+    if stacked is None:
+        stacked = jnp.zeros(spec.shape, spec.dtype)
+    values[param] = _set_row(stacked, value, expert)
+
+
+def _check_fp8_layout(directory: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int]) -> None:
+    """ValueError unless the checkpoint can fill an FP8-layout model: FP8 weights in 128 x 128 blocks."""
+    if not any(info.dtype in fp8.FP8_DTYPES for info in tensors.values()):
+        raise ValueError(f"dtype=float8_e4m3fn keeps a checkpoint's FP8 weights, but {directory} has none (no "
+                         "F8_E4M3 tensor): load it with dtype=bfloat16 or float32")
+    if block != fp8.DEFAULT_BLOCK:
+        raise ValueError(f"dtype=float8_e4m3fn needs DeepSeek's 128x128 scale blocks; {directory} has "
+                         f"weight_block_size {list(block)}: load it with dtype=bfloat16 (dequantized)")
 
 
 def _mtp_setting(config: ModelConfig, tensors: Mapping[str, shards.TensorInfo], log) -> ModelConfig:
@@ -263,7 +312,8 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
                        log: Callable[[str], None] = _stderr) -> DeepseekV3:
     """Build the model `directory/config.json` describes and fill it from the directory's safetensors.
 
-    dtype: the parameters' dtype (the MoE router stays float32, as the model declares it).
+    dtype: the parameters' dtype (the MoE router stays float32, as the model declares it);
+    `jnp.float8_e4m3fn` keeps the checkpoint's FP8 weights and their scales (module docstring).
     log: receives the progress lines (default: stderr). Raises ValueError, before reading any tensor
     data, when the checkpoint does not match its config.
     """
@@ -276,6 +326,9 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
     config = ModelConfig.from_hf(hf_config)
     block = fp8.block_size(hf_config)
     tensors = shards.read_headers(directory)
+    keep_fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
+    if keep_fp8:
+        _check_fp8_layout(directory, tensors, block)
     config = _mtp_setting(config, tensors, log)
     graphdef, state, variables = abstract_model(config, dtype)
     specs = {name: variable.get_value() for name, variable in variables.items()}
@@ -290,7 +343,8 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
             by_file[tensors[name].file].append((name, writes))
     total = sum(tensors[name].nbytes for entries in by_file.values() for name, _ in entries)
     log(f"loading {directory}: {config.model_type}, {config.num_hidden_layers} layers"
-        f"{' + MTP' if config.num_nextn_predict_layers else ''}, {len(files)} file(s), {total / 2**30:.2f} GiB -> {jnp.dtype(dtype)}")
+        f"{' + MTP' if config.num_nextn_predict_layers else ''}, {len(files)} file(s), {total / 2**30:.2f} GiB -> "
+        f"{'FP8 weights kept, bfloat16 elsewhere' if keep_fp8 else jnp.dtype(dtype)}")
 
     values: dict[str, jax.Array] = {}
     start = time.perf_counter()
@@ -298,21 +352,16 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
         shard_start, shard_bytes = time.perf_counter(), 0
         # File order keeps the reads sequential.
         for name, writes in sorted(by_file[path], key=lambda entry: tensors[entry[0]].start):
-            array = _read(name, tensors, block)
+            array, scale_inv = _read(name, tensors, block, keep_fp8=any(w.fp8 for w in writes))
             shard_bytes += tensors[name].nbytes
             for w in writes:
                 if w.shared:
                     continue
-                spec = specs[w.param]
-                value = w.convert(array).astype(spec.dtype)
-                if w.expert is None:
-                    values[w.param] = value
-                else:
-                    stacked = values.get(w.param)
-                    if stacked is None:
-                        stacked = jnp.zeros(spec.shape, spec.dtype)
-                    values[w.param] = _set_row(stacked, value, w.expert)
-            del array
+                _store(values, w.param, specs[w.param], w.convert(array), w.expert)
+                if w.fp8:
+                    scale_param = w.param + fp8.SCALE_SUFFIX
+                    _store(values, scale_param, specs[scale_param], w.convert(scale_inv), w.expert)
+            del array, scale_inv
         seconds = time.perf_counter() - shard_start
         log(f"[{index}/{len(files)}] {os.path.basename(path)}: {len(by_file[path])} tensors, "
             f"{shard_bytes / 2**30:.2f} GiB in {seconds:.1f} s")

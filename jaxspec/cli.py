@@ -1,6 +1,6 @@
 """The `jaxspec` command line.
 
-    jaxspec convert SRC DST [--dtype bfloat16]
+    jaxspec convert SRC DST [--dtype bfloat16|float32|fp8]
 
     jaxspec aot --target h100|h200 [--devices N] (--preset NAME | --config config.json)
                 --batch B --context C [--mtp K | --tree SPEC] [--phase prefill|decode] [--layers L]
@@ -10,9 +10,10 @@
 the collectives, each Pallas kernel's launch resources and the compile time.
 
 `convert` reads the Hugging Face checkpoint directory SRC tensor by tensor (FP8 weights
-dequantized, progress on stderr), writes DST with `jaxspec.orbax_io.save_model` (config.json plus
-an orbax params/ directory) and copies SRC's tokenizer files, so that DST runs on its own:
-`examples/generate.py --checkpoint DST --dtype bfloat16` restores it much faster than SRC converts.
+dequantized, or kept with --dtype fp8; progress on stderr), writes DST with
+`jaxspec.orbax_io.save_model` (config.json plus an orbax params/ directory) and copies SRC's
+tokenizer files, so that DST runs on its own: `examples/generate.py --checkpoint DST --dtype
+bfloat16` restores it much faster than SRC converts.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import jax.numpy as jnp
 from jaxspec.checkpoint import load_hf_checkpoint
 from jaxspec.orbax_io import save_model
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+# --dtype choices. "fp8" keeps a checkpoint's float8_e4m3fn weights and their 128 x 128 block scales
+# as they are, computing in bfloat16 (`jaxspec.fp8`); "bfloat16" / "float32" dequantize them.
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.float8_e4m3fn}
+FP8_HELP = "fp8 keeps the checkpoint's float8_e4m3fn weights and 128x128 block scales (computing in bfloat16)"
 # Everything a tokenizer or `generate` reads besides config.json (which save_model writes).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     convert_parser.add_argument("src", help="Hugging Face checkpoint directory (config.json + *.safetensors)")
     convert_parser.add_argument("dst", help="output directory (config.json + params/ + tokenizer files)")
     convert_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                                help="parameter dtype of the converted model (default: bfloat16)")
+                                help=f"parameter dtype (default: bfloat16); {FP8_HELP}")
     aot_parser = commands.add_parser(
         "aot", help="compile prefill or a decode step for an H100/H200 without a GPU and report its costs",
         description="Compile the model's prefill or one speculative decode step for NVIDIA GPUs on this host "
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     drafting.add_argument("--tree", help="a draft tree: a static tree's name or 'top_k,depth,budget'")
     aot_parser.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     aot_parser.add_argument("--layers", type=int, help="decoder layers (reduced depth, full width; default: all)")
-    aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="parameter dtype")
+    aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                            help=f"parameter dtype; {FP8_HELP}")
     aot_parser.add_argument("--backend", choices=("pallas", "xla"), default="pallas", help="attention kernels")
     aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
     aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")

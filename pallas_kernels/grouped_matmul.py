@@ -8,6 +8,12 @@ with `offset_g = sum(group_sizes[:g])`; rows past `sum(group_sizes)` are zero. T
 `ragged_dot` to one dense matmul over every group (256x the routed work at DeepSeek-V3's 256
 experts), so on a GPU the op runs the Pallas kernel (`grouped_matmul_pallas.py`), which reads only
 the groups that have rows.
+
+FP8 groups: `rhs` may be DeepSeek's block-scaled `float8_e4m3fn` [G, K, N] with its float32 scales
+`rhs_scale_inv` [G, ceil(K / 128), ceil(N / 128)] (`block_fp8`). Its matrices are then the
+dequantized bfloat16 values `block_fp8.dequantize(rhs, rhs_scale_inv)`, exactly: the reference
+dequantizes them all first, the kernel dequantizes each weight tile after loading it, so only the
+FP8 bytes and the scales are read from memory.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import block_fp8
 from .backend import interpret_mode, resolve_backend
 
 
-def check_grouped_matmul_args(lhs, rhs, group_sizes) -> None:
-    """ValueError naming the argument unless lhs [M, K], rhs [G, K, N], group_sizes [G] integer."""
+def check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv=None) -> None:
+    """ValueError naming the argument unless lhs [M, K], rhs [G, K, N], group_sizes [G] integer, and
+    rhs_scale_inv is None with a float rhs or [G, ceil(K / 128), ceil(N / 128)] float32 with an FP8 one."""
     if lhs.ndim != 2:
         raise ValueError(f"lhs: must be [M, K], got shape {lhs.shape}")
     if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
@@ -27,27 +35,40 @@ def check_grouped_matmul_args(lhs, rhs, group_sizes) -> None:
     if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes: must be integer [G] with G = rhs.shape[0] = {rhs.shape[0]}, "
                          f"got {group_sizes.dtype}{list(group_sizes.shape)}")
+    fp8 = rhs.dtype == block_fp8.FP8
+    if fp8 != (rhs_scale_inv is not None):
+        raise ValueError(f"rhs_scale_inv: must be given exactly when rhs is float8_e4m3fn (rhs is {rhs.dtype}, "
+                         f"rhs_scale_inv is {'None' if rhs_scale_inv is None else 'given'})")
+    if fp8 and (tuple(rhs_scale_inv.shape) != block_fp8.scale_shape(rhs.shape) or rhs_scale_inv.dtype != jnp.float32):
+        raise ValueError(f"rhs_scale_inv: must be float32 {list(block_fp8.scale_shape(rhs.shape))} for rhs "
+                         f"{list(rhs.shape)} in 128x128 blocks, got {rhs_scale_inv.dtype}{list(rhs_scale_inv.shape)}")
 
 
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The definition of `grouped_matmul`: `jax.lax.ragged_dot`. Same arguments and result."""
-    check_grouped_matmul_args(lhs, rhs, group_sizes)
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                             rhs_scale_inv: jax.Array | None = None) -> jax.Array:
+    """The definition of `grouped_matmul`: `jax.lax.ragged_dot` (of the dequantized rhs when it is
+    FP8). Same arguments and result."""
+    check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
+    if rhs_scale_inv is not None:
+        rhs = block_fp8.dequantize(rhs, rhs_scale_inv).astype(lhs.dtype)
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str = "auto") -> jax.Array:
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale_inv: jax.Array | None = None,
+                   *, backend: str = "auto") -> jax.Array:
     """Multiply each group of rows by its group's matrix.
 
     Args:
-      lhs: [M, K] rows sorted by group; rhs: [G, K, N] one matrix per group.
+      lhs: [M, K] rows sorted by group; rhs: [G, K, N] one matrix per group, float or float8_e4m3fn.
       group_sizes: [G] integer rows per group, summing to at most M (rows past the sum are zero).
+      rhs_scale_inv: None, or with an FP8 rhs its float32 block scales [G, ceil(K / 128), ceil(N / 128)].
       backend: "xla" (`jax.lax.ragged_dot`), "pallas" or "auto".
 
     Returns:
-      [M, N] in the promoted dtype of lhs and rhs.
+      [M, N] in the promoted dtype of lhs and rhs (lhs's dtype for an FP8 rhs, whose values are bfloat16).
     """
-    check_grouped_matmul_args(lhs, rhs, group_sizes)
+    check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     if resolve_backend(backend) == "pallas":
         from .grouped_matmul_pallas import grouped_matmul_pallas
-        return grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=interpret_mode())
-    return grouped_matmul_reference(lhs, rhs, group_sizes)
+        return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, interpret=interpret_mode())
+    return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale_inv)

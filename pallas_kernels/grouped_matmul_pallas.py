@@ -26,13 +26,20 @@ the call): the tile configuration is a module constant, never chosen from the ro
 row's K reduction runs in the same fixed order (BLOCK_K steps from 0 up, float32 accumulator), so
 a row's result is the same bits whatever other rows, groups and M come with it.
 
+FP8 weights (`rhs_scale_inv` given): a program loads its [BLOCK_K, BLOCK_N] tile as FP8 bytes and
+the one float32 scale that covers it (a tile never straddles two 128 x 128 scale blocks: BLOCK_N is
+the block and BLOCK_K divides it), and dequantizes it in registers exactly as
+`block_fp8.dequantize` does (float32 product, rounded to bfloat16) before the dot. So the weights
+cross memory as 1 byte each plus a scale per 16 Ki weights, and every product is the one a
+bfloat16 rhs holding the dequantized values would give, bit for bit.
+
 Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from the static shapes:
   * flops = 2 * M * K * N, the useful work of every row. The tensor cores also execute the unused
     rows of partial tiles (at most `work items * BLOCK_M` rows in all, 17x the useful rows for
     single-row groups); that padding is hidden under the weight reads in the memory-bound regime
     and is not counted.
-  * bytes = lhs once + the matrices of min(G, M) groups once (the most groups that can have rows)
-    + the output once + the work table: HBM traffic, with re-reads of lhs rows and of a group's
+  * bytes = lhs once + the matrices of min(G, M) groups once (the most groups that can have rows;
+    FP8: 1 byte per weight plus their scales) + the output once + the work table: HBM traffic, with re-reads of lhs rows and of a group's
     weight blocks served by L2.
 """
 
@@ -45,6 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from . import block_fp8
 from .grouped_matmul import check_grouped_matmul_args
 from .tiling import block_indices, dot_nn, launch, load_block
 
@@ -54,6 +62,8 @@ BLOCK_N = 128  # output columns per program
 BLOCK_K = 64  # reduction step: a [64, 128] bf16 weight block is 16 KiB
 NUM_WARPS = 4
 NUM_STAGES = 4  # weight blocks in flight per program: streaming HBM needs several
+# One FP8 scale per weight tile (see the module docstring).
+assert BLOCK_N == block_fp8.BLOCK[1] and block_fp8.BLOCK[0] % BLOCK_K == 0
 
 
 def num_work_items(num_rows: int, num_groups: int) -> int:
@@ -96,21 +106,29 @@ def _weight_block(rhs_ref, group, step, column_block, depth: int, width: int):
     Triton pipelines with asynchronous copies (NUM_STAGES blocks in flight, measured in the PTX:
     the index-array gather below gets none, and streaming the weights is all the time at decode);
     otherwise a clamped, masked gather reads zeros past the edges (a slice there would be clamped
-    as a whole, shifting the block, in interpret mode).
+    as a whole, shifting the block, in interpret mode). FP8 weights are gathered unmasked (Triton
+    cannot fill a masked FP8 load: it has no integer -> FP8 cast): the clamped rows past K meet the
+    zero columns of the masked lhs tile, and the columns past N land in output columns that are
+    cropped, so they change nothing.
     """
     if depth % BLOCK_K == 0 and width % BLOCK_N == 0:
         return rhs_ref[pl.ds(group * depth + step * BLOCK_K, BLOCK_K), pl.ds(column_block * BLOCK_N, BLOCK_N)]
     inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
     columns, column_valid = _tile(column_block * BLOCK_N, BLOCK_N, width)
+    if rhs_ref.dtype == block_fp8.FP8:
+        return load_block(rhs_ref, group * depth + inner, columns)
     return load_block(rhs_ref, group * depth + inner, columns, inner_valid, column_valid)
 
 
-def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, out_ref, *, depth: int, width: int):
+def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, width: int):
     """One (row tile, column block) program.
 
     lhs_ref [M, K], rhs_ref [G * K, N] (the groups' matrices stacked), group_ref / start_ref /
-    end_ref [W] int32 (the work table); out_ref [M + BLOCK_M, N padded to BLOCK_N].
+    end_ref [W] int32 (the work table); refs: (out_ref,) or, for FP8 weights, (scale_ref, out_ref)
+    with scale_ref [G * ceil(K / 128) * ceil(N / 128)] float32 (the scales flattened);
+    out_ref [M + BLOCK_M, N padded to BLOCK_N].
     """
+    *scale_ref, out_ref = refs
     item, column_block = pl.program_id(0), pl.program_id(1)
     start, end = start_ref[item], end_ref[item]
 
@@ -125,6 +143,8 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, out_
             inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
             a = load_block(lhs_ref, rows, inner, column_valid=inner_valid)
             b = _weight_block(rhs_ref, group, step, column_block, depth, width)
+            if scale_ref:
+                b = _dequantized(b, scale_ref[0], group, step, column_block, depth, width)
             dtype = jnp.promote_types(a.dtype, b.dtype)
             return acc + dot_nn(a.astype(dtype), b.astype(dtype))
 
@@ -134,35 +154,47 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, out_
                     acc.astype(out_ref.dtype), mask=mine[:, None])
 
 
-def grouped_matmul_cost(lhs, rhs, out_dtype) -> pl.CostEstimate:
+def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int):
+    """An FP8 weight tile [BLOCK_K, BLOCK_N] of `group` -> bfloat16, times the scale that covers it."""
+    k_blocks, n_blocks = block_fp8.scale_shape((depth, width))
+    scale = scale_ref[(group * k_blocks + step // (block_fp8.BLOCK[0] // BLOCK_K)) * n_blocks + column_block]
+    return (tile.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv=None) -> pl.CostEstimate:
     """The launch's cost from the static shapes (what it counts: the module docstring)."""
     (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape
     table_bytes = 3 * 4 * num_work_items(num_rows, num_groups)
+    per_group = depth * width * rhs.dtype.itemsize
+    if rhs_scale_inv is not None:
+        per_group += rhs_scale_inv.size // num_groups * rhs_scale_inv.dtype.itemsize
     return pl.CostEstimate(
         flops=2 * num_rows * depth * width, transcendentals=0,
-        bytes_accessed=(lhs.size * lhs.dtype.itemsize + min(num_groups, num_rows) * depth * width * rhs.dtype.itemsize
+        bytes_accessed=(lhs.size * lhs.dtype.itemsize + min(num_groups, num_rows) * per_group
                         + num_rows * width * jnp.dtype(out_dtype).itemsize + table_bytes))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                          interpret: bool | None = None) -> jax.Array:
+def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                          rhs_scale_inv: jax.Array | None = None, *, interpret: bool | None = None) -> jax.Array:
     """`grouped_matmul_reference` as a Pallas kernel.
 
-    lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (sum <= M) -> [M, N] in the
-    promoted dtype, float32 accumulation; rows past sum(group_sizes) are zero. interpret None =
-    interpret mode off a GPU.
+    lhs [M, K] sorted by group, rhs [G, K, N] (float, or float8_e4m3fn with rhs_scale_inv
+    [G, ceil(K / 128), ceil(N / 128)] float32), group_sizes [G] (sum <= M) -> [M, N] in the
+    promoted dtype (lhs's for FP8), float32 accumulation; rows past sum(group_sizes) are zero.
+    interpret None = interpret mode off a GPU.
     """
-    check_grouped_matmul_args(lhs, rhs, group_sizes)
+    check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape
-    out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
     group, start, end = work_items(group_sizes, num_rows)
     column_blocks = pl.cdiv(width, BLOCK_N)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width)
     out = launch(kernel, out_shape=jax.ShapeDtypeStruct((num_rows + BLOCK_M, column_blocks * BLOCK_N), out_dtype),
                  grid=(group.shape[0], column_blocks), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                 name="grouped_matmul", interpret=interpret, cost=grouped_matmul_cost(lhs, rhs, out_dtype))(
-        lhs, rhs.reshape(num_groups * depth, width), group, start, end)
+                 name="grouped_matmul", interpret=interpret, cost=grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv))(
+        lhs, rhs.reshape(num_groups * depth, width), group, start, end,
+        *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
     # No program writes the rows past sum(group_sizes): they are defined as zero.
     covered = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes, 0))
     return jnp.where(covered[:, None], out[:num_rows, :width], 0).astype(out_dtype)

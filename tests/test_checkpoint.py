@@ -11,6 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -39,6 +40,9 @@ def _block_names(prefix: str, name: str, value: np.ndarray, fused: bool) -> dict
         return {f"{prefix}mlp.gate.e_score_correction_bias": value}
     if name.startswith("mlp.experts_"):
         proj = name.removeprefix("mlp.experts_")
+        if proj.endswith(fp8.SCALE_SUFFIX):  # an FP8 model's expert scales: per expert, as DeepSeek ships them
+            proj = proj.removesuffix(fp8.SCALE_SUFFIX)
+            return {f"{prefix}mlp.experts.{e}.{proj}.weight{fp8.SCALE_SUFFIX}": value[e].T for e in range(value.shape[0])}
         if fused:  # transformers' in-memory layout: gate_up [E, 2I, D], down [E, D, I]
             return {f"{prefix}mlp.experts.{proj}": value.transpose(0, 2, 1)}
         return {f"{prefix}mlp.experts.{e}.{proj}.weight": value[e].T for e in range(value.shape[0])}
@@ -46,7 +50,8 @@ def _block_names(prefix: str, name: str, value: np.ndarray, fused: bool) -> dict
 
 
 def hf_tensors(model: DeepseekV3, *, fused: bool = False) -> dict[str, np.ndarray]:
-    """The model's parameters under DeepSeek's checkpoint names (MTP at model.layers.{N})."""
+    """The model's parameters under DeepSeek's checkpoint names (MTP at model.layers.{N}); an FP8
+    model's weights stay FP8 beside their `_scale_inv`."""
     mtp = f"model.layers.{model.config.num_hidden_layers}."
     out = {}
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -319,6 +324,60 @@ def test_other_quantization_methods_raise(model, tmp_path):
     write_checkpoint(tmp_path / "hf", config, hf_tensors(model))
     with pytest.raises(ValueError, match="quant_method='mxfp4'"):
         load_hf_checkpoint(tmp_path / "hf", log=quiet)
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.fixture(scope="module")
+def fp8_model() -> DeepseekV3:
+    return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(6), dtype=ml_dtypes.float8_e4m3fn)
+
+
+def test_fp8_resident_load_keeps_weights_and_scales(fp8_model, tmp_path):
+    """An FP8 checkpoint (sharded) loads with dtype float8_e4m3fn to exactly the FP8 model written
+    (weights and transposed scales, per-expert rows stacked), and with bfloat16 to the dequantized
+    weights; jaxspec convert --dtype fp8 keeps them too."""
+    write_checkpoint(tmp_path / "hf", {**released_config(fp8_model.config), "quantization_config": FP8_CONFIG},
+                     hf_tensors(fp8_model), shards=2)
+    kept = load_hf_checkpoint(tmp_path / "hf", dtype=ml_dtypes.float8_e4m3fn, log=quiet)
+    assert_same_params(kept, fp8_model)
+    dequantized = params_of(load_hf_checkpoint(tmp_path / "hf", dtype=jnp.bfloat16, log=quiet))
+    for name, value in params_of(fp8_model).items():
+        if name.endswith(fp8.SCALE_SUFFIX):
+            assert name not in dequantized
+            continue
+        scale = params_of(fp8_model).get(name + fp8.SCALE_SUFFIX)
+        want = value if scale is None else np.asarray(fp8.dequantize(value, scale, (128, 128)).astype(jnp.bfloat16))
+        np.testing.assert_array_equal(dequantized[name], want, err_msg=name)
+    assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "orbax"), "--dtype", "fp8"]) == 0
+    assert_same_params(load_model(tmp_path / "orbax", dtype=ml_dtypes.float8_e4m3fn, log=quiet), fp8_model)
+
+
+def test_fp8_resident_load_refuses_what_it_cannot_keep(model, fp8_model, tmp_path, capsys):
+    """dtype float8_e4m3fn: a checkpoint without FP8 weights, with other blocks than 128 x 128, or
+    with a weight in bf16 that DeepSeek's layout has in FP8, is a clear error before any read."""
+    keep = dict(dtype=ml_dtypes.float8_e4m3fn, log=quiet)
+    write_checkpoint(tmp_path / "bf16", released_config(model.config), hf_tensors(model))
+    with pytest.raises(ValueError, match=r"has none \(no F8_E4M3 tensor\): load it with dtype=bfloat16"):
+        load_hf_checkpoint(tmp_path / "bf16", **keep)
+    spec = importlib.util.spec_from_file_location("generate_example", EXAMPLES / "generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit, match=r"--dtype fp8: dtype=float8_e4m3fn keeps a checkpoint's FP8 weights"):
+        script.main(["--checkpoint", str(tmp_path / "bf16"), "--prompt-ids", "1,2", "--dtype", "fp8"])
+
+    tensors = hf_tensors(fp8_model)
+    config = {**released_config(fp8_model.config), "quantization_config": {**FP8_CONFIG, "weight_block_size": [16, 16]}}
+    write_checkpoint(tmp_path / "blocks", config, tensors)
+    with pytest.raises(ValueError, match=r"needs DeepSeek's 128x128 scale blocks; .* weight_block_size \[16, 16\]"):
+        load_hf_checkpoint(tmp_path / "blocks", **keep)
+
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = np.asarray(fp8.dequantize(tensors[name], tensors.pop(name + fp8.SCALE_SUFFIX), (128, 128)))
+    write_checkpoint(tmp_path / "mixed", {**released_config(fp8_model.config), "quantization_config": FP8_CONFIG}, tensors)
+    with pytest.raises(ValueError, match=rf"not FP8: {name} \[64, 64\] F32: FP8 with a scale in DeepSeek's layout"):
+        load_hf_checkpoint(tmp_path / "mixed", **keep)
 
 
 # -- orbax conversion -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxspec.config import preset
 from jaxspec.models.moe import MoE
-from jaxspec.pallas_kernels import grouped_matmul, grouped_matmul_reference
+from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_M, grouped_matmul_pallas, num_work_items, work_items
 
 
@@ -101,6 +101,34 @@ def test_pallas_matches_reference(case):
                                np.asarray(rhs, np.float32), sizes), rtol=tol, atol=tol)
 
 
+FP8_CASES = {
+    # name: (rows, depth, width, groups, rows in groups, empty fraction)
+    "edges": (40, 200, 300, 4, 36, 0.3),  # partial 128-blocks and partial kernel tiles both ways
+    "blocks": (24, 256, 256, 16, 24, 0.0),  # whole blocks (the sliced weight loads), mostly one row per group
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=list(FP8_CASES))
+def test_fp8_weights_equal_their_dequantized_bfloat16(case):
+    """FP8 rhs + 128 x 128 block scales: the kernel (interpret mode) gives exactly what it gives for
+    the dequantized bfloat16 rhs, the reference exactly what ragged_dot gives for it, and the two
+    agree within bfloat16 tolerance."""
+    rows, depth, width, groups, total, empty = FP8_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    sizes = jnp.asarray(random_sizes(rng, groups, total, empty))
+    lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
+    weights = rng.normal(size=(groups, depth, width)) * rng.uniform(0.01, 10, (groups, 1, width)) * depth ** -0.5
+    rhs, scale_inv = block_fp8.quantize(jnp.asarray(weights, jnp.float32))
+    dense = block_fp8.dequantize(rhs, scale_inv)
+    got = grouped_matmul_pallas(lhs, rhs, sizes, scale_inv, interpret=True)
+    want = grouped_matmul_reference(lhs, rhs, sizes, scale_inv)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(grouped_matmul_pallas(lhs, dense, sizes, interpret=True)))
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(grouped_matmul_reference(lhs, dense, sizes)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    assert np.all(np.asarray(got)[total:] == 0)
+
+
 def test_op_dispatch_and_argument_errors():
     lhs, rhs, sizes = make_case(3, 20, 32, 16, np.array([5, 0, 15], np.int32), jnp.float32)
     np.testing.assert_array_equal(grouped_matmul(lhs, rhs, sizes, backend="xla"),
@@ -117,6 +145,13 @@ def test_op_dispatch_and_argument_errors():
         grouped_matmul(lhs, rhs, sizes.astype(jnp.float32))
     with pytest.raises(ValueError, match="backend"):
         grouped_matmul(lhs, rhs, sizes, backend="cuda")
+    quantized, scale_inv = block_fp8.quantize(rhs)
+    with pytest.raises(ValueError, match="rhs_scale_inv: must be given exactly when rhs is float8_e4m3fn"):
+        grouped_matmul(lhs, quantized, sizes)
+    with pytest.raises(ValueError, match="rhs_scale_inv: must be given exactly when rhs is float8_e4m3fn"):
+        grouped_matmul(lhs, rhs, sizes, scale_inv)
+    with pytest.raises(ValueError, match=r"rhs_scale_inv: must be float32 \[3, 1, 1\] for rhs \[3, 32, 16\]"):
+        grouped_matmul(lhs, quantized, sizes, scale_inv[:, :, :0])
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
@@ -142,6 +177,29 @@ def test_cuda_lowering_at_deepseek_shapes():
     calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
     assert len(calls) == 1 and re.search(r'\bname = "grouped_matmul"', calls[0])
     assert jax.eval_shape(fn, *args).shape == (256, 2048)
+
+
+@pytest.mark.parametrize("depth,width", [(7168, 2048), (2048, 7168)], ids=["gate-up", "down"])
+def test_fp8_kernel_compiled_for_h100_at_v32_expert_shapes(h100, depth, width):
+    """E = 256 FP8 experts at DeepSeek-V3.2's widths, 256 rows (decode at batch 32, top-8): the
+    kernel fits the H100's shared memory without spills, and its stated bytes are 1 per weight of
+    the groups that can be hit plus their scales, not 2."""
+    from jaxspec import aot
+
+    experts, rows = 256, 256
+    args = (jax.ShapeDtypeStruct((rows, depth), jnp.bfloat16),
+            jax.ShapeDtypeStruct((experts, depth, width), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((experts,), jnp.int32),
+            jax.ShapeDtypeStruct((experts, depth // 128, width // 128), jnp.float32))
+    compiled = aot.compile_gpu(grouped_matmul_pallas, *args, devices=h100, interpret=False,
+                               static_argnames=("interpret",))
+    (launch,) = aot.kernel_launches(compiled)
+    assert 0 < launch.shared_memory <= 227 * 1024 and launch.spill_stores == launch.spill_loads == 0
+    (call,) = aot.pallas_calls(compiled)
+    weights = experts * depth * width * (1 + 4 / 128 ** 2)
+    activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, experts)
+    assert call.flops == 2 * rows * depth * width
+    assert call.bytes_accessed == weights + activations
 
 
 # ----------------------------------------------------------------------------------------------
