@@ -11,6 +11,8 @@ model multiplies by exactly the weights a model dequantized at load (`jaxspec.fp
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -36,6 +38,7 @@ def dequantize(weight: jax.Array, scale_inv: jax.Array, dtype=jnp.bfloat16,
     return (weight.astype(jnp.float32) * scale[..., :rows, :cols]).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames="block")
 def quantize(weight: jax.Array, block: tuple[int, int] = BLOCK) -> tuple[jax.Array, jax.Array]:
     """weight [..., rows, cols] (any float dtype) -> (float8_e4m3fn [..., rows, cols], scale_inv
     float32 `scale_shape`), DeepSeek's recipe: per block, scale = amax / 448 and fp8 = weight / scale

@@ -46,6 +46,13 @@ def trained_v32() -> DeepseekV3:
 
 
 @pytest.fixture(scope="session")
+def fp8_tiny() -> DeepseekV3:
+    """A random `tiny` DeepSeek-V3.2 in DeepSeek's FP8 layout (dtype float8_e4m3fn: FP8 linear
+    weights with 128 x 128 block scales), shared by the FP8 model and loader tests."""
+    return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(4), dtype=jax.numpy.float8_e4m3fn)
+
+
+@pytest.fixture(scope="session")
 def h100():
     """One abstract H100 SXM for compiling GPU programs on this host (`jaxspec.aot`); skips with
     the instrument's reason (the CUDA plugin is missing, or the run lacks JAX_PLATFORMS=cpu)."""

@@ -329,32 +329,27 @@ def test_other_quantization_methods_raise(model, tmp_path):
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-@pytest.fixture(scope="module")
-def fp8_model() -> DeepseekV3:
-    return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(6), dtype=ml_dtypes.float8_e4m3fn)
-
-
-def test_fp8_resident_load_keeps_weights_and_scales(fp8_model, tmp_path):
+def test_fp8_resident_load_keeps_weights_and_scales(fp8_tiny, tmp_path):
     """An FP8 checkpoint (sharded) loads with dtype float8_e4m3fn to exactly the FP8 model written
     (weights and transposed scales, per-expert rows stacked), and with bfloat16 to the dequantized
     weights; jaxspec convert --dtype fp8 keeps them too."""
-    write_checkpoint(tmp_path / "hf", {**released_config(fp8_model.config), "quantization_config": FP8_CONFIG},
-                     hf_tensors(fp8_model), shards=2)
+    write_checkpoint(tmp_path / "hf", {**released_config(fp8_tiny.config), "quantization_config": FP8_CONFIG},
+                     hf_tensors(fp8_tiny), shards=2)
     kept = load_hf_checkpoint(tmp_path / "hf", dtype=ml_dtypes.float8_e4m3fn, log=quiet)
-    assert_same_params(kept, fp8_model)
+    assert_same_params(kept, fp8_tiny)
     dequantized = params_of(load_hf_checkpoint(tmp_path / "hf", dtype=jnp.bfloat16, log=quiet))
-    for name, value in params_of(fp8_model).items():
+    for name, value in params_of(fp8_tiny).items():
         if name.endswith(fp8.SCALE_SUFFIX):
             assert name not in dequantized
             continue
-        scale = params_of(fp8_model).get(name + fp8.SCALE_SUFFIX)
+        scale = params_of(fp8_tiny).get(name + fp8.SCALE_SUFFIX)
         want = value if scale is None else np.asarray(fp8.dequantize(value, scale, (128, 128)).astype(jnp.bfloat16))
         np.testing.assert_array_equal(dequantized[name], want, err_msg=name)
     assert cli.main(["convert", str(tmp_path / "hf"), str(tmp_path / "orbax"), "--dtype", "fp8"]) == 0
-    assert_same_params(load_model(tmp_path / "orbax", dtype=ml_dtypes.float8_e4m3fn, log=quiet), fp8_model)
+    assert_same_params(load_model(tmp_path / "orbax", dtype=ml_dtypes.float8_e4m3fn, log=quiet), fp8_tiny)
 
 
-def test_fp8_resident_load_refuses_what_it_cannot_keep(model, fp8_model, tmp_path, capsys):
+def test_fp8_resident_load_refuses_what_it_cannot_keep(model, fp8_tiny, tmp_path):
     """dtype float8_e4m3fn: a checkpoint without FP8 weights, with other blocks than 128 x 128, or
     with a weight in bf16 that DeepSeek's layout has in FP8, is a clear error before any read."""
     keep = dict(dtype=ml_dtypes.float8_e4m3fn, log=quiet)
@@ -367,15 +362,15 @@ def test_fp8_resident_load_refuses_what_it_cannot_keep(model, fp8_model, tmp_pat
     with pytest.raises(SystemExit, match=r"--dtype fp8: dtype=float8_e4m3fn keeps a checkpoint's FP8 weights"):
         script.main(["--checkpoint", str(tmp_path / "bf16"), "--prompt-ids", "1,2", "--dtype", "fp8"])
 
-    tensors = hf_tensors(fp8_model)
-    config = {**released_config(fp8_model.config), "quantization_config": {**FP8_CONFIG, "weight_block_size": [16, 16]}}
+    tensors = hf_tensors(fp8_tiny)
+    config = {**released_config(fp8_tiny.config), "quantization_config": {**FP8_CONFIG, "weight_block_size": [16, 16]}}
     write_checkpoint(tmp_path / "blocks", config, tensors)
     with pytest.raises(ValueError, match=r"needs DeepSeek's 128x128 scale blocks; .* weight_block_size \[16, 16\]"):
         load_hf_checkpoint(tmp_path / "blocks", **keep)
 
     name = "model.layers.0.self_attn.o_proj.weight"
     tensors[name] = np.asarray(fp8.dequantize(tensors[name], tensors.pop(name + fp8.SCALE_SUFFIX), (128, 128)))
-    write_checkpoint(tmp_path / "mixed", {**released_config(fp8_model.config), "quantization_config": FP8_CONFIG}, tensors)
+    write_checkpoint(tmp_path / "mixed", {**released_config(fp8_tiny.config), "quantization_config": FP8_CONFIG}, tensors)
     with pytest.raises(ValueError, match=rf"not FP8: {name} \[64, 64\] F32: FP8 with a scale in DeepSeek's layout"):
         load_hf_checkpoint(tmp_path / "mixed", **keep)
 
