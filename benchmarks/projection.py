@@ -8,10 +8,27 @@ What is measured: for each batch B, context C and draft length k (0 = plain deco
 chain of k), the decode step `jaxspec.loop._step` is compiled for sm_90a (one device, backend
 pallas, bf16 parameters) and its flops and bytes accessed are read from the optimized HLO plus the
 Pallas kernels' stated costs (attention kernels at a full context). A full-depth compile takes
-minutes, so each point compiles three 1-2 layer models at full width: A = one MoE layer,
-D = one dense + one MoE layer, M = two MoE layers. Layers of a kind are identical programs, so
-the full model's cost is exactly A + 3 (D - A) + 57 (M - A) for V3.2's 3 dense and 58 MoE layers
-(embedding, LM head and the MTP block are in A).
+minutes, so `jaxspec.aot.model.depth_cost` compiles three 1-2 layer models at full width:
+A = one MoE layer, D = one dense + one MoE layer, M = two MoE layers. Layers of a kind compile to
+the same ops, so the full model's cost is A + 3 (D - A) + 57 (M - A) for V3.2's 3 dense and 58
+MoE layers (embedding, LM head, the MTP block and the step's non-model ops are in each of A, D, M).
+
+The device is compiled as having 1 PiB of memory (`gpu_devices(device_memory=)`). With its own
+80 GB, XLA fits a program into 80% of it by rematerializing (recomputing) values, and where the
+arguments alone exceed that (M's 74 GB of weights and cache, and every deeper model) it recomputes
+whatever it can. A and D fit and recomputed nothing; M recomputed, among others, the merged q_b /
+indexer wq_b projection of its layers up to twice more. So 57 (M - A) counted 3.18e11 flops per
+MoE layer where one costs 2.35e11 (B = 32, ctx 4096, k = 3): this script said 20.0 TFLOP and
+1,686 GB where the direct full-depth compile said 15.9 TFLOP and 1,514 GB (itself recomputing a
+different amount: what XLA recomputes depends on what is live around it, not on the layer).
+`aot.program_cost(...).rematerialized` counts the clones; `depth_cost` refuses a rematerialized
+compile. Without rematerialization the extrapolation equals direct
+compiles (B = 32, ctx 4096, k = 3, projected / direct - 1 in brackets; XLA sums in float32):
+  4 layers (3 dense + 1 MoE):  1.92963e12 flops (+7e-8), 1.19160e11 bytes (-3e-8)
+  8 layers (3 dense + 5 MoE):  2.87123e12 flops (+5e-8), 2.16492e11 bytes (-2e-7)
+  61 layers (full depth):      1.53474e13 flops (+2e-6), 1.50615e12 bytes (-7e-8)
+(the full-depth compile took 803 s on a busy 2-core host, 1.7 GB of RAM; the three shallow
+ones take about 70 s together). `--validate N` repeats the check at N layers.
 
 What is projected: step time = max(bytes / HBM bandwidth, flops / peak bf16 tensor flops), both
 from XLA's GpuTargetConfig of the GPU (`jaxspec/targets/`: H100 SXM 3.35 TB/s, H200 4.8 TB/s;
@@ -36,13 +53,20 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import sys
+import time
+
+import jax
 
 from jaxspec import aot
-from jaxspec.aot.model import compile_model
+from jaxspec.aot.model import compile_model, depth_cost, reduced_depth
 from jaxspec.config import DecodeConfig, preset
 
 PUBLISHED_ACCEPTANCE = 0.875
 MEASURED_PER_POSITION = (0.89, 0.42, 0.36)
+# Per-device memory the programs are compiled for: more than any of them needs (1.3 TB of weights
+# plus at most 0.4 TB of cache at B = 128, ctx 32k), so XLA rematerializes nothing.
+DEVICE_MEMORY = 2 ** 50
 
 
 def target_peaks(target: str) -> tuple[float, float]:
@@ -56,20 +80,24 @@ def target_peaks(target: str) -> tuple[float, float]:
     return bandwidth, 2 * fmas * units * cores * clock * 1e9  # an FMA is 2 flops
 
 
-def step_cost(batch: int, context: int, drafts: int, devices) -> tuple[float, float, float]:
-    """(flops, bytes, compile seconds) of one full-depth V3.2 decode step, from three shallow compiles."""
-    full = preset("deepseek-v3.2")
-    dense, moe = full.first_k_dense_replace, full.num_hidden_layers - full.first_k_dense_replace
+def progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def validate(layers: int, batch: int, context: int, drafts: int, devices) -> None:
+    """Compile `layers` layers directly and compare with the extrapolation from A, D, M."""
+    config = reduced_depth(preset("deepseek-v3.2"), layers)
     decode = DecodeConfig(num_draft=drafts, backend="pallas")
-    costs, seconds = [], 0.0
-    for layers, dense_layers in ((1, 0), (2, 1), (2, 0)):
-        config = full.replace(num_hidden_layers=layers, first_k_dense_replace=dense_layers)
-        compiled = compile_model(config, decode, phase="decode", batch=batch, context=context, devices=devices)
-        cost = aot.program_cost(compiled)
-        costs.append((cost.flops, cost.bytes_accessed))
-        seconds += compiled.compile_seconds
-    (fa, ba), (fd, bd), (fm, bm) = costs
-    return (fa + dense * (fd - fa) + (moe - 1) * (fm - fa), ba + dense * (bd - ba) + (moe - 1) * (bm - ba), seconds)
+    point = dict(phase="decode", batch=batch, context=context, devices=devices)
+    projected = depth_cost(config, decode, **point, on_compile=lambda name, seconds: progress(
+        f"validate {layers} layers: {name} compiled in {seconds:.0f} s"))
+    compiled = compile_model(config, decode, **point)
+    direct = aot.program_cost(compiled)
+    progress(f"validate {layers} layers: direct compile in {compiled.compile_seconds:.0f} s")
+    print(f"validate B={batch} ctx={context} k={drafts}, {layers} layers ({config.first_k_dense_replace} dense): "
+          f"direct {direct.flops:.5e} flops {direct.bytes_accessed:.5e} bytes ({compiled.compile_seconds:.0f} s), "
+          f"projected/direct - 1: flops {projected.flops / direct.flops - 1:+.1e}, "
+          f"bytes {projected.bytes_accessed / direct.bytes_accessed - 1:+.1e}")
 
 
 def accepted_length(per_position) -> float:
@@ -85,32 +113,51 @@ def main() -> None:
                         help="published per-draft acceptance p (accepted length 1 + p + ... + p^k)")
     parser.add_argument("--measured", type=float, nargs="+", default=list(MEASURED_PER_POSITION),
                         help="our measured per-position acceptance a_1 .. a_k")
+    parser.add_argument("--validate", type=int, nargs="+", default=[], metavar="LAYERS",
+                        help="also compile these depths directly at the first grid point and compare")
     args = parser.parse_args()
     if max(args.drafts) > len(args.measured):
         parser.error(f"--measured gives {len(args.measured)} positions; --drafts asks for {max(args.drafts)}")
-    devices = aot.gpu_devices("h100")  # both targets are sm_90a: one compile serves both
+    # Both targets are sm_90a and, at the same device memory, differ only in HBM bandwidth (and the
+    # cuDNN version): one compile serves both.
+    devices = aot.gpu_devices("h100", device_memory=DEVICE_MEMORY)
+    for layers in args.validate:
+        validate(layers, args.batches[0], args.contexts[0], sorted(args.drafts)[-1], devices)
     peaks = {target: target_peaks(target) for target in ("h100", "h200")}
+    full = preset("deepseek-v3.2")
     print("PROJECTION (roofline of the compiled step's flops and bytes; not a measurement)")
     for target, (bandwidth, flops) in peaks.items():
         print(f"  {target}: HBM {bandwidth / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s (XLA GpuTargetConfig)")
+    print(f"  accepted length: published p = {args.acceptance} per draft (DeepSeek-V3 report, section 5.4.3); "
+          f"ours = 1 + {' + '.join(map(str, args.measured))} (tiny-stdlib model, README)")
     header = (f"{'B':>4} {'ctx':>6} {'k':>2} {'TFLOP':>8} {'GB':>8} {'compile s':>9} | {'gpu':>4} {'step ms':>8} "
               f"{'bound':>5} | {'len pub':>7} {'tok/s/row':>9} {'speedup':>7} | {'len ours':>8} {'tok/s/row':>9} {'speedup':>7}")
-    print(header)
+    print(header, flush=True)
     for batch, context in itertools.product(args.batches, args.contexts):
         plain = {}
         for drafts in sorted(args.drafts):
-            flops, nbytes, seconds = step_cost(batch, context, drafts, devices)
+            point = f"B={batch} ctx={context} k={drafts}"
+            try:
+                cost = depth_cost(full, DecodeConfig(num_draft=drafts, backend="pallas"), phase="decode", batch=batch,
+                                  context=context, devices=devices, on_compile=lambda name, seconds: progress(
+                                      f"{point}: {name} compiled in {seconds:.0f} s"))
+            except jax.errors.JaxRuntimeError as failed:  # a point XLA cannot compile: say so, go on
+                reason = str(failed).splitlines()[0]
+                progress(f"{point}: compile failed: {reason}")
+                print(f"{batch:>4} {context:>6} {drafts:>2} does not compile for sm_90a: {reason[:150]}", flush=True)
+                continue
             lengths = (accepted_length(args.acceptance ** j for j in range(1, drafts + 1)),
                        accepted_length(args.measured[:drafts]))
             for target, (bandwidth, peak) in peaks.items():
-                step = max(nbytes / bandwidth, flops / peak)
-                bound = "HBM" if nbytes / bandwidth >= flops / peak else "flops"
+                step = max(cost.bytes_accessed / bandwidth, cost.flops / peak)
+                bound = "HBM" if cost.bytes_accessed / bandwidth >= cost.flops / peak else "flops"
                 rates = [length / step for length in lengths]
                 base = plain.setdefault(target, rates[0] if drafts == 0 else None)
                 speedups = [f"{r / base:.2f}x" if base else "-" for r in rates]
-                print(f"{batch:>4} {context:>6} {drafts:>2} {flops / 1e12:>8.2f} {nbytes / 1e9:>8.1f} {seconds:>9.0f} | "
-                      f"{target:>4} {step * 1e3:>8.2f} {bound:>5} | {lengths[0]:>7.2f} {rates[0]:>9.1f} {speedups[0]:>7} | "
-                      f"{lengths[1]:>8.2f} {rates[1]:>9.1f} {speedups[1]:>7}")
+                print(f"{batch:>4} {context:>6} {drafts:>2} {cost.flops / 1e12:>8.2f} "
+                      f"{cost.bytes_accessed / 1e9:>8.1f} {cost.compile_seconds:>9.0f} | {target:>4} {step * 1e3:>8.2f} {bound:>5} | {lengths[0]:>7.2f} "
+                      f"{rates[0]:>9.1f} {speedups[0]:>7} | {lengths[1]:>8.2f} {rates[1]:>9.1f} {speedups[1]:>7}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "rag
                 "collective-permute", "collective-broadcast")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?(\S+) = (.*?) ([a-z][a-z0-9-]*)\(", re.M)
+_INSTRUCTION_NAME = re.compile(r"^\s*(?:ROOT )?%?(\S+) = ", re.M)
+_REMAT = re.compile(r"\.remat\d*(?:\.\d+)?$")  # HloRematerialization's clones: "fusion.3.remat2", "gte.remat.8"
 
 
 def shape_bytes(text: str) -> int:
@@ -102,7 +104,9 @@ def pallas_calls(compiled) -> list[PallasCall]:
 class ProgramCost:
     """Flops and bytes of one execution of a compiled program (a while loop's body counted once,
     as XLA's analysis counts it). `xla_*`: XLA's HLO cost analysis; `kernel_*`: the Pallas
-    kernels' stated costs; `uncounted`: custom calls nobody states a cost for (target -> count)."""
+    kernels' stated costs; `uncounted`: custom calls nobody states a cost for (target -> count);
+    `rematerialized`: instructions XLA recomputed to fit the device's memory (named `*.remat*`),
+    whose flops and bytes are in the totals (see `gpu_devices(device_memory=)`)."""
 
     flops: float
     transcendentals: float
@@ -112,6 +116,7 @@ class ProgramCost:
     kernel_flops: float
     kernel_bytes: float
     uncounted: dict[str, int]
+    rematerialized: int
 
 
 def program_cost(compiled) -> ProgramCost:
@@ -137,7 +142,8 @@ def program_cost(compiled) -> ProgramCost:
     return ProgramCost(flops=xla_flops + kernel_flops,
                        transcendentals=analysis.get("transcendentals", 0.0) + sum(c.transcendentals for c in stated),
                        bytes_accessed=xla_bytes + kernel_bytes, xla_flops=xla_flops, xla_bytes=xla_bytes,
-                       kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, uncounted=uncounted)
+                       kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, uncounted=uncounted,
+                       rematerialized=sum(1 for name in _INSTRUCTION_NAME.findall(text) if _REMAT.search(name)))
 
 
 @dataclasses.dataclass(frozen=True)

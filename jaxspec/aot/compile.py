@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.resources
+import re
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -45,15 +46,27 @@ def _plugin_missing_error() -> RuntimeError:
     return RuntimeError(f"compiling for a GPU needs JAX's CUDA plugin: pip install 'jax[cuda12]=={jax.__version__}'")
 
 
-def gpu_devices(target: str = "h100", num_devices: int = 1) -> list:
+def gpu_devices(target: str = "h100", num_devices: int = 1, *, device_memory: int | None = None) -> list:
     """`num_devices` abstract devices of `target` ("h100" or "h200") in one node (topology 1x1xN).
 
-    Raises ValueError for an unknown target or a device count below 1, RuntimeError naming the
-    fix when the CUDA plugin is missing or could not register (see the module docstring).
+    device_memory: bytes of memory per device in place of the GPU's own, to cost a program that
+    does not fit. XLA squeezes a program into 80% of a device's memory by rematerializing
+    (recomputing) values, and when the arguments alone exceed that it recomputes whatever it can:
+    flops and bytes then grow with how far the program overflows, not with what it computes.
+
+    Raises ValueError for an unknown target, a device count below 1 or a device_memory below 1,
+    RuntimeError naming the fix when the CUDA plugin is missing or could not register (see the
+    module docstring).
     """
     config = target_config(target)
     if num_devices < 1:
         raise ValueError(f"num_devices={num_devices}: must be >= 1")
+    if device_memory is not None:
+        if device_memory < 1:
+            raise ValueError(f"device_memory={device_memory}: must be >= 1 (bytes) or None")
+        config, found = re.subn(r"device_memory_size: \d+", f"device_memory_size: {device_memory}", config)
+        if found != 1:
+            raise RuntimeError(f"target {target!r}: its GpuTargetConfig has no single device_memory_size")
     try:
         importlib.metadata.version("jax-cuda12-plugin")
     except importlib.metadata.PackageNotFoundError:

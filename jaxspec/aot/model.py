@@ -9,12 +9,18 @@ the loop state donated as at `step`'s jit boundary; prefill is `jaxspec.loop.pre
 prompt of `context` tokens with its caches donated. Cache geometry: a step sees caches of
 `required_capacity` slots per row for `context` tokens (the context plus one step's window), so
 its attention kernels' stated costs are those of a full context.
+
+`depth_cost` gives a full-depth program's flops and bytes from three compiles of one or two
+layers (tens of seconds each instead of minutes): for the decode step it equals a direct compile
+to float32 rounding as long as nothing is rematerialized (`benchmarks/projection.py` says where
+that was checked).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,7 @@ from jaxspec.loop import _step, prefill
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
 
+from .analysis import program_cost
 from .compile import GpuCompiled, compile_gpu
 
 PHASES = ("prefill", "decode")
@@ -78,3 +85,56 @@ def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batc
                            target_cache, mtp_cache, rng_key)
     return compile_gpu(_step, graphdef=graphdef, params=params, state=state, config=decode,
                        donate_argnames=("state",), **options)
+
+
+# The three shallow models of `depth_cost`: (name, layers, dense layers).
+SHALLOW_MODELS = (("A: one MoE layer", 1, 0), ("D: one dense + one MoE layer", 2, 1), ("M: two MoE layers", 2, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthCost:
+    """Flops and bytes accessed of one full-depth program (XLA ops plus Pallas kernels), and the
+    seconds its shallow compiles took."""
+
+    flops: float
+    bytes_accessed: float
+    compile_seconds: float
+
+
+def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: int, context: int, devices: Sequence,
+               dtype=jnp.bfloat16, on_compile: Callable[[str, float], None] | None = None) -> DepthCost:
+    """The cost of `compile_model(config, ...)` at full depth from three full-width compiles:
+    A = one MoE layer, D = one dense + one MoE layer, M = two MoE layers (the MTP block, the
+    embedding, the LM head and everything outside the layers are in each). Layers of a kind
+    compile to the same ops, so with d dense and m MoE layers
+
+        cost = A + d (D - A) + (m - 1) (M - A).
+
+    devices: from `gpu_devices(..., device_memory=)` with room for the whole program. On a device
+    the program overflows, XLA recomputes values to save memory, by an amount that depends on the
+    overflow rather than on the layers: raises RuntimeError when a shallow compile was
+    rematerialized. on_compile(name, seconds) is called after each compile (progress).
+    Raises ValueError for a config without MoE layers (and as `compile_model`).
+    """
+    dense = config.first_k_dense_replace
+    moe = config.num_hidden_layers - dense
+    if moe < 1:
+        raise ValueError(f"config: first_k_dense_replace={dense} leaves no MoE layer of num_hidden_layers="
+                         f"{config.num_hidden_layers}: depth_cost extrapolates over MoE layers")
+    costs, seconds = [], 0.0
+    for name, layers, dense_layers in SHALLOW_MODELS:
+        compiled = compile_model(config.replace(num_hidden_layers=layers, first_k_dense_replace=dense_layers),
+                                 decode, phase=phase, batch=batch, context=context, devices=devices, dtype=dtype)
+        cost = program_cost(compiled)
+        if cost.rematerialized:
+            raise RuntimeError(f"{name}: XLA rematerialized {cost.rematerialized} instructions to fit the "
+                               "device's memory; pass devices from gpu_devices(..., device_memory=) with room for "
+                               "the program")
+        costs.append((cost.flops, cost.bytes_accessed))
+        seconds += compiled.compile_seconds
+        if on_compile is not None:
+            on_compile(name, compiled.compile_seconds)
+    (flops_a, bytes_a), (flops_d, bytes_d), (flops_m, bytes_m) = costs
+    return DepthCost(flops=flops_a + dense * (flops_d - flops_a) + (moe - 1) * (flops_m - flops_a),
+                     bytes_accessed=bytes_a + dense * (bytes_d - bytes_a) + (moe - 1) * (bytes_m - bytes_a),
+                     compile_seconds=seconds)

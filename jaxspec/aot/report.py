@@ -21,6 +21,9 @@ def report(compiled: GpuCompiled, title: str) -> str:
              f"flops {cost.flops:.3e} (XLA ops {cost.xla_flops:.3e}, Pallas kernels {cost.kernel_flops:.3e})",
              f"bytes accessed {cost.bytes_accessed:.3e} (XLA ops {cost.xla_bytes:.3e}, "
              f"Pallas kernels {cost.kernel_bytes:.3e})"]
+    if cost.rematerialized:
+        lines.append(f"rematerialized: {cost.rematerialized} instructions recomputed to fit the device's memory "
+                     "(counted above; gpu_devices(device_memory=) costs the program without them)")
     if cost.uncounted:
         lines.append("not counted (no cost known): " + ", ".join(f"{n} x {t}" for t, n in sorted(cost.uncounted.items())))
     found = collectives(compiled)
