@@ -71,7 +71,8 @@ def pages_per_row(capacity: int, page_size: int) -> int:
 
 
 def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: int, index_dim: int = 0,
-               page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None) -> PagedCache:
+               page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None,
+               row_shards: int = 1) -> PagedCache:
     """An empty cache giving each of `batch_size` rows room for `capacity` slots.
 
     num_layers: layers with a cache (the target's, or 1 for the MTP module); latent_dim: width of
@@ -79,7 +80,10 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     that width for every layer; page_size: slots per page (capacity is rounded up to whole pages);
     dtype: the entries' dtype. Pages are handed out row after row (row b owns pages
     [b*M, (b+1)*M)); pass `page_table` ([batch_size, M] int32, entries a permutation of
-    range(num_pages)) to lay them out otherwise. Returns latent [L, num_pages, page_size,
+    range(num_pages)) to lay them out otherwise. row_shards > 1 lays the cache out for a mesh
+    that splits the rows into that many blocks (`jaxspec.sharding`): the page pool is split the same
+    way, each block's rows own the block's pages, and the page table numbers pages within the block
+    (every device's page table addresses its own pages only). Returns latent [L, num_pages, page_size,
     latent_dim], index_keys [L, num_pages, page_size, index_dim] (or None), page_table, lengths
     [batch_size] = 0.
     """
@@ -89,8 +93,12 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     num_row_pages = pages_per_row(capacity, page_size)
     num_pages = batch_size * num_row_pages
+    if row_shards < 1 or batch_size % row_shards:
+        raise ValueError(f"row_shards={row_shards}: must be >= 1 and divide batch_size={batch_size}")
+    if row_shards > 1 and page_table is not None:
+        raise ValueError("page_table: a cache split into row shards numbers its pages itself; pass None")
     if page_table is None:
-        page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch_size, num_row_pages)
+        page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch_size, num_row_pages) % (num_pages // row_shards)
     elif page_table.shape != (batch_size, num_row_pages):
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
     latent = tuple(jnp.zeros((num_pages, page_size, latent_dim), dtype) for _ in range(num_layers))

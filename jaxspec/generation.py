@@ -20,19 +20,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.cache import PagedCache
 from jaxspec.config import DecodeConfig
 from jaxspec.drafting import mtp_draft_slots
-from jaxspec.loop import DecodeState, decode, prefill
+from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding
 from jaxspec.sampling import base_key
+from jaxspec.sharding import (DEFAULT_PLAN, HEAD_AXES, cache_shardings, check_mesh, check_plan, row_shards, row_spec,
+                              shard_params)
 
 
 class PreparedBatch(NamedTuple):
-    prompts: jax.Array       # [B, P] int32, right-padded with 0
+    prompts: jax.Array       # [B, P] int32, right-padded with 0 (on a mesh: B padded, see `prepare`)
     prompt_lens: jax.Array   # [B] int32
     target_cache: PagedCache
     mtp_cache: PagedCache | None
+    num_rows: int            # the caller's rows: B without a mesh's padding rows
 
 
 def required_capacity(prompt_width: int, config: DecodeConfig) -> int:
@@ -63,14 +67,26 @@ def _is_concrete(x) -> bool:
 
 
 def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None,
-            page_table: jax.Array | None = None) -> PreparedBatch:
+            page_table: jax.Array | None = None, mesh: Mesh | None = None, plan: str = DEFAULT_PLAN) -> PreparedBatch:
     """Check the inputs, pad the prompts and build empty caches. Raises ValueError on bad input.
 
     prompts: a sequence of token-id sequences, or a [B, P] int array (then `prompt_lens` [B] gives
     each row's length; None means every row is P long). page_table: an optional [B, M] page layout
-    for both caches (M pages per row); by default rows get consecutive pages.
+    for both caches (M pages per row); by default rows get consecutive pages. mesh / plan: lay the
+    batch out for a mesh (`jaxspec.sharding`): B is padded to a multiple of the row shards with
+    one-token rows (retired after prefill), and the caches are created split by rows on the mesh,
+    each device's page table numbering its own pages (so no user page_table).
     """
+    check_plan(plan)
     mconf = model.config
+    if mesh is not None:
+        check_mesh(mesh, plan)
+        if page_table is not None:
+            raise ValueError("page_table: not supported with a mesh (each device numbers the pages of its own rows)")
+        split = int(np.prod([mesh.shape[axis] for axis in HEAD_AXES[plan]]))
+        if mconf.num_attention_heads % split:
+            raise ValueError(f"plan={plan!r} splits attention heads {split} ways; num_attention_heads="
+                             f"{mconf.num_attention_heads} is not a multiple")
     if config.draft_tree is not None and getattr(model, "mtp", None) is None:
         raise ValueError(f"{'tree' if config.tree else f'num_draft={config.num_draft}'} needs an MTP module, "
                          "but the model has none (num_nextn_predict_layers == 0); use num_draft=0")
@@ -133,13 +149,28 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
                              f"{needed} are needed")
         capacity = page_table.shape[1] * config.page_size
 
+    shards = row_shards(mesh, plan)
+    padded = -(-batch // shards) * shards
+    if padded > batch:  # padding rows: one token each, retired after prefill (`jaxspec.loop.retire_padding`)
+        prompts_arr = jnp.concatenate([prompts_arr, jnp.zeros((padded - batch, width), jnp.int32)])
+        lens_arr = jnp.concatenate([lens_arr, jnp.ones((padded - batch,), jnp.int32)])
+    if mesh is not None:
+        prompts_arr, lens_arr = jax.device_put((prompts_arr, lens_arr), NamedSharding(mesh, row_spec(plan)))
+
     # Each cache gets its own copy of the page table: the caches are donated to the computation,
     # which must consume neither the caller's array nor one buffer twice.
     own = lambda: None if page_table is None else jnp.array(page_table, jnp.int32)
-    target_cache = model.init_cache(batch, capacity, page_size=config.page_size, page_table=own())
-    mtp_cache = (model.init_cache(batch, capacity, page_size=config.page_size, mtp=True, page_table=own())
-                 if config.draft_tree is not None else None)
-    return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache)
+
+    def caches():
+        cache = lambda mtp: model.init_cache(padded, capacity, page_size=config.page_size, mtp=mtp,
+                                             page_table=own(), row_shards=shards)
+        return cache(False), cache(True) if config.draft_tree is not None else None
+
+    if mesh is None:
+        target_cache, mtp_cache = caches()
+    else:  # created in place, split by rows: no device ever holds the whole cache
+        target_cache, mtp_cache = jax.jit(caches, out_shardings=cache_shardings(jax.eval_shape(caches), mesh, plan))()
+    return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache, batch)
 
 
 def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config) -> DecodeState:
@@ -147,15 +178,37 @@ def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, r
     return decode(graphdef, params, state, config)
 
 
+def _generate_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, mesh, plan,
+                   num_rows) -> DecodeState:
+    """`_generate` inside the loop's shard_map on `mesh` (`jaxspec.loop.mesh_program`); the rows
+    past `num_rows` are padding, retired after prefill."""
+    def body(params, *args):
+        state = retire_padding(prefill(graphdef, params, *args, config), num_rows)
+        return decode(graphdef, params, state, config)
+
+    return mesh_program(body, params, (prompts, prompt_lens, target_cache, mtp_cache, rng_key), mesh=mesh, plan=plan)
+
+
 # The caches are donated: the loop updates them in place (one copy of the cache on the device).
 _generate_jit = jax.jit(_generate, static_argnames=("graphdef", "config"), donate_argnames=("target_cache", "mtp_cache"))
+_generate_mesh_jit = jax.jit(_generate_mesh, static_argnames=("graphdef", "config", "mesh", "plan", "num_rows"),
+                             donate_argnames=("target_cache", "mtp_cache"))
+
+
+def _program(graphdef, params, batch: PreparedBatch, config: DecodeConfig, mesh: Mesh | None, plan: str):
+    """The jitted generate program for `batch` and its arguments: (jitted fn, args, static args)."""
+    if mesh is None:
+        return _generate_jit, (params,), (config,)
+    return _generate_mesh_jit, (shard_params(params, mesh, plan),), (config, mesh, plan, batch.num_rows)
 
 
 def _empty_cache(layout: PagedCache | None) -> PagedCache | None:
-    """New empty buffers laid out as `layout` (arrays or ShapeDtypeStructs) and a copy of its page table."""
+    """New empty buffers laid out as `layout` (arrays or ShapeDtypeStructs, each with its sharding
+    when it has one) and a copy of its page table."""
     if layout is None:
         return None
-    empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout.replace(page_table=None))
+    # device=: a sharded layout's buffers are created split (no device ever holds the whole cache).
+    empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), layout.replace(page_table=None))
     return empty.replace(page_table=jnp.array(layout.page_table))
 
 
@@ -163,7 +216,8 @@ def _layout(cache: PagedCache | None) -> PagedCache | None:
     """`cache` as ShapeDtypeStructs, except its page table (kept as an array)."""
     if cache is None:
         return None
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache.replace(page_table=None))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          cache.replace(page_table=None))
     return shapes.replace(page_table=cache.page_table)
 
 
@@ -206,14 +260,17 @@ class GenerateResult:
         return np.asarray(self.tokens[row, : int(self.num_tokens[row])]).tolist()
 
 
-def result_from_state(state: DecodeState, config: DecodeConfig) -> GenerateResult:
-    return GenerateResult(tokens=state.tokens[:, :config.max_new_tokens], num_tokens=state.num_generated,
-                          target_calls=state.target_calls, accepted=state.accepted,
-                          position_accepts=state.position_accepts)
+def result_from_state(state: DecodeState, config: DecodeConfig, num_rows: int | None = None) -> GenerateResult:
+    """The result of a finished loop state; num_rows: keep the first rows only (a mesh's padding dropped)."""
+    rows = slice(num_rows)
+    return GenerateResult(tokens=state.tokens[rows, :config.max_new_tokens], num_tokens=state.num_generated[rows],
+                          target_calls=state.target_calls[rows], accepted=state.accepted[rows],
+                          position_accepts=state.position_accepts[rows])
 
 
 def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
-             page_table: jax.Array | None = None, key=0) -> GenerateResult:
+             page_table: jax.Array | None = None, key=0, mesh: Mesh | None = None,
+             plan: str = DEFAULT_PLAN) -> GenerateResult:
     """Speculative decoding of `prompts` with the model's MTP module as the drafter (a chain or a
     tree, `config`).
 
@@ -232,22 +289,33 @@ def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), 
     page_table: optional [B', M] int32 page layout shared by the target and MTP caches (B' >= B,
       M pages of `config.page_size` slots per row); by default each row gets consecutive pages.
     key: an int seed or a `jax.random.key` for sampling (ignored when greedy).
+    mesh: None (one device, the default) or a `jax.sharding.Mesh` with axes ("data", "model")
+      (`jaxspec.sharding.make_mesh`): the whole computation runs sharded on it, prefill and the
+      while loop inside one `shard_map` with the caches split by rows and donated; any B works
+      (padded to a multiple of the row shards with rows that are dropped again). Greedy output and
+      a sampled run's output (same key) equal the one-device run's: row keys use batch-wide row indices.
+    plan: the `jaxspec.sharding` plan on the mesh: "dp" (default; rows over all devices, attention
+      replicated) or "tp" (rows over "data", attention heads over "model"); experts are split
+      over all devices in both.
     Returns a `GenerateResult`: tokens [B, max_new_tokens] int32 (-1 past num_tokens[b]) and the
     per-row statistics. Raises ValueError (before tracing) for: an empty batch or an empty row,
     token ids outside the vocabulary, `prompt_lens` of the wrong shape or longer than P, a prompt
     plus budget plus draft window over `max_position_embeddings` or `config.max_cache_len`, a
     `page_table` with too few rows or slots, drafting (`num_draft > 0` or a tree) with a model that
-    has no MTP module, a tree whose top_k exceeds the vocabulary.
+    has no MTP module, a tree whose top_k exceeds the vocabulary, a mesh without the axes
+    ("data", "model"), an unknown plan, a page_table with a mesh.
     """
-    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
+    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
-    state = _generate_jit(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-                          base_key(key), config)
-    return result_from_state(state, config)
+    fn, params, static = _program(graphdef, params, batch, config, mesh, plan)
+    state = fn(graphdef, *params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
+               base_key(key), *static)
+    return result_from_state(state, config, batch.num_rows)
 
 
 def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
-                     page_table: jax.Array | None = None, key=0) -> Callable[[], GenerateResult]:
+                     page_table: jax.Array | None = None, key=0, mesh: Mesh | None = None,
+                     plan: str = DEFAULT_PLAN) -> Callable[[], GenerateResult]:
     """`generate` for these exact inputs, compiled ahead of time: returns `run`, which only executes.
 
     This splits what the first `generate` call does, so a caller can time compilation apart from
@@ -257,22 +325,25 @@ def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeCo
     result `generate` would. Its arrays are dispatched asynchronously: block on them
     (`jax.block_until_ready(result.tokens)`) before reading a clock.
 
-    model, prompts, config, prompt_lens, page_table, key: as for `generate` (and the same
-    ValueErrors, raised here, before compiling). Returns `run() -> GenerateResult`.
+    model, prompts, config, prompt_lens, page_table, key, mesh, plan: as for `generate` (and the
+    same ValueErrors, raised here, before compiling). Returns `run() -> GenerateResult`.
     """
-    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table)
+    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
     rng_key = base_key(key)
-    compiled = _generate_jit.lower(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache,
-                                   batch.mtp_cache, rng_key, config).compile()
+    if mesh is not None:  # a compiled program takes its arguments exactly where it was compiled for
+        rng_key = jax.device_put(rng_key, NamedSharding(mesh, PartitionSpec()))
+    fn, (params,), static = _program(graphdef, params, batch, config, mesh, plan)
+    compiled = fn.lower(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
+                        rng_key, *static).compile()
     # The computation consumes (donates) its caches, so every run gets new empty ones; only their
     # layout and page tables are kept here, not a second copy of the caches.
     target_layout, mtp_layout = _layout(batch.target_cache), _layout(batch.mtp_cache)
-    prompts, prompt_lens = batch.prompts, batch.prompt_lens
+    prompts, prompt_lens, num_rows = batch.prompts, batch.prompt_lens, batch.num_rows
     del batch
 
     def run() -> GenerateResult:
         return result_from_state(compiled(params, prompts, prompt_lens, _empty_cache(target_layout),
-                                          _empty_cache(mtp_layout), rng_key), config)
+                                          _empty_cache(mtp_layout), rng_key), config, num_rows)
 
     return run

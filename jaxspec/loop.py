@@ -25,7 +25,13 @@ nodes and depth D; `jaxspec.drafting`):
 
 With num_draft = 0 there is no MTP: the window is [t_n] and each step is one plain decode step.
 Sampling draws from one stream per row: the step's row keys are `row_keys(rng_key, step, B)`
-(prefill is step 0), so a row's tokens depend on (seed, step, row) only.
+(prefill is step 0), so a row's tokens depend on (seed, step, row) only; on a mesh, row is the
+batch-wide index (`_row_keys`), so the draws do not depend on the mesh either.
+
+On a mesh (`mesh=` of `init_state` / `step`, `jaxspec.generation.generate`) the same functions run
+inside one `jax.shard_map` (`on_mesh`): each device decodes its own rows with its own share of
+the caches, the routed experts exchange tokens inside the MoE, and the while loop stops when no
+row of any device is left (`jaxspec.sharding.any_row`), so all devices take the same steps.
 Finished rows ride along with an empty window (query_len 0): they write nothing and change nothing.
 Everything runs inside one `jax.lax.while_loop` with no host round trip.
 """
@@ -37,6 +43,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_chain, greedy_accept_tree,
                                 relaxed_accept_chain, relaxed_accept_tree, speculative_sample_chain,
@@ -46,6 +53,8 @@ from jaxspec.config import DecodeConfig
 from jaxspec.drafting import Draft, draft
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params
+from jaxspec.sharding import (DEFAULT_PLAN, any_row, check_mesh, on_mesh, param_specs, row_block, row_spec,
+                              shard_params)
 from jaxspec.trees import compact_slots
 
 PAD_TOKEN = -1  # fills the output buffer past a row's last emitted token
@@ -98,6 +107,16 @@ def _row_gather(x: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
+def _row_keys(rng_key: jax.Array, step: jax.Array | int, batch: int) -> jax.Array:
+    """[batch] keys of this device's rows: `row_keys` of the whole batch taken at their batch-wide
+    indices, so a row's stream is the same on one device and on any mesh."""
+    block = row_block(batch)
+    if block is None:
+        return row_keys(rng_key, step, batch)
+    rows, total = block
+    return row_keys(rng_key, step, total)[rows]
+
+
 def _sampling(config: DecodeConfig, batch: int) -> SamplingParams:
     return sampling_params(batch, config.temperature, config.top_k, config.top_p)
 
@@ -142,7 +161,7 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, promp
     last = prompt_lens - 1
     last_logits = _row_gather(logits, last)
     if config.temperature > 0:
-        first_token = sample_tokens(row_keys(rng_key, 0, batch), processed_probs(last_logits, _sampling(config, batch)))
+        first_token = sample_tokens(_row_keys(rng_key, 0, batch), processed_probs(last_logits, _sampling(config, batch)))
     else:
         first_token = _argmax(last_logits)
     target_cache = target_cache.replace(lengths=prompt_lens)
@@ -210,7 +229,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
     batch = state.last_token.shape[0]
     active = ~state.done
     n = state.target_cache.lengths
-    keys = row_keys(state.rng_key, state.steps + 1, batch)
+    keys = _row_keys(state.rng_key, state.steps + 1, batch)
     sampling = _sampling(config, batch)
 
     # 1. draft
@@ -266,9 +285,49 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
     """
 
     def cond(state):
-        return jnp.any(~state.done) & (state.steps < config.max_new_tokens)
+        return any_row(~state.done) & (state.steps < config.max_new_tokens)
 
     return jax.lax.while_loop(cond, lambda state: _step(graphdef, params, state, config), state)
+
+
+def state_specs(plan: str = DEFAULT_PLAN) -> DecodeState:
+    """The `PartitionSpec`s of a `DecodeState` on a mesh under `plan` (a pytree prefix): every per-row
+    array and both caches split by rows (`jaxspec.sharding.cache_specs`), the key and step counter
+    replicated."""
+    rows = row_spec(plan)
+    fields = {field.name: rows for field in dataclasses.fields(DecodeState)}
+    return DecodeState(**{**fields, "rng_key": PartitionSpec(), "steps": PartitionSpec()})
+
+
+def retire_padding(state: DecodeState, num_rows: int) -> DecodeState:
+    """`state` with the rows past `num_rows` (batch-wide index) marked done: the rows a mesh's
+    batch was padded with (`jaxspec.generation.prepare`) then ride along with empty windows,
+    writing nothing and never holding the loop up."""
+    block = row_block(state.done.shape[0])
+    if block is None:
+        return state
+    return state.replace(done=state.done | (block[0] >= num_rows))
+
+
+def mesh_program(body, params: nnx.State, args: tuple, *, mesh: Mesh, plan: str) -> DecodeState:
+    """`body(params, *args)` -> DecodeState, run inside the loop's shard_map on `mesh` (call it
+    inside `jax.jit`): params placed by `plan`'s rules, every arg split by rows (the caches by
+    pages) except scalars (the base PRNG key), replicated; the result split by `state_specs`."""
+    rows = row_spec(plan)
+    in_specs = (param_specs(params, plan),) + tuple(PartitionSpec() if getattr(a, "ndim", None) == 0 else rows
+                                                    for a in args)
+    return on_mesh(body, mesh, plan, in_specs, state_specs(plan))(params, *args)
+
+
+def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, mesh, plan,
+                  num_rows):
+    body = lambda params, *args: retire_padding(prefill(graphdef, params, *args, config), num_rows)
+    return mesh_program(body, params, (prompts, prompt_lens, target_cache, mtp_cache, rng_key), mesh=mesh, plan=plan)
+
+
+def _step_mesh(graphdef, params, state, config, mesh, plan):
+    return on_mesh(lambda params, state: _step(graphdef, params, state, config), mesh, plan,
+                   (param_specs(params, plan), state_specs(plan)), state_specs(plan))(params, state)
 
 
 # The caches and the loop state are donated at the jit boundary: XLA aliases them to the outputs,
@@ -276,9 +335,14 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
 # shows the aliased bytes). `step`'s state argument is consumed.
 _prefill_jit = jax.jit(prefill, static_argnames=("graphdef", "config"), donate_argnames=("target_cache", "mtp_cache"))
 _step_jit = jax.jit(_step, static_argnames=("graphdef", "config"), donate_argnames=("state",))
+_MESH_STATIC = ("graphdef", "config", "mesh", "plan")
+_prefill_mesh_jit = jax.jit(_prefill_mesh, static_argnames=_MESH_STATIC + ("num_rows",),
+                            donate_argnames=("target_cache", "mtp_cache"))
+_step_mesh_jit = jax.jit(_step_mesh, static_argnames=_MESH_STATIC, donate_argnames=("state",))
 
 
-def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None, key=0) -> DecodeState:
+def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None, key=0,
+               mesh: Mesh | None = None, plan: str = DEFAULT_PLAN) -> DecodeState:
     """Prefill `prompts` and return the loop state after the first emitted token (jitted).
 
     `prompts` is a list of token-id sequences or a right-padded [B, P] array with `prompt_lens`;
@@ -286,18 +350,25 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
     those of `jaxspec.generation.generate`.
 
     model: a `DeepseekV3`; config: the `DecodeConfig` every later `step` must be given too.
+    mesh / plan: run on a `jax.sharding.Mesh` with axes ("data", "model") under a
+    `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. On a mesh the
+    state holds B rounded up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the
+    rows past B are padding, done from the start.
     Returns a `DecodeState` (tokens [B, max_new_tokens + depth + 1] so far, `done` [B], statistics).
     Raises the ValueErrors `generate` raises, before tracing.
     """
     from jaxspec.generation import prepare
 
-    batch = prepare(model, prompts, config, prompt_lens=prompt_lens)
+    batch = prepare(model, prompts, config, prompt_lens=prompt_lens, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
-    return _prefill_jit(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-                        base_key(key), config)
+    args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
+    if mesh is None:
+        return _prefill_jit(graphdef, params, *args, config)
+    return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, config, mesh, plan, batch.num_rows)
 
 
-def step(model: nnx.Module, state: DecodeState, config: DecodeConfig) -> DecodeState:
+def step(model: nnx.Module, state: DecodeState, config: DecodeConfig, *, mesh: Mesh | None = None,
+         plan: str = DEFAULT_PLAN) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
     `state` is donated: its arrays are consumed, use the returned state).
 
@@ -305,7 +376,10 @@ def step(model: nnx.Module, state: DecodeState, config: DecodeConfig) -> DecodeS
     the `DecodeState` from `init_state` or the previous `step`; config: the same `DecodeConfig`.
     Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
     `while not state.done.all(): state = step(model, state, config)`, then read
-    `state.tokens[b, :state.num_generated[b]]`.
+    `state.tokens[b, :state.num_generated[b]]`. mesh / plan: those `init_state` was given.
     """
     graphdef, params = nnx.split(model)
-    return _step_jit(graphdef, params, state, config)
+    if mesh is None:
+        return _step_jit(graphdef, params, state, config)
+    check_mesh(mesh, plan)
+    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, config, mesh, plan)

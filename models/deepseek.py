@@ -43,7 +43,7 @@ from jaxspec.cache import PagedCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
-from .layers import MLP, Linear, RMSNorm, per_position
+from .layers import MLP, Linear, RMSNorm, compute_dtype, per_position
 from .mla import MLA
 from .moe import MoE
 from .rope import rope_angles
@@ -78,7 +78,8 @@ class MTPModule(nnx.Module):
         dim = config.hidden_size
         self.enorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
-        self.eh_proj = Linear(2 * dim, dim, rngs=rngs, dtype=dtype)
+        # Not quantized in DeepSeek's FP8 checkpoints (jaxspec.fp8), nor the embedding and LM head.
+        self.eh_proj = Linear(2 * dim, dim, rngs=rngs, dtype=compute_dtype(dtype), names=(None, "embed"))
         # The MTP block sits at layer index num_hidden_layers, past first_k_dense_replace: it is MoE.
         self.block = DecoderLayer(config, config.num_hidden_layers, rngs=rngs, dtype=dtype)
         self.shared_head_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
@@ -90,7 +91,9 @@ class DeepseekV3(nnx.Module):
 
     DeepseekV3(config, rngs=nnx.Rngs(seed), dtype=jnp.float32): config is a `ModelConfig`
     (`preset(name)` or `ModelConfig.from_hf(path)`); rngs seeds the random initial weights; dtype
-    is the parameters' and caches' dtype. Trained weights come from `restore_model(dir)` or
+    is the parameters' and caches' dtype (`jnp.float8_e4m3fn`: DeepSeek's FP8 layout, the linear
+    layers `jaxspec.fp8` lists in FP8 with block scales, all else and the computation in bfloat16;
+    see `models.layers.Linear`). Trained weights come from `restore_model(dir)` or
     `jaxspec.checkpoint.load_model(dir)` (a Hugging Face or orbax directory) instead. Calls take
     a `[B, Q]` token window (see `__call__` and `draft`); `generate` and `init_state` / `step`
     drive them.
@@ -98,24 +101,27 @@ class DeepseekV3(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
-        self.dtype = dtype
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=dtype, rngs=rngs,
-                                      embedding_init=nnx.initializers.normal(1.0))
+        self.dtype = compute_dtype(dtype)
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=self.dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(1.0),
+                                      embedding_metadata=dict(out_sharding=("vocab", "embed"), eager_sharding=False))
         self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, dtype=dtype)
                                 for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=self.dtype,
+                              names=("embed", "vocab"))
         self.mtp = MTPModule(config, rngs=rngs, dtype=dtype) if config.num_nextn_predict_layers > 0 else None
 
     # -- caches ---------------------------------------------------------------------------------
 
     def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
-                   page_table: jax.Array | None = None) -> PagedCache:
-        """An empty cache for the target (or, with `mtp=True`, for the one-layer MTP module)."""
+                   page_table: jax.Array | None = None, row_shards: int = 1) -> PagedCache:
+        """An empty cache for the target (or, with `mtp=True`, for the one-layer MTP module);
+        row_shards: laid out for a mesh splitting the rows into that many blocks (`jaxspec.cache.init_cache`)."""
         c = self.config
         return init_cache(num_layers=1 if mtp else c.num_hidden_layers, batch_size=batch_size, capacity=capacity,
                           latent_dim=c.latent_dim, index_dim=c.index_head_dim if c.is_v32 else 0,
-                          page_size=page_size, dtype=self.dtype, page_table=page_table)
+                          page_size=page_size, dtype=self.dtype, page_table=page_table, row_shards=row_shards)
 
     # -- forward passes -------------------------------------------------------------------------
 

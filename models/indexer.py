@@ -19,7 +19,7 @@ from flax import nnx
 from jaxspec.config import ModelConfig
 from jaxspec.pallas_kernels import Visibility, indexer_topk
 
-from .layers import LayerNorm, Linear
+from .layers import LayerNorm, Linear, compute_dtype
 from .rope import apply_rope
 
 
@@ -27,10 +27,12 @@ class Indexer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         heads, head_dim = config.index_n_heads, config.index_head_dim
-        self.wq_b = Linear(config.q_lora_rank, heads * head_dim, rngs=rngs, dtype=dtype)
-        self.wk = Linear(config.hidden_size, head_dim, rngs=rngs, dtype=dtype)
+        self.wq_b = Linear(config.q_lora_rank, heads * head_dim, rngs=rngs, dtype=dtype, names=("q_lora", "index_heads"))
+        self.wk = Linear(config.hidden_size, head_dim, rngs=rngs, dtype=dtype, names=("embed", None))
         self.k_norm = LayerNorm(head_dim, dtype=dtype)
-        self.weights_proj = Linear(config.hidden_size, heads, rngs=rngs, dtype=dtype)
+        # Not quantized in DeepSeek's FP8 checkpoints (jaxspec.fp8).
+        self.weights_proj = Linear(config.hidden_size, heads, rngs=rngs, dtype=compute_dtype(dtype),
+                                   names=("embed", "index_heads"))
 
     def _rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         rope_dim = self.config.qk_rope_head_dim

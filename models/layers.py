@@ -10,18 +10,72 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
+from jaxspec.pallas_kernels.block_fp8 import FP8, dequantize, quantize
+
+
+def compute_dtype(dtype):
+    """The dtype of activations, caches and unquantized parameters of a model built with `dtype`:
+    bfloat16 for `jnp.float8_e4m3fn` (DeepSeek's FP8 checkpoint layout: only the `Linear`s that
+    `jaxspec.fp8` lists hold FP8 weights), `dtype` itself otherwise."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == FP8 else dtype
+
+
+def param(value: jax.Array, *names: str | None) -> nnx.Param:
+    """An `nnx.Param` whose axes carry logical names (one per axis; None = never sharded), which
+    `jaxspec.sharding`'s rule tables map to mesh axes. Eager sharding is off: weights are built
+    (random init, a checkpoint) before anyone chose a mesh, and are placed by `jaxspec.sharding`."""
+    if len(names) != value.ndim:
+        raise ValueError(f"names={names}: need one per axis of a {value.ndim}-d parameter")
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def weight_params(init, key: jax.Array, shape: tuple[int, ...], dtype,
+                  names: tuple[str | None, ...]) -> tuple[nnx.Param, nnx.Param | None]:
+    """A weight [..., in, out] drawn by `init` and its block scales, both named `names`: in `dtype`
+    with no scales, or for `jnp.float8_e4m3fn` drawn in float32 and quantized (`block_fp8.quantize`)
+    into FP8 plus float32 `scale_inv` [..., ceil(in / 128), ceil(out / 128)]."""
+    if jnp.dtype(dtype) != FP8:
+        return param(init(key, shape, dtype), *names), None
+    weight, scale_inv = quantize(init(key, shape, jnp.float32))
+    return param(weight, *names), param(scale_inv, *names)
+
 
 class Linear(nnx.Module):
-    """y = x @ weight (+ bias); weight [in, out]."""
+    """y = x @ weight (+ bias); weight [in, out]. names: the logical names of (in, out).
+
+    dtype=jnp.float8_e4m3fn builds DeepSeek's block-quantized layer: `weight` float8_e4m3fn
+    [in, out] and `weight_scale_inv` float32 [ceil(in / 128), ceil(out / 128)], both named `names`
+    (random weights are quantized from a normal draw); with any other dtype `weight_scale_inv` is
+    None. A quantized layer multiplies by its dequantized bfloat16 weight
+    (`pallas_kernels.block_fp8`) without storing it: on the "pallas" backend through the
+    grouped-matmul kernel as one group, which dequantizes each weight tile after loading it (XLA's
+    GPU gemm fusion takes in an FP8 convert but not the block scales' multiply: measured in the
+    sm_90a compile, XLA's dot writes a bfloat16 copy of the weight first); on "xla" as XLA's dot of
+    the dequantized weight (bit for bit the layer a model dequantized at load computes).
+    """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 use_bias: bool = False):
+                 use_bias: bool = False, names: tuple[str | None, str | None] = (None, None)):
         init = nnx.initializers.normal(stddev=in_features ** -0.5)
-        self.weight = nnx.Param(init(rngs.params(), (in_features, out_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.weight, self.weight_scale_inv = weight_params(init, rngs.params(), (in_features, out_features), dtype,
+                                                           names)
+        self.bias = param(jnp.zeros((out_features,), compute_dtype(dtype)), names[1]) if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.weight[...].astype(x.dtype)
+    def dense_weight(self) -> jax.Array:
+        """The [in, out] weight the layer multiplies by: `weight`, or an FP8 one dequantized to bfloat16."""
+        if self.weight_scale_inv is None:
+            return self.weight[...]
+        return dequantize(self.weight[...], self.weight_scale_inv[...])
+
+    def __call__(self, x: jax.Array, *, backend: str = "auto") -> jax.Array:
+        """x [..., in] -> [..., out]. backend: how a quantized layer multiplies (class docstring)."""
+        if self.weight_scale_inv is not None and resolve_backend(backend) == "pallas":
+            rows = x.reshape(-1, x.shape[-1])
+            y = grouped_matmul(rows, self.weight[...][None], jnp.full((1,), rows.shape[0], jnp.int32),
+                               self.weight_scale_inv[...][None], backend="pallas").reshape(*x.shape[:-1], -1)
+        else:
+            y = x @ self.dense_weight().astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -30,8 +84,8 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 (as DeepSeek and transformers do)."""
 
-    def __init__(self, dim: int, *, eps: float, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float, dtype=jnp.float32, name: str | None = "embed"):
+        self.weight = param(jnp.ones((dim,), compute_dtype(dtype)), name)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -43,9 +97,9 @@ class RMSNorm(nnx.Module):
 class LayerNorm(nnx.Module):
     """Standard LayerNorm with weight and bias, in float32 (the V3.2 indexer's `k_norm`)."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32, name: str | None = None):
+        self.weight = param(jnp.ones((dim,), compute_dtype(dtype)), name)
+        self.bias = param(jnp.zeros((dim,), compute_dtype(dtype)), name)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -57,12 +111,13 @@ class LayerNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). hidden_name: the logical name of the
+    intermediate axis ("mlp" for a dense layer, "expert_mlp" for the MoE's shared experts)."""
 
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype)
-        self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype)
-        self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype)
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32, hidden_name: str = "mlp"):
+        self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, names=("embed", hidden_name))
+        self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, names=("embed", hidden_name))
+        self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype, names=(hidden_name, "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -28,6 +28,7 @@ from jaxspec.pallas_kernels import (Visibility, attend_latent, gather_rows, mla_
                                     sparse_mla_attention, visible_mask, window_slots)
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
+from jaxspec.sharding import current
 
 from .indexer import Indexer
 from .layers import Linear, RMSNorm, per_position
@@ -53,22 +54,27 @@ class MLA(nnx.Module):
         self.config = config
         dim, heads = config.hidden_size, config.num_attention_heads
         if config.q_lora_rank is None:
-            self.q_proj = Linear(dim, heads * config.qk_head_dim, rngs=rngs, dtype=dtype)
+            self.q_proj = Linear(dim, heads * config.qk_head_dim, rngs=rngs, dtype=dtype, names=("embed", "heads"))
         else:
-            self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
-            self.q_b_proj = Linear(config.q_lora_rank, heads * config.qk_head_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(dim, config.latent_dim, rngs=rngs, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
+            self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype, names=("embed", "q_lora"))
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype, name="q_lora")
+            self.q_b_proj = Linear(config.q_lora_rank, heads * config.qk_head_dim, rngs=rngs, dtype=dtype,
+                                   names=("q_lora", "heads"))
+        self.kv_a_proj_with_mqa = Linear(dim, config.latent_dim, rngs=rngs, dtype=dtype, names=("embed", "kv_lora"))
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype, name="kv_lora")
         self.kv_b_proj = Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
-                                rngs=rngs, dtype=dtype)
-        self.o_proj = Linear(heads * config.v_head_dim, dim, rngs=rngs, dtype=dtype)
+                                rngs=rngs, dtype=dtype, names=("kv_lora", "heads"))
+        self.o_proj = Linear(heads * config.v_head_dim, dim, rngs=rngs, dtype=dtype, names=("heads", "embed"))
         self.indexer = Indexer(config, rngs=rngs, dtype=dtype) if config.is_v32 else None
 
     def _up_projections(self) -> tuple[jax.Array, jax.Array]:
-        """kv_b_proj split per head: W_uk [R, H, Dn], W_uv [R, H, Dv]."""
+        """kv_b_proj split per head: W_uk [R, H, Dn], W_uv [R, H, Dv]. An FP8 kv_b_proj is dequantized
+        here, once per layer and call (R x H x 256 values, 32 MiB in bfloat16 at DeepSeek's widths):
+        both einsums and the expanded form read it whole, and it is small beside the layer's other
+        weights."""
         c = self.config
-        w = self.kv_b_proj.weight[...].reshape(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        # -1 heads: under tensor parallelism (`jaxspec.sharding`, plan "tp") this device's heads only.
+        w = self.kv_b_proj.dense_weight().reshape(c.kv_lora_rank, -1, c.qk_nope_head_dim + c.v_head_dim)
         return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: PagedCache, layer: int,
@@ -113,7 +119,11 @@ class MLA(nnx.Module):
             else:
                 out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, cache.page_table), vis, indices,
                                      w_uk, w_uv)
-        return each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,))), out), cache
+        out = each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,))), out)
+        par = current()
+        if par is not None and par.head_axes:  # tensor parallel: each device projected its heads' share
+            out = jax.lax.psum(out, par.head_axes)
+        return out, cache
 
     def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
         """The token-local part: x [B, Q, D] -> q_latent [B, Q, q_lora_rank] (None without q_lora_rank),
@@ -126,7 +136,7 @@ class MLA(nnx.Module):
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
-        q = q.reshape(batch, num_queries, c.num_attention_heads, c.qk_head_dim)
+        q = q.reshape(batch, num_queries, -1, c.qk_head_dim)  # [B, Q, H (this device's heads), Dqk]
         q_rope = apply_rope(q[..., c.qk_nope_head_dim:], cos, sin, interleaved=True)
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])

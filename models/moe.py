@@ -29,6 +29,22 @@ XLA's GPU backend lowers `ragged_dot` to one dense matmul over all E experts (25
 flops at DeepSeek-V3's shapes): hence the Pallas kernel there (`benchmarks/moe.py` times the three).
 The xla backend's choice by T means a token's output can depend on how many tokens share the call
 (the two paths round differently); the pallas path's kernel keeps a token's bits independent of T.
+
+Expert parallelism (on a mesh, `jaxspec.sharding`: inside the loop's shard_map each device holds
+E / n experts and its own rows):
+  1. dispatch: each device routes its own tokens, then all-gathers tokens and expert ids over the
+     row axes, so every device sees all T tokens. Not an all-to-all: in decode T is small, and with
+     top-8 of 256 experts on 8 devices a token's experts span about 5.3 devices on average
+     (8 * (1 - (7/8)^8)), so an ideal deduplicated all-to-all moves ~2/3 of the all-gather's bytes
+     while needing capacity or ragged-size bookkeeping (`ragged_all_to_all`) and a second sort;
+  2. compute: each device runs the same path over its experts only. Sorted by expert, its
+     assignments are one contiguous run of rows (`_grouped`); the gathered path masks the others;
+  3. combine: a reduce-scatter (`combine_shards`) of the per-assignment outputs [T, k, D], not of
+     per-token partial sums: each assignment is nonzero on exactly one device, so the cross-device
+     sum adds exact zeros, and the weighted k-sum then runs per token in the same fixed order as on
+     one device. The mesh output equals the single-device output bit for bit when both take the
+     same path; the price is k times the bytes of a partial-sum reduce-scatter.
+On one device (no shard_map, `current()` is None) none of this runs.
 """
 
 from __future__ import annotations
@@ -39,8 +55,10 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
+from jaxspec.pallas_kernels.block_fp8 import dequantize
+from jaxspec.sharding import Parallel, current
 
-from .layers import MLP
+from .layers import MLP, param, weight_params
 
 
 def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array):
@@ -80,14 +98,21 @@ class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         dim, hidden, num_experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
         self.config = config
-        self.gate_weight = nnx.Param(nnx.initializers.normal(dim ** -0.5)(rngs.params(), (dim, num_experts), jnp.float32))
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        # The router's expert axis is not named "experts": every device routes its own tokens over all E.
+        self.gate_weight = param(nnx.initializers.normal(dim ** -0.5)(rngs.params(), (dim, num_experts), jnp.float32),
+                                 "embed", None)
+        self.e_score_correction_bias = param(jnp.zeros((num_experts,), jnp.float32), None)
         init_in, init_out = nnx.initializers.normal(dim ** -0.5), nnx.initializers.normal(hidden ** -0.5)
-        self.experts_gate_proj = nnx.Param(init_in(rngs.params(), (num_experts, dim, hidden), dtype))
-        self.experts_up_proj = nnx.Param(init_in(rngs.params(), (num_experts, dim, hidden), dtype))
-        self.experts_down_proj = nnx.Param(init_out(rngs.params(), (num_experts, hidden, dim), dtype))
-        self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype)
-                               if config.n_shared_experts else None)
+        stack_in, stack_out = ("experts", "embed", "expert_mlp"), ("experts", "expert_mlp", "embed")
+        # FP8 (dtype float8_e4m3fn): each stack beside its block scales experts_*_proj_scale_inv, else None.
+        self.experts_gate_proj, self.experts_gate_proj_scale_inv = weight_params(
+            init_in, rngs.params(), (num_experts, dim, hidden), dtype, stack_in)
+        self.experts_up_proj, self.experts_up_proj_scale_inv = weight_params(
+            init_in, rngs.params(), (num_experts, dim, hidden), dtype, stack_in)
+        self.experts_down_proj, self.experts_down_proj_scale_inv = weight_params(
+            init_out, rngs.params(), (num_experts, hidden, dim), dtype, stack_out)
+        self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype,
+                                   hidden_name="expert_mlp") if config.n_shared_experts else None)
 
     def __call__(self, x: jax.Array, *, backend: str = "auto", path: str | None = None) -> jax.Array:
         """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas" or "auto", as for the attention ops.
@@ -98,38 +123,90 @@ class MoE(nnx.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
         backend = resolve_backend(backend)
-        if path is None:
-            path = expert_path(experts.size, self.config.n_routed_experts, backend)
-        if path == "gathered":
-            out = self._gathered(tokens, weights, experts)
+        par = current()
+        if par is not None:  # expert parallel: every device sees every token and runs its own experts
+            tokens_in = jax.lax.all_gather(tokens, par.row_axes, tiled=True)
+            experts_in = jax.lax.all_gather(experts, par.row_axes, tiled=True)
         else:
-            out = self._grouped(tokens, weights, experts, backend)
-        out = out.astype(x.dtype)
+            tokens_in, experts_in = tokens, experts
+        if path is None:
+            path = expert_path(experts_in.size, self.config.n_routed_experts, backend)
+        if path == "gathered":
+            per_assignment = self._gathered(tokens_in, experts_in, par)
+        else:
+            per_assignment = self._grouped(tokens_in, experts_in, par, backend)
+        if par is not None:
+            per_assignment = combine_shards(per_assignment, par)
+        out = jnp.einsum("tkd,tk->td", per_assignment.astype(jnp.float32), weights).astype(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(shape)
 
-    def _gathered(self, tokens, weights, experts):
-        """tokens [T, D], weights [T, k] float32, experts [T, k] -> [T, D] float32. Each assignment
-        multiplies by its own expert's gathered weights (T * k expert matrices); no sort or scatter."""
-        w = lambda p: p[...][experts].astype(tokens.dtype)  # [T, k, ...]
-        gate = jnp.einsum("td,tkdh->tkh", tokens, w(self.experts_gate_proj))
-        up = jnp.einsum("td,tkdh->tkh", tokens, w(self.experts_up_proj))
-        down = jnp.einsum("tkh,tkhd->tkd", jax.nn.silu(gate) * up, w(self.experts_down_proj))
-        return jnp.einsum("tkd,tk->td", down.astype(jnp.float32), weights)
+    def _stack(self, proj: str) -> tuple[jax.Array, jax.Array | None]:
+        """experts_{proj} [E, in, out] and its FP8 block scales [E, ceil(in / 128), ceil(out / 128)] (or None)."""
+        scale_inv = getattr(self, f"experts_{proj}_scale_inv")
+        return getattr(self, f"experts_{proj}")[...], None if scale_inv is None else scale_inv[...]
 
-    def _grouped(self, tokens, weights, experts, backend):
+    def _first_expert(self, par: Parallel) -> tuple[jax.Array, int]:
+        """Under expert parallelism: the global index of this device's first expert, and how many it holds."""
+        held = self.experts_gate_proj.shape[0]  # the local block of the stack inside the shard_map
+        return jax.lax.axis_index(par.expert_axes) * held, held
+
+    def _gathered(self, tokens, experts, par: Parallel | None):
+        """tokens [T, D], experts [T, k] -> per-assignment outputs [T, k, D] in the tokens' dtype
+        (zero for the assignments of experts another device holds, under `par`). Each assignment
+        multiplies by its own expert's gathered weights (T * k expert matrices); no sort or scatter."""
+        if par is not None:
+            first, held = self._first_expert(par)
+            mine = (experts >= first) & (experts < first + held)
+            experts = jnp.clip(experts - first, 0, held - 1)
+        def w(proj):  # each assignment's expert matrix [T, k, in, out]; FP8 gathered, then dequantized
+            stack, scale_inv = self._stack(proj)
+            chosen = stack[experts] if scale_inv is None else dequantize(stack[experts], scale_inv[experts])
+            return chosen.astype(tokens.dtype)
+
+        gate = jnp.einsum("td,tkdh->tkh", tokens, w("gate_proj"))
+        up = jnp.einsum("td,tkdh->tkh", tokens, w("up_proj"))
+        down = jnp.einsum("tkh,tkhd->tkd", jax.nn.silu(gate) * up, w("down_proj"))
+        return down if par is None else jnp.where(mine[..., None], down, 0)
+
+    def _grouped(self, tokens, experts, par: Parallel | None, backend):
         """Same arguments and result as `_gathered` (plus the resolved backend), as grouped matmuls
-        over the assignments sorted by expert: each expert's weights are read once."""
+        over the assignments sorted by expert: each expert's weights are read once.
+
+        Under expert parallelism this device's experts are one contiguous run of the sorted
+        assignments, starting at `start`: the run is rotated to the front, multiplied by the local
+        stack (the grouped matmul leaves rows past the local groups zero), and rotated back."""
         num_tokens, topk = experts.shape
         flat_expert = experts.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)  # sorted position -> assignment
         group_sizes = jnp.bincount(flat_expert, length=self.config.n_routed_experts).astype(jnp.int32)
-        sorted_in = tokens[order // topk]
+        run = order
+        if par is not None:
+            first, held = self._first_expert(par)
+            start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < first, group_sizes, 0))
+            group_sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, held)
+            run = jnp.roll(order, -start)
+        sorted_in = tokens[run // topk]
         dtype = tokens.dtype
-        matmul = lambda lhs, proj: grouped_matmul(lhs, proj[...].astype(dtype), group_sizes, backend=backend)
-        hidden = jax.nn.silu(matmul(sorted_in, self.experts_gate_proj)) * matmul(sorted_in, self.experts_up_proj)
-        down = matmul(hidden, self.experts_down_proj)
+        def matmul(lhs, proj):  # an FP8 stack goes to the op as it is, with its scales
+            stack, scale_inv = self._stack(proj)
+            return grouped_matmul(lhs, stack if scale_inv is not None else stack.astype(dtype), group_sizes,
+                                  scale_inv, backend=backend)
+
+        hidden = jax.nn.silu(matmul(sorted_in, "gate_proj")) * matmul(sorted_in, "up_proj")
+        down = matmul(hidden, "down_proj")
+        if par is not None:
+            down = jnp.roll(down, start, axis=0)
         position = jnp.argsort(order)  # assignment -> sorted position
-        per_assignment = down[position].reshape(num_tokens, topk, -1)
-        return jnp.einsum("tkd,tk->td", per_assignment.astype(jnp.float32), weights)
+        return down[position].reshape(num_tokens, topk, -1)
+
+
+def combine_shards(per_assignment: jax.Array, par: Parallel) -> jax.Array:
+    """per_assignment [T, k, D]: every token of the expert group, this device's experts' outputs
+    (zero elsewhere) -> [T / row shards, k, D]: this device's rows, each assignment's output from the
+    one device that computed it. A reduce-scatter over the row axes, then a sum over the expert
+    axes the rows are not split over (tp's "model"); every sum adds exact zeros to one value."""
+    out = jax.lax.psum_scatter(per_assignment, par.row_axes, scatter_dimension=0, tiled=True)
+    rest = tuple(axis for axis in par.expert_axes if axis not in par.row_axes)
+    return jax.lax.psum(out, rest) if rest else out

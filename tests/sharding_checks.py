@@ -1,0 +1,90 @@
+"""The mesh checks of tests/test_sharding.py, run in their own process with 8 virtual CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`, which must be set before JAX initializes,
+so the rest of the suite keeps one device). Every check compares a mesh run with the one-device
+run of the same model, prompts and key; a failing check raises AssertionError.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tests/sharding_checks.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxspec import sharding
+from jaxspec.config import DecodeConfig, preset
+from jaxspec.generation import compile_generate, generate
+from jaxspec.loop import init_state, step
+from jaxspec.models import DeepseekV3
+
+# Three rows: dp's 8 row shards and tp's 2 do not divide them, so every mesh run pads its batch.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24]]
+
+
+def same(a, b, what: str) -> None:
+    a, b = (np.asarray(x) for x in (a, b))
+    assert a.shape == b.shape and (a == b).all(), f"{what}: mesh run differs from one device\n{a}\n{b}"
+
+
+def same_result(mesh_result, ref, what: str) -> None:
+    same(mesh_result.tokens, ref.tokens, what)
+    same(mesh_result.num_tokens, ref.num_tokens, what + " (num_tokens)")
+    same(mesh_result.accepted, ref.accepted, what + " (accepted)")
+
+
+def check_param_bytes(model, mesh, plan: str) -> None:
+    """Every parameter's per-device block is the plan's: experts split over all devices, attention
+    heads over "model" under tp, the rest whole."""
+    placed = sharding.shard_params(nnx.split(model)[1], mesh, plan)
+    for path, variable in nnx.to_flat_state(placed):
+        names = variable.get_metadata()["out_sharding"]
+        value = variable.get_value()
+        expected = list(value.shape)
+        for axis, name in enumerate(names):
+            if name == "experts":
+                expected[axis] //= mesh.size
+            if name == "heads" and plan == "tp":
+                expected[axis] //= mesh.shape["model"]
+        shapes = {tuple(s.data.shape) for s in value.addressable_shards}
+        where = ".".join(map(str, path))
+        assert shapes == {tuple(expected)}, f"{plan} {where}: per-device shapes {shapes}, expected {tuple(expected)}"
+        per_device = math.prod(expected) * value.dtype.itemsize
+        assert all(s.data.nbytes == per_device for s in value.addressable_shards), where
+
+
+def main() -> None:
+    assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    v32 = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
+    v3 = DeepseekV3(preset("tiny-v3"), rngs=nnx.Rngs(1))
+    meshes = {shape: sharding.make_mesh(*shape) for shape in ((1, 8), (2, 4), (8, 1))}
+
+    for plan in sharding.PLANS:
+        check_param_bytes(v32, meshes[(2, 4)], plan)
+
+    # Eight compiles in all (each ~12 s of CPU), so each mesh shape and plan appears once.
+    chain = DecodeConfig(num_draft=3, max_new_tokens=8, backend="xla")
+    ref = generate(v32, PROMPTS, chain)
+    same_result(generate(v32, PROMPTS, chain, mesh=meshes[(1, 8)]), ref, "V3.2 k=3 dp on 1x8")
+    same_result(compile_generate(v32, PROMPTS, chain, mesh=meshes[(2, 4)], plan="tp")(), ref,
+                "V3.2 k=3 tp on 2x4 (compile_generate)")
+
+    tree = DecodeConfig(num_draft=1, tree="2,3,6", max_new_tokens=8, backend="xla")
+    same_result(generate(v3, PROMPTS, tree, mesh=meshes[(2, 4)]), generate(v3, PROMPTS, tree), "V3 dynamic tree dp on 2x4")
+
+    # Sampled, driven by init_state / step on the mesh: the row keys do not depend on the mesh.
+    sampled = DecodeConfig(num_draft=3, max_new_tokens=8, temperature=1.0, backend="xla")
+    ref = generate(v32, PROMPTS, sampled, key=7)
+    state = init_state(v32, PROMPTS, sampled, key=7, mesh=meshes[(8, 1)])
+    while not bool(state.done.all()):
+        state = step(v32, state, sampled, mesh=meshes[(8, 1)])
+    rows = len(PROMPTS)
+    same(state.tokens[:rows, :sampled.max_new_tokens], ref.tokens, "V3.2 k=3 sampled dp on 8x1 (init_state/step)")
+    same(state.num_generated[:rows], ref.num_tokens, "V3.2 k=3 sampled dp on 8x1 (num_tokens)")
+    print("sharding checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Sharding plans (`jaxspec.sharding`): logical names on every parameter, the plans' rules, argument
+checks, and (in a subprocess with 8 virtual CPU devices, `tests/sharding_checks.py`) mesh runs
+equal to one-device runs token for token and parameters split as the plans say."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxspec import sharding
+from jaxspec.config import DecodeConfig, preset
+from jaxspec.generation import generate
+from jaxspec.models import DeepseekV3
+
+
+@pytest.fixture(scope="module")
+def abstract_state():
+    return nnx.split(nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))))[1]
+
+
+def test_every_parameter_is_named(abstract_state):
+    for path, variable in nnx.to_flat_state(abstract_state):
+        names = variable.get_metadata().get("out_sharding")
+        where = ".".join(map(str, path))
+        assert names is not None and len(names) == len(variable.shape), where
+        assert set(names) <= set(sharding.LOGICAL_AXES) | {None}, (where, names)
+
+
+def test_plan_rules(abstract_state):
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sharding.param_specs(abstract_state, "dp"))}
+    assert flat["layers.1.mlp.experts_gate_proj"] == PartitionSpec(("data", "model"), None, None)
+    assert flat["layers.1.self_attn.q_b_proj.weight"] == PartitionSpec(None, None)
+    assert flat["layers.1.mlp.gate_weight"] == PartitionSpec(None, None)  # the router: every device routes
+    tp = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sharding.param_specs(abstract_state, "tp"))}
+    assert tp["layers.1.self_attn.q_b_proj.weight"] == PartitionSpec(None, "model")
+    assert tp["layers.1.self_attn.o_proj.weight"] == PartitionSpec("model", None)
+    assert tp["mtp.block.mlp.experts_down_proj"] == PartitionSpec(("data", "model"), None, None)
+
+
+def test_bad_mesh_and_plan():
+    device = np.array(jax.devices()[:1]).reshape(1, 1)
+    with pytest.raises(ValueError, match="axis names must be"):
+        sharding.check_mesh(Mesh(device, ("x", "y")))
+    with pytest.raises(ValueError, match="plan='fsdp'"):
+        sharding.check_mesh(Mesh(device, sharding.MESH_AXES), "fsdp")
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        sharding.make_mesh(4, 4)
+    model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="axis names must be"):
+        generate(model, [[1, 2]], DecodeConfig(), mesh=Mesh(device, ("x", "y")))
+    with pytest.raises(ValueError, match="page_table: not supported with a mesh"):
+        generate(model, [[1, 2]], DecodeConfig(), mesh=Mesh(device, sharding.MESH_AXES),
+                 page_table=jax.numpy.zeros((1, 1), jax.numpy.int32))
+
+
+def test_mesh_runs_equal_one_device():
+    """8 virtual devices: greedy (k=3 chain on V3.2, dynamic tree on V3) and a sampled run equal
+    the one-device runs on meshes 1x8, 2x4, 8x1, plans dp and tp, a batch no mesh divides; every
+    parameter's per-device block as the plan says."""
+    root = pathlib.Path(__file__).resolve().parent
+    # The repository first on the path: the subprocess imports the jaxspec this process imported.
+    path = os.pathsep.join([str(root.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, str(root / "sharding_checks.py")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "sharding checks passed" in done.stdout
