@@ -64,7 +64,7 @@ def main() -> None:
     for plan in sharding.PLANS:
         check_param_bytes(v32, meshes[(2, 4)], plan)
 
-    # Eight compiles in all (each ~12 s of CPU), so each mesh shape and plan appears once.
+    # Eight compiles in all (the bulk of the time), so each mesh shape and plan appears once.
     chain = DecodeConfig(num_draft=3, max_new_tokens=8, backend="xla")
     ref = generate(v32, PROMPTS, chain)
     same_result(generate(v32, PROMPTS, chain, mesh=meshes[(1, 8)]), ref, "V3.2 k=3 dp on 1x8")
