@@ -1,0 +1,175 @@
+"""How many bytes a decoding setting needs on each device, computed before anything is allocated.
+
+    plan = plan_memory(preset("deepseek-v3.2"), DecodeConfig(num_draft=3), batch=32, prompt_len=2048,
+                       mesh=(1, 8), dtype=jnp.float8_e4m3fn, device_memory=141e9)
+    print(plan.describe()); plan.check()      # ValueError naming the numbers if it does not fit
+
+Everything is arithmetic on shapes: the parameters of an abstract model (`nnx.eval_shape`, their
+logical axis names mapped to the mesh by `jaxspec.sharding`), the caches `generate` would build
+(`default_capacity` slots per row, rows padded to the mesh and split as the plan says), the loop
+state, and an estimate of the largest temporaries of the two programs `generate` runs (prefill over
+the whole prompt, and one speculative step). The figures are per device, for the fullest device.
+
+Weights and caches are exact (they match the compiled programs' argument bytes). Temporaries are
+estimated from the terms that dominate XLA's buffer assignment for these programs: the float32
+logits of a call and the vocabulary-wide float32 work on them, and in prefill the expanded
+attention's float32 scores and up-projected keys and values over the whole cache, plus the
+prompt's activations. Checked against sm_90a compiles of a 2-layer full-width V3.2 (`jaxspec.aot`,
+one H100): decode steps B=32 ctx 4096 k=3 / B=8 ctx 32k k=1 / B=1 k=0 compiled 0.130 / 0.036 /
+0.001 GiB of temporaries, estimated 0.154 / 0.023 / 0.001; prefill B=1 P=2048 k=3 / B=4 P=512
+compiled 4.45 / 1.42 GiB, estimated 4.58 / 2.14 (XLA frees some buffers before others are made;
+the estimate adds them). Against 47.7 GiB of weights even the worst is within 2% of the total. At DeepSeek-V3.2's scale the weights and
+caches dominate; prefill's logits and scores grow with batch x prompt x (vocabulary, heads x
+cache), which is why a long prompt at a large batch can fit for decoding and not for its prefill
+(the plan says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxspec import sharding
+from jaxspec.config import DecodeConfig, ModelConfig
+from jaxspec.orbax_io import abstract_model
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device: weights, caches (target and MTP), loop state, and the larger of the two
+    programs' estimated temporaries (prefill, decode step). device_memory: what a device holds
+    (None: unknown, `check` passes)."""
+
+    weights: int
+    caches: int
+    state: int
+    prefill_temp: int
+    step_temp: int
+    device_memory: int | None = None
+
+    @property
+    def resident(self) -> int:
+        """What stays on the device between programs: weights, caches and loop state."""
+        return self.weights + self.caches + self.state
+
+    @property
+    def total(self) -> int:
+        """The peak: the resident bytes plus the larger program's temporaries."""
+        return self.resident + max(self.prefill_temp, self.step_temp)
+
+    def describe(self) -> str:
+        rows = [("weights", self.weights), ("caches", self.caches), ("loop state", self.state),
+                ("prefill temporaries", self.prefill_temp), ("decode step temporaries", self.step_temp),
+                ("total (peak of the two programs)", self.total)]
+        lines = [f"{name:34s} {value / GIB:10.2f} GiB" for name, value in rows]
+        if self.device_memory is not None:
+            lines.append(f"{'device memory':34s} {self.device_memory / GIB:10.2f} GiB")
+        return "\n".join(lines)
+
+    def check(self) -> None:
+        """Raise ValueError, naming the numbers, when the plan does not fit `device_memory`."""
+        if self.device_memory is None or self.total <= self.device_memory:
+            return
+        worst = "prefill" if self.prefill_temp >= self.step_temp else "the decode step"
+        raise ValueError(f"does not fit: {self.total / GIB:.2f} GiB per device needed, {self.device_memory / GIB:.2f} "
+                         f"GiB available (weights {self.weights / GIB:.2f}, caches {self.caches / GIB:.2f}, loop "
+                         f"state {self.state / GIB:.2f}, temporaries of {worst} "
+                         f"{max(self.prefill_temp, self.step_temp) / GIB:.2f}); use more devices, a smaller batch "
+                         "or context, or FP8 weights")
+
+
+def _axis_sizes(mesh: Mesh | tuple[int, int] | None) -> dict[str, int]:
+    if mesh is None:
+        return {axis: 1 for axis in sharding.MESH_AXES}
+    if isinstance(mesh, Mesh):
+        sharding.check_mesh(mesh)
+        return dict(mesh.shape)
+    shape = tuple(mesh)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"mesh={mesh!r}: a jax.sharding.Mesh or a (data, model) pair of sizes >= 1")
+    return dict(zip(sharding.MESH_AXES, shape))
+
+
+def shard_bytes(shape: tuple[int, ...], dtype, spec: PartitionSpec, axis_sizes: dict[str, int]) -> int:
+    """Bytes of the largest shard of a [shape] `dtype` array laid out by `spec` on a mesh of
+    `axis_sizes` (a split that does not divide rounds up, as XLA pads it)."""
+    dims = list(shape)
+    for i, axes in enumerate(tuple(spec)[:len(dims)]):
+        if axes is None:
+            continue
+        parts = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+        dims[i] = -(-dims[i] // parts)
+    return math.prod(dims) * jnp.dtype(dtype).itemsize
+
+
+def weight_bytes(config: ModelConfig, dtype, mesh=None, plan: str = sharding.DEFAULT_PLAN) -> int:
+    """Per-device parameter bytes of `config` built with `dtype` (`jnp.float8_e4m3fn`: DeepSeek's FP8
+    layout) on `mesh` (None: one device) under `plan`."""
+    sizes = _axis_sizes(mesh)
+    _, state, _ = abstract_model(config, dtype)
+    leaves = jax.tree.leaves(state)
+    if mesh is None:
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    specs = jax.tree.leaves(sharding.param_specs(state, plan), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return sum(shard_bytes(x.shape, x.dtype, spec, sizes) for x, spec in zip(leaves, specs, strict=True))
+
+
+def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt_len: int, mesh=None,
+                plan: str = sharding.DEFAULT_PLAN, dtype=jnp.bfloat16, device_memory: int | None = None) -> MemoryPlan:
+    """The per-device `MemoryPlan` of `generate` on `batch` prompts of `prompt_len` tokens, decoding
+    as `decode` says (its draft settings and `max_new_tokens`), with parameters built in `dtype`, on
+    `mesh` (a `jax.sharding.Mesh`, a (data, model) pair of sizes, or None for one device) under
+    `plan`. Raises ValueError on a bad batch, prompt length, mesh or plan."""
+    from jaxspec.generation import default_capacity  # generation imports the loop; keep this module light
+
+    if batch < 1:
+        raise ValueError(f"batch={batch}: must be >= 1")
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len={prompt_len}: must be >= 1")
+    sharding.check_plan(plan)
+    sizes = _axis_sizes(mesh)
+    row_parts = math.prod(sizes[a] for a in sharding.ROW_AXES[plan])
+    rows = -(-batch // row_parts)  # this device's rows, the batch padded to the mesh
+    act = jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == jnp.float8_e4m3fn else dtype).itemsize
+    f32 = 4
+
+    capacity = default_capacity(prompt_len, decode)
+    pages = rows * -(-capacity // decode.page_size)
+    entry = config.latent_dim + (config.index_head_dim if config.is_v32 else 0)
+    drafting = decode.draft_tree is not None
+    cache_layers = config.num_hidden_layers + (1 if drafting else 0)
+    caches = cache_layers * pages * decode.page_size * entry * act
+
+    vocab, window = config.vocab_size, decode.window_size
+    heads_local = config.num_attention_heads // math.prod(sizes[a] for a in sharding.HEAD_AXES[plan])
+    # The loop state: emitted tokens, the MTP seed (logits and hidden) and the draft window.
+    state = rows * ((decode.max_new_tokens + decode.max_depth + 1) * 4 + vocab * f32 + config.hidden_size * act
+                    + window * 4)
+    # A step: the float32 logits of the target's window and of the MTP's next draft, each with a
+    # same-sized float32 companion (probabilities, acceptance's work on them).
+    step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2
+    # Prefill: the float32 logits of every prompt position (target, and the MTP's when drafting),
+    # the expanded attention's float32 scores [P, H, capacity] and up-projected keys and values
+    # [capacity, H, Dn + Dv], and the prompt's activations (a few [P, D] buffers).
+    prefill_temp = rows * (prompt_len * ((2 if drafting else 1) * vocab * f32 + heads_local * capacity * f32
+                                         + config.hidden_size * act * 8)
+                           + capacity * heads_local * (config.qk_nope_head_dim + config.v_head_dim) * f32)
+    return MemoryPlan(weights=weight_bytes(config, dtype, mesh, plan), caches=caches, state=state,
+                      prefill_temp=prefill_temp, step_temp=step_temp,
+                      device_memory=None if device_memory is None else int(device_memory))
+
+
+def device_memory(device=None) -> int | None:
+    """Bytes a device can allocate (`memory_stats()["bytes_limit"]`), or None where the runtime does
+    not say (the CPU)."""
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return None if not stats else stats.get("bytes_limit")
