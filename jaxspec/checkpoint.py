@@ -54,8 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec import fp8, shards
+from jaxspec import fp8, sharding, shards
 from jaxspec.config import ModelConfig
+from jaxspec.mesh_loading import load_onto_mesh
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import PARAMS_DIR, abstract_model, restore_model
 
@@ -308,12 +309,14 @@ def _mtp_setting(config: ModelConfig, tensors: Mapping[str, shards.TensorInfo], 
     return config
 
 
-def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
-                       log: Callable[[str], None] = _stderr) -> DeepseekV3:
+def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+                       plan: str | None = None, log: Callable[[str], None] = _stderr) -> DeepseekV3:
     """Build the model `directory/config.json` describes and fill it from the directory's safetensors.
 
     dtype: the parameters' dtype (the MoE router stays float32, as the model declares it);
     `jnp.float8_e4m3fn` keeps the checkpoint's FP8 weights and their scales (module docstring).
+    mesh: load onto this `jaxspec.sharding` mesh, each parameter split as `plan` says (None:
+    `jaxspec.sharding.DEFAULT_PLAN`), every device receiving only its block (`jaxspec.mesh_loading`).
     log: receives the progress lines (default: stderr). Raises ValueError, before reading any tensor
     data, when the checkpoint does not match its config.
     """
@@ -332,13 +335,13 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
     config = _mtp_setting(config, tensors, log)
     graphdef, state, variables = abstract_model(config, dtype)
     specs = {name: variable.get_value() for name, variable in variables.items()}
-    plan = _plan(tensors, specs, config, block)
-    if (problems := plan.report(directory)) is not None:
+    reads = _plan(tensors, specs, config, block)
+    if (problems := reads.report(directory)) is not None:
         raise ValueError(problems)
 
     files = shards.checkpoint_files(directory)
     by_file: dict[str, list[tuple[str, list[_Write]]]] = {path: [] for path in files}
-    for name, writes in plan.loads:
+    for name, writes in reads.loads:
         if not all(w.shared for w in writes):
             by_file[tensors[name].file].append((name, writes))
     total = sum(tensors[name].nbytes for entries in by_file.values() for name, _ in entries)
@@ -346,6 +349,11 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
         f"{' + MTP' if config.num_nextn_predict_layers else ''}, {len(files)} file(s), {total / 2**30:.2f} GiB -> "
         f"{'FP8 weights kept, bfloat16 elsewhere' if keep_fp8 else jnp.dtype(dtype)}")
 
+    if mesh is not None:
+        placement = sharding.param_shardings(state, mesh, sharding.DEFAULT_PLAN if plan is None else plan)
+        placement = {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(placement)}
+        values = load_onto_mesh(reads.loads, tensors, specs, placement, block, log)
+        return _merged(graphdef, state, values)
     values: dict[str, jax.Array] = {}
     start = time.perf_counter()
     for index, path in enumerate(files, 1):
@@ -367,6 +375,11 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32,
             f"{shard_bytes / 2**30:.2f} GiB in {seconds:.1f} s")
     log(f"loaded {len(values)} parameters in {time.perf_counter() - start:.1f} s")
 
+    return _merged(graphdef, state, values)
+
+
+def _merged(graphdef: nnx.GraphDef, state: nnx.State, values: Mapping[str, jax.Array]) -> DeepseekV3:
+    """The model of `graphdef` with each abstract parameter of `state` replaced by `values[its path]`."""
     loaded = nnx.from_flat_state({path: variable.replace(values[".".join(map(str, path))])
                                   for path, variable in nnx.to_flat_state(state)})
     return nnx.merge(graphdef, loaded)
@@ -377,12 +390,13 @@ def is_orbax_checkpoint(directory: str | os.PathLike) -> bool:
     return os.path.isdir(os.path.join(os.fspath(directory), PARAMS_DIR))
 
 
-def load_model(directory: str | os.PathLike, *, dtype=jnp.float32,
-               log: Callable[[str], None] = _stderr) -> DeepseekV3:
-    """A model from either kind of directory: converted (orbax, fast) or Hugging Face safetensors."""
+def load_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+               plan: str | None = None, log: Callable[[str], None] = _stderr) -> DeepseekV3:
+    """A model from either kind of directory: converted (orbax, fast) or Hugging Face safetensors;
+    onto `mesh`, split as `plan` says, when one is given (see `load_hf_checkpoint`, `restore_model`)."""
     if is_orbax_checkpoint(directory):
         start = time.perf_counter()
-        model = restore_model(directory, dtype=dtype)
+        model = restore_model(directory, dtype=dtype, mesh=mesh, plan=plan)
         log(f"restored {os.fspath(directory)} (orbax) in {time.perf_counter() - start:.1f} s")
         return model
-    return load_hf_checkpoint(directory, dtype=dtype, log=log)
+    return load_hf_checkpoint(directory, dtype=dtype, mesh=mesh, plan=plan, log=log)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxspec import sharding
 from jaxspec.config import ModelConfig
 from jaxspec.models import DeepseekV3
 
@@ -66,13 +67,19 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
         checkpointer.save(os.path.join(directory, PARAMS_DIR), params, force=True)
 
 
-def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32) -> DeepseekV3:
+def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+                  plan: str | None = None) -> DeepseekV3:
     """Build the model `directory/config.json` describes and load its parameters.
 
     The model is built abstractly (`nnx.eval_shape`, no random init), then every parameter is read
     from the orbax checkpoint and cast to the dtype the model declares for it (`dtype` for the
     weights; the MoE router stays float32). Raises `ValueError` listing every missing, unexpected
     or mis-shaped parameter when the checkpoint does not match the config.
+
+    mesh: a `jaxspec.sharding` mesh to restore onto, each parameter split as `plan` says (None:
+    `jaxspec.sharding.DEFAULT_PLAN`): orbax reads each device's slice straight into it, so no
+    device (and, on several hosts, no process) ever holds more than its own shards. None: the
+    whole model on this process's first device.
     """
     directory = os.path.abspath(os.fspath(directory))
     config_path = os.path.join(directory, CONFIG_FILE)
@@ -81,6 +88,13 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32) -> Deepsee
         raise ValueError(f"{directory} is not a saved model: expected {CONFIG_FILE} and {PARAMS_DIR}/ in it")
     config = ModelConfig.from_hf(config_path)
     graphdef, abstract_state, expected = abstract_model(config, dtype)
+    if mesh is None:
+        # Onto this process's default device, whatever device the checkpoint was written from.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        placement = dict.fromkeys(expected, device)
+    else:
+        shardings = sharding.param_shardings(abstract_state, mesh, sharding.DEFAULT_PLAN if plan is None else plan)
+        placement = {_param_name(path): variable.get_value() for path, variable in nnx.to_flat_state(shardings)}
 
     with ocp.StandardCheckpointer() as checkpointer:
         stored = dict(checkpointer.metadata(params_path).item_metadata)
@@ -89,12 +103,14 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32) -> Deepsee
         problems += [f"{name}: checkpoint {tuple(stored[name].shape)} != model {tuple(expected[name].shape)}"
                      for name in sorted(expected.keys() & stored.keys())
                      if tuple(stored[name].shape) != tuple(expected[name].shape)]
+        if jnp.dtype(dtype) == jnp.float8_e4m3fn and not any(name.endswith("_scale_inv") for name in stored):
+            raise ValueError(f"dtype=float8_e4m3fn restores FP8 weights with their scales, but {params_path} was saved "
+                             "without them (from a float model): restore it with dtype=bfloat16, or convert the "
+                             "Hugging Face checkpoint again with `jaxspec convert --dtype fp8`")
         if problems:
             raise ValueError(f"checkpoint {params_path} does not match its config.json ({len(problems)} problem(s)):\n  "
                              + "\n  ".join(problems))
-        # Onto this process's default device, whatever device the checkpoint was written from.
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=device)
+        target = {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=placement[name])
                   for name, meta in stored.items()}
         restored = checkpointer.restore(params_path, target)
 

@@ -49,6 +49,8 @@ def test_bfloat16_storage_restores_model_dtypes(model, tmp_path):
         assert after[path].dtype == before[path].dtype, path
         expected = np.asarray(before[path].astype(jnp.bfloat16).astype(before[path].dtype))
         np.testing.assert_array_equal(np.asarray(after[path]), expected, err_msg=str(path))
+    with pytest.raises(ValueError, match=r"saved without them \(from a float model\): restore it with dtype=bfloat16"):
+        restore_model(tmp_path / "ckpt", dtype=jnp.float8_e4m3fn)
 
 
 def test_mismatched_shapes_raise_listing_them(model, tmp_path):
@@ -67,3 +69,4 @@ def test_mismatched_shapes_raise_listing_them(model, tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a saved model"):
         restore_model(tmp_path)
+
