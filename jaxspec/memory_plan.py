@@ -31,8 +31,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxspec import sharding
