@@ -7,6 +7,7 @@
     python examples/generate.py --temperature 0.8 --top-p 0.95 --sample-seed 1   # lossless sampling
     python examples/generate.py --prompt "Hello" --prompt "Once upon" --batch 8 --max-new-tokens 128
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype bfloat16 --prompt "Hello"
+    python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype fp8 --prompt "Hello"   # FP8 weights kept
     python examples/generate.py --checkpoint DIR --prompt-ids 1,2,3 --print-ids   # no tokenizer.json in DIR
 
 Greedy speculative decoding is lossless: for one seed, every --mtp and --tree prints the same text;
@@ -28,6 +29,7 @@ Its `tokenizer.json` encodes --prompt; a directory without one takes --prompt-id
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -35,11 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from jaxspec import sharding
 from jaxspec.checkpoint import load_model
+from jaxspec.cli import DTYPES, FP8_HELP
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
 from jaxspec.generation import compile_generate
+from jaxspec.memory_plan import device_memory, plan_memory, readable
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels.backend import resolve_backend
@@ -47,7 +53,6 @@ from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
 
 DEFAULT_PROMPTS = ("import os\nimport sys\n\n\ndef ", "    def __repr__(self):\n        return ")
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny-stdlib")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def token_ids(text: str) -> list[int]:
@@ -59,6 +64,17 @@ def token_ids(text: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
     return ids
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """argparse type: `DATAxMODEL`, e.g. `1x8`."""
+    try:
+        data, model = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DATAxMODEL like 1x8, got {text!r}") from None
+    if data < 1 or model < 1:
+        raise argparse.ArgumentTypeError(f"both mesh sizes must be >= 1, got {text!r}")
+    return data, model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,10 +100,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model weights (with --random)")
     add_model_flags(parser, default_preset="tiny")
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="keep compiled programs in DIR (JAX's persistent compilation cache): a later run "
+                             "with the same model and settings loads them instead of compiling (the XLA compile "
+                             "is nearly all of a full-depth model's compile time)")
+    parser.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
+                        help="run on a DATA x MODEL device mesh (jaxspec.sharding), e.g. 1x8 on an 8-GPU node, "
+                             "2x8 over two with --distributed (default: one device)")
+    parser.add_argument("--plan", choices=sharding.PLANS, default=sharding.DEFAULT_PLAN,
+                        help="how --mesh splits the model: dp = attention data-parallel over rows, tp = attention "
+                             "heads over MODEL; the routed experts are split over every device in both")
+    parser.add_argument("--distributed", action="store_true",
+                        help="several hosts: call jax.distributed.initialize() first (run the same command on "
+                             "every host; the coordinator and process ids come from the cluster's environment, "
+                             "e.g. SLURM, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="run this checkpoint (Hugging Face safetensors, or a `jaxspec convert` output) "
                              "instead of the shipped model")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype of --checkpoint")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help=f"parameter dtype of --checkpoint; {FP8_HELP}")
     parser.add_argument("--prompt-ids", action="append", type=token_ids, metavar="IDS",
                         help="a prompt as token ids, e.g. 1,2,3; repeat for several (instead of --prompt)")
     parser.add_argument("--print-ids", action="store_true", help="print token ids instead of text")
@@ -134,10 +165,14 @@ def describe_decoding(args: argparse.Namespace) -> str:
     return f"{drafts}, greedy"
 
 
-def build_model(args: argparse.Namespace) -> tuple[DeepseekV3, Tokenizer | None, str]:
-    """The model, its tokenizer (None: token ids only), and a line saying where the weights came from."""
+def build_model(args: argparse.Namespace, mesh) -> tuple[DeepseekV3, Tokenizer | None, str]:
+    """The model (a checkpoint loaded straight onto `mesh` when there is one), its tokenizer (None:
+    token ids only), and a line saying where the weights came from."""
     if args.checkpoint is not None:
-        model = load_model(args.checkpoint, dtype=DTYPES[args.dtype])
+        try:
+            model = load_model(args.checkpoint, dtype=DTYPES[args.dtype], mesh=mesh, plan=args.plan)
+        except ValueError as error:  # e.g. --dtype fp8 and a checkpoint without FP8 weights
+            raise SystemExit(f"--checkpoint {args.checkpoint} --dtype {args.dtype}: {error}") from None
         if has_hf_tokenizer(args.checkpoint):
             return model, load_tokenizer(args.checkpoint), f"{args.dtype} weights, its tokenizer.json"
         return model, None, f"{args.dtype} weights, token ids (no tokenizer.json)"
@@ -159,7 +194,15 @@ def encode(prompt: str | list[int], tokenizer: Tokenizer | None, args: argparse.
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model, tokenizer, weights = build_model(args)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    if args.distributed:
+        jax.distributed.initialize()
+    try:
+        mesh = None if args.mesh is None else sharding.make_mesh(*args.mesh)
+    except ValueError as error:
+        raise SystemExit(f"--mesh {args.mesh[0]}x{args.mesh[1]}: {error}") from None
+    model, tokenizer, weights = build_model(args, mesh)
     prompts = [args.prompts[row % len(args.prompts)] for row in range(args.batch)]
     if args.mtp > 0 and model.mtp is None:
         raise SystemExit(f"--mtp {args.mtp}: {args.checkpoint} has no MTP layer; use --mtp 0")
@@ -172,8 +215,23 @@ def main(argv=None) -> None:
     print(f"decoding  batch {args.batch}, {describe_decoding(args)}, up to {args.max_new_tokens} new tokens per row, "
           f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}")
 
+    prompt_ids = [encode(p, tokenizer, args) for p in prompts]
+    memory = plan_memory(mconf, config, batch=args.batch, prompt_len=max(map(len, prompt_ids)), mesh=mesh,
+                         plan=args.plan, dtype=DTYPES[args.dtype] if args.checkpoint else jnp.float32,
+                         device_memory=device_memory())
+    print(f"memory    {readable(memory.total)} per device{f' of {mesh.devices.size}' if mesh else ''} planned "
+          f"(weights {readable(memory.weights)}, caches {readable(memory.caches)}, temporaries "
+          f"{readable(max(memory.prefill_temp, memory.step_temp))})")
+    try:
+        memory.check()
+    except ValueError as error:
+        raise SystemExit(f"--batch {args.batch}, --max-new-tokens {args.max_new_tokens}: {error}") from None
+
     start = time.perf_counter()
-    run = compile_generate(model, [encode(p, tokenizer, args) for p in prompts], config, key=args.sample_seed)
+    try:
+        run = compile_generate(model, prompt_ids, config, key=args.sample_seed, mesh=mesh, plan=args.plan)
+    except ValueError as error:  # e.g. a mesh the model's experts or heads do not split over
+        raise SystemExit(f"{error}") from None
     compile_s = time.perf_counter() - start
     # The first execution also pays one-time runtime setup; time the second.
     start = time.perf_counter()
@@ -184,6 +242,11 @@ def main(argv=None) -> None:
     jax.block_until_ready(result.tokens)
     decode_s = time.perf_counter() - start
 
+    if jax.process_count() > 1:  # the rows live on every host's devices: gather them; one process prints
+        result = dataclasses.replace(result, **{field.name: multihost_utils.process_allgather(
+            getattr(result, field.name), tiled=True) for field in dataclasses.fields(result)})
+        if jax.process_index() != 0:
+            return
     emitted = int(np.sum(result.num_tokens))
     acceptance = " ".join(f"{a:.2f}" for a in result.acceptance_per_position) or "- (no drafts)"
     print(f"compile   {compile_s:.2f} s ahead of time, then {warmup_s:.3f} s warm-up run (both not counted below)")

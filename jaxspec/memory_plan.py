@@ -40,6 +40,11 @@ from jaxspec.orbax_io import abstract_model
 GIB = 2 ** 30
 
 
+def readable(num_bytes: int) -> str:
+    """E.g. "3.5 MiB", "131.32 GiB"."""
+    return f"{num_bytes / 2 ** 20:,.1f} MiB" if num_bytes < GIB else f"{num_bytes / GIB:,.2f} GiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes per device: weights, caches (target and MTP), loop state, and the larger of the two

@@ -25,18 +25,28 @@ RUNS = {
     "tree": [GENERATE, "--tree", "small", *EXAMPLE_FLAGS],
     "sampled": [GENERATE, "--tree", "2,2,3", "--temperature", "1.0", "--top-k", "5", "--sample-seed", "3",
                 *EXAMPLE_FLAGS],
+    "mesh": [GENERATE, "--mtp", "3", *EXAMPLE_FLAGS, "--mesh", "2x2"],
     "benchmark": [BENCHMARK, "--random", "--k", "1", "2", "--tree", "small", "--batch", "2", "--prompt-len", "8",
                   "--max-new-tokens", "8", "--repeats", "1", "--backend", "xla"],
 }
 
 
 @pytest.fixture(scope="module")
-def outputs():
+def compile_cache(tmp_path_factory) -> Path:
+    """The mtp3 run's --compile-cache directory."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(scope="module")
+def outputs(compile_cache):
     """Each run's stdout, by name; a failed run fails the tests with its stderr."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    runs = {**RUNS, "mtp3": [*RUNS["mtp3"], "--compile-cache", compile_cache]}
+    # The main job on a 2 x 2 mesh of virtual CPU devices (the shipped model has 4 experts).
+    mesh_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     procs = {name: subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
-             for name, argv in RUNS.items()}
+                                    stderr=subprocess.PIPE, text=True, env=mesh_env if name == "mesh" else env)
+             for name, argv in runs.items()}
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=600)
@@ -67,6 +77,14 @@ def test_generate_prints_the_same_text_with_and_without_mtp(outputs):
 
 
 @pytest.mark.slow
+def test_generate_on_a_mesh_prints_the_same_text(outputs):
+    """--mesh 2x2: the experts split over 4 devices, rows over 4 (3 rows: one padding row)."""
+    on_mesh = outputs["mesh"]
+    assert _rows(on_mesh) == _rows(outputs["mtp3"])
+    assert "per device of 4 planned" in _stat(on_mesh, "memory")
+
+
+@pytest.mark.slow
 def test_generate_samples_one_stream_per_row(outputs):
     sampled = outputs["sampled"]
     assert "sampling (temperature 1.0, top-k 5, top-p 1.0, seed 3)" in _stat(sampled, "decoding")
@@ -84,6 +102,11 @@ def test_generate_reports_speed_and_acceptance_apart_from_compilation(outputs):
         float(_stat(output, "mean accepted length").split()[3])
     assert len(_stat(with_mtp, "acceptance per position").split()[3:]) == 3
     assert "no drafts" in _stat(plain, "acceptance per position")
+
+
+@pytest.mark.slow
+def test_generate_keeps_its_compiled_programs_in_the_compile_cache(outputs, compile_cache):
+    assert any(compile_cache.iterdir()), "--compile-cache wrote nothing"
 
 
 @pytest.mark.slow
@@ -115,6 +138,9 @@ def _load_script(path: Path):
     (GENERATE, ["--top-p", "0.5"], "top_p=0.5 filters sampling, but temperature=0 is greedy"),
     (GENERATE, ["--temperature", "-1"], "temperature=-1.0: must be"),
     (GENERATE, ["--relaxed", "3"], "argument --relaxed: expected top_k,delta"),
+    (GENERATE, ["--mesh", "8"], "argument --mesh: expected DATAxMODEL like 1x8, got '8'"),
+    (GENERATE, ["--mesh", "0x8"], "argument --mesh: both mesh sizes must be >= 1"),
+    (GENERATE, ["--plan", "fsdp"], "argument --plan: invalid choice"),
     (BENCHMARK, ["--tree", "1,2"], "argument --tree: tree '1,2'"),
     (BENCHMARK, ["--k", "0", "1"], "--k [0]: each must be in [1, 7]"),
     (BENCHMARK, ["--k", "8"], "--k [8]: each must be in [1, 7]"),
