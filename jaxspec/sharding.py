@@ -21,15 +21,17 @@ In both plans the routed experts are split over all devices (expert parallelism,
 in (its docstring says how and why).
 
 Why "dp" is the default (measured with `jaxspec.aot`: one MTP k = 3 decode step of V3.2 at full
-width and 2 layers, bf16, batch 32, context 4096, 8 abstract H200s; dp on 1x8, tp on 2x4): per
-device, dp 11.00 GiB arguments / 0.07 GiB cache, 0.38 TFLOP, collectives 4 all-gathers (4.4 MiB)
-and 4 reduce-scatters (35 MiB); tp 10.48 GiB / 0.27 GiB cache, 0.69 TFLOP (the dense layers,
-shared experts and LM head run for the 4x more rows a device holds), the same MoE collectives plus
-9 all-reduces (20.6 MiB), and its MLA kernel spills registers at 32 heads per device. Per layer,
-tp saves what dp replicates of q_b / kv_b / o_proj (0.26 GB in bf16, ~16 GB over V3.2's 62
-attention blocks) but holds 4x the latent cache per device: at batch 32 that is +4.4 GB at
-context 4096 and +34 GB at 32k (11.4 vs 45.6 GB). At long contexts and large batches, which is
-where a 671B model on 8 GPUs is served, the cache dominates: dp.
+width and 2 layers, bf16, batch 32, 8 abstract H200s; dp on 1x8, tp on 2x4). Per device at
+context 4096: dp 11.00 GiB of arguments of which 0.07 GiB cache, 0.38 TFLOP, collectives 4
+all-gathers (4.4 MiB) and 4 reduce-scatters (35 MiB); tp 10.48 GiB of which 0.27 GiB cache, 0.69
+TFLOP (the dense layers, shared experts and LM head run for the 4x more rows a device holds), the
+same MoE collectives plus 9 all-reduces (20.6 MiB), and its MLA kernel spills registers at 32
+heads per device. At context 32768: cache 0.52 GiB (dp) vs 2.08 GiB (tp) for these 3 cached
+layers, i.e. about 10.7 vs 43 GiB per device over V3.2's 62, and 33.0 vs 38.6 GB read per step.
+tp saves what dp replicates of q_b / kv_b / o_proj (0.26 GB per layer in bf16, ~16 GB over 62
+attention blocks) but holds 4x the latent cache per device and computes the row-local layers 4x
+over. At the long contexts and large batches a 671B model on 8 GPUs is served at, the cache
+dominates: dp.
 
 Running on a mesh: the loop (`jaxspec.generation.generate`, `jaxspec.loop.init_state` / `step`)
 runs its whole computation (prefill and the while loop) inside one `jax.shard_map` over the mesh,

@@ -82,6 +82,9 @@ def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.A
 
 
 EXPERT_PATHS = ("grouped", "gathered")
+# Expert parallelism exchanges at most this many of a device's tokens at a time (`MoE._expert_parallel`):
+# with 8 devices, top-8 and V3.2's width, 4096 gathered tokens and 470 MB of per-assignment outputs.
+EP_CHUNK_TOKENS = 512
 
 
 def expert_path(num_assignments: int, num_experts: int, backend: str) -> str:
@@ -124,23 +127,45 @@ class MoE(nnx.Module):
         weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
         backend = resolve_backend(backend)
         par = current()
-        if par is not None:  # expert parallel: every device sees every token and runs its own experts
-            tokens_in = jax.lax.all_gather(tokens, par.row_axes, tiled=True)
-            experts_in = jax.lax.all_gather(experts, par.row_axes, tiled=True)
+        if par is None:
+            per_assignment = self._routed(tokens, experts, None, backend, path)
         else:
-            tokens_in, experts_in = tokens, experts
-        if path is None:
-            path = expert_path(experts_in.size, self.config.n_routed_experts, backend)
-        if path == "gathered":
-            per_assignment = self._gathered(tokens_in, experts_in, par)
-        else:
-            per_assignment = self._grouped(tokens_in, experts_in, par, backend)
-        if par is not None:
-            per_assignment = combine_shards(per_assignment, par)
+            per_assignment = self._expert_parallel(tokens, experts, par, backend, path)
         out = jnp.einsum("tkd,tk->td", per_assignment.astype(jnp.float32), weights).astype(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(shape)
+
+    def _routed(self, tokens, experts, par: Parallel | None, backend, path):
+        """tokens [T, D], experts [T, k] -> per-assignment outputs [T, k, D] in the tokens' dtype.
+        Under `par` (expert parallel) the tokens are this device's: every device sees every token
+        of the mesh, runs its own experts, and gets its tokens' outputs back (module docstring)."""
+        if par is not None:
+            tokens = jax.lax.all_gather(tokens, par.row_axes, tiled=True)
+            experts = jax.lax.all_gather(experts, par.row_axes, tiled=True)
+        if path is None:
+            path = expert_path(experts.size, self.config.n_routed_experts, backend)
+        if path == "gathered":
+            per_assignment = self._gathered(tokens, experts, par)
+        else:
+            per_assignment = self._grouped(tokens, experts, par, backend)
+        return per_assignment if par is None else combine_shards(per_assignment, par)
+
+    def _expert_parallel(self, tokens, experts, par: Parallel, backend, path):
+        """`_routed` under `par`, in chunks of at most `EP_CHUNK_TOKENS` of this device's tokens
+        (one after another, `jax.lax.map`): the gathered tokens and the per-assignment outputs of
+        a chunk are what a device holds at once. Measured on a prefill of 8 rows x 4096 tokens of
+        V3.2 on 8 H200s: 3.5 GiB per reduce-scatter unchunked, 448 MiB in chunks. Decode windows
+        are far below one chunk. Every device has the same number of tokens, so all take
+        the same chunks and their collectives pair up."""
+        num_tokens = tokens.shape[0]
+        if num_tokens <= EP_CHUNK_TOKENS:
+            return self._routed(tokens, experts, par, backend, path)
+        chunks = -(-num_tokens // EP_CHUNK_TOKENS)
+        pad = ((0, chunks * EP_CHUNK_TOKENS - num_tokens), (0, 0))  # padding tokens: expert 0, dropped after
+        split = lambda a: jnp.pad(a, pad).reshape(chunks, EP_CHUNK_TOKENS, a.shape[-1])
+        out = jax.lax.map(lambda chunk: self._routed(*chunk, par, backend, path), (split(tokens), split(experts)))
+        return out.reshape(chunks * EP_CHUNK_TOKENS, *out.shape[2:])[:num_tokens]
 
     def _stack(self, proj: str) -> tuple[jax.Array, jax.Array | None]:
         """experts_{proj} [E, in, out] and its FP8 block scales [E, ceil(in / 128), ceil(out / 128)] (or None)."""

@@ -18,7 +18,7 @@ from jaxspec import sharding
 from jaxspec.config import DecodeConfig, preset
 from jaxspec.generation import compile_generate, generate
 from jaxspec.loop import init_state, step
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, moe
 
 # Three rows: dp's 8 row shards and tp's 2 do not divide them, so every mesh run pads its batch.
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24]]
@@ -57,6 +57,9 @@ def check_param_bytes(model, mesh, plan: str) -> None:
 
 def main() -> None:
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    # Tiny expert-parallel chunks, so the mesh runs exchange tokens in several chunks (every prefill
+    # here, tp's decode windows) and in one (dp's decode windows).
+    moe.EP_CHUNK_TOKENS = 4
     v32 = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
     v3 = DeepseekV3(preset("tiny-v3"), rngs=nnx.Rngs(1))
     meshes = {shape: sharding.make_mesh(*shape) for shape in ((1, 8), (2, 4), (8, 1))}
