@@ -49,6 +49,18 @@ def indices_to_mask(indices: jax.Array, num_slots: int) -> jax.Array:
     return jnp.zeros((batch, num_queries, num_slots), bool).at[b, q, target].set(True, mode="drop")
 
 
+def absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+    """q_nope [B, Q, H, Dn], w_uk [R, H, Dn] -> the absorbed query [B, Q, H, R] (q_nope's dtype).
+
+    The optimization barrier keeps XLA's GPU compiler from fusing q_nope's producer (the q_b_proj
+    output, reshaped) into this batched dot: fused, its Triton GEMM emitter finds no tiling for
+    some row counts and the whole program fails to compile ("Couldn't find output tile sizes",
+    jaxlib 0.10.2, sm_90a: B x Q = 96 or 24 at k = 2, 192 at k = 5; `tests/test_memory_plan.py`
+    compiles k = 2). q_nope is materialized either way; the barrier only fixes where the fusion ends.
+    """
+    return jnp.einsum("bqhn,rhn->bqhr", jax.lax.optimization_barrier(q_nope), w_uk.astype(q_nope.dtype))
+
+
 class MLA(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
@@ -108,7 +120,7 @@ class MLA(nnx.Module):
                                               backend=backend)
             latent_cache = cache.latent[layer]
             if form == "absorbed":
-                q_absorbed = jnp.einsum("bqhn,rhn->bqhr", q_nope, w_uk.astype(q_nope.dtype))
+                q_absorbed = absorb_query(q_nope, w_uk)
                 if indices is None:
                     out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, vis,
                                                   softmax_scale=c.softmax_scale, backend=backend)
@@ -168,7 +180,7 @@ class MLA(nnx.Module):
                 chosen = select_topk(score_keys(*index_queries, keys, mask[:, None]), c.index_topk)[:, 0]  # [B, K]
                 kv = jnp.take_along_axis(kv, jnp.maximum(chosen, 0)[..., None], axis=1)
                 mask = chosen >= 0
-            q_absorbed = jnp.einsum("bqhn,rhn->bqhr", q_nope, w_uk.astype(q_nope.dtype))
+            q_absorbed = absorb_query(q_nope, w_uk)
             out_latent, _ = attend_latent(q_absorbed, q_rope, kv[:, None], mask[:, None], c.softmax_scale)
             return jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
 
