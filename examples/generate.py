@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 
 from jaxspec import sharding
 from jaxspec.checkpoint import load_model
-from jaxspec.cli import DTYPES, FP8_HELP
+from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
 from jaxspec.generation import compile_generate
@@ -64,17 +64,6 @@ def token_ids(text: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
     return ids
-
-
-def mesh_shape(text: str) -> tuple[int, int]:
-    """argparse type: `DATAxMODEL`, e.g. `1x8`."""
-    try:
-        data, model = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected DATAxMODEL like 1x8, got {text!r}") from None
-    if data < 1 or model < 1:
-        raise argparse.ArgumentTypeError(f"both mesh sizes must be >= 1, got {text!r}")
-    return data, model
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -56,6 +56,17 @@ def convert(src: str, dst: str, *, dtype=jnp.bfloat16) -> None:
          f"{'; copied ' + ', '.join(copied) if copied else '; no tokenizer files to copy'}")
 
 
+def mesh_shape(text: str) -> tuple[int, int]:
+    """argparse type: `DATAxMODEL`, e.g. `1x8`."""
+    try:
+        data, model = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DATAxMODEL like 1x8, got {text!r}") from None
+    if data < 1 or model < 1:
+        raise argparse.ArgumentTypeError(f"both mesh sizes must be >= 1, got {text!r}")
+    return data, model
+
+
 def aot(args: argparse.Namespace) -> None:
     """`jaxspec aot`: compile and print the report (see the module docstring)."""
     if "JAX_PLATFORMS" not in os.environ:
@@ -71,14 +82,16 @@ def aot(args: argparse.Namespace) -> None:
     if args.layers is not None:
         config = reduced_depth(config, args.layers)
     decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend)
-    devices = instrument.gpu_devices(args.target, args.devices)
+    memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
+    devices = instrument.gpu_devices(args.target, args.devices, **memory)
     compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
                              devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
-                             fail_on_spill=not args.allow_spills)
+                             fail_on_spill=not args.allow_spills, mesh_shape=args.mesh, plan=args.plan)
     drafting = f"tree {args.tree}" if args.tree else (f"MTP chain k={args.mtp}" if args.mtp else "plain")
+    mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
              f"{drafting}, batch {args.batch}, context {args.context}, backend {args.backend}; "
-             f"{args.devices} x {devices[0].device_kind}")
+             f"{args.devices} x {devices[0].device_kind}{mesh}")
     print(instrument.report(compiled, title))
 
 
@@ -115,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     aot_parser.add_argument("--backend", choices=("pallas", "xla"), default="pallas", help="attention kernels")
     aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
     aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
+    aot_parser.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
+                            help="compile generate's sharded programs for a DATA x MODEL mesh of the --devices "
+                                 "(jaxspec.sharding; default: one device, nothing sharded)")
+    aot_parser.add_argument("--plan", choices=("dp", "tp"), default="dp", help="sharding plan with --mesh (default dp)")
+    aot_parser.add_argument("--device-memory", type=float, metavar="GIB",
+                            help="compile for devices with this much memory (default: the target's); a large "
+                                 "value keeps XLA from recomputing values to fit, for costing")
     args = parser.parse_args(argv)
     try:
         if args.command == "aot":

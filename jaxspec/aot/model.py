@@ -24,11 +24,14 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import DecodeConfig, ModelConfig
 from jaxspec.generation import required_capacity
-from jaxspec.loop import _step, prefill
+from jaxspec import sharding
+from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
 
@@ -47,19 +50,31 @@ def reduced_depth(config: ModelConfig, layers: int) -> ModelConfig:
                           first_k_dense_replace=min(config.first_k_dense_replace, layers - 1))
 
 
-def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig):
-    target = jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size))
-    mtp = (jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size, mtp=True))
-           if decode.draft_tree is not None else None)
-    return target, mtp
+def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig, row_shards: int = 1):
+    cache = lambda mtp: jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size, mtp=mtp,
+                                                                row_shards=row_shards))
+    return cache(False), cache(True) if decode.draft_tree is not None else None
+
+
+def _placed(tree, shardings):
+    """ShapeDtypeStructs of `tree` carrying `shardings` (a tree of the same structure, or a prefix)."""
+    return jax.tree.map(lambda spec, sub: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=spec), sub), shardings, tree,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
 def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: int, context: int,
                   devices: Sequence, dtype=jnp.bfloat16, dump_dir: str | None = None,
-                  fail_on_spill: bool = True) -> GpuCompiled:
+                  fail_on_spill: bool = True, mesh_shape: tuple[int, int] | None = None,
+                  plan: str = sharding.DEFAULT_PLAN) -> GpuCompiled:
     """Compile prefill (a `context`-token prompt) or one decode step (at `context` cached tokens)
     of `config` for `devices`, parameters in `dtype`, decoding as `decode` says (draft chain or
-    tree, backend: "pallas" for the GPU kernels). Raises ValueError on a bad phase, batch or context."""
+    tree, backend: "pallas" for the GPU kernels). Raises ValueError on a bad phase, batch or context.
+
+    mesh_shape: (data, model) to compile the programs `generate` runs on a mesh of `devices`
+    (`jaxspec.sharding`, split as `plan` says: parameters, caches and loop state placed per device,
+    the whole program in the loop's shard_map, collectives included); batch is then padded to the
+    row shards as `generate` pads it. None: one device, no sharding."""
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}: must be one of {PHASES}")
     if batch < 1:
@@ -70,6 +85,10 @@ def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batc
     model = nnx.merge(graphdef, params)
     prompt_width = context if phase == "prefill" else 1
     decode = decode.replace(max_new_tokens=1 if phase == "prefill" else context, max_cache_len=None)
+    if mesh_shape is not None:
+        return _compile_on_mesh(graphdef, params, model, decode, phase=phase, batch=batch, prompt_width=prompt_width,
+                                devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
+                                mesh_shape=mesh_shape, plan=plan)
     target_cache, mtp_cache = _abstract_caches(model, batch, required_capacity(prompt_width, decode), decode)
     prompts = jax.ShapeDtypeStruct((batch, prompt_width), jnp.int32)
     prompt_lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
@@ -85,6 +104,42 @@ def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batc
                            target_cache, mtp_cache, rng_key)
     return compile_gpu(_step, graphdef=graphdef, params=params, state=state, config=decode,
                        donate_argnames=("state",), **options)
+
+
+def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: str, batch: int, prompt_width: int,
+                     devices: Sequence, dump_dir, fail_on_spill: bool, mesh_shape: tuple[int, int], plan: str):
+    """`compile_model` on a (data, model) mesh of `devices`: `jaxspec.loop`'s mesh programs with
+    every argument placed as `generate` places it."""
+    data, width = mesh_shape
+    if data < 1 or width < 1 or data * width != len(devices):
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)}: needs two sizes >= 1 whose product is the "
+                         f"{len(devices)} devices")
+    mesh = Mesh(np.array(devices).reshape(data, width), sharding.MESH_AXES)
+    sharding.check_mesh(mesh, plan)
+    shards = sharding.row_shards(mesh, plan)
+    padded = -(-batch // shards) * shards
+    params = _placed(params, sharding.param_shardings(params, mesh, plan))
+    caches = _abstract_caches(model, padded, required_capacity(prompt_width, decode), decode, row_shards=shards)
+    caches = [None if c is None else _placed(c, sharding.cache_shardings(c, mesh, plan)) for c in caches]
+    rows = NamedSharding(mesh, sharding.row_spec(plan))
+    prompts = jax.ShapeDtypeStruct((padded, prompt_width), jnp.int32, sharding=rows)
+    prompt_lens = jax.ShapeDtypeStruct((padded,), jnp.int32, sharding=rows)
+    key = jax.eval_shape(lambda: base_key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    options = dict(devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
+                   static_argnames=("graphdef", "config", "mesh", "plan", "num_rows"))
+    prefill_args = dict(graphdef=graphdef, params=params, prompts=prompts, prompt_lens=prompt_lens,
+                        target_cache=caches[0], mtp_cache=caches[1], rng_key=key, config=decode, mesh=mesh,
+                        plan=plan, num_rows=batch)
+    if phase == "prefill":
+        return compile_gpu(_prefill_mesh, donate_argnames=("target_cache", "mtp_cache"), **prefill_args, **options)
+    state = jax.eval_shape(lambda *args: _prefill_mesh(graphdef, *args, decode, mesh, plan, batch),
+                           params, prompts, prompt_lens, *caches, key)
+    state = _placed(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(plan),
+                                        is_leaf=lambda x: isinstance(x, PartitionSpec)))
+    options["static_argnames"] = ("graphdef", "config", "mesh", "plan")
+    return compile_gpu(_step_mesh, graphdef=graphdef, params=params, state=state, config=decode, mesh=mesh,
+                       plan=plan, donate_argnames=("state",), **options)
 
 
 # The three shallow models of `depth_cost`: (name, layers, dense layers).
