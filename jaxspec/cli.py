@@ -83,7 +83,7 @@ def aot(args: argparse.Namespace) -> None:
         config = reduced_depth(config, args.layers)
     decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend)
     memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
-    devices = instrument.gpu_devices(args.target, args.devices, **memory)
+    devices = instrument.gpu_devices(args.target, args.devices, hosts=args.hosts, **memory)
     compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
                              devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
                              fail_on_spill=not args.allow_spills, mesh_shape=args.mesh, plan=args.plan)
@@ -91,7 +91,7 @@ def aot(args: argparse.Namespace) -> None:
     mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
              f"{drafting}, batch {args.batch}, context {args.context}, backend {args.backend}; "
-             f"{args.devices} x {devices[0].device_kind}{mesh}")
+             f"{args.devices} x {devices[0].device_kind}{f' on {args.hosts} hosts' if args.hosts > 1 else ''}{mesh}")
     print(instrument.report(compiled, title))
 
 
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(needs pip install 'jax[cuda12]==<jax version>') and print memory, flops, bytes, "
                     "collectives, Pallas kernel resources and the compile time.")
     aot_parser.add_argument("--target", choices=("h100", "h200"), default="h100", help="GPU (default h100: H100 SXM)")
-    aot_parser.add_argument("--devices", type=int, default=1, help="devices in the node (default 1)")
+    aot_parser.add_argument("--devices", type=int, default=1, help="devices in all (default 1)")
+    aot_parser.add_argument("--hosts", type=int, default=1, help="nodes the devices are spread over (default 1)")
     model_source = aot_parser.add_mutually_exclusive_group(required=True)
     model_source.add_argument("--preset", help="a jaxspec.config preset, e.g. deepseek-v3.2")
     model_source.add_argument("--config", help="a Hugging Face config.json")

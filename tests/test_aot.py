@@ -34,6 +34,8 @@ def test_unknown_target_names_the_known_ones():
         aot.gpu_devices("a100")
     with pytest.raises(ValueError, match=r"num_devices=0: must be >= 1"):
         aot.gpu_devices("h200", 0)
+    with pytest.raises(ValueError, match=r"hosts=3: must be >= 1 and divide num_devices=16"):
+        aot.gpu_devices("h100", 16, hosts=3)
 
 
 def test_missing_plugin_says_what_to_install(monkeypatch):

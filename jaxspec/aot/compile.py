@@ -46,21 +46,27 @@ def _plugin_missing_error() -> RuntimeError:
     return RuntimeError(f"compiling for a GPU needs JAX's CUDA plugin: pip install 'jax[cuda12]=={jax.__version__}'")
 
 
-def gpu_devices(target: str = "h100", num_devices: int = 1, *, device_memory: int | None = None) -> list:
-    """`num_devices` abstract devices of `target` ("h100" or "h200") in one node (topology 1x1xN).
+def gpu_devices(target: str = "h100", num_devices: int = 1, *, device_memory: int | None = None,
+                hosts: int = 1) -> list:
+    """`num_devices` abstract devices of `target` ("h100" or "h200"), in one node or spread evenly
+    over `hosts` nodes (topology 1 x hosts x devices-per-host; a program over them is compiled as
+    the multi-process program each host would run).
 
     device_memory: bytes of memory per device in place of the GPU's own, to cost a program that
     does not fit. XLA squeezes a program into 80% of a device's memory by rematerializing
     (recomputing) values, and when the arguments alone exceed that it recomputes whatever it can:
     flops and bytes then grow with how far the program overflows, not with what it computes.
 
-    Raises ValueError for an unknown target, a device count below 1 or a device_memory below 1,
+    Raises ValueError for an unknown target, a device count below 1, hosts that do not divide it or
+    a device_memory below 1,
     RuntimeError naming the fix when the CUDA plugin is missing or could not register (see the
     module docstring).
     """
     config = target_config(target)
     if num_devices < 1:
         raise ValueError(f"num_devices={num_devices}: must be >= 1")
+    if hosts < 1 or num_devices % hosts:
+        raise ValueError(f"hosts={hosts}: must be >= 1 and divide num_devices={num_devices}")
     if device_memory is not None:
         if device_memory < 1:
             raise ValueError(f"device_memory={device_memory}: must be >= 1 (bytes) or None")
@@ -75,7 +81,7 @@ def gpu_devices(target: str = "h100", num_devices: int = 1, *, device_memory: in
 
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=config,
-                                                topology=f"1x1x{num_devices}")
+                                                topology=f"1x{hosts}x{num_devices // hosts}")
     except NotImplementedError:
         raise RuntimeError(
             "the CUDA plugin is installed but did not register in this process (no GPU driver): run with "
