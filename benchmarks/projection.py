@@ -3,6 +3,7 @@ the compiled step's own flops and bytes (`jaxspec.aot`) and a roofline.
 
     JAX_PLATFORMS=cpu python benchmarks/projection.py                         # the whole grid
     JAX_PLATFORMS=cpu python benchmarks/projection.py --batches 32 --contexts 4096 --drafts 0 3
+    JAX_PLATFORMS=cpu python benchmarks/projection.py --devices 8 --dtype fp8 --batches 32 --contexts 4096
 
 What is measured: for each batch B, context C and draft length k (0 = plain decoding, else an MTP
 chain of k), the decode step `jaxspec.loop._step` is compiled for sm_90a (one device, backend
@@ -33,9 +34,12 @@ ones take about 70 s together). `--validate N` repeats the check at N layers.
 What is projected: step time = max(bytes / HBM bandwidth, flops / peak bf16 tensor flops), both
 from XLA's GpuTargetConfig of the GPU (`jaxspec/targets/`: H100 SXM 3.35 TB/s, H200 4.8 TB/s;
 2 x 512 bf16 FMA per clock x 4 tensor cores x 132 SMs x 1.83 GHz = 989 TFLOP/s), as if one GPU
-held the whole model (it does not: 1.3 TB of bf16 weights; until issue 9 shards it there are no
-collectives to add, and an 8-GPU node would divide the bytes per GPU by about 8). Tokens/s per
-row = accepted length / step time; the speedup is over plain decoding at the same B and C.
+held the whole model (it does not: 1.3 TB of bf16 weights). With `--devices N` the step is
+compiled sharded over one node's N GPUs (`jaxspec.sharding`'s default plan, mesh 1 x N; add
+`--dtype fp8` for DeepSeek's FP8 weights as served): flops, bytes and the collectives' bytes are
+per GPU, and the collectives add their bytes / NVLink bandwidth (450 GB/s per direction, not
+overlapped with compute) to the step. Tokens/s per row = accepted length / step time; the
+speedup is over plain decoding at the same B and C.
 
 Accepted length (tokens per target call), two columns:
   * published: DeepSeek-V3 Technical Report (arXiv:2412.19437), section 5.4.3 "Multi-Token
@@ -57,6 +61,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model, depth_cost, reduced_depth
@@ -67,6 +72,10 @@ MEASURED_PER_POSITION = (0.89, 0.42, 0.36)
 # Per-device memory the programs are compiled for: more than any of them needs (1.3 TB of weights
 # plus at most 0.4 TB of cache at B = 128, ctx 32k), so XLA rematerializes nothing.
 DEVICE_MEMORY = 2 ** 50
+# NVLink 4 on H100 SXM and H200: 900 GB/s per GPU, both directions together (NVIDIA's H100 and
+# H200 datasheets); a collective's bytes leave each GPU at half of that.
+NVLINK_BYTES_PER_S = 450e9
+DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
 
 def target_peaks(target: str) -> tuple[float, float]:
@@ -115,22 +124,32 @@ def main() -> None:
                         help="our measured per-position acceptance a_1 .. a_k")
     parser.add_argument("--validate", type=int, nargs="+", default=[], metavar="LAYERS",
                         help="also compile these depths directly at the first grid point and compare")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="GPUs of one node the model is sharded over (jaxspec.sharding, default plan; "
+                             "default 1: one GPU holding everything)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights (fp8: DeepSeek's, kept)")
     args = parser.parse_args()
+    if args.devices < 1:
+        parser.error(f"--devices {args.devices}: must be >= 1")
     if max(args.drafts) > len(args.measured):
         parser.error(f"--measured gives {len(args.measured)} positions; --drafts asks for {max(args.drafts)}")
     # Both targets are sm_90a and, at the same device memory, differ only in HBM bandwidth (and the
     # cuDNN version): one compile serves both.
-    devices = aot.gpu_devices("h100", device_memory=DEVICE_MEMORY)
+    devices = aot.gpu_devices("h100", args.devices, device_memory=DEVICE_MEMORY)
+    sharded = dict(mesh_shape=(1, args.devices)) if args.devices > 1 else {}
     for layers in args.validate:
         validate(layers, args.batches[0], args.contexts[0], sorted(args.drafts)[-1], devices)
     peaks = {target: target_peaks(target) for target in ("h100", "h200")}
     full = preset("deepseek-v3.2")
     print("PROJECTION (roofline of the compiled step's flops and bytes; not a measurement)")
+    print(f"  {args.dtype} weights, " + (f"{args.devices} GPUs of one node (mesh 1x{args.devices}, plan dp; flops, bytes "
+                                         f"and collectives per GPU; collectives at NVLink {NVLINK_BYTES_PER_S / 1e9:.0f} "
+                                         "GB/s per direction, not overlapped)" if args.devices > 1 else "one GPU"))
     for target, (bandwidth, flops) in peaks.items():
         print(f"  {target}: HBM {bandwidth / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s (XLA GpuTargetConfig)")
     print(f"  accepted length: published p = {args.acceptance} per draft (DeepSeek-V3 report, section 5.4.3); "
           f"ours = 1 + {' + '.join(map(str, args.measured))} (tiny-stdlib model, README)")
-    header = (f"{'B':>4} {'ctx':>6} {'k':>2} {'TFLOP':>8} {'GB':>8} {'compile s':>9} | {'gpu':>4} {'step ms':>8} "
+    header = (f"{'B':>4} {'ctx':>6} {'k':>2} {'TFLOP':>8} {'GB':>8} {'coll GB':>7} {'compile s':>9} | {'gpu':>4} {'step ms':>8} "
               f"{'bound':>5} | {'len pub':>7} {'tok/s/row':>9} {'speedup':>7} | {'len ours':>8} {'tok/s/row':>9} {'speedup':>7}")
     print(header, flush=True)
     for batch, context in itertools.product(args.batches, args.contexts):
@@ -139,8 +158,8 @@ def main() -> None:
             point = f"B={batch} ctx={context} k={drafts}"
             try:
                 cost = depth_cost(full, DecodeConfig(num_draft=drafts, backend="pallas"), phase="decode", batch=batch,
-                                  context=context, devices=devices, on_compile=lambda name, seconds: progress(
-                                      f"{point}: {name} compiled in {seconds:.0f} s"))
+                                  context=context, devices=devices, dtype=DTYPES[args.dtype], **sharded,
+                                  on_compile=lambda name, seconds: progress(f"{point}: {name} compiled in {seconds:.0f} s"))
             except jax.errors.JaxRuntimeError as failed:  # a point XLA cannot compile: say so, go on
                 reason = str(failed).splitlines()[0]
                 progress(f"{point}: compile failed: {reason}")
@@ -149,13 +168,14 @@ def main() -> None:
             lengths = (accepted_length(args.acceptance ** j for j in range(1, drafts + 1)),
                        accepted_length(args.measured[:drafts]))
             for target, (bandwidth, peak) in peaks.items():
-                step = max(cost.bytes_accessed / bandwidth, cost.flops / peak)
+                step = max(cost.bytes_accessed / bandwidth, cost.flops / peak) + cost.collective_bytes / NVLINK_BYTES_PER_S
                 bound = "HBM" if cost.bytes_accessed / bandwidth >= cost.flops / peak else "flops"
                 rates = [length / step for length in lengths]
                 base = plain.setdefault(target, rates[0] if drafts == 0 else None)
                 speedups = [f"{r / base:.2f}x" if base else "-" for r in rates]
                 print(f"{batch:>4} {context:>6} {drafts:>2} {cost.flops / 1e12:>8.2f} "
-                      f"{cost.bytes_accessed / 1e9:>8.1f} {cost.compile_seconds:>9.0f} | {target:>4} {step * 1e3:>8.2f} {bound:>5} | {lengths[0]:>7.2f} "
+                      f"{cost.bytes_accessed / 1e9:>8.1f} {cost.collective_bytes / 1e9:>7.2f} {cost.compile_seconds:>9.0f} | "
+                      f"{target:>4} {step * 1e3:>8.2f} {bound:>5} | {lengths[0]:>7.2f} "
                       f"{rates[0]:>9.1f} {speedups[0]:>7} | {lengths[1]:>8.2f} {rates[1]:>9.1f} {speedups[1]:>7}",
                       flush=True)
 

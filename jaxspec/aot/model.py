@@ -35,7 +35,7 @@ from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
 
-from .analysis import program_cost
+from .analysis import collectives, program_cost
 from .compile import GpuCompiled, compile_gpu
 
 PHASES = ("prefill", "decode")
@@ -154,10 +154,12 @@ class DepthCost:
     flops: float
     bytes_accessed: float
     compile_seconds: float
+    collective_bytes: float = 0.0  # bytes the program's collectives produce (`collectives`), per device
 
 
 def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: int, context: int, devices: Sequence,
-               dtype=jnp.bfloat16, on_compile: Callable[[str, float], None] | None = None) -> DepthCost:
+               dtype=jnp.bfloat16, on_compile: Callable[[str, float], None] | None = None,
+               mesh_shape: tuple[int, int] | None = None, plan: str = sharding.DEFAULT_PLAN) -> DepthCost:
     """The cost of `compile_model(config, ...)` at full depth from three full-width compiles:
     A = one MoE layer, D = one dense + one MoE layer, M = two MoE layers (the MTP block, the
     embedding, the LM head and everything outside the layers are in each). Layers of a kind
@@ -168,7 +170,8 @@ def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: 
     devices: from `gpu_devices(..., device_memory=)` with room for the whole program. On a device
     the program overflows, XLA recomputes values to save memory, by an amount that depends on the
     overflow rather than on the layers: raises RuntimeError when a shallow compile was
-    rematerialized. on_compile(name, seconds) is called after each compile (progress).
+    rematerialized. on_compile(name, seconds) is called after each compile (progress). mesh_shape /
+    plan: as for `compile_model`; the costs are then per device, collectives included.
     Raises ValueError for a config without MoE layers (and as `compile_model`).
     """
     dense = config.first_k_dense_replace
@@ -179,17 +182,16 @@ def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: 
     costs, seconds = [], 0.0
     for name, layers, dense_layers in SHALLOW_MODELS:
         compiled = compile_model(config.replace(num_hidden_layers=layers, first_k_dense_replace=dense_layers),
-                                 decode, phase=phase, batch=batch, context=context, devices=devices, dtype=dtype)
+                                 decode, phase=phase, batch=batch, context=context, devices=devices, dtype=dtype,
+                                 mesh_shape=mesh_shape, plan=plan)
         cost = program_cost(compiled)
         if cost.rematerialized:
             raise RuntimeError(f"{name}: XLA rematerialized {cost.rematerialized} instructions to fit the "
                                "device's memory; pass devices from gpu_devices(..., device_memory=) with room for "
                                "the program")
-        costs.append((cost.flops, cost.bytes_accessed))
+        costs.append((cost.flops, cost.bytes_accessed, sum(c.bytes for c in collectives(compiled))))
         seconds += compiled.compile_seconds
         if on_compile is not None:
             on_compile(name, compiled.compile_seconds)
-    (flops_a, bytes_a), (flops_d, bytes_d), (flops_m, bytes_m) = costs
-    return DepthCost(flops=flops_a + dense * (flops_d - flops_a) + (moe - 1) * (flops_m - flops_a),
-                     bytes_accessed=bytes_a + dense * (bytes_d - bytes_a) + (moe - 1) * (bytes_m - bytes_a),
-                     compile_seconds=seconds)
+    full = [a + dense * (d - a) + (moe - 1) * (m - a) for a, d, m in zip(*costs)]
+    return DepthCost(flops=full[0], bytes_accessed=full[1], collective_bytes=full[2], compile_seconds=seconds)
