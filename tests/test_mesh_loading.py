@@ -1,6 +1,6 @@
 """Loading onto a mesh: on 8 virtual CPU devices (a subprocess, so the rest of the suite keeps one
 device), a Hugging Face checkpoint (`load_hf_checkpoint(..., mesh=)`, `jaxspec.mesh_loading`) and an
-orbax save (`restore_model(..., mesh=)`) load into the default plan's shards (routed experts split
+orbax save (`restore_model(..., mesh=)`; `save_model` of a sharded model) load into the default plan's shards (routed experts split
 8 ways, the rest whole) with exactly the values of a one-device load: FP8 kept or dequantized,
 per-expert or transformers' fused experts; and each expert's tensors are read once, not once per
 device."""
@@ -52,6 +52,12 @@ for directory, dtype in [("fp8", ml_dtypes.float8_e4m3fn), ("fp8", jnp.bfloat16)
         blocks = {s.data.shape for s in value.addressable_shards}
         expected = (value.shape[0] // 8, *value.shape[1:]) if ".experts_" in name else value.shape
         assert blocks == {expected}, (directory, name, blocks)
+# orbax saves a sharded model as it restores one: each device writes its block.
+save_model(split, root / "resaved")
+resaved = params_of(load_model(root / "resaved", dtype=dtype, log=quiet))
+assert resaved.keys() == whole.keys()
+for name, value in resaved.items():
+    assert value.dtype == whole[name].dtype and (value == whole[name]).all(), ("resaved", name)
 print("ok")
 """
 

@@ -15,7 +15,7 @@ PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy"), list(b"zq")]
 def test_generate_pallas_equals_xla(model_name, request):
     """MTP k = 3: V3.2 runs the indexer and sparse-MLA kernels, V3 the dense MLA kernel."""
     model = request.getfixturevalue(model_name)
-    results = {backend: generate(model, PROMPTS, DecodeConfig(num_draft=3, max_new_tokens=24, page_size=8,
+    results = {backend: generate(model, PROMPTS, DecodeConfig(num_draft=3, max_new_tokens=16, page_size=8,
                                                               backend=backend))
                for backend in ("xla", "pallas")}
     np.testing.assert_array_equal(np.asarray(results["pallas"].tokens), np.asarray(results["xla"].tokens))
