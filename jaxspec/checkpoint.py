@@ -58,7 +58,7 @@ from jaxspec import fp8, sharding, shards
 from jaxspec.config import ModelConfig
 from jaxspec.mesh_loading import load_onto_mesh
 from jaxspec.models import DeepseekV3
-from jaxspec.orbax_io import PARAMS_DIR, abstract_model, restore_model
+from jaxspec.orbax_io import PARAMS_DIR, abstract_model, param_placement, restore_model
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -310,13 +310,12 @@ def _mtp_setting(config: ModelConfig, tensors: Mapping[str, shards.TensorInfo], 
 
 
 def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
-                       plan: str | None = None, log: Callable[[str], None] = _stderr) -> DeepseekV3:
+                       plan: str = sharding.DEFAULT_PLAN, log: Callable[[str], None] = _stderr) -> DeepseekV3:
     """Build the model `directory/config.json` describes and fill it from the directory's safetensors.
 
     dtype: the parameters' dtype (the MoE router stays float32, as the model declares it);
     `jnp.float8_e4m3fn` keeps the checkpoint's FP8 weights and their scales (module docstring).
-    mesh: load onto this `jaxspec.sharding` mesh, each parameter split as `plan` says (None:
-    `jaxspec.sharding.DEFAULT_PLAN`), every device receiving only its block (`jaxspec.mesh_loading`).
+    mesh: load onto this `jaxspec.sharding` mesh, each parameter split as `plan` says, every device receiving only its block (`jaxspec.mesh_loading`).
     log: receives the progress lines (default: stderr). Raises ValueError, before reading any tensor
     data, when the checkpoint does not match its config.
     """
@@ -350,9 +349,7 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32, mesh:
         f"{'FP8 weights kept, bfloat16 elsewhere' if keep_fp8 else jnp.dtype(dtype)}")
 
     if mesh is not None:
-        placement = sharding.param_shardings(state, mesh, sharding.DEFAULT_PLAN if plan is None else plan)
-        placement = {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(placement)}
-        values = load_onto_mesh(reads.loads, tensors, specs, placement, block, log)
+        values = load_onto_mesh(reads.loads, tensors, specs, param_placement(state, mesh, plan), block, log)
         return _merged(graphdef, state, values)
     values: dict[str, jax.Array] = {}
     start = time.perf_counter()
@@ -391,7 +388,7 @@ def is_orbax_checkpoint(directory: str | os.PathLike) -> bool:
 
 
 def load_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
-               plan: str | None = None, log: Callable[[str], None] = _stderr) -> DeepseekV3:
+               plan: str = sharding.DEFAULT_PLAN, log: Callable[[str], None] = _stderr) -> DeepseekV3:
     """A model from either kind of directory: converted (orbax, fast) or Hugging Face safetensors;
     onto `mesh`, split as `plan` says, when one is given (see `load_hf_checkpoint`, `restore_model`)."""
     if is_orbax_checkpoint(directory):

@@ -44,6 +44,13 @@ def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State,
     return graphdef, state, {_param_name(path): variable for path, variable in nnx.to_flat_state(state)}
 
 
+def param_placement(state: nnx.State, mesh: jax.sharding.Mesh, plan: str) -> dict[str, jax.sharding.Sharding]:
+    """Each parameter's sharding on `mesh` under `plan` (`jaxspec.sharding.param_shardings`), by
+    dotted path: the form both loaders address parameters by."""
+    shardings = sharding.param_shardings(state, mesh, plan)
+    return {_param_name(path): variable.get_value() for path, variable in nnx.to_flat_state(shardings)}
+
+
 def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -> None:
     """Write `model`'s config and parameters to `directory` (created; an existing save is replaced).
 
@@ -68,7 +75,7 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
 
 
 def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
-                  plan: str | None = None) -> DeepseekV3:
+                  plan: str = sharding.DEFAULT_PLAN) -> DeepseekV3:
     """Build the model `directory/config.json` describes and load its parameters.
 
     The model is built abstractly (`nnx.eval_shape`, no random init), then every parameter is read
@@ -76,8 +83,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
     weights; the MoE router stays float32). Raises `ValueError` listing every missing, unexpected
     or mis-shaped parameter when the checkpoint does not match the config.
 
-    mesh: a `jaxspec.sharding` mesh to restore onto, each parameter split as `plan` says (None:
-    `jaxspec.sharding.DEFAULT_PLAN`): orbax reads each device's slice straight into it, so no
+    mesh: a `jaxspec.sharding` mesh to restore onto, each parameter split as `plan` says: orbax reads each device's slice straight into it, so no
     device (and, on several hosts, no process) ever holds more than its own shards. None: the
     whole model on this process's first device.
     """
@@ -93,8 +99,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         placement = dict.fromkeys(expected, device)
     else:
-        shardings = sharding.param_shardings(abstract_state, mesh, sharding.DEFAULT_PLAN if plan is None else plan)
-        placement = {_param_name(path): variable.get_value() for path, variable in nnx.to_flat_state(shardings)}
+        placement = param_placement(abstract_state, mesh, plan)
 
     with ocp.StandardCheckpointer() as checkpointer:
         stored = dict(checkpointer.metadata(params_path).item_metadata)

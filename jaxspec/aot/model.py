@@ -24,9 +24,8 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.config import DecodeConfig, ModelConfig
 from jaxspec.generation import required_capacity
@@ -110,12 +109,10 @@ def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: st
                      devices: Sequence, dump_dir, fail_on_spill: bool, mesh_shape: tuple[int, int], plan: str):
     """`compile_model` on a (data, model) mesh of `devices`: `jaxspec.loop`'s mesh programs with
     every argument placed as `generate` places it."""
-    data, width = mesh_shape
-    if data < 1 or width < 1 or data * width != len(devices):
-        raise ValueError(f"mesh_shape={tuple(mesh_shape)}: needs two sizes >= 1 whose product is the "
-                         f"{len(devices)} devices")
-    mesh = Mesh(np.array(devices).reshape(data, width), sharding.MESH_AXES)
-    sharding.check_mesh(mesh, plan)
+    if len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != len(devices):
+        raise ValueError(f"mesh_shape={tuple(mesh_shape)}: needs two sizes whose product is the {len(devices)} devices")
+    mesh = sharding.make_mesh(*mesh_shape, devices=devices)
+    sharding.check_plan(plan)
     shards = sharding.row_shards(mesh, plan)
     padded = -(-batch // shards) * shards
     params = _placed(params, sharding.param_shardings(params, mesh, plan))
