@@ -1,0 +1,198 @@
+"""DeepSeek-V4 attention: a sliding window over a ring of recent K=V entries, plus compressed entries
+(CSA's top-k or HCA's dense prefix) and per-query extra keys, with per-head attention sinks.
+
+Shared-KV multi-query attention: one `[D]` entry per key serves as key and value for all H heads
+(D = 512 for V4). Head h of token (b, q) at position p = positions[b, q] scores key k as
+`scale * q[b, q, h] . k` over its visible keys:
+
+  * ring slots (the sliding window). Slot s of row b lives at ring index `s % R` of the row's ring
+    pages, R = window_pages.shape[1] * page. The token sees a slot s whose key position is in
+    `(p - sliding_window, p]` and that is either committed (`s < prefix_len`, key position s) or the
+    window slot `prefix_len + j` of one of its ancestors j (chain: j <= q; tree: tree_mask[b, q, j];
+    key position positions[b, j]). This is transformers' sliding mask `kv_pos > q_pos - window`.
+    The ring needs `R >= sliding_window - 1 + Q` so that the window's own writes never overwrite a
+    slot some token of the call can still see (checked, ValueError otherwise);
+  * compressed entries: entry numbers `compressed_indices[b, q, :]` (-1 skipped: CSA's indexer
+    top-k, already restricted to the entries the token may see) or entries `[0,
+    compressed_count[b, q])` (HCA), read through `compressed_pages`; numbers past the row's entry
+    pages are skipped;
+  * extra keys `extra_kv[b, q, x]` where `extra_valid[b, q, x]` (entries a tree branch closed in the
+    window, computed by the caller).
+
+The softmax runs in float32 over those keys plus the head's sink logit, which adds `exp(sink_h)` to
+the denominator only (transformers' `eager_attention_forward` for DeepSeek-V4), so a token that
+sees no key at all returns 0, as do padding tokens (q >= query_len). The output keeps the rope
+dims rotated: the model applies the inverse rotation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .backend import interpret_mode, resolve_backend
+from .paged import gather_rows, read_slots
+from .visibility import Visibility, query_valid
+
+
+def _check_shape(name: str, array, shape: tuple, *, integer: bool = False, boolean: bool = False):
+    """ValueError naming `name` unless `array.shape == shape` (None in `shape` = any extent)."""
+    if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} has shape {tuple(array.shape)}: must be {wanted}")
+    if integer and not jnp.issubdtype(array.dtype, jnp.integer):
+        raise ValueError(f"{name} has dtype {array.dtype}: must be an integer type")
+    if boolean and array.dtype != jnp.bool_:
+        raise ValueError(f"{name} has dtype {array.dtype}: must be bool")
+
+
+def check_arguments(q, window_kv, window_pages, positions, vis: Visibility, sinks, *, sliding_window: int,
+                    compressed_kv=None, compressed_pages=None, compressed_indices=None, compressed_count=None,
+                    extra_kv=None, extra_valid=None) -> None:
+    """Every shape and option rule of `sliding_compressed_attention`, checked from static shapes
+    (so before tracing); ValueError naming the argument otherwise."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: must be [B, Q, H, D]")
+    batch, num_queries, heads, dim = q.shape
+    _check_shape("window_kv", window_kv, (None, None, dim))
+    _check_shape("window_pages", window_pages, (batch, None), integer=True)
+    _check_shape("positions", positions, (batch, num_queries), integer=True)
+    _check_shape("vis.prefix_len", vis.prefix_len, (batch,), integer=True)
+    _check_shape("vis.query_len", vis.query_len, (batch,), integer=True)
+    if vis.tree_mask is not None:
+        _check_shape("vis.tree_mask", vis.tree_mask, (batch, num_queries, num_queries), boolean=True)
+    _check_shape("sinks", sinks, (heads,))
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r}: must be an int >= 1")
+    ring = window_pages.shape[1] * window_kv.shape[1]
+    if ring < sliding_window - 1 + num_queries:
+        raise ValueError(f"ring capacity R = window_pages.shape[1] * page = {ring}: must be >= sliding_window - 1 "
+                         f"+ Q = {sliding_window - 1 + num_queries} (room for a whole window and a call's tokens)")
+    if compressed_kv is None:
+        if compressed_pages is not None or compressed_indices is not None or compressed_count is not None:
+            raise ValueError("compressed_pages / compressed_indices / compressed_count given without compressed_kv")
+    else:
+        if (compressed_indices is None) == (compressed_count is None):
+            raise ValueError("with compressed_kv, give exactly one of compressed_indices (CSA) and "
+                             "compressed_count (HCA)")
+        if compressed_pages is None:
+            raise ValueError("compressed_kv needs compressed_pages [B, E // page]")
+        _check_shape("compressed_kv", compressed_kv, (None, None, dim))
+        _check_shape("compressed_pages", compressed_pages, (batch, None), integer=True)
+        if compressed_indices is not None:
+            _check_shape("compressed_indices", compressed_indices, (batch, num_queries, None), integer=True)
+        else:
+            _check_shape("compressed_count", compressed_count, (batch, num_queries), integer=True)
+    if (extra_kv is None) != (extra_valid is None):
+        raise ValueError("give extra_kv and extra_valid together")
+    if extra_kv is not None:
+        _check_shape("extra_kv", extra_kv, (batch, num_queries, None, dim))
+        _check_shape("extra_valid", extra_valid, (batch, num_queries, extra_kv.shape[2]), boolean=True)
+
+
+def ring_visible(positions: jax.Array, vis: Visibility, ring: int, *, sliding_window: int) -> jax.Array:
+    """[B, Q, R] bool: token (b, q) sees the entry at ring index r (the definition above).
+
+    Ring index r holds the newest slot `s_r = r (mod R)` below `prefix_len + Q` (the call's writes
+    end there); R >= sliding_window - 1 + Q makes every slot a token may see one of those.
+    """
+    num_queries = positions.shape[1]
+    r = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
+    prefix = vis.prefix_len[:, None, None]
+    end = prefix + num_queries
+    slot = r + ring * jnp.floor_divide(end - 1 - r, ring)  # [B, 1, R], may be < 0 (never written)
+    window = slot - prefix  # window index of the slot; negative for committed slots
+    j = jnp.clip(window, 0, num_queries - 1)
+    if vis.tree_mask is None:
+        ancestor = window <= jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]
+    else:
+        ancestor = jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(j, vis.tree_mask.shape[:2] + (ring,)), axis=2)
+    in_window = ancestor & (window < vis.query_len[:, None, None])
+    key_position = jnp.where(window < 0, slot, jnp.take_along_axis(positions, j[:, 0], axis=1)[:, None, :])
+    recent = key_position > positions[:, :, None] - sliding_window
+    return (slot >= 0) & jnp.where(window < 0, True, in_window) & recent & query_valid(vis, num_queries)[:, :, None]
+
+
+def _scores(q: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
+    """q [B, Q, H, D] float32, keys [B, Q|1, S, D] -> scale * q . k, [B, Q, H, S] float32."""
+    return jnp.einsum("bqhd,bqsd->bqhs", q, keys.astype(jnp.float32)) * scale
+
+
+def sliding_compressed_attention_reference(q, window_kv, window_pages, positions, vis: Visibility, sinks, *,
+                                           sliding_window: int, scale: float, compressed_kv=None,
+                                           compressed_pages=None, compressed_indices=None, compressed_count=None,
+                                           extra_kv=None, extra_valid=None):
+    """The definition of `sliding_compressed_attention` (pure jnp). Same arguments and result."""
+    check_arguments(q, window_kv, window_pages, positions, vis, sinks, sliding_window=sliding_window,
+                    compressed_kv=compressed_kv, compressed_pages=compressed_pages,
+                    compressed_indices=compressed_indices, compressed_count=compressed_count, extra_kv=extra_kv,
+                    extra_valid=extra_valid)
+    batch, num_queries = q.shape[:2]
+    valid = query_valid(vis, num_queries)[:, :, None]  # [B, Q, 1]
+    ring_kv = gather_rows(window_kv, window_pages)[:, None]  # [B, 1, R, D]
+    keys = [(ring_kv, ring_visible(positions, vis, ring_kv.shape[2], sliding_window=sliding_window))]
+    if compressed_indices is not None:
+        capacity = compressed_pages.shape[1] * compressed_kv.shape[1]
+        entries = read_slots(compressed_kv, compressed_pages, compressed_indices.reshape(batch, -1))
+        entries = entries.reshape(*compressed_indices.shape, -1)  # [B, Q, K, D]
+        keys.append((entries, (compressed_indices >= 0) & (compressed_indices < capacity) & valid))
+    elif compressed_count is not None:
+        entries = gather_rows(compressed_kv, compressed_pages)[:, None]  # [B, 1, E, D]
+        number = jnp.arange(entries.shape[2], dtype=jnp.int32)[None, None, :]
+        keys.append((entries, (number < compressed_count[:, :, None]) & valid))
+    if extra_kv is not None:
+        keys.append((extra_kv, extra_valid & valid))
+
+    qf = q.astype(jnp.float32)
+    scores = jnp.concatenate([_scores(qf, kv, scale) for kv, _ in keys], axis=-1)  # [B, Q, H, S]
+    mask = jnp.concatenate([m for _, m in keys], axis=-1)[:, :, None, :]  # [B, Q, 1, S]
+    sink = sinks.astype(jnp.float32)[None, None, :, None]  # [1, 1, H, 1]
+    row_max = jnp.maximum(jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True), sink)
+    probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - row_max)[..., 0]  # the sink: denominator only
+    values = [jnp.einsum("bqhs,bqsd->bqhd", p, kv.astype(jnp.float32))
+              for p, (kv, _) in zip(jnp.split(probs, _offsets(keys), axis=-1), keys)]
+    return (sum(values) / denom[..., None]).astype(q.dtype)
+
+
+def _offsets(keys) -> list[int]:
+    """Split points of the concatenated key axis between the key sets."""
+    sizes = [kv.shape[2] for kv, _ in keys]
+    return [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+
+
+def sliding_compressed_attention(q, window_kv, window_pages, positions, vis: Visibility, sinks, *,
+                                 sliding_window: int, scale: float, compressed_kv=None, compressed_pages=None,
+                                 compressed_indices=None, compressed_count=None, extra_kv=None, extra_valid=None,
+                                 backend: str = "auto"):
+    """DeepSeek-V4 shared-KV attention over the sliding-window ring, compressed entries and extra keys.
+
+    Args:
+      q: [B, Q, H, D] queries (after q_b_norm and RoPE on their last rope dims).
+      window_kv: [P, page, D] the ring pages (K = V, after kv_norm and RoPE).
+      window_pages: [B, R // page] int32, the ring's page table; R >= sliding_window - 1 + Q.
+      positions: [B, Q] int32, each token's position (slot = position for committed tokens and a
+        chain; prefix_len + depth in a tree).
+      vis: Visibility(prefix_len [B], query_len [B], tree_mask [B, Q, Q] or None).
+      sinks: [H] per-head attention-sink logits.
+      sliding_window: keys at positions in (p - sliding_window, p] are in the window.
+      scale: multiplies the scores.
+      compressed_kv: [Pc, page, D] compressed entries (K = V), or None for a sliding-only layer;
+        compressed_pages: [B, E // page] int32; exactly one of compressed_indices [B, Q, K] int32
+        (entry numbers, -1 = skip: CSA) and compressed_count [B, Q] int32 (entries [0, count): HCA).
+      extra_kv: [B, Q, X, D] per-query extra keys with extra_valid [B, Q, X] bool (trees), or None.
+      backend: "xla" (reference), "pallas" or "auto".
+
+    Returns:
+      [B, Q, H, D] in q's dtype; 0 for padding tokens and tokens that see no key.
+    """
+    kwargs = dict(sliding_window=sliding_window, scale=scale, compressed_kv=compressed_kv,
+                  compressed_pages=compressed_pages, compressed_indices=compressed_indices,
+                  compressed_count=compressed_count, extra_kv=extra_kv, extra_valid=extra_valid)
+    check_arguments(q, window_kv, window_pages, positions, vis, sinks,
+                    **{k: v for k, v in kwargs.items() if k != "scale"})
+    if resolve_backend(backend) == "pallas":
+        from .sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
+        return sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, vis, sinks,
+                                                   interpret=interpret_mode(), **kwargs)
+    return sliding_compressed_attention_reference(q, window_kv, window_pages, positions, vis, sinks, **kwargs)

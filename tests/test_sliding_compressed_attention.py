@@ -1,0 +1,215 @@
+"""DeepSeek-V4's sliding-window + compressed attention: the reference against a naive numpy loop
+that builds every token's key list by hand (ring slots by the sliding-window rule, compressed
+entries by number or count, extra keys; softmax with the sink in the denominator, as transformers'
+`eager_attention_forward`), then the Pallas kernel against the reference."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention, sliding_compressed_attention_reference
+
+
+class Case(NamedTuple):
+    """Numpy inputs of one call, and how to run it."""
+
+    q: np.ndarray  # [B, Q, H, D]
+    window_kv: np.ndarray  # [P, page, D]
+    window_pages: np.ndarray  # [B, R // page]
+    positions: np.ndarray  # [B, Q]
+    prefix_len: np.ndarray  # [B]
+    query_len: np.ndarray  # [B]
+    ancestors: np.ndarray  # [B, Q, Q] bool
+    is_tree: bool
+    sinks: np.ndarray  # [H]
+    sliding_window: int
+    scale: float
+    compressed_kv: np.ndarray | None  # [Pc, page, D]
+    compressed_pages: np.ndarray | None  # [B, E // page]
+    compressed_indices: np.ndarray | None  # [B, Q, K]
+    compressed_count: np.ndarray | None  # [B, Q]
+    extra_kv: np.ndarray | None  # [B, Q, X, D]
+    extra_valid: np.ndarray | None  # [B, Q, X]
+
+    def args(self, dtype):
+        """(positional args, keyword args) for the op, as jnp arrays in `dtype`."""
+        tree = jnp.asarray(self.ancestors) if self.is_tree else None
+        vis = Visibility(jnp.asarray(self.prefix_len), jnp.asarray(self.query_len), tree)
+        cast = lambda x: None if x is None else jnp.asarray(x, dtype)  # noqa: E731
+        keep = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+        args = (cast(self.q), cast(self.window_kv), jnp.asarray(self.window_pages), jnp.asarray(self.positions), vis,
+                jnp.asarray(self.sinks, jnp.float32))
+        kwargs = dict(sliding_window=self.sliding_window, scale=self.scale, compressed_kv=cast(self.compressed_kv),
+                      compressed_pages=keep(self.compressed_pages), compressed_indices=keep(self.compressed_indices),
+                      compressed_count=keep(self.compressed_count), extra_kv=cast(self.extra_kv),
+                      extra_valid=keep(self.extra_valid))
+        return args, kwargs
+
+
+def make_case(rng, *, batch=4, num_queries=4, heads=4, dim=32, page=4, ring_pages=4, window=8, tree=False,
+              compressed="indices", entry_pages=3, topk=6, extra=0) -> Case:
+    """Rows cycle through: a long context (ring wrapped many times), a row with padding tokens, an
+    empty row (query_len 0), a short context (ring not yet full). Page tables are random
+    permutations; pages no row owns are NaN, so reading outside a row's pages shows."""
+    ring = ring_pages * page
+    prefix, query_len = [], []
+    for b in range(batch):
+        kind = b % 4
+        prefix.append([int(rng.integers(3 * ring, 5 * ring)), int(rng.integers(1, 2 * ring)),
+                       int(rng.integers(0, 2 * ring)), int(rng.integers(0, 3))][kind])
+        query_len.append([num_queries, int(rng.integers(1, num_queries + 1)), 0, num_queries][kind])
+    ancestors = np.zeros((batch, num_queries, num_queries), bool)
+    positions = np.zeros((batch, num_queries), np.int32)
+    for b in range(batch):
+        parent = [-1] + [int(rng.integers(0, j)) if tree else j - 1 for j in range(1, num_queries)]
+        for q in range(num_queries):
+            node, depth = q, -1
+            while node >= 0:
+                ancestors[b, q, node] = True
+                node, depth = parent[node], depth + 1
+            positions[b, q] = prefix[b] + depth
+
+    def pages(count):
+        total = batch * count + 2
+        table = rng.permutation(total)[:batch * count].reshape(batch, count).astype(np.int32)
+        kv = rng.normal(size=(total, page, dim)).astype(np.float32)
+        kv[np.setdiff1d(np.arange(total), table)] = np.nan
+        return kv, table
+
+    window_kv, window_pages = pages(ring_pages)
+    compressed_kv = compressed_pages = indices = count = None
+    if compressed is not None:
+        compressed_kv, compressed_pages = pages(entry_pages)
+        entries = entry_pages * page
+        if compressed == "indices":  # some -1, some past the row's pages (both skipped)
+            indices = rng.integers(-1, entries + 2, size=(batch, num_queries, topk)).astype(np.int32)
+        else:
+            count = rng.integers(0, entries + 1, size=(batch, num_queries)).astype(np.int32)
+    extra_kv = extra_valid = None
+    if extra:
+        extra_kv = rng.normal(size=(batch, num_queries, extra, dim)).astype(np.float32)
+        extra_valid = rng.random((batch, num_queries, extra)) < 0.6
+    return Case(rng.normal(size=(batch, num_queries, heads, dim)).astype(np.float32), window_kv, window_pages,
+                positions, np.array(prefix, np.int32), np.array(query_len, np.int32), ancestors, tree,
+                rng.normal(size=heads).astype(np.float32), window, dim ** -0.5, compressed_kv, compressed_pages,
+                indices, count, extra_kv, extra_valid)
+
+
+def naive(case: Case) -> np.ndarray:
+    """Per token: its key list from the data model (the contract's words), then a float64 softmax
+    whose denominator also holds exp(sink)."""
+    batch, num_queries, heads, dim = case.q.shape
+    page = case.window_kv.shape[1]
+    ring = case.window_pages.shape[1] * page
+    out = np.zeros(case.q.shape)
+
+    def read(kv, table, b, slot):
+        return kv[table[b, slot // page], slot % page]
+
+    for b, q in np.ndindex(batch, num_queries):
+        if q >= case.query_len[b]:
+            continue
+        p, prefix = int(case.positions[b, q]), int(case.prefix_len[b])
+        keys = [read(case.window_kv, case.window_pages, b, s % ring)
+                for s in range(max(0, p - case.sliding_window + 1), prefix)]
+        keys += [read(case.window_kv, case.window_pages, b, (prefix + j) % ring) for j in range(case.query_len[b])
+                 if case.ancestors[b, q, j] and case.positions[b, j] > p - case.sliding_window]
+        if case.compressed_kv is not None:
+            entries = case.compressed_pages.shape[1] * page
+            numbers = (case.compressed_indices[b, q] if case.compressed_indices is not None
+                       else range(case.compressed_count[b, q]))
+            keys += [read(case.compressed_kv, case.compressed_pages, b, int(e)) for e in numbers if 0 <= e < entries]
+        if case.extra_kv is not None:
+            keys += [k for k, v in zip(case.extra_kv[b, q], case.extra_valid[b, q]) if v]
+        keys = np.array(keys, np.float64).reshape(-1, dim)
+        logits = case.q[b, q].astype(np.float64) @ keys.T * case.scale  # [H, S]
+        top = np.maximum(logits.max(axis=1, initial=-np.inf), case.sinks)[:, None]
+        weights = np.exp(logits - top)
+        out[b, q] = weights @ keys / (weights.sum(axis=1, keepdims=True) + np.exp(case.sinks[:, None] - top))
+    return out
+
+
+def run(case: Case, dtype=jnp.float32, backend="xla", **options):
+    args, kwargs = case.args(dtype)
+    op = functools.partial(sliding_compressed_attention, backend=backend, **kwargs, **options)
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(op)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference is the definition: against the naive loop
+# ----------------------------------------------------------------------------------------------
+
+REFERENCE_CASES = {
+    "chain-csa": dict(),
+    "tree-csa-extra": dict(tree=True, num_queries=5, extra=3, ring_pages=4),
+    "chain-hca": dict(compressed="count"),
+    "tree-hca-extra": dict(tree=True, compressed="count", extra=2),
+    "sliding-only": dict(compressed=None, num_queries=1, window=13),
+    "window-past-ring-start": dict(num_queries=6, window=11, page=8, ring_pages=2),  # R = W - 1 + Q exactly
+}
+
+
+@pytest.mark.parametrize("options", REFERENCE_CASES.values(), ids=REFERENCE_CASES.keys())
+def test_reference_matches_naive(options):
+    case = make_case(np.random.default_rng(1), **options)
+    got = np.asarray(run(case))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, naive(case), rtol=1e-5, atol=1e-5)
+    padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
+    assert padding.any() and (got[padding] == 0).all()
+
+
+def test_reference_token_seeing_nothing_returns_zero():
+    """A tree token that is not its own ancestor sees no ring slot; with no entries and no extra
+    keys it sees nothing: 0, not NaN, whatever the sink."""
+    case = make_case(np.random.default_rng(2), batch=1, num_queries=2, tree=True, compressed=None)
+    ancestors = case.ancestors.copy()
+    ancestors[0, 1] = False
+    case = case._replace(ancestors=ancestors, prefix_len=np.zeros(1, np.int32), query_len=np.array([2], np.int32),
+                         positions=np.array([[0, 1]], np.int32))
+    got = np.asarray(run(case))
+    np.testing.assert_array_equal(got[0, 1], 0)
+    np.testing.assert_allclose(got, naive(case), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_sink_only_scales_the_output():
+    """One visible key of value v: softmax with the sink gives v * 1 / (1 + exp(sink - score))."""
+    case = make_case(np.random.default_rng(3), batch=1, num_queries=1, heads=2, compressed=None, window=1)
+    case = case._replace(prefix_len=np.array([5], np.int32), positions=np.array([[5]], np.int32))
+    got = np.asarray(run(case))[0, 0]
+    page = case.window_kv.shape[1]
+    ring = case.window_pages.shape[1] * page
+    key = case.window_kv[case.window_pages[0, (5 % ring) // page], 5 % page]
+    score = case.q[0, 0] @ key * case.scale
+    np.testing.assert_allclose(got, key[None, :] / (1 + np.exp(case.sinks - score))[:, None], rtol=1e-5)
+
+
+def test_bad_arguments_raise_value_errors():
+    case = make_case(np.random.default_rng(4), compressed="indices")
+    args, kwargs = case.args(jnp.float32)
+    call = functools.partial(sliding_compressed_attention_reference, *args)
+    with pytest.raises(ValueError, match=r"ring capacity R = .* = 16: must be >= sliding_window - 1 \+ Q = 17"):
+        call(**{**kwargs, "sliding_window": 14})
+    with pytest.raises(ValueError, match="exactly one of compressed_indices"):
+        call(**{**kwargs, "compressed_count": jnp.zeros((4, 4), jnp.int32)})
+    with pytest.raises(ValueError, match="compressed_kv needs compressed_pages"):
+        call(**{**kwargs, "compressed_pages": None})
+    with pytest.raises(ValueError, match="without compressed_kv"):
+        call(**{**kwargs, "compressed_kv": None})
+    with pytest.raises(ValueError, match="extra_kv and extra_valid together"):
+        call(**{**kwargs, "extra_kv": jnp.zeros((4, 4, 2, 32))})
+    with pytest.raises(ValueError, match=r"sinks has shape \(3,\): must be \[4\]"):
+        sliding_compressed_attention_reference(*args[:5], jnp.zeros(3), **kwargs)
+    with pytest.raises(ValueError, match=r"window_kv has shape .*: must be \[\*, \*, 32\]"):
+        sliding_compressed_attention_reference(args[0], args[1][..., :16], *args[2:], **kwargs)
+    with pytest.raises(ValueError, match="sliding_window=0: must be an int >= 1"):
+        call(**{**kwargs, "sliding_window": 0})
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        sliding_compressed_attention(*args, **kwargs, backend="gpu")
