@@ -78,6 +78,24 @@ def load_latent(cache_ref, rows, readable, dims: LatentDims):
     return latent.astype(dims.dtype), rope_key.astype(dims.dtype)
 
 
+def online_softmax_step(carry, scores, values):
+    """One tile of an online softmax.
+
+    carry: (running max [BM], denominator [BM], unnormalised output [BM, Dv]) float32; scores
+    [BM, BN] float32, -inf where a row does not see the key; values [BN, Dv] -> the updated carry.
+    """
+    row_max, denom, acc = carry
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+    # A row that has seen nothing yet keeps max -inf; shifting by 0 instead keeps exp() at 0, not NaN.
+    shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+    probs = jnp.exp(scores - shift[:, None])
+    rescale = jnp.exp(row_max - shift)
+    denom = denom * rescale + jnp.sum(probs, axis=1)
+    # Probabilities go to the tensor cores in the cache dtype (bf16), accumulating in float32.
+    acc = acc * rescale[:, None] + dot_nn(probs.astype(values.dtype), values)
+    return new_max, denom, acc
+
+
 def attend_tiles(queries, cache_ref, tile, lo, hi, softmax_scale: float, dims: LatentDims):
     """Online-softmax attention of `queries` over tiles [lo, hi).
 
@@ -89,20 +107,10 @@ def attend_tiles(queries, cache_ref, tile, lo, hi, softmax_scale: float, dims: L
     block_m = q_nope.shape[0]
 
     def step(t, carry):
-        row_max, denom, acc = carry
         rows, readable, sees = tile(t)
         latent, rope_key = load_latent(cache_ref, rows, readable, dims)
         scores = (dot_nt(q_nope, latent) + dot_nt(q_rope, rope_key)) * softmax_scale
-        scores = jnp.where(sees, scores, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-        # A row that has seen nothing yet keeps max -inf; shifting by 0 instead keeps exp() at 0, not NaN.
-        shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
-        probs = jnp.exp(scores - shift[:, None])
-        rescale = jnp.exp(row_max - shift)
-        denom = denom * rescale + jnp.sum(probs, axis=1)
-        # Probabilities go to the tensor cores in the cache dtype (bf16), accumulating in float32.
-        acc = acc * rescale[:, None] + dot_nn(probs.astype(latent.dtype), latent)
-        return new_max, denom, acc
+        return online_softmax_step(carry, jnp.where(sees, scores, -jnp.inf), latent)
 
     init = (jnp.full((block_m,), -jnp.inf, jnp.float32), jnp.zeros((block_m,), jnp.float32),
             jnp.zeros((block_m, dims.latent_block), jnp.float32))

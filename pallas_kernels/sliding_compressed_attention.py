@@ -143,6 +143,10 @@ def sliding_compressed_attention_reference(q, window_kv, window_pages, positions
     if extra_kv is not None:
         keys.append((extra_kv, extra_valid & valid))
 
+    # Keys no token of the row sees may be stale or never-written memory: zero them, so that a NaN
+    # there never meets a zero probability.
+    keys = [(jnp.where(jnp.any(m, axis=1, keepdims=True)[..., None] if kv.shape[1] == 1 else m[..., None], kv, 0), m)
+            for kv, m in keys]
     qf = q.astype(jnp.float32)
     scores = jnp.concatenate([_scores(qf, kv, scale) for kv, _ in keys], axis=-1)  # [B, Q, H, S]
     mask = jnp.concatenate([m for _, m in keys], axis=-1)[:, :, None, :]  # [B, Q, 1, S]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention, sliding_compressed_attention_reference
+from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 
 
 class Case(NamedTuple):
@@ -56,7 +57,8 @@ def make_case(rng, *, batch=4, num_queries=4, heads=4, dim=32, page=4, ring_page
               compressed="indices", entry_pages=3, topk=6, extra=0) -> Case:
     """Rows cycle through: a long context (ring wrapped many times), a row with padding tokens, an
     empty row (query_len 0), a short context (ring not yet full). Page tables are random
-    permutations; pages no row owns are NaN, so reading outside a row's pages shows."""
+    permutations. Memory no token may see is NaN (pages no row owns, ring indices never written,
+    entries past every count of the row, invalid extra keys), so reading it unmasked shows."""
     ring = ring_pages * page
     prefix, query_len = [], []
     for b in range(batch):
@@ -83,6 +85,9 @@ def make_case(rng, *, batch=4, num_queries=4, heads=4, dim=32, page=4, ring_page
         return kv, table
 
     window_kv, window_pages = pages(ring_pages)
+    for b in range(batch):  # ring indices no slot below prefix_len + query_len has reached
+        for r in range(prefix[b] + query_len[b], ring):
+            window_kv[window_pages[b, r // page], r % page] = np.nan
     compressed_kv = compressed_pages = indices = count = None
     if compressed is not None:
         compressed_kv, compressed_pages = pages(entry_pages)
@@ -91,10 +96,14 @@ def make_case(rng, *, batch=4, num_queries=4, heads=4, dim=32, page=4, ring_page
             indices = rng.integers(-1, entries + 2, size=(batch, num_queries, topk)).astype(np.int32)
         else:
             count = rng.integers(0, entries + 1, size=(batch, num_queries)).astype(np.int32)
+            for b in range(batch):
+                for e in range(count[b, :query_len[b]].max(initial=0), entries):
+                    compressed_kv[compressed_pages[b, e // page], e % page] = np.nan
     extra_kv = extra_valid = None
     if extra:
         extra_kv = rng.normal(size=(batch, num_queries, extra, dim)).astype(np.float32)
         extra_valid = rng.random((batch, num_queries, extra)) < 0.6
+        extra_kv[~extra_valid] = np.nan
     return Case(rng.normal(size=(batch, num_queries, heads, dim)).astype(np.float32), window_kv, window_pages,
                 positions, np.array(prefix, np.int32), np.array(query_len, np.int32), ancestors, tree,
                 rng.normal(size=heads).astype(np.float32), window, dim ** -0.5, compressed_kv, compressed_pages,
@@ -213,3 +222,44 @@ def test_bad_arguments_raise_value_errors():
         call(**{**kwargs, "sliding_window": 0})
     with pytest.raises(ValueError, match="backend='gpu'"):
         sliding_compressed_attention(*args, **kwargs, backend="gpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# The Pallas kernel (interpret mode on CPU) against the reference
+# ----------------------------------------------------------------------------------------------
+
+PALLAS_CASES = {
+    # one token per row block (block_m 16 = H), bf16, CSA top-k over several tiles
+    "chain-csa-bf16": dict(case=dict(heads=16, dim=64, topk=40), dtype=jnp.bfloat16),
+    # several tokens per row block, a tree with extra keys, HCA count, split into parts
+    "tree-hca-extra-f32-split": dict(case=dict(tree=True, num_queries=5, heads=4, compressed="count", extra=3,
+                                               entry_pages=6), dtype=jnp.float32, num_splits=3),
+    # a row block straddling tokens (H = 12), D not a power of two, CSA with extra keys
+    "tree-csa-extra-h12-d40-f32": dict(case=dict(tree=True, heads=12, dim=40, extra=2), dtype=jnp.float32),
+    # a sliding-only layer with a ring exactly W - 1 + Q long, bf16
+    "sliding-only-bf16": dict(case=dict(compressed=None, num_queries=6, window=11, page=8, ring_pages=2),
+                              dtype=jnp.bfloat16, block_n=16),
+}
+
+
+@pytest.mark.parametrize("options", PALLAS_CASES.values(), ids=PALLAS_CASES.keys())
+def test_pallas_matches_reference(options):
+    case = make_case(np.random.default_rng(5), **options["case"])
+    tuning = {k: v for k, v in options.items() if k not in ("case", "dtype")}
+    dtype = options["dtype"]
+    got = run(case, dtype, backend="pallas", **tuning) if not tuning else run_pallas(case, dtype, **tuning)
+    want = run(case, dtype)
+    assert got.dtype == dtype and got.shape == case.q.shape
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+    padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
+    assert (got[padding] == 0).all()
+
+
+def run_pallas(case: Case, dtype, **tuning):
+    """The kernel itself, with tuning options the op does not take."""
+    args, kwargs = case.args(dtype)
+    with jax.default_matmul_precision("highest"):
+        return sliding_compressed_attention_pallas(*args, **kwargs, **tuning)
