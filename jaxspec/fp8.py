@@ -26,6 +26,22 @@ no MTP layer; the released deepseek-ai/DeepSeek-V3 safetensors headers list
 `model.layers.61.eh_proj.weight` [7168, 14336] BF16 without a scale (and its embed_tokens,
 shared_head.head and norms BF16), while the layer's decoder block is FP8 like any other.
 
+DeepSeek-V4 (deepseek-ai/DeepSeek-V4-Flash and -Pro; V4's `inference/model.py` builds every
+`Linear` without a dtype in FP8 and names the others' dtype explicitly; the released headers agree):
+  * FP8 + scale: attn.{wq_a, wq_b, wkv, wo_a, wo_b} (transformers: self_attn.{q_a_proj, q_b_proj,
+    kv_proj, o_a_proj, o_b_proj}), the indexer's wq_b, ffn.shared_experts.w{1,2,3}, and the MTP
+    module's e_proj and h_proj (V3's eh_proj was bf16), its block included. The scale is named
+    `<module>.scale` (renamed `<module>.weight_scale_inv` by `jaxspec.checkpoint_v4`) and stored as
+    `float8_e8m0fnu` (powers of two; `quantization_config.scale_fmt` "ue8m0"), 128 x 128 blocks;
+    V4-Flash-Base stores float32 scales.
+  * MXFP4 (`expert_dtype` "fp4", both released models): every routed expert's w1, w2, w3, stored
+    int8 [out, in / 2], two e2m1 values per byte (low nibble = even column), with a
+    `float8_e8m0fnu` scale [out, in / 32] (one per 32 consecutive inputs); `dequantize` expands
+    them. They cannot fill an FP8-layout model (no lossless 128 x 128 form).
+  * not quantized: the compressors' wkv and wgate and the indexer's weights_proj (bf16), the router
+    weight (bf16), embed and head (bf16), every norm (bf16); ape, attn_sink, the hyper-connection
+    and hyper-head parameters and the router bias (float32); tid2eid (int64).
+
 A model keeps these weights FP8 on device when built with `dtype=jnp.float8_e4m3fn`
 (`jaxspec.models.layers`), and the loader keeps them when asked for that dtype
 (`jaxspec.checkpoint`); with a float dtype the loader dequantizes them here.
@@ -42,7 +58,12 @@ from jaxspec.pallas_kernels import block_fp8
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3",)  # safetensors dtype names of block-scaled weights
+FP4_DTYPES = ("I8",)  # MXFP4 weights (DeepSeek-V4's routed experts): two e2m1 values per byte
+QUANTIZED_DTYPES = FP8_DTYPES + FP4_DTYPES  # weights stored beside a scale
+FP4_BLOCK = 32  # inputs per MXFP4 scale
 DEFAULT_BLOCK = block_fp8.BLOCK
+# e2m1 codes 0..15 (sign bit 3, exponent bits 2..1, mantissa bit 0).
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def block_size(hf_config: Mapping[str, Any]) -> tuple[int, int]:
@@ -61,22 +82,49 @@ def block_size(hf_config: Mapping[str, Any]) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-def scale_shape(weight_shape: Sequence[int], block: tuple[int, int]) -> tuple[int, ...]:
-    """The `_scale_inv` shape for a weight [..., rows, cols]: [..., ceil(rows / br), ceil(cols / bc)]."""
+def scale_shape(weight_shape: Sequence[int], block: tuple[int, int], dtype: str = "F8_E4M3") -> tuple[int, ...]:
+    """The scale shape for a stored weight [..., rows, cols] of safetensors `dtype`: FP8
+    [..., ceil(rows / br), ceil(cols / bc)]; MXFP4 (cols bytes = 2 * cols values) [..., rows, 2 * cols / 32]."""
+    if dtype in FP4_DTYPES:
+        *lead, rows, cols = weight_shape
+        return (*lead, rows, -(-2 * cols // FP4_BLOCK))
     return block_fp8.scale_shape(weight_shape, block)
 
 
-def dequantize(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int]) -> jax.Array:
-    """weight [..., rows, cols] float8, scale_inv [..., ceil(rows / br), ceil(cols / bc)] -> float32.
+def logical_shape(weight_shape: Sequence[int], dtype: str) -> tuple[int, ...]:
+    """The shape a stored weight of safetensors `dtype` has once dequantized (MXFP4: twice the columns)."""
+    if dtype in FP4_DTYPES:
+        *lead, cols = weight_shape
+        return (*lead, 2 * cols)
+    return tuple(weight_shape)
 
-    Each scale is repeated over its block and the repetition cropped to the weight, so partial edge
-    blocks take their own scale. Runs where the arrays live (the accelerator, for the loader).
-    Raises ValueError when the scale does not fit the weight.
+
+def dequantize(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """A quantized weight and its scale (float32, or DeepSeek-V4's float8_e8m0fnu) -> float32.
+
+    float8_e4m3fn weight [..., rows, cols], scale [..., ceil(rows / br), ceil(cols / bc)]: each scale
+    is repeated over its block and the repetition cropped to the weight, so partial edge blocks take
+    their own scale. int8 (MXFP4) weight [..., rows, cols / 2], scale [..., rows, cols / 32]
+    -> [..., rows, cols]. Runs where the arrays live (the accelerator, for the loader). Raises
+    ValueError when the scale does not fit the weight.
     """
-    if weight.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"expected a float8_e4m3fn weight, got {weight.dtype}")
-    expected = scale_shape(weight.shape, block)
+    kind = {jnp.dtype(jnp.float8_e4m3fn): "F8_E4M3", jnp.dtype(jnp.int8): "I8"}.get(jnp.dtype(weight.dtype))
+    if kind is None:
+        raise ValueError(f"expected a float8_e4m3fn or int8 (MXFP4) weight, got {weight.dtype}")
+    expected = scale_shape(weight.shape, block, kind)
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scale shape {list(scale_inv.shape)} does not fit weight {list(weight.shape)} "
-                         f"with {block[0]}x{block[1]} blocks (expected {list(expected)})")
+        granularity = f"1x{FP4_BLOCK}" if kind in FP4_DTYPES else f"{block[0]}x{block[1]}"
+        raise ValueError(f"scale shape {list(scale_inv.shape)} does not fit weight {list(weight.shape)} {kind} "
+                         f"with {granularity} blocks (expected {list(expected)})")
+    if kind in FP4_DTYPES:
+        return _dequantize_fp4(jnp.asarray(weight), jnp.asarray(scale_inv))
     return block_fp8.dequantize(jnp.asarray(weight), jnp.asarray(scale_inv), jnp.float32, block)
+
+
+def _dequantize_fp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """packed int8 [..., rows, cols / 2] (low nibble = even column), scale [..., rows, cols / 32]
+    -> float32 [..., rows, cols]: e2m1 value times its block's scale."""
+    codes = packed.view(jnp.uint8)
+    values = jnp.asarray(_E2M1, jnp.float32)
+    unpacked = jnp.stack([values[codes & 0xF], values[codes >> 4]], axis=-1).reshape(*packed.shape[:-1], -1)
+    return unpacked * jnp.repeat(scale.astype(jnp.float32), FP4_BLOCK, axis=-1)[..., : unpacked.shape[-1]]

@@ -27,6 +27,7 @@ DTYPES = {
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "I32": np.int32,
     "U32": np.uint32, "I64": np.int64, "U64": np.uint64, "F16": np.float16, "F32": np.float32, "F64": np.float64,
     "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # DeepSeek-V4's power-of-two scales
 }
 
 
