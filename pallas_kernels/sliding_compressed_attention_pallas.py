@@ -3,11 +3,11 @@ attention over the sliding-window ring, the compressed entries and per-query ext
 
 Work layout. One KV head serves every head, so the Q window tokens x H heads of a sequence row are
 M = Q * H query rows (row m = q * H + h) over the same keys, as in `mla_attention_pallas`: a
-program holds `block_m` of them (64 = one token's heads for V4-Flash; a 64 x 512 float32
-accumulator is half an SM's register file at 8 warps) and walks the row's keys in tiles of
-`block_n` with an online softmax (`flash_decoding.online_softmax_step`) whose running max and
-denominator start at the head's sink (max = sink, denominator = exp(sink - sink) = 1): that is the
-sink's whole contribution. Grid:
+program holds `block_m` of them (32 = half a token's heads for V4-Flash: a 32 x 512 float32
+accumulator is what fits in registers beside the rest, see ACCUMULATOR) and walks the row's keys
+in tiles of `block_n` with an online softmax (`flash_decoding.online_softmax_step`) whose running
+max and denominator start at the head's sink (max = sink, denominator = exp(sink - sink) = 1):
+that is the sink's whole contribution. Grid:
 
     (M / block_m, num_parts, B)   axis 0 varies fastest on the GPU
 
@@ -34,12 +34,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .cost import array_bytes
-from .flash_decoding import (MIN_PART_SLOTS, combine_parts, default_warps, online_softmax_step, part_shapes,
-                             part_start, store_part)
+from .flash_decoding import MIN_PART_SLOTS, combine_parts, online_softmax_step, part_shapes, part_start, store_part
 from .sliding_compressed_attention import check_arguments
 from .tiling import (block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector, num_parts,
                      slot_rows, tile_range, visible)
 from .visibility import Visibility, kv_bound
+
+
+# Query rows x feature columns of a program's float32 accumulator, at most (32 x 512 for V4). At
+# 64 x 512 (as the MLA kernels hold) this kernel's masks and three loops push ptxas past 255
+# registers a thread and it spills at V4-Flash shapes (8 warps, sm_90a; 16 warps cap a thread at
+# 128 registers and spill more); at 32 x 512 and 8 warps it needs 166-187 (block_n 32 or 64).
+ACCUMULATOR = 32 * 512
 
 
 class Layout(NamedTuple):
@@ -224,10 +230,11 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
     -> [B, Q, H, D] in q's dtype.
 
     Tuning (static): block_m query rows per program and block_n keys per tile (powers of two
-    >= 16; default 64 x 32 for 2-byte inputs, 32 x 16 for float32, as `flash_decoding`),
-    num_splits parts of a program's tiles (default: enough programs for the GPU, parts of at least
-    MIN_PART_SLOTS keys), num_warps (8 for block_m >= 64, else 4), num_stages of the Triton
-    pipeline; interpret None = interpret mode off a GPU, False forces the Triton lowering.
+    >= 16; default 64 x 32 for 2-byte inputs and 32 x 16 for float32, as `flash_decoding`, but
+    block_m at most ACCUMULATOR / D: 32 at D = 512), num_splits parts of a program's tiles
+    (default: enough programs for the GPU, parts of at least MIN_PART_SLOTS keys), num_warps
+    (default 8 for a full ACCUMULATOR, else 4), num_stages of the Triton pipeline; interpret None
+    = interpret mode off a GPU, False forces the Triton lowering.
     """
     check_arguments(q, window_kv, window_pages, positions, vis, sinks, sliding_window=sliding_window,
                     compressed_kv=compressed_kv, compressed_pages=compressed_pages,
@@ -236,9 +243,11 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
     batch, num_queries, heads, dim = q.shape
     rows = num_queries * heads
     dtype = jnp.promote_types(q.dtype, window_kv.dtype)
+    dim_block = block_size(dim)
     narrow = jnp.dtype(dtype).itemsize <= 2
-    block_m = block_m or block_size(rows, 64 if narrow else 32)
+    block_m = block_m or block_size(rows, min(64 if narrow else 32, ACCUMULATOR // dim_block))
     block_n = block_n or (32 if narrow else 16)
+    num_warps = num_warps or (8 if block_m * dim_block >= ACCUMULATOR else 4)
     row_blocks = pl.cdiv(rows, block_m)
     compressed = None if compressed_kv is None else "indices" if compressed_indices is not None else "count"
     extra = extra_kv is not None
@@ -249,14 +258,15 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
     entries = 0 if compressed is None else (compressed_indices.shape[-1] if compressed == "indices"
                                             else compressed_pages.shape[1] * compressed_kv.shape[1])
     extra_keys = extra_kv.shape[2] if extra else 0
-    block_tokens = min(num_queries, pl.cdiv(block_m, heads) + 1)
+    block_tokens = max((min(start + block_m, rows) - 1) // heads - start // heads + 1
+                       for start in range(0, rows, block_m))
     per_token_tiles = (pl.cdiv(entries, block_n) if compressed == "indices" else 0) + pl.cdiv(extra_keys, block_n)
     tiles = (pl.cdiv(ring_keys, block_n) + block_tokens * per_token_tiles
              + (pl.cdiv(entries, block_n) if compressed == "count" else 0))
     parts = num_splits or num_parts(batch * row_blocks, tiles, MIN_PART_SLOTS // block_n)
 
     layout = Layout(heads=heads, num_queries=num_queries, rows=rows, rows_padded=row_blocks * block_m, dim=dim,
-                    dim_block=block_size(dim), dtype=dtype, window_page=window_kv.shape[1],
+                    dim_block=dim_block, dtype=dtype, window_page=window_kv.shape[1],
                     window_num_pages=window_kv.shape[0],
                     compressed_page=0 if compressed is None else compressed_kv.shape[1],
                     compressed_num_pages=0 if compressed is None else compressed_kv.shape[0],
@@ -290,7 +300,7 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
         bytes_accessed=batch * key_reads * dim * window_kv.dtype.itemsize
         + array_bytes(*small, *out_shape))
     out, lse = launch(functools.partial(_kernel, layout=layout), out_shape=out_shape,
-                      grid=(row_blocks, parts, batch), num_warps=num_warps or default_warps(block_m),
+                      grid=(row_blocks, parts, batch), num_warps=num_warps,
                       num_stages=num_stages, name="sliding_compressed_attention", interpret=interpret,
                       cost=cost)(*operands)
     out, _ = combine_parts(out, lse, batch, parts, layout.rows_padded, rows, q.dtype)

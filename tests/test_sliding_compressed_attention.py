@@ -230,7 +230,7 @@ def test_bad_arguments_raise_value_errors():
 
 PALLAS_CASES = {
     # one token per row block (block_m 16 = H), bf16, CSA top-k over several tiles
-    "chain-csa-bf16": dict(case=dict(heads=16, dim=64, topk=40), dtype=jnp.bfloat16),
+    "chain-csa-bf16": dict(case=dict(heads=16, dim=64, topk=40), dtype=jnp.bfloat16, backend_op=True),
     # several tokens per row block, a tree with extra keys, HCA count, split into parts
     "tree-hca-extra-f32-split": dict(case=dict(tree=True, num_queries=5, heads=4, compressed="count", extra=3,
                                                entry_pages=6), dtype=jnp.float32, num_splits=3),
@@ -242,24 +242,106 @@ PALLAS_CASES = {
 }
 
 
-@pytest.mark.parametrize("options", PALLAS_CASES.values(), ids=PALLAS_CASES.keys())
-def test_pallas_matches_reference(options):
-    case = make_case(np.random.default_rng(5), **options["case"])
-    tuning = {k: v for k, v in options.items() if k not in ("case", "dtype")}
-    dtype = options["dtype"]
-    got = run(case, dtype, backend="pallas", **tuning) if not tuning else run_pallas(case, dtype, **tuning)
+def check_pallas(case: Case, dtype, *, backend_op: bool = False, **tuning):
+    """The kernel (jitted; through the op's `backend="pallas"` when backend_op) against the
+    reference: within dtype tolerance, finite, padding tokens exactly 0."""
+    if backend_op:
+        got = run(case, dtype, backend="pallas")
+    else:
+        args, kwargs = case.args(dtype)
+        kernel = functools.partial(sliding_compressed_attention_pallas, **kwargs, **tuning)
+        with jax.default_matmul_precision("highest"):
+            got = jax.jit(kernel)(*args)
     want = run(case, dtype)
     assert got.dtype == dtype and got.shape == case.q.shape
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all()
-    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 2e-5
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
     padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
     assert (got[padding] == 0).all()
 
 
-def run_pallas(case: Case, dtype, **tuning):
-    """The kernel itself, with tuning options the op does not take."""
-    args, kwargs = case.args(dtype)
-    with jax.default_matmul_precision("highest"):
-        return sliding_compressed_attention_pallas(*args, **kwargs, **tuning)
+@pytest.mark.parametrize("options", PALLAS_CASES.values(), ids=PALLAS_CASES.keys())
+def test_pallas_matches_reference(options):
+    options = dict(options)
+    check_pallas(make_case(np.random.default_rng(5), **options.pop("case")), options.pop("dtype"), **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled for an H100 (sm_90a) without a GPU, and run on one where there is one
+# ----------------------------------------------------------------------------------------------
+
+SPEC = jax.ShapeDtypeStruct
+SHARED_MEMORY_LIMIT = 232448  # bytes a block may opt into on sm_90 (227 KB), as tests/test_aot.py
+# DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash config.json): 64 heads, head_dim 512, sliding
+# window 128, index_topk 512; CSA compresses 4 tokens an entry, HCA 128. Served at B = 32.
+FLASH = dict(heads=64, dim=512, window=128, topk=512, batch=32, page=64, context=4096)
+
+
+def abstract_call(*, heads, dim, window, topk, batch, page, context, num_queries, compressed, tree, extra):
+    """(abstract args, keyword args) of a bf16 call: a ring of W - 1 + Q slots in whole pages,
+    the compressed entries of `context` tokens (every 4th for CSA's indices, every 128th for HCA)."""
+    ring_pages = -(-(window - 1 + num_queries) // page)
+    entry_pages = -(-context // (4 if compressed == "indices" else 128) // page)
+    vis = Visibility(SPEC((batch,), jnp.int32), SPEC((batch,), jnp.int32),
+                     SPEC((batch, num_queries, num_queries), jnp.bool_) if tree else None)
+    args = (SPEC((batch, num_queries, heads, dim), jnp.bfloat16), SPEC((batch * ring_pages, page, dim), jnp.bfloat16),
+            SPEC((batch, ring_pages), jnp.int32), SPEC((batch, num_queries), jnp.int32), vis,
+            SPEC((heads,), jnp.float32))
+    kwargs = dict(sliding_window=window, scale=dim ** -0.5, compressed_kv=SPEC((batch * entry_pages, page, dim),
+                                                                               jnp.bfloat16),
+                  compressed_pages=SPEC((batch, entry_pages), jnp.int32))
+    if compressed == "indices":
+        kwargs["compressed_indices"] = SPEC((batch, num_queries, topk), jnp.int32)
+    else:
+        kwargs["compressed_count"] = SPEC((batch, num_queries), jnp.int32)
+    if extra:
+        kwargs.update(extra_kv=SPEC((batch, num_queries, extra, dim), jnp.bfloat16),
+                      extra_valid=SPEC((batch, num_queries, extra), jnp.bool_))
+    entries = topk if compressed == "indices" else entry_pages * page
+    # Every query row scores and averages D features per key it may meet: the ring span, its
+    # entries, its extra keys.
+    flops = 4 * batch * num_queries * heads * dim * (window - 1 + num_queries + entries + extra)
+    return args, kwargs, flops
+
+
+def test_cuda_lowering_at_tiny_dims():
+    """The Pallas-to-Triton lowering of every feature at once (tree, top-k, extra keys) at dims no
+    block has (H = 12, D = 40): one Triton kernel. Needs no GPU and no CUDA plugin."""
+    args, kwargs, _ = abstract_call(heads=12, dim=40, window=8, topk=12, batch=3, page=8, context=96, num_queries=3,
+                                    compressed="indices", tree=True, extra=2)
+    static = {name: kwargs.pop(name) for name in ("sliding_window", "scale")}
+    kernel = functools.partial(sliding_compressed_attention_pallas, interpret=False, **static)
+    text = jax.jit(kernel).trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    assert len(calls) == 1 and 'name = "sliding_compressed_attention"' in calls[0]
+
+
+@pytest.mark.parametrize("compressed", ["indices", "count"], ids=["csa", "hca"])
+def test_compiles_for_h100_at_v4_flash_shapes(h100, compressed):
+    """V4-Flash widths, B = 32, a verification tree of 8 with extra keys (every feature on, the
+    most registers): no spills (the compile fails on one), shared memory within sm_90's, and the
+    stated cost is the kernel's arithmetic."""
+    from jaxspec import aot
+    args, kwargs, flops = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2)
+    compiled = aot.compile_gpu(sliding_compressed_attention_pallas, *args, devices=h100, interpret=False,
+                               static_argnames=("sliding_window", "scale", "interpret"), **kwargs)
+    (launch,) = aot.kernel_launches(compiled)
+    assert 0 < launch.shared_memory <= SHARED_MEMORY_LIMIT
+    assert launch.spill_stores == launch.spill_loads == 0 and launch.registers <= 255
+    (call,) = aot.pallas_calls(compiled)
+    assert call.flops == flops
+    cost = aot.program_cost(compiled)
+    assert cost.kernel_flops == flops and not cost.uncounted
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_pallas_compiled_on_gpu(dtype):
+    """The comparisons, compiled, at V4-Flash widths: a CSA tree with extra keys, an HCA chain."""
+    flash = dict(heads=64, dim=512, window=128, page=64, ring_pages=3)
+    check_pallas(make_case(np.random.default_rng(6), batch=6, num_queries=4, tree=True, topk=512, entry_pages=16,
+                           extra=2, **flash), dtype, interpret=False)
+    check_pallas(make_case(np.random.default_rng(7), batch=5, num_queries=8, compressed="count", entry_pages=4,
+                           **flash), dtype, interpret=False)
