@@ -103,10 +103,9 @@ def ring_visible(positions: jax.Array, vis: Visibility, ring: int, *, sliding_wi
     slot = r + ring * jnp.floor_divide(end - 1 - r, ring)  # [B, 1, R], may be < 0 (never written)
     window = slot - prefix  # window index of the slot; negative for committed slots
     j = jnp.clip(window, 0, num_queries - 1)
-    if vis.tree_mask is None:
-        ancestor = window <= jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]
-    else:
-        ancestor = jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(j, vis.tree_mask.shape[:2] + (ring,)), axis=2)
+    ancestor = window <= jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]  # trees list parents first
+    if vis.tree_mask is not None:
+        ancestor &= jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(j, vis.tree_mask.shape[:2] + (ring,)), axis=2)
     in_window = ancestor & (window < vis.query_len[:, None, None])
     key_position = jnp.where(window < 0, slot, jnp.take_along_axis(positions, j[:, 0], axis=1)[:, None, :])
     recent = key_position > positions[:, :, None] - sliding_window

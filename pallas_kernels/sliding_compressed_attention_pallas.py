@@ -12,9 +12,10 @@ that is the sink's whole contribution. Grid:
     (M / block_m, num_parts, B)   axis 0 varies fastest on the GPU
 
 A program's keys are up to three runs of tiles, numbered one after the other:
-  * ring tiles: the slots `[start, end)`, start = max(0, prefix_len - sliding_window + 1), end =
-    prefix_len + query_len: the union of what the row's tokens may see (R >= window - 1 + Q makes
-    them distinct ring indices). Slot s is read at ring index s % R; each query row masks it by
+  * ring tiles: the slots `[start, end)` that the program's tokens may see, start = max(0, the
+    least p - sliding_window + 1 among them) (a window slot's position is at most its slot), end =
+    their largest `kv_bound`: at most sliding_window - 1 + Q slots, distinct ring indices as
+    R >= sliding_window - 1 + Q. Slot s is read at ring index s % R; each query row masks it by
     its ancestors (`tiling.visible`) and the sliding rule (key position > p - sliding_window);
   * compressed tiles: with indices, the top-k list of each token among the program's rows in turn
     (a tile belongs to one token and is masked to that token's rows); with a count, the entries
@@ -82,13 +83,13 @@ class Block(NamedTuple):
     num_tokens: jax.Array  # how many tokens the rows span
 
 
-def _kernel(q_ref, sinks_ref, window_ref, window_pages_ref, bound_ref, positions_ref, prefix_ref, ring_start_ref,
-            ring_end_ref, *refs, layout: Layout):
+def _kernel(q_ref, sinks_ref, window_ref, window_pages_ref, bound_ref, positions_ref, prefix_ref, *refs,
+            layout: Layout):
     """One (row block, part, sequence row) program.
 
     q_ref [B * M, D], sinks_ref [H] float32, window_ref [P * page, D], window_pages_ref [B, R / page],
     bound_ref [B, Q] (a token's exclusive slot bound, 0 for padding: `visibility.kv_bound`),
-    positions_ref [B, Q], prefix_ref, ring_start_ref, ring_end_ref [B]; then ancestor_ref
+    positions_ref [B, Q], prefix_ref [B]; then ancestor_ref
     [B * Q, Q] int32 for a tree; compressed_ref [Pc * page, D], compressed_pages_ref [B, E / page]
     and indices_ref [B * Q, K] or count_ref [B, Q] with compressed entries; extra_ref
     [B * Q * X, D] and extra_valid_ref [B * Q, X] int32 with extra keys; then the outputs
@@ -119,9 +120,10 @@ def _kernel(q_ref, sinks_ref, window_ref, window_pages_ref, bound_ref, positions
         return online_softmax_step(carry, scores, keys)
 
     # Ring tiles: slots [start, end), each at ring index slot % R.
-    prefix, start, end = prefix_ref[seq], ring_start_ref[seq], ring_end_ref[seq]
-    ring = window_pages_ref.shape[1] * layout.window_page
+    prefix, ring = prefix_ref[seq], window_pages_ref.shape[1] * layout.window_page
     oldest = load_block(positions_ref, seq, tokens) - layout.sliding_window  # [BM]: keys must lie above it
+    start = jnp.maximum(jnp.min(jnp.where(block.real, oldest + 1, jnp.iinfo(jnp.int32).max)), 0)
+    end = jnp.max(bounds)  # 0 when no row is real
 
     def ring_tile(t, carry):
         slots = start + t * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -273,10 +275,8 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
                     sliding_window=sliding_window, scale=scale, tree=vis.tree_mask is not None, compressed=compressed,
                     extra=extra, block_m=block_m, block_n=block_n, parts=parts)
 
-    prefix = vis.prefix_len.astype(jnp.int32)
-    window_ops = [window_pages.astype(jnp.int32), kv_bound(vis, num_queries), positions.astype(jnp.int32), prefix,
-                  jnp.maximum(prefix - sliding_window + 1, 0),  # ring start and end (0: a row without tokens)
-                  jnp.where(vis.query_len > 0, prefix + vis.query_len, 0).astype(jnp.int32)]
+    window_ops = [window_pages.astype(jnp.int32), kv_bound(vis, num_queries), positions.astype(jnp.int32),
+                  vis.prefix_len.astype(jnp.int32)]
     if layout.tree:
         window_ops.append(vis.tree_mask.reshape(batch * num_queries, num_queries).astype(jnp.int32))
     operands = [q.reshape(batch * rows, dim), sinks.astype(jnp.float32), window_kv.reshape(-1, dim), *window_ops]
