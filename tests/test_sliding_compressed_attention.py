@@ -236,6 +236,9 @@ PALLAS_CASES = {
                                                entry_pages=6), dtype=jnp.float32, num_splits=3),
     # a row block straddling tokens (H = 12), D not a power of two, CSA with extra keys
     "tree-csa-extra-h12-d40-f32": dict(case=dict(tree=True, heads=12, dim=40, extra=2), dtype=jnp.float32),
+    # a long chain (Q > W, as in a prefill chunk): each row block walks its own tokens' ring slots
+    "long-chain-hca-f32-blocks": dict(case=dict(num_queries=12, window=4, heads=4, dim=32, compressed="count"),
+                                      dtype=jnp.float32, block_m=16),
     # a sliding-only layer with a ring exactly W - 1 + Q long, bf16
     "sliding-only-bf16": dict(case=dict(compressed=None, num_queries=6, window=11, page=8, ring_pages=2),
                               dtype=jnp.bfloat16, block_n=16),
