@@ -13,10 +13,12 @@ that is the sink's whole contribution. Grid:
 
 A program's keys are up to three runs of tiles, numbered one after the other:
   * ring tiles: the slots `[start, end)` that the program's tokens may see, start = max(0, the
-    least p - sliding_window + 1 among them) (a window slot's position is at most its slot), end =
-    their largest `kv_bound`: at most sliding_window - 1 + Q slots, distinct ring indices as
-    R >= sliding_window - 1 + Q. Slot s is read at ring index s % R; each query row masks it by
-    its ancestors (`tiling.visible`) and the sliding rule (key position > p - sliding_window);
+    least p - sliding_window + 1 among them) (a window slot's position is at most its slot)
+    rounded down to a multiple of block_n, end = their largest `kv_bound`: distinct ring indices,
+    as R >= sliding_window - 1 + Q and the slots below the least p - sliding_window + 1 are seen
+    by no row (their ring index may hold a newer slot). Slot s is read at ring index s % R; each
+    query row masks it by its ancestors (`tiling.visible`) and the sliding rule (key position >
+    p - sliding_window);
   * compressed tiles: with indices, the top-k list of each token among the program's rows in turn
     (a tile belongs to one token and is masked to that token's rows); with a count, the entries
     [0, the largest count among the rows), masked per row by its own count;
@@ -123,6 +125,9 @@ def _kernel(q_ref, sinks_ref, window_ref, window_pages_ref, bound_ref, positions
     prefix, ring = prefix_ref[seq], window_pages_ref.shape[1] * layout.window_page
     oldest = load_block(positions_ref, seq, tokens) - layout.sliding_window  # [BM]: keys must lie above it
     start = jnp.maximum(jnp.min(jnp.where(block.real, oldest + 1, jnp.iinfo(jnp.int32).max)), 0)
+    # Tiles start at whole multiples of block_n: a slot meets the same tile companions whichever
+    # tokens share the program, and a tile a row sees nothing of leaves its carry bit for bit.
+    start = start - jax.lax.rem(start, block_n)
     end = jnp.max(bounds)  # 0 when no row is real
 
     def ring_tile(t, carry):
