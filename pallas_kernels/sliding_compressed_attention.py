@@ -112,6 +112,13 @@ def ring_visible(positions: jax.Array, vis: Visibility, ring: int, *, sliding_wi
     return (slot >= 0) & jnp.where(window < 0, True, in_window) & recent & query_valid(vis, num_queries)[:, :, None]
 
 
+def _zero_unseen(kv: jax.Array, mask: jax.Array) -> jax.Array:
+    """kv [B, Q|1, S, D] with zeros at the keys no token sees (mask [B, Q, S]): those may be stale
+    or never-written memory, and a NaN there must not meet a zero probability."""
+    seen = jnp.any(mask, axis=1, keepdims=True) if kv.shape[1] == 1 else mask
+    return jnp.where(seen[..., None], kv, jnp.zeros((), kv.dtype))
+
+
 def _scores(q: jax.Array, keys: jax.Array, scale: float) -> jax.Array:
     """q [B, Q, H, D] float32, keys [B, Q|1, S, D] -> scale * q . k, [B, Q, H, S] float32."""
     return jnp.einsum("bqhd,bqsd->bqhs", q, keys.astype(jnp.float32)) * scale
@@ -142,10 +149,7 @@ def sliding_compressed_attention_reference(q, window_kv, window_pages, positions
     if extra_kv is not None:
         keys.append((extra_kv, extra_valid & valid))
 
-    # Keys no token of the row sees may be stale or never-written memory: zero them, so that a NaN
-    # there never meets a zero probability.
-    keys = [(jnp.where(jnp.any(m, axis=1, keepdims=True)[..., None] if kv.shape[1] == 1 else m[..., None], kv, 0), m)
-            for kv, m in keys]
+    keys = [(_zero_unseen(kv, mask), mask) for kv, mask in keys]
     qf = q.astype(jnp.float32)
     scores = jnp.concatenate([_scores(qf, kv, scale) for kv, _ in keys], axis=-1)  # [B, Q, H, S]
     mask = jnp.concatenate([m for _, m in keys], axis=-1)[:, :, None, :]  # [B, Q, 1, S]
