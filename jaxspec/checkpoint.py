@@ -1,4 +1,4 @@
-"""Hugging Face DeepSeek-V3 / V3.2 checkpoint directories loaded into a `DeepseekV3`, tensor by tensor.
+"""Hugging Face DeepSeek-V3 / V3.2 / V4 checkpoint directories loaded into a model, tensor by tensor.
 
     model = load_hf_checkpoint("DeepSeek-V3.2-Exp/", dtype=jnp.bfloat16)
     model = load_model(path)      # a Hugging Face directory, or one written by `jaxspec convert`
@@ -21,13 +21,28 @@ weight is transposed from the checkpoint's [out, in] to our [in, out]:
                                                        they are shape-checked and not read
         anything else (the decoder block)           -> mtp.block.<path>, as for a layer
 
+DeepSeek-V4 directories (`model_type` "deepseek_v4") hold DeepSeek's own names (`layers.{i}.attn.wq_a`,
+`mtp.0.e_proj`, `<module>.scale`, ...): `jaxspec.checkpoint_v4` renames them to transformers' (our
+V4 tree mirrors transformers' modules), and then
+
+    model.embed_tokens.weight, lm_head.weight, model.norm.weight -> as for V3
+    model.hc_head.<p>                               -> hc_head.<p>
+    model.layers.{i}.<path>                         -> layers.{i}.<path>: `.weight`s as for V3 (2-D
+        transposed, experts stacked, router renamed), mlp.gate.tid2eid -> mlp.tid2eid, and the raw
+        parameters (sinks, position_bias, attn_hc.*, ffn_hc.*) as stored
+    mtp.0.{enorm, hnorm, e_proj, h_proj, norm}.weight, mtp.0.hc_head.<p>
+                                                    -> mtp.<same>; the rest of mtp.0. -> mtp.block.<path>
+    (no embedding or head under mtp.0.: V4's MTP uses the target's)
+
 FP8 weights (`float8_e4m3fn` + `<name>_scale_inv`) are dequantized by `jaxspec.fp8` into a float
 `dtype`. With `dtype=jnp.float8_e4m3fn` they stay as they are: the model is built in DeepSeek's FP8
 layout (`jaxspec.fp8` lists its FP8 weights), each FP8 weight fills its parameter as stored and its
 scale, transposed like the weight, fills `<parameter>_scale_inv` (per-expert scales their row of
 `mlp.experts_*_proj_scale_inv`); a checkpoint without FP8 weights, with other than 128 x 128
 blocks, or with a weight in bf16 that the layout has in FP8 is refused before anything is read.
-A checkpoint without any `model.layers.{N}.` tensor loads with the MTP module off (and says so).
+A checkpoint without any `model.layers.{N}.` (V4: `mtp.0.`) tensor loads with the MTP module off (and
+says so). V4's routed experts are MXFP4 (int8 + `float8_e8m0fnu` scales, `jaxspec.fp8`): dequantized
+into a float dtype; an FP8-layout model cannot keep them and refuses them.
 
 Everything is checked from the shard headers before any tensor is read: missing, unexpected and
 mis-shaped tensors raise one `ValueError` listing them, so a load never half-succeeds. Then shards
@@ -54,13 +69,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec import fp8, sharding, shards
+from jaxspec import checkpoint_v4, fp8, sharding, shards
 from jaxspec.config import ModelConfig
 from jaxspec.mesh_loading import load_onto_mesh
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import PARAMS_DIR, abstract_model, param_placement, restore_model
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_V4_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_V4_MTP_OWN = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight",
+               "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.embedding", "lm_head.weight": "lm_head.weight",
               "model.norm.weight": "norm.weight"}
@@ -128,10 +146,37 @@ def _block_writes(prefix: str, rest: str) -> list[_Write]:
     return [_Write(prefix + _ROUTER.get(rest, rest), _transposed)]
 
 
+def _v4_block_writes(prefix: str, rest: str) -> list[_Write]:
+    """A V4 block's tensor (transformers' name `rest`) -> writes under `prefix`: Linear weights, norms
+    and the MoE as V3's; the hash table and the raw parameters (sinks, position_bias, attn_hc.*,
+    ffn_hc.*) as stored."""
+    if rest == "mlp.gate.tid2eid":
+        return [_Write(prefix + "mlp.tid2eid", _as_is)]
+    if rest.endswith(".weight") or rest in _ROUTER:
+        return _block_writes(prefix, rest)
+    return [_Write(prefix + rest, _as_is)]
+
+
+def _v4_writes(name: str, config: ModelConfig) -> list[_Write]:
+    """`_writes` for DeepSeek-V4, `name` in transformers' form (`checkpoint_v4.to_transformers`)."""
+    if name.startswith("model.hc_head."):
+        return [_Write(name.removeprefix("model."), _as_is)]
+    if match := _LAYER.fullmatch(name):
+        layer = int(match[1])
+        return _v4_block_writes(f"layers.{layer}.", match[2]) if layer < config.num_hidden_layers else []
+    if (match := _V4_MTP.fullmatch(name)) and int(match[1]) < min(config.num_nextn_predict_layers, 1):
+        if match[2] in _V4_MTP_OWN:
+            return [_Write("mtp." + match[2], _transposed if match[2].endswith(".weight") else _as_is)]
+        return _v4_block_writes("mtp.block.", match[2])
+    return []
+
+
 def _writes(name: str, config: ModelConfig) -> list[_Write]:
     """What checkpoint tensor `name` fills (unchecked: a parameter name may not exist)."""
     if name in _TOP_LEVEL:
         return [_Write(_TOP_LEVEL[name], _as_is if name == "model.embed_tokens.weight" else _transposed)]
+    if config.is_v4:
+        return _v4_writes(name, config)
     match = _LAYER.fullmatch(name)
     if match is None:
         return []
@@ -149,7 +194,7 @@ def _writes(name: str, config: ModelConfig) -> list[_Write]:
 
 
 def _converted_shape(write: _Write, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The shape `write.convert` gives a tensor of `shape`, computed on a zero-byte view."""
+    """The shape `write.convert` gives a (dequantized) tensor of `shape`, computed on a zero-byte view."""
     try:
         return write.convert(np.broadcast_to(np.int8(0), shape)).shape
     except ValueError:  # e.g. a 2-D tensor where the fused [E, ...] form is expected
@@ -183,21 +228,27 @@ class _Plan:
 
 
 def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.ShapeDtypeStruct],
-          config: ModelConfig, block: tuple[int, int]) -> _Plan:
-    """Match every checkpoint tensor (from its header) to the parameters `expected` by path."""
+          config: ModelConfig, block: tuple[int, int], origin: Mapping[str, str] | None = None) -> _Plan:
+    """Match every checkpoint tensor (from its header) to the parameters `expected` by path.
+    origin: the checkpoint's own name of a renamed tensor (V4), shown beside it in the report."""
     plan = _Plan()
     filled: dict[str, list[int | None]] = {}
+
+    def label(name: str) -> str:
+        own = (origin or {}).get(name)
+        return name if own is None else f"{own} (= {name})"
+
     for name, info in sorted(tensors.items()):
         if name.endswith(fp8.SCALE_SUFFIX):
             weight = tensors.get(name[: -len(fp8.SCALE_SUFFIX)])
-            if weight is None or weight.dtype not in fp8.FP8_DTYPES:
-                plan.unexpected.append(f"{name} {info.describe()} (a scale without an FP8 weight)")
+            if weight is None or weight.dtype not in fp8.QUANTIZED_DTYPES:
+                plan.unexpected.append(f"{label(name)} {info.describe()} (a scale without an FP8 or FP4 weight)")
             continue
         if name.endswith(_DERIVED_SUFFIXES):
             continue
         writes = _writes(name, config)
         if not writes or any(w.param not in expected for w in writes):
-            plan.unexpected.append(f"{name} {info.describe()}")
+            plan.unexpected.append(f"{label(name)} {info.describe()}")
             continue
         # An FP8-layout model has a scale beside each parameter it keeps in FP8.
         writes = [dataclasses.replace(w, fp8=w.param + fp8.SCALE_SUFFIX in expected) for w in writes]
@@ -208,33 +259,37 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
             if w.fp8:
                 filled.setdefault(w.param + fp8.SCALE_SUFFIX, []).append(w.expert)
         if any(w.fp8 for w in writes) and info.dtype not in fp8.FP8_DTYPES:
-            plan.not_fp8.append(f"{name} {info.describe()}: FP8 with a scale in DeepSeek's layout (jaxspec.fp8), "
-                                "as a float8_e4m3fn model keeps it")
+            why = ("MXFP4 (int8) has no lossless FP8 form: load with dtype=bfloat16" if info.dtype in fp8.FP4_DTYPES
+                   else "FP8 with a scale in DeepSeek's layout (jaxspec.fp8), as a float8_e4m3fn model keeps it")
+            plan.not_fp8.append(f"{label(name)} {info.describe()}: {why}")
             continue
-        if info.dtype in fp8.FP8_DTYPES:
+        if info.dtype in fp8.QUANTIZED_DTYPES:
             scale = tensors.get(name + fp8.SCALE_SUFFIX)
-            want = list(fp8.scale_shape(info.shape, block))
+            want = list(fp8.scale_shape(info.shape, block, info.dtype))
             if scale is None:
-                plan.missing.append(f"{name}{fp8.SCALE_SUFFIX} {want} (the scale of FP8 {name})")
+                kind = "FP4" if info.dtype in fp8.FP4_DTYPES else "FP8"
+                plan.missing.append(f"{label(name + fp8.SCALE_SUFFIX)} {want} (the scale of {kind} {label(name)})")
                 continue
             if list(scale.shape) != want:
-                plan.misshaped.append(f"{name}{fp8.SCALE_SUFFIX} {list(scale.shape)}: expected {want} "
-                                      f"for {list(info.shape)} in {block[0]}x{block[1]} blocks")
+                blocks = f"1x{fp8.FP4_BLOCK}" if info.dtype in fp8.FP4_DTYPES else f"{block[0]}x{block[1]}"
+                plan.misshaped.append(f"{label(name + fp8.SCALE_SUFFIX)} {list(scale.shape)}: expected {want} "
+                                      f"for {list(info.shape)} {info.dtype} in {blocks} blocks")
                 continue
         bad = []
+        shape = fp8.logical_shape(info.shape, info.dtype)
         for w in writes:
             param = expected[w.param]
             want = param.shape if w.expert is None else param.shape[1:]
-            got = _converted_shape(w, info.shape)
+            got = _converted_shape(w, shape)
             if got != tuple(want) or (w.expert is not None and w.expert >= param.shape[0]):
                 row = f" row {w.expert} of" if w.expert is not None else ""
-                bad.append(f"{name} {list(info.shape)} does not fit{row} {w.param} {list(param.shape)}")
+                bad.append(f"{label(name)} {list(shape)} does not fit{row} {w.param} {list(param.shape)}")
             elif w.fp8:
                 scale_param = expected[w.param + fp8.SCALE_SUFFIX]
                 scale_want = scale_param.shape if w.expert is None else scale_param.shape[1:]
                 scale_got = _converted_shape(w, tensors[name + fp8.SCALE_SUFFIX].shape)
                 if scale_got != tuple(scale_want):
-                    bad.append(f"{name}{fp8.SCALE_SUFFIX} {list(tensors[name + fp8.SCALE_SUFFIX].shape)} does not fit "
+                    bad.append(f"{label(name + fp8.SCALE_SUFFIX)} {list(tensors[name + fp8.SCALE_SUFFIX].shape)} does not fit "
                                f"{w.param}{fp8.SCALE_SUFFIX} {list(scale_param.shape)}")
         if bad:
             plan.misshaped += bad
@@ -271,7 +326,7 @@ def _read(name: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int,
     CPU); the host holds only the tensor's bytes, until the transfer."""
     info = tensors[name]
     array = jax.device_put(shards.read(info))
-    if info.dtype not in fp8.FP8_DTYPES:
+    if info.dtype not in fp8.QUANTIZED_DTYPES:
         return array, None
     scale_inv = jax.device_put(shards.read(tensors[name + fp8.SCALE_SUFFIX]))
     return (array, scale_inv) if keep_fp8 else (fp8.dequantize(array, scale_inv, block), None)
@@ -302,7 +357,7 @@ def _check_fp8_layout(directory: str, tensors: Mapping[str, shards.TensorInfo], 
 
 def _mtp_setting(config: ModelConfig, tensors: Mapping[str, shards.TensorInfo], log) -> ModelConfig:
     """MTP is on exactly when the config asks for it and the checkpoint has the layer."""
-    prefix = f"model.layers.{config.num_hidden_layers}."
+    prefix = "mtp.0." if config.is_v4 else f"model.layers.{config.num_hidden_layers}."
     if config.num_nextn_predict_layers > 0 and not any(n.startswith(prefix) for n in tensors):
         log(f"no MTP layer ({prefix}*) in the checkpoint: loading with MTP off (num_nextn_predict_layers=0)")
         return config.replace(num_nextn_predict_layers=0)
@@ -328,13 +383,19 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32, mesh:
     config = ModelConfig.from_hf(hf_config)
     block = fp8.block_size(hf_config)
     tensors = shards.read_headers(directory)
+    origin, unknown = {}, []
+    if config.is_v4:
+        stored = tensors
+        tensors, origin, unknown = checkpoint_v4.renamed_headers(stored)
+        unknown = [f"{name} {stored[name].describe()} (not a DeepSeek-V4 tensor name)" for name in unknown]
     keep_fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
     if keep_fp8:
         _check_fp8_layout(directory, tensors, block)
     config = _mtp_setting(config, tensors, log)
     graphdef, state, variables = abstract_model(config, dtype)
     specs = {name: variable.get_value() for name, variable in variables.items()}
-    reads = _plan(tensors, specs, config, block)
+    reads = _plan(tensors, specs, config, block, origin)
+    reads.unexpected[:0] = unknown
     if (problems := reads.report(directory)) is not None:
         raise ValueError(problems)
 

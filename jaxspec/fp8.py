@@ -121,6 +121,7 @@ def dequantize(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int]) 
     return block_fp8.dequantize(jnp.asarray(weight), jnp.asarray(scale_inv), jnp.float32, block)
 
 
+@jax.jit  # a checkpoint's experts share three shapes: compiled once each, not dispatched op by op
 def _dequantize_fp4(packed: jax.Array, scale: jax.Array) -> jax.Array:
     """packed int8 [..., rows, cols / 2] (low nibble = even column), scale [..., rows, cols / 32]
     -> float32 [..., rows, cols]: e2m1 value times its block's scale."""

@@ -37,7 +37,7 @@ def _host_tensor(name: str, write, tensors: Mapping[str, shards.TensorInfo], blo
     if scale:
         return np.asarray(write.convert(shards.read(tensors[name + fp8.SCALE_SUFFIX]))).astype(dtype)
     array = shards.read(info)
-    if info.dtype in fp8.FP8_DTYPES and not write.fp8:
+    if info.dtype in fp8.QUANTIZED_DTYPES and not write.fp8:
         array = np.asarray(fp8.dequantize(array, shards.read(tensors[name + fp8.SCALE_SUFFIX]), block))
     return np.asarray(write.convert(array)).astype(dtype)
 
