@@ -77,3 +77,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: boo
     else:
         out = jnp.concatenate([rot_real, rot_imag], axis=-1)
     return out.astype(x.dtype)
+
+
+def rotate_tail(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """DeepSeek-V4's partial RoPE: rotate the last `Dr = 2 * cos.shape[-1]` dims of x [B, Q, (H,) D]
+    interleaved by angles [B, Q, Dr / 2], keep the leading D - Dr. With `-sin`, the inverse rotation
+    (V4 un-rotates its attention output, whose values carry the keys' rotation)."""
+    rope_dim = 2 * cos.shape[-1]
+    return jnp.concatenate([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], cos, sin, interleaved=True)], axis=-1)

@@ -1,0 +1,167 @@
+"""DeepSeek-V4 attention: shared-KV multi-query attention over a sliding window, plus compressed
+entries (CSA: the indexer's top-k; HCA: all of them), with per-head sinks and a grouped output.
+
+Per token (names as transformers 5.23's `DeepseekV4Attention`):
+
+  q_residual = q_a_norm(q_a_proj(x))                        [B, Q, q_lora_rank]
+  q          = rms(q_b_proj(q_residual))  (q_b_norm: no weight) [B, Q, H, D], last Dr dims rotated
+  kv         = kv_norm(kv_proj(x))                           [B, Q, D], last Dr dims rotated; K = V
+  out        = attention(q; window ring, compressed entries; sinks) with the inverse rotation of its
+               last Dr dims, then o_b_proj(o_a_proj per group)  (o_groups groups of H / G heads)
+
+RoPE is interleaved on the last `qk_rope_head_dim` dims: the "main" rope (rope_theta, no scaling)
+in sliding-window layers, the "compress" rope (compress_rope_theta with YaRN, cos/sin magnitude 1)
+in CSA and HCA layers, for queries, window keys, compressed entries and indexer alike (DeepSeek's
+`Attention.__init__`: `original_seq_len, rope_theta = 0, args.rope_theta` for pure sliding layers).
+The softmax scale is head_dim^-0.5. The compressors and their semantics (and how they differ from
+transformers) are in `models/compressor.py`; the caches in `jaxspec/cache_v4.py`; the attention op
+is `jaxspec.pallas_kernels.sliding_compressed_attention`.
+
+One call, chain (tree_mask None: prefill, plain decode, chain verification, MTP catch-up): the
+window's K=V entries go to the ring and its compressor projections to the projection rings; every
+block whose end lies in the call is closed from the rings and written to its entry slot; then the
+attention runs. Padding tokens (q >= query_len) write nothing and return finite values (0 from the
+op, then the output projections). Trees (tree_mask given) are not implemented yet.
+
+Interface (what `models/deepseek_v4.py` calls):
+  V4Attention(config, layer, *, rngs, dtype)   layer: index into config.layer_types
+                                                (num_hidden_layers: the MTP block's layer)
+  __call__(x [B, Q, D], positions [B, Q], cache: V4Cache, layer: the layer's index in the cache,
+           vis, *, backend="auto", window_invariant=False) -> (out [B, Q, D], cache)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache_v4 import ENTRY_TABLE, V4Cache
+from jaxspec.config import CSA, HCA, SLIDING, ModelConfig
+from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_attention, window_slots
+from jaxspec.sharding import current
+
+from .compressor import Compressor, CSACompressor
+from .layers import Linear, RMSNorm, param, per_position
+from .rope import rope_angles, rotate_tail
+
+
+def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis, in float32, no weight (transformers'
+    `DeepseekV4UnweightedRMSNorm`; V4's `q_b_norm`)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class V4Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        self.kind = config.layer_type(layer)
+        self.rope_config = config.rope_for("main" if self.kind == SLIDING else "compress")
+        dim, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype, names=("embed", "q_lora"))
+        self.q_a_norm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, dtype=dtype, name="q_lora")
+        self.q_b_proj = Linear(config.q_lora_rank, heads * head_dim, rngs=rngs, dtype=dtype, names=("q_lora", "heads"))
+        self.kv_proj = Linear(dim, head_dim, rngs=rngs, dtype=dtype, names=("embed", None))
+        self.kv_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, dtype=dtype, name=None)
+        # transformers' DeepseekV4GroupedLinear, stored [in, out] like every Linear: group g
+        # multiplies its heads' [H / G * D] outputs by columns [g * o_lora_rank, (g + 1) * o_lora_rank).
+        self.o_a_proj = Linear(heads * head_dim // config.o_groups, config.o_groups * config.o_lora_rank, rngs=rngs,
+                               dtype=dtype, names=(None, "heads"))
+        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, dim, rngs=rngs, dtype=dtype,
+                               names=("heads", "embed"))
+        self.sinks = param(jnp.zeros((heads,), jnp.float32), "heads")
+        if self.kind == CSA:
+            self.compressor = CSACompressor(config, rngs=rngs, dtype=dtype)
+        elif self.kind == HCA:
+            self.compressor = Compressor(config, HCA, head_dim, rngs=rngs, dtype=dtype)
+        else:
+            self.compressor = None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer: int, vis: Visibility, *,
+                 backend: str = "auto", window_invariant: bool = False) -> tuple[jax.Array, V4Cache]:
+        """x [B, Q, D] (the input-normed, collapsed mHC stream), positions [B, Q] -> (out [B, Q, D],
+        cache with the call's ring rows and closed entries written). window_invariant: each token
+        computed as if alone in its call (`per_position`), bit for bit whatever the window."""
+        if vis.tree_mask is not None:
+            raise NotImplementedError("V4Attention: tree calls (tree_mask) are not implemented yet; chains only")
+        if cache.layer_types[layer] != self.kind:
+            raise ValueError(f"layer={layer}: the cache holds a {cache.layer_types[layer]} layer there, "
+                             f"this attention is {self.kind}")
+        c = self.config
+        num_queries = x.shape[1]
+        each = functools.partial(per_position, enabled=window_invariant)
+        cos, sin = rope_angles(self.rope_config, positions)
+        q_residual, q, kv = each(self._project, x, cos, sin)
+        slots = window_slots(vis, num_queries)
+        cache = cache.write_ring("window", "window", layer, slots, kv)
+
+        compressed = {}
+        if self.compressor is not None:
+            cache = self.compressor.update(cache, "state", "entries", layer, x, positions, slots, vis,
+                                           window_invariant=window_invariant)
+            compressed = dict(compressed_kv=cache.entries[layer],
+                              compressed_pages=cache.page_table[ENTRY_TABLE[self.kind]])
+            if self.kind == CSA:
+                indexer = self.compressor.indexer
+                cache = indexer.update(cache, "index_state", "index_entries", layer, x, positions, slots, vis,
+                                       window_invariant=window_invariant)
+                compressed["compressed_indices"] = indexer.select(cache, layer, x, q_residual, cos, sin, positions,
+                                                                  vis, window_invariant=window_invariant)
+            else:
+                visible = (positions + 1) // self.compressor.rate
+                compressed["compressed_count"] = jnp.where(query_valid(vis, num_queries), visible, 0)
+
+        attend = functools.partial(sliding_compressed_attention, sliding_window=c.sliding_window,
+                                   scale=c.head_dim ** -0.5, backend=backend)
+        if window_invariant:
+            out = self._attend_alone(attend, q, cache, layer, positions, vis, compressed)
+        else:
+            out = attend(q, cache.window[layer], cache.page_table["window"], positions, vis, self.sinks[...],
+                         **compressed)
+        out = each(lambda o, cos, sin: self._output(rotate_tail(o, cos, -sin)), out, cos, sin)
+        par = current()
+        if par is not None and par.head_axes:  # tensor parallel: each device projected its heads' share
+            out = jax.lax.psum(out, par.head_axes)
+        return out, cache
+
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """The token-local part: x [B, Q, D] -> q_residual [B, Q, q_lora_rank], q [B, Q, H, D] and
+        kv [B, Q, D], both normed and rotated."""
+        c = self.config
+        batch, num_queries, _ = x.shape
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        # -1 heads: under tensor parallelism (`jaxspec.sharding`, plan "tp") this device's heads only.
+        q = self.q_b_proj(q_residual).reshape(batch, num_queries, -1, c.head_dim)
+        q = rotate_tail(unit_rms_norm(q, c.rms_norm_eps), cos, sin)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return q_residual, q, kv
+
+    def _output(self, o: jax.Array) -> jax.Array:
+        """o [B, Q, H, D] un-rotated -> o_b_proj(o_a_proj per group) [B, Q, hidden_size]."""
+        c = self.config
+        batch, num_queries = o.shape[:2]
+        per_group = c.num_attention_heads * c.head_dim // c.o_groups
+        grouped = o.reshape(batch, num_queries, -1, per_group)  # [B, Q, G (this device's), H / G * D]
+        w = self.o_a_proj.dense_weight().reshape(per_group, -1, c.o_lora_rank).astype(o.dtype)
+        mixed = jnp.einsum("bqgi,igr->bqgr", grouped, w)
+        return self.o_b_proj(mixed.reshape(batch, num_queries, -1))
+
+    def _attend_alone(self, attend, q, cache: V4Cache, layer: int, positions, vis: Visibility, compressed):
+        """The attention op once per window token, as token q alone in a call: prefix_len + q
+        committed before it (the ring rows and entries of the tokens before it in this call are
+        already written, and the ring leaves room for the whole window, so what it reads is what
+        a one-token call would read)."""
+        per_query = {k: v for k, v in compressed.items() if k in ("compressed_indices", "compressed_count")}
+        shared = {k: v for k, v in compressed.items() if k not in per_query}
+        offsets = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], positions.shape)
+        valid = query_valid(vis, q.shape[1])
+
+        def alone(q, positions, offset, valid, per_query):  # [B, 1, ...]
+            one = Visibility(vis.prefix_len + offset[:, 0], valid[:, 0].astype(jnp.int32))
+            return attend(q, cache.window[layer], cache.page_table["window"], positions, one, self.sinks[...],
+                          **shared, **per_query)
+
+        return per_position(alone, q, positions, offsets, valid, per_query)
