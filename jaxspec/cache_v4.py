@@ -15,15 +15,17 @@ A V4 layer keeps no per-slot history beyond its sliding window; what it keeps is
   index_state, index_entries   CSA only: the lightning indexer's own compressor, the same two
                  structures at width index_head_dim (sharing the CSA page tables).
 
-Ring capacities leave room for a whole call (`max_window` = the largest Q of any call: the
+Ring capacities leave room for a whole call (W = `max_window`, the largest Q of any call: the
 prefill chunk, k + 1, or a tree's size), so a call never overwrites a slot that one of its own
 tokens, or a committed token after a rejection, still reads:
 
-  R  >= sliding_window - 1 + max_window   (the attention op's rule)
-  Rc >= 2m - 1 + max_window (CSA: entry j reads slots [(j - 1) m, (j + 1) m))
-        m' - 1 + max_window (HCA: entry j reads slots [j m', (j + 1) m'))
+  R  >= sliding_window - 1 + W   (the attention op's rule)
+  Rc >= 2m - 1 + 2W (CSA: entry j reads slots [(j - 1) m, (j + 1) m))
+        m' - 1 + 2W (HCA: entry j reads slots [j m', (j + 1) m'))
 
-each rounded up to whole pages. Nothing is ever erased: whatever a rejected draft wrote (a ring
+(2W: a call first re-closes the blocks that ended in the W slots before it, which a tree call
+committed without writing, `models.compressor`), each rounded up to whole pages. Nothing is ever
+erased: whatever a rejected draft wrote (a ring
 slot, an entry closed by a draft) is either out of every later query's view or rewritten by the
 call that processes that position again before anyone reads it (`models.v4_attention`).
 
@@ -63,8 +65,8 @@ class V4Cache:
     [Pe, page, head_dim]; index_state [Ps, page, 4 * index_head_dim] float32; index_entries
     [Pe, page, index_head_dim]. page_table: {"window": [B, R / page], "csa_state" / "hca_state":
     [B, Rc / page], "csa_entries" / "hca_entries": [B, E / page]} int32 (only the kinds present);
-    lengths [B] int32 committed tokens per row; capacity: the positions a row can hold and
-    layer_types: each layer's attention kind (both static)."""
+    lengths [B] int32 committed tokens per row; capacity: the positions a row can hold,
+    max_window: the most tokens of one call, layer_types: each layer's attention kind (static)."""
 
     window: tuple
     state: tuple
@@ -74,6 +76,7 @@ class V4Cache:
     page_table: dict
     lengths: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
+    max_window: int = dataclasses.field(metadata=dict(static=True))
     layer_types: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
@@ -135,8 +138,8 @@ def ring_capacities(config: ModelConfig, capacity: int, max_window: int, page_si
     rates = dict(config.compress_rates)
     return {
         "window": pages_per_row(config.sliding_window - 1 + max_window, page_size),
-        "csa_state": pages_per_row(2 * rates[CSA] - 1 + max_window, page_size),
-        "hca_state": pages_per_row(rates[HCA] - 1 + max_window, page_size),
+        "csa_state": pages_per_row(2 * rates[CSA] - 1 + 2 * max_window, page_size),
+        "hca_state": pages_per_row(rates[HCA] - 1 + 2 * max_window, page_size),
         "csa_entries": pages_per_row(max(capacity // rates[CSA], 1), page_size),
         "hca_entries": pages_per_row(max(capacity // rates[HCA], 1), page_size),
     }
@@ -204,4 +207,4 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     return V4Cache(window=tuple(window), state=tuple(state), entries=tuple(entries), index_state=tuple(index_state),
                    index_entries=tuple(index_entries), page_table=tables,
                    lengths=jnp.zeros((batch_size,), jnp.int32), capacity=capacity,
-                   layer_types=tuple(layer_types))
+                   max_window=max_window, layer_types=tuple(layer_types))

@@ -35,6 +35,11 @@ depends only on the visible entries: causal by construction. Not reproduced (as 
 FP8 / FP4 quantization DeepSeek simulates on the compressed keys and indexer queries (QAT), and its
 Hadamard rotation of both (orthogonal: dot products unchanged without the quantization).
 
+Trees: a tree call writes its tokens' projections but no entry, since a
+block closed inside the window depends on the branch; each query gets the entries its own branch
+closes as extra keys (`branch_entries`), and the next call closes the committed path's blocks from
+the rings once `V4Cache.move` has made the path contiguous.
+
 Why per-position projections in a ring rather than transformers' running buffer: the entry closed
 at e_j is a pure function of the projections at positions `[e_j - span + 1, e_j]`, all of which
 are committed or in the current call when e_j is processed, so a rejected draft can leave nothing
@@ -103,18 +108,22 @@ class Compressor(nnx.Module):
 
     def update(self, cache: V4Cache, state: str, entries: str, layer: int, x: jax.Array, positions: jax.Array,
                slots: jax.Array, vis: Visibility, *, window_invariant: bool) -> V4Cache:
-        """Write the call's projections to ring `state[layer]`, then close every block whose end
-        lies in the call (chain: window tokens at slots [prefix_len, prefix_len + query_len)) into
-        `entries[layer]`, before any query of the call attends. x [B, Q, D]; positions, slots [B, Q]
-        (slots -1 for padding, which writes nothing)."""
+        """Write the call's projections to ring `state[layer]` at `slots` [B, Q] (-1: padding, which
+        writes nothing), then close into `entries[layer]`, before any query of the call attends,
+        every block that ended in the W = max_window slots before the call (a tree call committed
+        them without writing; for a chain they are rewritten with the same values) and, for a chain,
+        every block whose end lies in the call. x [B, Q, D]; positions [B, Q]."""
         state_table, entry_table = STATE_TABLE[self.kind], ENTRY_TABLE[self.kind]
         rows = per_position(self.project, x, positions, enabled=window_invariant)
         cache = cache.write_ring(state, state_table, layer, slots, rows)
 
-        m, num_queries = self.rate, x.shape[1]
+        m, num_queries, back = self.rate, x.shape[1], cache.max_window
         span = 2 * m if self.overlap else m
-        block = vis.prefix_len[:, None] // m + jnp.arange(-(-num_queries // m), dtype=jnp.int32)[None]  # [B, N]
-        closes = (block + 1) * m <= (vis.prefix_len + vis.query_len)[:, None]
+        count = -(-(back + num_queries) // m)  # blocks that can end in [prefix_len - W, prefix_len + Q)
+        block = (vis.prefix_len[:, None] - back) // m + jnp.arange(count, dtype=jnp.int32)[None]  # [B, N]
+        end = (block + 1) * m - 1
+        in_call = vis.query_len if vis.tree_mask is None else 0
+        closes = (block >= 0) & (end >= vis.prefix_len[:, None] - back) & (end < (vis.prefix_len + in_call)[:, None])
         source = (block + 1)[..., None] * m - span + jnp.arange(span, dtype=jnp.int32)  # [B, N, span]
         present = source >= 0
         rows = cache.read_ring(state, state_table, layer, jnp.where(present & closes[..., None], source, -1))
@@ -124,6 +133,48 @@ class Compressor(nnx.Module):
         written = write_slots(getattr(cache, entries)[layer], cache.page_table[entry_table],
                               jnp.where(closes, block, -1), pooled)
         return cache.set_layer(entries, layer, written)
+
+    def branch_entries(self, cache: V4Cache, state: str, layer: int, positions: jax.Array, vis: Visibility):
+        """Tree calls: the entries each query's own branch closes inside the window, which the call
+        does not write. Query q at position p gets blocks j = prefix_len // m + x (x < X = ceil(Q / m))
+        with `prefix_len <= e_j <= p`, pooled from committed ring rows and its ancestors' rows
+        -> (entries [B, Q, X, width], closed [B, Q, X] bool)."""
+        m, num_queries = self.rate, positions.shape[1]
+        span = 2 * m if self.overlap else m
+        prefix = vis.prefix_len[:, None, None]
+        block = prefix // m + jnp.arange(-(-num_queries // m), dtype=jnp.int32)[None, None]  # [B, 1, X]
+        closed = (((block + 1) * m - 1 <= positions[..., None])
+                  & query_valid(vis, num_queries)[..., None])  # [B, Q, X]
+        source = (block + 1)[..., None] * m - span + jnp.arange(span, dtype=jnp.int32)  # [B, 1, X, span]
+        depth = source - prefix[..., None]
+        ancestors = branch_slots(positions, vis)  # [B, Q, depth]
+        shape = closed.shape + (span,)
+        from_branch = jnp.take_along_axis(ancestors, jnp.broadcast_to(jnp.clip(depth, 0, num_queries - 1),
+                                                                      shape).reshape(shape[0], num_queries, -1), axis=2)
+        slot = jnp.where(depth >= 0, from_branch.reshape(shape), source)
+        present = jnp.broadcast_to(source >= 0, shape)
+        slot = jnp.where(present & closed[..., None], slot, -1)
+        batch = positions.shape[0]
+        rows = cache.read_ring(state, STATE_TABLE[self.kind], layer, slot.reshape(batch, -1))
+        rows = rows.reshape(batch, -1, span, rows.shape[-1])  # [B, Q * X, span, W]
+        start = jnp.broadcast_to(block * m, closed.shape).reshape(batch, -1)
+        pooled = self.pool(rows, present.reshape(batch, -1, span), start, cache.window[layer].dtype)
+        return pooled.reshape(*closed.shape, -1), closed
+
+
+def branch_slots(positions: jax.Array, vis: Visibility) -> jax.Array:
+    """[B, Q, Q]: the slot of query q's ancestor (itself included) at depth d, i.e. the window token
+    at position prefix_len + d on its branch; -1 where it has none (d beyond its own depth)."""
+    num_queries = positions.shape[1]
+    depth = positions - vis.prefix_len[:, None]  # [B, Q]
+    if vis.tree_mask is None:
+        q = jnp.arange(num_queries)
+        ancestor = jnp.broadcast_to(q[None, :] <= q[:, None], (positions.shape[0], num_queries, num_queries))
+    else:
+        ancestor = vis.tree_mask
+    at_depth = ancestor[..., None] & (depth[:, None, :, None] == jnp.arange(num_queries)[None, None, None])
+    index = jnp.argmax(at_depth, axis=2).astype(jnp.int32)  # [B, Q, depth]
+    return jnp.where(at_depth.any(axis=2), vis.prefix_len[:, None, None] + index, -1)
 
 
 class IndexerScorer(nnx.Module):
@@ -154,19 +205,37 @@ class Indexer(Compressor):
         return rotate_tail(q, cos, sin), weights
 
     def select(self, cache: V4Cache, layer: int, x, q_residual, cos, sin, positions: jax.Array, vis: Visibility, *,
-               window_invariant: bool) -> jax.Array:
+               window_invariant: bool, extra_keys: jax.Array | None = None, extra_closed: jax.Array | None = None):
         """The top `index_topk` entries each token sees -> [B, Q, index_topk] int32, -1 padded
-        (padding tokens: all -1). Entry j is visible to position p iff (j + 1) m - 1 <= p."""
+        (padding tokens: all -1). Entry j is visible to position p iff (j + 1) m - 1 <= p.
+
+        Trees: the cache holds the entries ending before prefix_len only; extra_keys [B, Q, X, Di]
+        (valid where extra_closed [B, Q, X]) are the index keys of the entries j = prefix_len // m
+        + x the query's branch closed. They are ranked after the cached ones (entry order, so ties go
+        to the lowest entry as in a chain) and returned as (indices into the cache, -1 padded;
+        extra_selected [B, Q, X] bool)."""
         keys = gather_rows(cache.index_entries[layer], cache.page_table[ENTRY_TABLE[CSA]])  # [B, E, Di]
         entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
-        visible = ((entry[None, None] < ((positions + 1) // self.rate)[..., None])
-                   & query_valid(vis, x.shape[1])[..., None])  # [B, Q, E]
+        bound = (positions + 1) // self.rate if extra_keys is None else jnp.broadcast_to(
+            (vis.prefix_len // self.rate)[:, None], positions.shape)
+        visible = (entry[None, None] < bound[..., None]) & query_valid(vis, x.shape[1])[..., None]  # [B, Q, E]
 
         def choose(x, q_residual, cos, sin, visible):
             q, weights = self.queries(x, q_residual, cos, sin)
             return select_topk(score_keys(q, weights, keys, visible), self.topk)
 
-        return per_position(choose, x, q_residual, cos, sin, visible, enabled=window_invariant)
+        if extra_keys is None:
+            return per_position(choose, x, q_residual, cos, sin, visible, enabled=window_invariant)
+        q, weights = self.queries(x, q_residual, cos, sin)
+        scores = score_keys(q, weights, keys, visible)
+        per_query = jax.vmap(lambda q, w, k, ok: score_keys(q[:, None], w[:, None], k, ok[:, None])[:, 0],
+                             in_axes=1, out_axes=1)
+        scores = jnp.concatenate([scores, per_query(q, weights, extra_keys, extra_closed)], axis=-1)
+        chosen = select_topk(scores, self.topk)
+        num_cached = keys.shape[1]
+        extra = num_cached + jnp.arange(extra_keys.shape[2], dtype=jnp.int32)
+        selected = jnp.any(chosen[..., None] == extra, axis=-2) & extra_closed
+        return jnp.where(chosen < num_cached, chosen, -1), selected
 
 
 class CSACompressor(Compressor):

@@ -21,7 +21,13 @@ One call, chain (tree_mask None: prefill, plain decode, chain verification, MTP 
 window's K=V entries go to the ring and its compressor projections to the projection rings; every
 block whose end lies in the call is closed from the rings and written to its entry slot; then the
 attention runs. Padding tokens (q >= query_len) write nothing and return finite values (0 from the
-op, then the output projections). Trees (tree_mask given) are not implemented yet.
+op, then the output projections).
+
+A tree call (tree_mask given; positions = prefix_len + depth, window token q at slot prefix_len +
+q) writes its ring rows the same way but no entry: the entries a query's branch closes inside the
+window reach the op as its extra keys (`Compressor.branch_entries`; for CSA the indexer ranks them
+after the cached entries). After the loop made the accepted path contiguous (`V4Cache.move`), the
+next call closes its blocks from the rings. window_invariant is for chains only.
 
 Interface (what `models/deepseek_v4.py` calls):
   V4Attention(config, layer, *, rngs, dtype)   layer: index into config.layer_types
@@ -85,8 +91,12 @@ class V4Attention(nnx.Module):
         """x [B, Q, D] (the input-normed, collapsed mHC stream), positions [B, Q] -> (out [B, Q, D],
         cache with the call's ring rows and closed entries written). window_invariant: each token
         computed as if alone in its call (`per_position`), bit for bit whatever the window."""
-        if vis.tree_mask is not None:
-            raise NotImplementedError("V4Attention: tree calls (tree_mask) are not implemented yet; chains only")
+        if x.shape[1] > cache.max_window:
+            raise ValueError(f"x has {x.shape[1]} tokens per row: the cache's rings leave room for "
+                             f"max_window={cache.max_window} (init_v4_cache)")
+        tree = vis.tree_mask is not None
+        if tree and window_invariant:
+            raise NotImplementedError("V4Attention: window_invariant tree calls are not implemented; chains only")
         if cache.layer_types[layer] != self.kind:
             raise ValueError(f"layer={layer}: the cache holds a {cache.layer_types[layer]} layer there, "
                              f"this attention is {self.kind}")
@@ -104,15 +114,26 @@ class V4Attention(nnx.Module):
                                            window_invariant=window_invariant)
             compressed = dict(compressed_kv=cache.entries[layer],
                               compressed_pages=cache.page_table[ENTRY_TABLE[self.kind]])
+            if tree:  # entries closed inside the window: per query, along its branch, not cached
+                compressed["extra_kv"], closed = self.compressor.branch_entries(cache, "state", layer, positions, vis)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 cache = indexer.update(cache, "index_state", "index_entries", layer, x, positions, slots, vis,
                                        window_invariant=window_invariant)
-                compressed["compressed_indices"] = indexer.select(cache, layer, x, q_residual, cos, sin, positions,
-                                                                  vis, window_invariant=window_invariant)
+                if tree:
+                    keys, keys_closed = indexer.branch_entries(cache, "index_state", layer, positions, vis)
+                    compressed["compressed_indices"], compressed["extra_valid"] = indexer.select(
+                        cache, layer, x, q_residual, cos, sin, positions, vis, window_invariant=False,
+                        extra_keys=keys, extra_closed=keys_closed)
+                else:
+                    compressed["compressed_indices"] = indexer.select(cache, layer, x, q_residual, cos, sin,
+                                                                      positions, vis, window_invariant=window_invariant)
             else:
-                visible = (positions + 1) // self.compressor.rate
+                rate = self.compressor.rate
+                visible = (jnp.broadcast_to(vis.prefix_len[:, None], positions.shape) if tree else positions + 1) // rate
                 compressed["compressed_count"] = jnp.where(query_valid(vis, num_queries), visible, 0)
+                if tree:
+                    compressed["extra_valid"] = closed
 
         attend = functools.partial(sliding_compressed_attention, sliding_window=c.sliding_window,
                                    scale=c.head_dim ** -0.5, backend=backend)

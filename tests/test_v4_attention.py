@@ -4,12 +4,15 @@
   full-sequence call and cached decode step by step, for each layer type (CSA with 8 indexer heads:
   with few heads, indexer scores tie at exactly 0 and transformers' `torch.topk` breaks ties by row
   length, `models/compressor.py`);
-* causality and cached == recompute, our own: a prefix equals the start of a longer call; a
-  prefill then chain windows of 1..4 tokens equals one call over everything;
+* causality and cached == recompute, our own: other tokens from position 17 on change nothing
+  before it; chain windows of 1..5 tokens over wrapping rings equal one call over everything;
 * rewind: a window whose drafts close compressed blocks and overwrite ring slots, then a shorter
   accepted length and the right continuation, equals a fresh recompute of the committed tokens,
   and after each commit every cache row a later query can read equals the recompute's;
-* padding writes nothing and returns finite values.
+* padding writes nothing and returns finite values;
+* window_invariant: a window is bit for bit its tokens decoded one by one;
+* trees: every node equals the chain call of its branch, and after a branch is committed
+  (`V4Cache.move`) the next window equals a recompute.
 """
 
 from __future__ import annotations
@@ -76,11 +79,13 @@ def step_fn(kind: str, window_invariant: bool):
     return step
 
 
-def run(model, kind, x, start, lengths, cache, window_invariant=False):
-    """One chain call: x [B, Q, D], rows starting at `start` [B] with `lengths` [B] real tokens."""
+def run(model, kind, x, start, lengths, cache, window_invariant=False, depths=None, tree_mask=None):
+    """One call: x [B, Q, D], rows starting at `start` [B] with `lengths` [B] real tokens; a chain,
+    or a tree with `depths` [Q] and ancestor `tree_mask` [Q, Q] (the same for every row)."""
     start = jnp.asarray(start, jnp.int32)
-    positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    vis = Visibility(start, jnp.asarray(lengths, jnp.int32))
+    positions = start[:, None] + jnp.asarray(np.arange(x.shape[1]) if depths is None else depths, jnp.int32)[None]
+    mask = None if tree_mask is None else jnp.broadcast_to(jnp.asarray(tree_mask), (x.shape[0],) + tree_mask.shape)
+    vis = Visibility(start, jnp.asarray(lengths, jnp.int32), mask)
     return step_fn(kind, window_invariant)(nnx.state(model), x, positions, cache, vis)
 
 
@@ -292,17 +297,50 @@ def test_padding_writes_nothing(kind):
                                       np.asarray(getattr(cache, name)[0][pages]))
 
 
-def test_move_copies_every_ring():
-    """`V4Cache.move` (a tree path made contiguous): every ring row of a source slot lands at its
-    destination, all sources read first (a destination may be another pair's source); -1 skips."""
-    model, x = model_for(CSA), inputs(2, 12)
-    _, cache = chunked(model, CSA, x, [12, 12])
-    src, dst = jnp.array([[9, 11, 10], [8, -1, 11]]), jnp.array([[10, 9, 11], [9, 10, 7]])
-    moved = cache.move(src, dst)
-    for name in ("window", "state", "index_state"):
-        table = "window" if name == "window" else STATE_TABLE[CSA]
-        before = cache.read_ring(name, table, 0, src)
-        after = moved.read_ring(name, table, 0, jnp.where(src >= 0, dst, -1))
-        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
-        untouched = moved.read_ring(name, table, 0, jnp.array([[8], [10]]))  # row 1's slot 10: skipped pair
-        np.testing.assert_array_equal(np.asarray(untouched), np.asarray(cache.read_ring(name, table, 0, jnp.array([[8], [10]]))))
+# -- trees -----------------------------------------------------------------------------------------
+
+PARENTS = (-1, 0, 0, 1, 2)  # two branches 0-1-3 and 0-2-4; depths 0, 1, 1, 2, 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_equals_its_branches_and_commits(kind):
+    """Every node of a tree call equals the chain call of its branch (row 0: both depth-2 nodes,
+    at position 15, close CSA block 3 and HCA block 1, each from its own branch); after branch
+    0-2-4 is committed (`move`) the next chain window, which closes those blocks from the rings,
+    equals a recompute of the committed tokens, as does every cache row a later query reads."""
+    model = model_for(kind)
+    x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
+    prefix = np.array([13, 11])
+    _, cache = chunked(model, kind, x, prefix)
+    mask = np.eye(5, dtype=bool)
+    for node, parent in enumerate(PARENTS):
+        if parent >= 0:
+            mask[node] |= mask[parent]
+    depths = mask.sum(1) - 1
+    out, tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, depths=depths, tree_mask=mask)
+    for node in range(5):
+        branch = np.nonzero(mask[node])[0]
+        window = jnp.pad(nodes[:, branch], ((0, 0), (0, CHUNK - len(branch)), (0, 0)))
+        chain, _ = run(model, kind, window, prefix, [len(branch)] * 2, cache)
+        np.testing.assert_allclose(np.asarray(out[:, node]), np.asarray(chain[:, len(branch) - 1]), rtol=1e-5,
+                                   atol=1e-5, err_msg=f"node {node}")
+
+    accepted = np.array([0, 2, 4])
+    moved = tree_cache.move(jnp.asarray(prefix[:, None] + accepted), jnp.asarray(prefix[:, None] + np.arange(3)))
+    committed = prefix + 3
+    follow = jnp.stack([x[b, committed[b]:committed[b] + CHUNK] for b in range(2)])
+    out, moved = run(model, kind, follow, committed, [CHUNK] * 2, moved)
+    sequences = jnp.stack([jnp.concatenate([x[b, :prefix[b]], nodes[b, accepted], follow[b],
+                                            jnp.zeros((MAX_WINDOW - committed[b] - CHUNK, x.shape[-1]))])
+                           for b in range(2)])
+    full, recompute = prefill(model, kind, sequences, committed + CHUNK)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(out[b]), np.asarray(full[b, committed[b]:committed[b] + CHUNK]),
+                                   rtol=1e-5, atol=1e-5)
+        row = lambda c: c.replace(page_table={k: t[b:b + 1] for k, t in c.page_table.items()},
+                                  lengths=c.lengths[b:b + 1])
+        ours = readable_rows(row(moved), kind, committed[b] + CHUNK)
+        theirs = readable_rows(row(recompute), kind, committed[b] + CHUNK)
+        for name in theirs:
+            np.testing.assert_allclose(np.asarray(ours[name]), np.asarray(theirs[name]), rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} of row {b}")
