@@ -1,7 +1,14 @@
-"""DeepSeek-V3 / V3.2 model code (Flax NNX), installed as `jaxspec.models`."""
+"""DeepSeek-V3 / V3.2 / V4 model code (Flax NNX), installed as `jaxspec.models`."""
 
 from .deepseek import DecoderLayer, DeepseekV3, MTPModule
+from .deepseek_v4 import DeepseekV4
 from .mla import MLA
 from .moe import MoE, route
 
-__all__ = ["DecoderLayer", "DeepseekV3", "MLA", "MTPModule", "MoE", "route"]
+
+def model_class(config) -> type:
+    """The model class for a `ModelConfig`: `DeepseekV4` for model_type deepseek_v4, else `DeepseekV3`."""
+    return DeepseekV4 if config.is_v4 else DeepseekV3
+
+
+__all__ = ["DecoderLayer", "DeepseekV3", "DeepseekV4", "MLA", "MTPModule", "MoE", "model_class", "route"]

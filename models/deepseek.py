@@ -43,7 +43,7 @@ from jaxspec.cache import PagedCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
-from .layers import MLP, Linear, RMSNorm, compute_dtype, per_position
+from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .mla import MLA
 from .moe import MoE
 from .rope import rope_angles
@@ -102,9 +102,7 @@ class DeepseekV3(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         self.dtype = compute_dtype(dtype)
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, param_dtype=self.dtype, rngs=rngs,
-                                      embedding_init=nnx.initializers.normal(1.0),
-                                      embedding_metadata=dict(out_sharding=("vocab", "embed"), eager_sharding=False))
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, rngs=rngs, dtype=self.dtype)
         self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, dtype=dtype)
                                 for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
@@ -126,16 +124,8 @@ class DeepseekV3(nnx.Module):
     # -- forward passes -------------------------------------------------------------------------
 
     def _head(self, norm: RMSNorm, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B, Q, D] (the last block's output) -> (logits [B, Q, V] float32, norm(x) [B, Q, D] in x's dtype).
-
-        The logits that greedy decoding and acceptance compare are computed in float32 from x: the
-        norm's float32 output times the float32 head, never rounded to bfloat16 in between (as
-        serving engines compute logits for sampling). A bfloat16 logit has 8 significant bits, so
-        near-ties would otherwise become exact ties or flip order on the last rounding.
-        """
-        normed = norm(x.astype(jnp.float32))
-        logits = normed @ self.lm_head.weight[...].astype(jnp.float32)
-        return logits, normed.astype(x.dtype)
+        """x [B, Q, D] -> (logits [B, Q, V] float32, norm(x) [B, Q, D]): `layers.head_logits`."""
+        return head_logits(norm, self.lm_head, x)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: PagedCache, vis: Visibility, *,
                  form: str = "absorbed", backend: str = "auto",

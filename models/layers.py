@@ -81,6 +81,12 @@ class Linear(nnx.Module):
         return y
 
 
+def embedding(vocab_size: int, dim: int, *, rngs: nnx.Rngs, dtype) -> nnx.Embed:
+    """The token embedding [vocab_size, dim] (`embedding`, named ("vocab", "embed")), N(0, 1) at init."""
+    return nnx.Embed(vocab_size, dim, param_dtype=dtype, rngs=rngs, embedding_init=nnx.initializers.normal(1.0),
+                     embedding_metadata=dict(out_sharding=("vocab", "embed"), eager_sharding=False))
+
+
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in float32 (as DeepSeek and transformers do)."""
 
@@ -110,17 +116,41 @@ class LayerNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). hidden_name: the logical name of the
-    intermediate axis ("mlp" for a dense layer, "expert_mlp" for the MoE's shared experts)."""
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None = None) -> jax.Array:
+    """silu(gate) * up; with `limit` (DeepSeek-V4's `swiglu_limit`) gate clamped above at limit and
+    up to [-limit, limit] first, as transformers' DeepseekV4MLP / DeepseekV4Experts do."""
+    if limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
 
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32, hidden_name: str = "mlp"):
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(swiglu(gate(x), up(x), swiglu_limit)). hidden_name: the logical name
+    of the intermediate axis ("mlp" for a dense layer, "expert_mlp" for the MoE's shared experts)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32, hidden_name: str = "mlp",
+                 swiglu_limit: float | None = None):
         self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, names=("embed", hidden_name))
         self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, names=("embed", hidden_name))
         self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype, names=(hidden_name, "embed"))
+        self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+
+
+def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, Q, D] (the last block's output) -> (logits [B, Q, V] float32, norm(x) [B, Q, D] in x's dtype).
+
+    The logits that greedy decoding and acceptance compare are computed in float32 from x: the
+    norm's float32 output times the float32 head, never rounded to bfloat16 in between (as
+    serving engines compute logits for sampling). A bfloat16 logit has 8 significant bits, so
+    near-ties would otherwise become exact ties or flip order on the last rounding.
+    """
+    normed = norm(x.astype(jnp.float32))
+    logits = normed @ lm_head.weight[...].astype(jnp.float32)
+    return logits, normed.astype(x.dtype)
 
 
 def per_position(fn, *window_args, enabled: bool = True):

@@ -1,13 +1,19 @@
-"""DeepSeek-V3 mixture of experts: sigmoid router with bias-corrected, group-limited top-k.
+"""DeepSeek-V3 / V4 mixture of experts: a router with bias-corrected, group-limited top-k (or V4's
+hash routing), routed SwiGLU experts and a shared expert.
 
-Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`):
-  1. scores = sigmoid(x @ gate)                              [T, E], float32
+Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`; transformers' DeepseekV4TopKRouter):
+  1. scores = sigmoid(x @ gate) (V3, V3.2), or sqrt(softplus(x @ gate)) (`scoring_func`
+     "sqrtsoftplus", V4)                                     [T, E], float32
   2. choice = scores + e_score_correction_bias               (the bias only steers selection)
   3. with n_group > 1: a group's score is the sum of its top-2 choice values; keep the best
      `topk_group` groups, mask the rest to -inf
   4. experts = top-k(choice); weights = scores at those experts (no bias)
   5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
-Output = sum_k weights_k * expert_k(x) + shared_experts(x).
+V4's hash layers (`mlp_layer_types` "hash_moe", transformers' DeepseekV4HashRouter) skip 2-4:
+experts = tid2eid[token id], a fixed table [V, k], and have no bias; the weights are still the
+learned gate's scores at those experts (5).
+Output = sum_k weights_k * expert_k(x) + shared_experts(x), each expert a SwiGLU whose gate and up
+projections V4 clamps at `swiglu_limit` (`layers.swiglu`; V3: no clamp).
 
 Two equal ways to run the experts; `expert_path` is the one place that picks (T = tokens in the
 call, k = num_experts_per_tok, E = n_routed_experts):
@@ -58,14 +64,31 @@ from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
 from jaxspec.pallas_kernels.block_fp8 import dequantize
 from jaxspec.sharding import Parallel, current
 
-from .layers import MLP, param, weight_params
+from .layers import MLP, param, swiglu, weight_params
 
 
-def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array):
-    """x [T, D], gate_weight [D, E], bias [E] -> (weights [T, k] float32, experts [T, k] int32)."""
-    scores = jax.nn.sigmoid(x.astype(jnp.float32) @ gate_weight.astype(jnp.float32))
-    choice = scores + bias.astype(jnp.float32)
-    num_tokens, num_experts = scores.shape
+def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None, *,
+          experts: jax.Array | None = None):
+    """x [T, D], gate_weight [D, E], bias [E] -> (weights [T, k] float32, experts [T, k] int32).
+
+    experts: None (learned top-k), or [T, k] expert ids fixed in advance (hash routing: the
+    weights are the scores there; bias is unused and may be None)."""
+    logits = x.astype(jnp.float32) @ gate_weight.astype(jnp.float32)
+    if config.scoring_func == "sqrtsoftplus":
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+    else:
+        scores = jax.nn.sigmoid(logits)
+    if experts is None:
+        experts = _top_k_experts(config, scores + bias.astype(jnp.float32))
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if config.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def _top_k_experts(config: ModelConfig, choice: jax.Array) -> jax.Array:
+    """choice [T, E] (scores + bias) -> the chosen experts [T, k], group-limited when n_group > 1."""
+    num_tokens, num_experts = choice.shape
     if config.n_group > 1:
         per_group = num_experts // config.n_group
         grouped = choice.reshape(num_tokens, config.n_group, per_group)
@@ -74,11 +97,7 @@ def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.A
         keep = jnp.zeros((num_tokens, config.n_group), bool).at[
             jnp.arange(num_tokens)[:, None], best_groups].set(True)
         choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
-    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, experts, axis=1)
-    if config.norm_topk_prob:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
+    return jax.lax.top_k(choice, config.num_experts_per_tok)[1]
 
 
 EXPERT_PATHS = ("grouped", "gathered")
@@ -96,15 +115,27 @@ def expert_path(num_assignments: int, num_experts: int, backend: str) -> str:
 
 
 class MoE(nnx.Module):
-    """Routed experts (stacked [E, ...] weights) plus `n_shared_experts` fused into one MLP."""
+    """Routed experts (stacked [E, ...] weights) plus `n_shared_experts` fused into one MLP.
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    hash_routing (V4's "hash_moe" layers): experts come from `tid2eid` [V, k] int32 (random distinct
+    experts per token until a checkpoint's table is loaded) instead of top-k, and there is no
+    `e_score_correction_bias` (None)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, hash_routing: bool = False):
         dim, hidden, num_experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
         self.config = config
         # The router's expert axis is not named "experts": every device routes its own tokens over all E.
         self.gate_weight = param(nnx.initializers.normal(dim ** -0.5)(rngs.params(), (dim, num_experts), jnp.float32),
                                  "embed", None)
-        self.e_score_correction_bias = param(jnp.zeros((num_experts,), jnp.float32), None)
+        if hash_routing:
+            # Every device looks up its own tokens: the table is replicated.
+            draw = jax.random.uniform(rngs.params(), (config.vocab_size, num_experts))
+            self.tid2eid = param(jnp.argsort(draw, axis=-1)[:, :config.num_experts_per_tok].astype(jnp.int32),
+                                 None, None)
+            self.e_score_correction_bias = None
+        else:
+            self.tid2eid = None
+            self.e_score_correction_bias = param(jnp.zeros((num_experts,), jnp.float32), None)
         init_in, init_out = nnx.initializers.normal(dim ** -0.5), nnx.initializers.normal(hidden ** -0.5)
         stack_in, stack_out = ("experts", "embed", "expert_mlp"), ("experts", "expert_mlp", "embed")
         # FP8 (dtype float8_e4m3fn): each stack beside its block scales experts_*_proj_scale_inv, else None.
@@ -115,16 +146,26 @@ class MoE(nnx.Module):
         self.experts_down_proj, self.experts_down_proj_scale_inv = weight_params(
             init_out, rngs.params(), (num_experts, hidden, dim), dtype, stack_out)
         self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype,
-                                   hidden_name="expert_mlp") if config.n_shared_experts else None)
+                                   hidden_name="expert_mlp", swiglu_limit=config.swiglu_limit)
+                               if config.n_shared_experts else None)
 
-    def __call__(self, x: jax.Array, *, backend: str = "auto", path: str | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, backend: str = "auto", path: str | None = None,
+                 token_ids: jax.Array | None = None) -> jax.Array:
         """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas" or "auto", as for the attention ops.
-        path: None = `expert_path`'s choice; "gathered" or "grouped" forces one (benchmarks/moe.py)."""
+        path: None = `expert_path`'s choice; "gathered" or "grouped" forces one (benchmarks/moe.py).
+        token_ids [B, Q] int32: the tokens' ids, which a hash-routed layer needs (ignored otherwise)."""
         if path not in (None, *EXPERT_PATHS):
             raise ValueError(f"path={path!r}: must be None or one of {EXPERT_PATHS}")
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
+        if self.tid2eid is not None:
+            if token_ids is None or token_ids.shape != shape[:-1]:
+                raise ValueError(f"token_ids={None if token_ids is None else token_ids.shape}: a hash-routed MoE "
+                                 f"needs the ids of its tokens, shape {shape[:-1]}")
+            weights, experts = route(self.config, tokens, self.gate_weight[...], None,
+                                     experts=self.tid2eid[...][token_ids.reshape(-1)])
+        else:
+            weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
         backend = resolve_backend(backend)
         par = current()
         if par is None:
@@ -192,7 +233,7 @@ class MoE(nnx.Module):
 
         gate = jnp.einsum("td,tkdh->tkh", tokens, w("gate_proj"))
         up = jnp.einsum("td,tkdh->tkh", tokens, w("up_proj"))
-        down = jnp.einsum("tkh,tkhd->tkd", jax.nn.silu(gate) * up, w("down_proj"))
+        down = jnp.einsum("tkh,tkhd->tkd", swiglu(gate, up, self.config.swiglu_limit), w("down_proj"))
         return down if par is None else jnp.where(mine[..., None], down, 0)
 
     def _grouped(self, tokens, experts, par: Parallel | None, backend):
@@ -219,7 +260,7 @@ class MoE(nnx.Module):
             return grouped_matmul(lhs, stack if scale_inv is not None else stack.astype(dtype), group_sizes,
                                   scale_inv, backend=backend)
 
-        hidden = jax.nn.silu(matmul(sorted_in, "gate_proj")) * matmul(sorted_in, "up_proj")
+        hidden = swiglu(matmul(sorted_in, "gate_proj"), matmul(sorted_in, "up_proj"), self.config.swiglu_limit)
         down = matmul(hidden, "down_proj")
         if par is not None:
             down = jnp.roll(down, start, axis=0)

@@ -1,0 +1,174 @@
+"""DeepSeek-V4 transformer with its MTP module, in Flax NNX (`model_type` "deepseek_v4").
+
+The module tree mirrors transformers 5.23's `DeepseekV4ForCausalLM` (so checkpoint names map
+mechanically, `jaxspec.checkpoint`): embed_tokens; layers[i] = attn_hc, input_layernorm, self_attn
+(`V4Attention`: sliding / CSA / HCA by `layer_types[i]`), ffn_hc, post_attention_layernorm, mlp
+(`MoE`, hash-routed in the "hash_moe" layers); hc_head; norm; lm_head. The residual is `hc_mult`
+streams [B, Q, N, D] (`models.hyper_connections`): the embedding is copied into every stream, each
+block reads their mHC collapse and is merged back, and `hc_head` collapses them before the final
+norm. A call processes a window of tokens `[B, Q]` against a `V4Cache` (`jaxspec.cache_v4`) and
+returns logits, the hidden state the MTP module reads, and the updated cache, like `DeepseekV3`.
+
+The MTP module (`mtp`; transformers drops it, `jaxspec.checkpoint` loads DeepSeek's `mtp.0.*`). Its
+wiring is the one DeepSeek's V4 inference code (`inference/model.py`, `MTPBlock`) and the engines
+serving V4 MTP agree on (vLLM `deepseek_v4_mtp.py` `DeepSeekV4MultiTokenPredictorLayer`, SGLang
+`deepseek_v4_nextn.py`, tokenspeed `deepseek_v4_mtp.py`; /work/notes/v4_research.md (a)):
+
+    streams'_i = h_proj(hnorm(H_i)) + e_proj(enorm(embed(t_{i+1})))    (broadcast to the N streams)
+    streams''_i = block(streams'_i)           (a sliding-window layer with its own mHC, learned MoE)
+    logits_i = lm_head(norm(hc_head(streams''_i)))                    (predicts t_{i+2})
+
+where H_i are the target's residual streams after its last layer, before `hc_head` and the final
+norm (unlike V3, whose MTP reads the post-norm state): vLLM stashes exactly that tensor ("pre-hc_head
+residual for the MTP draft"). So `hidden`, what a call returns for the MTP, is the streams
+flattened, [B, Q, hc_mult * hidden_size]. Chained drafting (k > 1) feeds the MTP its own
+pre-hc_head output streams the same way (vLLM: "Return the flat pre-hc_head residual so it can be
+re-fed as the next spec step's previous_hidden_states"). The embedding and LM head are the target's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache_v4 import V4Cache, init_v4_cache
+from jaxspec.config import ModelConfig
+from jaxspec.pallas_kernels import Visibility
+
+from .hyper_connections import HyperConnection, HyperHead
+from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
+from .moe import MoE
+from .v4_attention import V4Attention
+
+
+class V4DecoderLayer(nnx.Module):
+    """One V4 block around the N residual streams: attention then MoE, each behind its own mHC
+    (transformers' DeepseekV4DecoderLayer). layer: the index into `config.layer_types`
+    (num_hidden_layers: the MTP block, a sliding-window layer with learned routing)."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        dim = config.hidden_size
+        self.attn_hc = HyperConnection(config, rngs=rngs)
+        self.input_layernorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+        self.self_attn = V4Attention(config, layer, rngs=rngs, dtype=dtype)
+        self.ffn_hc = HyperConnection(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+        self.mlp = MoE(config, rngs=rngs, dtype=dtype, hash_routing=config.is_hash_layer(layer))
+
+    def __call__(self, streams: jax.Array, tokens: jax.Array, positions: jax.Array, cache: V4Cache, cache_layer: int,
+                 vis: Visibility, *, backend: str, window_invariant: bool = False) -> tuple[jax.Array, V4Cache]:
+        """streams [B, Q, N, D], tokens / positions [B, Q] -> (streams [B, Q, N, D], cache)."""
+        each = functools.partial(per_position, enabled=window_invariant)
+
+        def enter(hc, norm, streams):  # the block's input: its mHC weights and the normed collapse
+            post, comb, collapsed = hc(streams)
+            return post, comb, norm(collapsed)
+
+        post, comb, x = each(functools.partial(enter, self.attn_hc, self.input_layernorm), streams)
+        attn, cache = self.self_attn(x, positions, cache, cache_layer, vis, backend=backend,
+                                     window_invariant=window_invariant)
+        streams = each(HyperConnection.merge, post, comb, attn, streams)
+        post, comb, x = each(functools.partial(enter, self.ffn_hc, self.post_attention_layernorm), streams)
+        # Per position the MoE sees B tokens whatever Q is, so it also takes the same expert path.
+        mlp = each(lambda h, t: self.mlp(h, backend=backend, token_ids=t), x, tokens)
+        return each(HyperConnection.merge, post, comb, mlp, streams), cache
+
+
+class V4MTPModule(nnx.Module):
+    """DeepSeek-V4's MTP layer (`mtp.0.*`): enorm, hnorm, e_proj, h_proj, one sliding-window block,
+    its own hc_head and final norm (module docstring)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        dim = config.hidden_size
+        self.enorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+        # FP8 in DeepSeek's V4 checkpoints (unlike V3's bf16 eh_proj), so they follow `dtype`.
+        self.e_proj = Linear(dim, dim, rngs=rngs, dtype=dtype, names=("embed", None))
+        self.h_proj = Linear(dim, dim, rngs=rngs, dtype=dtype, names=("embed", None))
+        self.block = V4DecoderLayer(config, config.num_hidden_layers, rngs=rngs, dtype=dtype)
+        self.hc_head = HyperHead(config, rngs=rngs)
+        self.norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
+
+
+class DeepseekV4(nnx.Module):
+    """The DeepSeek-V4 target model and, when `config.num_nextn_predict_layers > 0`, its MTP module.
+
+    DeepseekV4(config, rngs=nnx.Rngs(seed), dtype=jnp.float32), with the same calls as `DeepseekV3`
+    (`__call__`, `draft`, `init_cache`), so the decoding loop drives either. dtype: of parameters
+    and caches (`jnp.float8_e4m3fn`: DeepSeek's FP8 layout, see `models.layers.Linear`); the mHC
+    parameters, sinks and router stay float32 as in transformers.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        if not config.is_v4:
+            raise ValueError(f"config.model_type={config.model_type!r}: DeepseekV4 needs deepseek_v4 "
+                             "(DeepseekV3 builds deepseek_v3 / deepseek_v32)")
+        self.config = config
+        self.dtype = compute_dtype(dtype)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, rngs=rngs, dtype=self.dtype)
+        self.layers = nnx.List([V4DecoderLayer(config, i, rngs=rngs, dtype=dtype)
+                                for i in range(config.num_hidden_layers)])
+        self.hc_head = HyperHead(config, rngs=rngs)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=self.dtype,
+                              names=("embed", "vocab"))
+        self.mtp = V4MTPModule(config, rngs=rngs, dtype=dtype) if config.num_nextn_predict_layers > 0 else None
+
+    # -- caches ---------------------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
+                   page_table=None, row_shards: int = 1, max_window: int | None = None) -> V4Cache:
+        """An empty `V4Cache` for the target (or, with `mtp=True`, the one-layer MTP module).
+        max_window: the most tokens one call will process (prefill chunk, k + 1, tree size), which
+        the rings leave room for; None = `capacity` (any call fits: the rings never wrap inside a
+        call). page_table, row_shards: as `jaxspec.cache_v4.init_v4_cache`."""
+        return init_v4_cache(self.config, batch_size, capacity, max_window=capacity if max_window is None else max_window,
+                             page_size=page_size, mtp=mtp, page_table=page_table, row_shards=row_shards,
+                             dtype=self.dtype)
+
+    # -- forward passes -------------------------------------------------------------------------
+
+    def _streams(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, Q] -> the embedding copied into the hc_mult streams [B, Q, N, D]."""
+        x = self.embed_tokens(tokens).astype(self.dtype)
+        return jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+
+    def _logits(self, hc_head: HyperHead, norm: RMSNorm, streams: jax.Array, window_invariant: bool) -> jax.Array:
+        """streams [B, Q, N, D] -> float32 logits [B, Q, V] of norm(hc_head(streams)) (`head_logits`)."""
+        head = lambda s: head_logits(norm, self.lm_head, hc_head(s))[0]
+        return per_position(head, streams, enabled=window_invariant)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: V4Cache, vis: Visibility, *,
+                 form: str = "absorbed", backend: str = "auto",
+                 window_invariant: bool = False) -> tuple[jax.Array, jax.Array, V4Cache]:
+        """Target forward over a window.
+
+        tokens, positions [B, Q] int32; vis: the window's visibility -> logits [B, Q, V] float32,
+        hidden [B, Q, hc_mult * D] (the residual streams before hc_head, flattened: the MTP's
+        input), the updated cache. form: accepted for `DeepseekV3`'s signature and unused (V4 has
+        no MLA forms). window_invariant: every token computed as if alone in a [B, 1] call.
+        """
+        streams = self._streams(tokens)
+        for i, layer in enumerate(self.layers):
+            streams, cache = layer(streams, tokens, positions, cache, i, vis, backend=backend,
+                                   window_invariant=window_invariant)
+        logits = self._logits(self.hc_head, self.norm, streams, window_invariant)
+        return logits, streams.reshape(*streams.shape[:2], -1), cache
+
+    def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: V4Cache,
+              vis: Visibility, *, form: str = "absorbed", backend: str = "auto"):
+        """MTP forward: next_tokens [B, Q] (t_{i+1}), hidden [B, Q, N * D] (the target's or the MTP's
+        own pre-hc_head streams at i), positions [B, Q] (i) -> logits [B, Q, V] float32 (for
+        t_{i+2}), the MTP's pre-hc_head streams [B, Q, N * D] (to chain), cache."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP module (config.num_nextn_predict_layers == 0)")
+        mtp, (batch, num_queries) = self.mtp, next_tokens.shape
+        streams = hidden.astype(self.dtype).reshape(batch, num_queries, self.config.hc_mult, -1)
+        embedded = mtp.e_proj(mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype)))
+        streams = mtp.h_proj(mtp.hnorm(streams)) + embedded[:, :, None]
+        streams, cache = mtp.block(streams, next_tokens, positions, cache, 0, vis, backend=backend)
+        logits = self._logits(mtp.hc_head, mtp.norm, streams, False)
+        return logits, streams.reshape(batch, num_queries, -1), cache
