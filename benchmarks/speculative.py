@@ -35,7 +35,7 @@ from flax import nnx
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, tree_spec
 from jaxspec.generation import GenerateResult, compile_generate
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, model_class
 from jaxspec.train import train
 from jaxspec.trees import parse_tree
 
@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_model(args: argparse.Namespace) -> DeepseekV3:
     """The benchmark's model: trained on the phrase language unless --random."""
-    model = DeepseekV3(preset(args.preset), rngs=nnx.Rngs(args.seed))
+    config = preset(args.preset)
+    model = model_class(config)(config, rngs=nnx.Rngs(args.seed))
     if not args.random:
         rng = np.random.default_rng(args.seed)
         stream = phrase_stream(args.seed, 200_000)

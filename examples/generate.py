@@ -46,7 +46,7 @@ from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
 from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels.backend import resolve_backend
 from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
@@ -168,7 +168,8 @@ def build_model(args: argparse.Namespace, mesh) -> tuple[DeepseekV3, Tokenizer |
     if not args.random:
         return (restore_model(DEFAULT_CHECKPOINT), load_tokenizer(None),
                 f"trained weights ({os.path.relpath(DEFAULT_CHECKPOINT)}), byte tokenizer")
-    model = DeepseekV3(preset(args.preset), rngs=nnx.Rngs(args.seed))
+    config = preset(args.preset)
+    model = model_class(config)(config, rngs=nnx.Rngs(args.seed))
     return model, load_tokenizer(None), f"random weights (seed {args.seed}), byte tokenizer"
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.config import preset
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import save_model
 from jaxspec.tokenizer import ByteTokenizer
 from jaxspec.train import indexer_kl_loss, losses, train
@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     stream = token_stream(names)
     held_out = token_stream(list(HELD_OUT))
     config = preset(args.preset)
-    model = DeepseekV3(config, rngs=nnx.Rngs(args.seed))
+    model = model_class(config)(config, rngs=nnx.Rngs(args.seed))
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"corpus    {len(names)} files from {stdlib_dir()}, {len(stream):,} bytes; held out {', '.join(HELD_OUT)} "
           f"({len(held_out):,} bytes)")
