@@ -4,15 +4,24 @@ V4's FP8 (e8m0 scales) and MXFP4 experts (against an independent decoding of the
 
 from __future__ import annotations
 
+import json
+
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxspec import fp8
+from jaxspec.checkpoint import load_hf_checkpoint, load_model
 from jaxspec.checkpoint_v4 import to_transformers
+from jaxspec.config import preset
+from jaxspec.orbax_io import abstract_model, save_model
+from jaxspec.shards import INDEX_FILE, write
 
 
-def _deepseek_names(layer_kinds: list[tuple[str, bool]], num_experts: int, mtp: bool) -> list[str]:
+def _released_names(layer_kinds: list[tuple[str, bool]], num_experts: int, mtp: bool) -> list[str]:
     """Every tensor name of a V4 checkpoint in DeepSeek's layout, per (attention kind, hash routing)
     layer, as deepseek-ai/DeepSeek-V4-Pro's safetensors headers list them (FP8 Linear weights with
     a `.scale`; compressors, norms, router, sinks, hyper-connections without)."""
@@ -54,7 +63,7 @@ def test_names_are_transformers_renames():
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
     kinds = [("sliding", True), ("csa", True), ("hca", False), ("csa", False)]
-    names = _deepseek_names(kinds, num_experts=2, mtp=True)
+    names = _released_names(kinds, num_experts=2, mtp=True)
     transforms = get_checkpoint_conversion_mapping("deepseek_v4")
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
@@ -140,3 +149,216 @@ def test_fp8_with_e8m0_scales_dequantizes():
     block_scale = 2.0 ** (exponents.astype(np.float64) - 127)
     want = weight.astype(np.float64) * np.repeat(np.repeat(block_scale, 128, 0), 128, 1)[:130, :260]
     np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+# -- a V4 checkpoint in DeepSeek's layout, written by hand from a jaxspec model ------------------------
+# Our V4 tree mirrors transformers' modules; DeepSeek's names are restated here independently of
+# jaxspec.checkpoint_v4 (its inverse, as the released headers spell them).
+
+_ATTN = {"q_a_proj": "wq_a", "q_a_norm": "q_norm", "q_b_proj": "wq_b", "kv_proj": "wkv", "kv_norm": "kv_norm",
+         "o_a_proj": "wo_a", "o_b_proj": "wo_b"}
+_COMPRESSOR = {"kv_proj.weight": "wkv.weight", "gate_proj.weight": "wgate.weight", "position_bias": "ape",
+               "kv_norm.weight": "norm.weight"}
+_FFN = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_BLOCK = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+          "self_attn.sinks": "attn.attn_sink", "mlp.gate_weight": "ffn.gate.weight",
+          "mlp.e_score_correction_bias": "ffn.gate.bias", "mlp.tid2eid": "ffn.gate.tid2eid",
+          **{f"{k}_hc.{p}": f"hc_{k}_{p}" for k in ("attn", "ffn") for p in ("fn", "base", "scale")}}
+_TOP = {"embed_tokens.embedding": "embed.weight", "lm_head.weight": "head.weight", "norm.weight": "norm.weight",
+        "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+_FP8 = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "attn.indexer.wq_b.",
+        "ffn.shared_experts.", "mtp.0.e_proj.", "mtp.0.h_proj.")
+
+
+def _block_name(path: str) -> str:
+    """A decoder-block parameter (our path relative to the block, not a routed expert) -> DeepSeek's name."""
+    if path in _BLOCK:
+        return _BLOCK[path]
+    if path.startswith("self_attn.compressor.indexer."):
+        rest = path.removeprefix("self_attn.compressor.indexer.")
+        if rest in _COMPRESSOR:
+            return f"attn.indexer.compressor.{_COMPRESSOR[rest]}"
+        return f"attn.indexer.{'wq_b' if rest.startswith('q_b_proj') else 'weights_proj'}.weight"
+    if path.startswith("self_attn.compressor."):
+        return f"attn.compressor.{_COMPRESSOR[path.removeprefix('self_attn.compressor.')]}"
+    if path.startswith("self_attn."):
+        module, leaf = path.removeprefix("self_attn.").split(".")
+        return f"attn.{_ATTN[module]}.{leaf}"
+    if path.startswith("mlp.shared_experts."):
+        return f"ffn.shared_experts.{_FFN[path.split('.')[2]]}.weight"
+    raise AssertionError(f"no DeepSeek name for block parameter {path}")
+
+
+def _deepseek_name(path: str) -> tuple[str, bool]:
+    """A parameter that is not a routed-expert stack -> (DeepSeek's name, stored transposed): every
+    Linear weight is [out, in] there, [in, out] here; embedding, norms and raw parameters as they are."""
+    if path in _TOP:
+        name = _TOP[path]
+    elif path.startswith("layers."):
+        _, layer, rest = path.split(".", 2)
+        name = f"layers.{layer}.{_block_name(rest)}"
+    elif path.startswith("mtp.block."):
+        name = "mtp.0." + _block_name(path.removeprefix("mtp.block."))
+    elif path.startswith("mtp.hc_head."):
+        name = "mtp.0.hc_head_" + path.rsplit("_", 1)[1]
+    elif path.startswith("mtp."):
+        name = "mtp.0." + path.removeprefix("mtp.")
+    else:
+        raise AssertionError(f"no DeepSeek name for {path}")
+    linear = name.endswith(".weight") and path != "embed_tokens.embedding"
+    return name, linear and "norm" not in name.rsplit(".", 2)[-2]
+
+
+def _expert_names(path: str) -> str:
+    """A routed-expert stack `[<prefix>]mlp.experts_<proj>` -> DeepSeek's per-expert name, `{}` for the expert."""
+    prefix, proj = path.split("mlp.experts_")
+    block = "mtp.0." if prefix == "mtp.block." else prefix
+    return f"{block}ffn.experts.{{}}.{_FFN[proj]}.weight"
+
+
+def deepseek_tensors(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Our V4 parameters (dotted paths) under DeepSeek's released names, unquantized."""
+    out = {}
+    for path, value in params.items():
+        if "mlp.experts_" in path:
+            out.update({_expert_names(path).format(e): value[e].T for e in range(value.shape[0])})
+        else:
+            name, transposed = _deepseek_name(path)
+            out[name] = value.T if transposed else value
+    return out
+
+
+def from_deepseek(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`deepseek_tensors` inverted: each parameter of `params` (for its shape and dtype) from `tensors`."""
+    out = {}
+    for path, value in params.items():
+        if "mlp.experts_" in path:
+            out[path] = np.stack([tensors[_expert_names(path).format(e)].T for e in range(value.shape[0])])
+        else:
+            name, transposed = _deepseek_name(path)
+            out[path] = tensors[name].T if transposed else tensors[name]
+        out[path] = out[path].astype(value.dtype)
+    return out
+
+
+def quantize_as_released(tensors: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """DeepSeek's V4 formats, exactly representable: each FP8 weight becomes float8_e4m3fn with a
+    power-of-two e8m0 scale per 128 x 128 block, each routed expert random MXFP4 codes with e8m0
+    scales per 32 inputs. Returns the stored tensors; the float value each one stands for replaces
+    its entry in `tensors` (so the model to compare with is built from the updated floats)."""
+    stored = {}
+    for name, value in list(tensors.items()):
+        if name.endswith(".weight") and ".experts." in name and ".shared_experts." not in name:
+            rows, cols = value.shape
+            codes = rng.integers(0, 16, size=(rows, cols), dtype=np.uint8)
+            exponents = rng.integers(121, 125, size=(rows, -(-cols // 32)), dtype=np.uint8)
+            magnitude = np.array([_e2m1(c) for c in range(16)], np.float32)[codes]
+            tensors[name] = magnitude * np.repeat(2.0 ** (exponents.astype(np.float32) - 127), 32, 1)[:, :cols]
+            stored[name] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8)
+            stored[name.removesuffix(".weight") + ".scale"] = exponents.view(ml_dtypes.float8_e8m0fnu)
+        elif name.endswith(".weight") and any(part in name for part in _FP8):
+            exponent = np.uint8(127 + int(np.floor(np.log2(np.abs(value).max() / 448))) + 1)
+            weight = (value / 2.0 ** (int(exponent) - 127)).astype(ml_dtypes.float8_e4m3fn)
+            tensors[name] = weight.astype(np.float32) * np.float32(2.0 ** (int(exponent) - 127))
+            stored[name] = weight
+            stored[name.removesuffix(".weight") + ".scale"] = np.full(
+                (-(-value.shape[0] // 128), -(-value.shape[1] // 128)), exponent).view(ml_dtypes.float8_e8m0fnu)
+        else:
+            stored[name] = value
+    return stored
+
+
+def write_checkpoint(directory, hf_config: dict, stored: dict[str, np.ndarray]) -> None:
+    """config.json, two safetensors shards and their index, as DeepSeek releases them."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf_config))
+    names = sorted(stored)
+    half = len(names) // 2
+    shard = {n: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    for file in sorted(set(shard.values())):
+        write(str(directory / file), {n: stored[n] for n in names if shard[n] == file})
+    (directory / INDEX_FILE).write_text(json.dumps({"weight_map": shard}))
+
+
+def random_param(path: str, spec: jax.ShapeDtypeStruct, rng: np.random.Generator, num_experts: int) -> np.ndarray:
+    """A random value for a parameter: distinct experts per token for a hash table, around 1 for a
+    norm weight, fan-in scaled normal for matrices, small normal otherwise."""
+    if path.endswith("tid2eid"):
+        vocab, k = spec.shape
+        return np.argsort(rng.random((vocab, num_experts)), axis=-1)[:, :k].astype(spec.dtype)
+    if len(spec.shape) >= 2:
+        return (rng.normal(size=spec.shape) * spec.shape[-2] ** -0.5).astype(spec.dtype)
+    center = 1.0 if "norm" in path else 0.0
+    return (center + 0.1 * rng.normal(size=spec.shape)).astype(spec.dtype)
+
+
+@pytest.fixture(scope="module")
+def released_v4(tmp_path_factory):
+    """A tiny V4 (every attention kind, hash and learned routing, MTP) written in DeepSeek's layout and
+    formats (FP8 with e8m0 scales, MXFP4 experts), the in-memory model it stands for, and the
+    checkpoint directory."""
+    # tiny-v4's first three layers: sliding + hash, CSA + hash, HCA + learned (the fourth repeats CSA).
+    config = preset("tiny-v4", num_hidden_layers=3, layer_types=("sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention"), mlp_layer_types=("hash_moe", "hash_moe", "moe"))
+    graphdef, state, abstract = abstract_model(config, jnp.float32)  # no eager init: seconds, not tens
+    rng = np.random.default_rng(0)
+    params = {path: random_param(path, variable.get_value(), rng, config.n_routed_experts)
+              for path, variable in abstract.items()}
+    floats = deepseek_tensors(params)
+    stored = quantize_as_released(floats, rng)
+    # The in-memory model holds the values the quantized tensors stand for.
+    values = from_deepseek(params, floats)
+    model = nnx.merge(graphdef, nnx.from_flat_state({p: v.replace(jnp.asarray(values[".".join(map(str, p))]))
+                                                     for p, v in nnx.to_flat_state(state)}))
+    directory = tmp_path_factory.mktemp("v4") / "released"
+    hf_config = {**config.to_hf(), "expert_dtype": "fp4",
+                 "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+    write_checkpoint(directory, hf_config, stored)
+    return model, stored, hf_config, directory
+
+
+def _assert_same_model(got, want) -> None:
+    """Same config and every parameter bit-equal (so the same logits: a function of both)."""
+    assert got.config == want.config
+    got_params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(got, nnx.Param))}
+    want_params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(want, nnx.Param))}
+    assert sorted(got_params) == sorted(want_params)
+    for path, value in want_params.items():
+        np.testing.assert_array_equal(np.asarray(got_params[path]), np.asarray(value), err_msg=path)
+
+
+def test_released_layout_loads_every_parameter_and_converts(released_v4, tmp_path):
+    """Every parameter arrives, bit-equal to the value its stored (FP8 / FP4 / bf16 / f32) tensor
+    stands for, in a model of the same config: so the loaded model's target and MTP logits are the
+    in-memory model's (not recompiled here: 22 s on 2 cores). Converted to orbax (`jaxspec convert`)
+    it restores identical."""
+    model, _, _, directory = released_v4
+    lines = []
+    loaded = load_hf_checkpoint(directory, dtype=jnp.float32, log=lines.append)
+    assert "+ MTP" in lines[0]
+    _assert_same_model(loaded, model)
+    save_model(loaded, tmp_path / "orbax")
+    _assert_same_model(load_model(tmp_path / "orbax", log=lambda line: None), model)
+
+
+
+def test_what_does_not_fit_is_listed_by_deepseek_name(released_v4, tmp_path):
+    """One ValueError before any tensor is read, naming DeepSeek's tensors: a missing one, an
+    unknown one, a mis-shaped MXFP4 scale; an FP8-layout model refuses the MXFP4 experts."""
+    _, stored, hf_config, _ = released_v4
+    edited = dict(stored)
+    del edited["layers.1.attn.compressor.ape"]
+    edited["layers.0.attn.wq.weight"] = stored["layers.0.attn.wq_a.weight"]
+    edited["layers.2.ffn.experts.3.w1.scale"] = stored["layers.2.ffn.experts.3.w1.scale"][:, :1]
+    write_checkpoint(tmp_path / "edited", hf_config, edited)
+    with pytest.raises(ValueError) as error:
+        load_hf_checkpoint(tmp_path / "edited", log=lambda line: None)
+    message = str(error.value)
+    assert "missing: layers.1.self_attn.compressor.position_bias" in message
+    assert "unexpected: layers.0.attn.wq.weight [32, 64] F8_E4M3 (not a DeepSeek-V4 tensor name)" in message
+    assert ("mis-shaped: layers.2.ffn.experts.3.w1.scale (= model.layers.2.mlp.experts.3.gate_proj.weight_scale_inv)"
+            " [32, 1]: expected [32, 2] for [32, 32] I8 in 1x32 blocks") in message
+    with pytest.raises(ValueError, match=r"not FP8: layers.0.ffn.experts.0.w1.weight \(= .*\) \[32, 32\] I8: "
+                                         r"MXFP4 \(int8\) has no lossless FP8 form"):
+        load_hf_checkpoint(tmp_path / "edited", dtype=jnp.float8_e4m3fn, log=lambda line: None)
