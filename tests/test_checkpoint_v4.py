@@ -362,3 +362,29 @@ def test_what_does_not_fit_is_listed_by_deepseek_name(released_v4, tmp_path):
     with pytest.raises(ValueError, match=r"not FP8: layers.0.ffn.experts.0.w1.weight \(= .*\) \[32, 32\] I8: "
                                          r"MXFP4 \(int8\) has no lossless FP8 form"):
         load_hf_checkpoint(tmp_path / "edited", dtype=jnp.float8_e4m3fn, log=lambda line: None)
+
+
+def test_fp8_experts_load_fp8_resident(released_v4, tmp_path):
+    """DeepSeek-V4-Flash-Base's layout (FP8 experts, float32 scales; expert_dtype "fp8") fills an
+    FP8-layout model: exactly DeepSeek's FP8 weights stay FP8, as stored, each scale beside it."""
+    model, stored, hf_config, _ = released_v4
+    params = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    base, scales = {}, {}
+    for name, value in deepseek_tensors(params).items():
+        if stored[name].dtype not in (np.int8, ml_dtypes.float8_e4m3fn):
+            base[name] = stored[name]
+            continue
+        scale = np.float32(2.0 ** np.ceil(np.log2(np.abs(value).max() / 448)))
+        base[name] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
+        scales[name] = np.full((-(-value.shape[0] // 128), -(-value.shape[1] // 128)), scale, np.float32)
+        base[name.removesuffix(".weight") + ".scale"] = scales[name]
+    write_checkpoint(tmp_path / "base", {**hf_config, "expert_dtype": "fp8"}, base)
+    loaded = load_hf_checkpoint(tmp_path / "base", dtype=jnp.float8_e4m3fn, log=lambda line: None)
+    got = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param))}
+    kept = {path: value for path, value in got.items() if value.dtype == ml_dtypes.float8_e4m3fn}
+    assert set(deepseek_tensors({p: params[p] for p in kept})) == set(scales)  # DeepSeek's FP8 list, no more
+    for path, value in from_deepseek(kept, base).items():
+        np.testing.assert_array_equal(got[path].view(np.uint8), value.view(np.uint8), err_msg=path)
+    scale_params = {path: got[path + fp8.SCALE_SUFFIX] for path in kept}
+    for path, value in from_deepseek(scale_params, scales).items():
+        np.testing.assert_array_equal(got[path + fp8.SCALE_SUFFIX], value, err_msg=path)
