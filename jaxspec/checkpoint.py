@@ -41,8 +41,9 @@ scale, transposed like the weight, fills `<parameter>_scale_inv` (per-expert sca
 `mlp.experts_*_proj_scale_inv`); a checkpoint without FP8 weights, with other than 128 x 128
 blocks, or with a weight in bf16 that the layout has in FP8 is refused before anything is read.
 A checkpoint without any `model.layers.{N}.` (V4: `mtp.0.`) tensor loads with the MTP module off (and
-says so). V4's routed experts are MXFP4 (int8 + `float8_e8m0fnu` scales, `jaxspec.fp8`): dequantized
-into a float dtype; an FP8-layout model cannot keep them and refuses them.
+says so). V4-Flash's and -Pro's routed experts are MXFP4 (int8 + `float8_e8m0fnu` scales, `jaxspec.fp8`):
+dequantized into a float dtype; an FP8-layout model cannot keep them and refuses them (V4-Flash-Base's
+FP8 experts it keeps).
 
 Everything is checked from the shard headers before any tensor is read: missing, unexpected and
 mis-shaped tensors raise one `ValueError` listing them, so a load never half-succeeds. Then shards
