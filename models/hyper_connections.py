@@ -26,12 +26,7 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 
-from .layers import param
-
-
-def _unit_rms(x: jax.Array, eps: float) -> jax.Array:
-    """x [..., F] float32 * rsqrt(mean(x^2) + eps): transformers' `DeepseekV4UnweightedRMSNorm`."""
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+from .layers import param, unit_rms_norm
 
 
 def _collapse(weights: jax.Array, streams: jax.Array) -> jax.Array:
@@ -43,7 +38,7 @@ def _collapse(weights: jax.Array, streams: jax.Array) -> jax.Array:
 def _mixes(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     """streams [B, Q, N, D] -> rms(flatten(streams)) @ fn.T [B, Q, M], float32."""
     flat = streams.reshape(*streams.shape[:2], -1).astype(jnp.float32)
-    return _unit_rms(flat, eps) @ fn.astype(jnp.float32).T
+    return unit_rms_norm(flat, eps) @ fn.astype(jnp.float32).T
 
 
 def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Small building blocks: linear layers, RMSNorm, LayerNorm, the SwiGLU MLP, and `per_position`.
+"""Small building blocks: linear layers, RMS norms (weighted and unit), LayerNorm, the SwiGLU MLP, `per_position`.
 
 Parameter names follow the Hugging Face DeepSeek checkpoints (`weight`, `bias`), with linear
 weights stored `[in, out]` (the checkpoint loader transposes), so a loaded tree reads like the file.
@@ -98,6 +98,13 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis, in float32, no weight (transformers'
+    `DeepseekV4UnweightedRMSNorm`; V4's `q_b_norm` and its mHC input norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):

@@ -50,15 +50,8 @@ from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_a
 from jaxspec.sharding import current
 
 from .compressor import Compressor, CSACompressor
-from .layers import Linear, RMSNorm, param, per_position
+from .layers import Linear, RMSNorm, param, per_position, unit_rms_norm
 from .rope import rope_angles, rotate_tail
-
-
-def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over the last axis, in float32, no weight (transformers'
-    `DeepseekV4UnweightedRMSNorm`; V4's `q_b_norm`)."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class V4Attention(nnx.Module):
