@@ -1,16 +1,18 @@
-"""jaxspec: lossless speculative decoding for DeepSeek-V3 / V3.2 in JAX.
+"""jaxspec: lossless speculative decoding for DeepSeek-V3 / V3.2 / V4 in JAX.
 
 The public API (each name's docstring gives its arguments, shapes and errors):
 
     ModelConfig, preset        model shapes from a Hugging Face config.json, or a named preset
-    DeepseekV3                 the Flax NNX model (target + MTP draft module)
+    DeepseekV3                 the Flax NNX model of V3 / V3.2 (target + MTP draft module)
+    DeepseekV4                 the V4 model (sliding / CSA / HCA attention, mHC, hash MoE, MTP)
     DecodeConfig               draft length or tree, sampling, token budget, cache geometry, backend
     generate                   prompts -> GenerateResult, one jitted prefill + while_loop
     compile_generate           `generate` compiled ahead of time, returns a runner
     GenerateResult             emitted tokens and speculative statistics
     init_state, step           the same loop driven one speculative step at a time
     DecodeState                the loop carry that `init_state` / `step` pass around
-    PagedCache, init_cache     the paged MLA / indexer cache
+    PagedCache, init_cache     the paged MLA / indexer cache (V3 / V3.2)
+    V4Cache                    V4's paged rings and compressed entries (`model.init_cache`)
     restore_model, save_model  orbax checkpoints of a model
 
     from jaxspec import DecodeConfig, DeepseekV3, generate, preset
@@ -32,6 +34,8 @@ _PUBLIC = {
     "PagedCache": "jaxspec.cache",
     "init_cache": "jaxspec.cache",
     "DeepseekV3": "jaxspec.models",
+    "DeepseekV4": "jaxspec.models",
+    "V4Cache": "jaxspec.cache_v4",
     "generate": "jaxspec.generation",
     "compile_generate": "jaxspec.generation",
     "GenerateResult": "jaxspec.generation",
