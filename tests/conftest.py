@@ -121,12 +121,13 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-# The heaviest modules, heaviest first (CPU seconds in a full run). `.ci/run` hands out whole modules
+# The heaviest modules, heaviest first (summed test durations of a full run; the trained fixtures'
+# ~40 s each land in the first module to use them). `.ci/run` hands out whole modules
 # (`--dist loadfile`) in collection order (`--no-loadscope-reorder`), so the two workers start on
 # the long ones and finish together on the short ones, which keep their own order after these.
-HEAVIEST_FIRST = ["test_examples.py", "test_exactness.py", "test_loop.py", "test_tree_decoding.py",
-                  "test_pallas_backend.py", "test_sharding.py", "test_public_api.py", "test_mesh_loading.py",
-                  "test_acceptance.py", "test_kernels.py", "test_checkpoint.py", "test_hf_parity.py"]
+HEAVIEST_FIRST = ["test_tree_decoding.py", "test_exactness.py", "test_loop.py", "test_public_api.py",
+                  "test_sharding.py", "test_examples.py", "test_hf_parity.py", "test_pallas_backend.py",
+                  "test_checkpoint.py", "test_kernels.py", "test_mesh_loading.py", "test_acceptance.py"]
 
 
 def pytest_collection_modifyitems(config, items):
