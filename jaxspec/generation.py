@@ -62,6 +62,24 @@ def default_capacity(prompt_width: int, config: DecodeConfig) -> int:
     return (pages(prompt_width + config.max_new_tokens) + max(1, pages(step_slots))) * config.page_size
 
 
+def ring_window(prompt_width: int, config: DecodeConfig) -> int:
+    """The widest call either cache sees: the prefill (one call over the padded prompt), the
+    verification window, the MTP's catch-up (at most the window) and its drafting calls (each
+    within the `mtp_draft_slots` it writes past the committed length)."""
+    return max(prompt_width, config.window_size, mtp_draft_slots(config))
+
+
+def _cache_kwargs(model: nnx.Module, prompt_width: int, config: DecodeConfig) -> dict:
+    """Extra `init_cache` arguments by model kind. A model whose caches hold rings (DeepSeek-V4's
+    sliding windows and compressor states, `jaxspec.cache_v4`) takes `max_window`, the widest call,
+    and sizes its rings from it rather than from the capacity: a ring of sliding_window - 1 +
+    max_window slots never lets one call overwrite what a committed query still sees. Paged MLA
+    caches (DeepSeek-V3) take no such argument."""
+    if model.config.is_v4:
+        return {"max_window": ring_window(prompt_width, config)}
+    return {}
+
+
 def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
@@ -161,9 +179,11 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
     # which must consume neither the caller's array nor one buffer twice.
     own = lambda: None if page_table is None else jnp.array(page_table, jnp.int32)
 
+    ring_kwargs = _cache_kwargs(model, width, config)
+
     def caches():
         cache = lambda mtp: model.init_cache(padded, capacity, page_size=config.page_size, mtp=mtp,
-                                             page_table=own(), row_shards=shards)
+                                             page_table=own(), row_shards=shards, **ring_kwargs)
         return cache(False), cache(True) if config.draft_tree is not None else None
 
     if mesh is None:

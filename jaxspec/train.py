@@ -147,8 +147,10 @@ def train(model, batches: Iterator[np.ndarray], *, steps: int, learning_rate: fl
     if train_indexer and not model.config.is_v32:
         raise ValueError("indexer_kl_weight > 0 needs a deepseek_v32 model (one with the DSA indexer)")
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))
+    # Integer parameters (V4's hash-routing tables `tid2eid`) are fixed: only float ones train.
+    trainable = nnx.All(nnx.Param, lambda path, x: jnp.issubdtype(x.dtype, jnp.inexact))
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)),
-                              wrt=nnx.Param)
+                              wrt=trainable)
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -158,7 +160,7 @@ def train(model, batches: Iterator[np.ndarray], *, steps: int, learning_rate: fl
             kl = indexer_kl_loss(model, tokens[:max(1, tokens.shape[0] // 4)]) if train_indexer else jnp.zeros(())
             return target_loss + mtp_weight * mtp_loss + indexer_kl_weight * kl, (target_loss, mtp_loss, kl)
 
-        grads, aux = nnx.grad(loss_fn, has_aux=True)(model)
+        grads, aux = nnx.grad(loss_fn, argnums=nnx.DiffState(0, trainable), has_aux=True)(model)
         optimizer.update(model, grads)
         return aux
 

@@ -101,7 +101,11 @@ class Compressor(nnx.Module):
             m, w = self.rate, self.width
             kv = jnp.concatenate([kv[..., :m, :w], kv[..., m:, w:]], axis=-2)
             score = jnp.concatenate([score[..., :m, :w], score[..., m:, w:]], axis=-2)
-        weights = jax.nn.softmax(jnp.where(present[..., None], score, -jnp.inf), axis=-2)
+        score = jnp.where(present[..., None], score, -jnp.inf)
+        # A block wholly before position 0 (never written: `update` closes blocks >= 0 only) would
+        # pool 0 / 0; finite weights there keep training's gradients through the masked write finite.
+        score = jnp.where(present.any(-1)[..., None, None], score, 0.0)
+        weights = jax.nn.softmax(score, axis=-2)
         entry = self.kv_norm(jnp.sum(kv * weights, axis=-2).astype(dtype))
         cos, sin = rope_angles(self.rope_config, start)
         return rotate_tail(entry, cos, sin)
