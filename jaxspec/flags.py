@@ -8,7 +8,7 @@ from jaxspec.pallas_kernels.backend import BACKENDS
 from jaxspec.trees import STATIC_TREES, parse_tree
 
 # The presets small enough to build and run on a CPU, with the byte tokenizer's vocabulary.
-CPU_PRESETS = ("tiny", "tiny-v3")
+CPU_PRESETS = ("tiny", "tiny-v3", "tiny-v4")
 
 
 def positive_int(text: str) -> int:
@@ -46,7 +46,8 @@ TREE_HELP = (f"draft tree: one of {', '.join(sorted(STATIC_TREES))} (static), or
 def add_model_flags(parser: argparse.ArgumentParser, *, default_preset: str) -> None:
     """--preset (the model's shape) and --backend (its attention kernels)."""
     parser.add_argument("--preset", choices=CPU_PRESETS, default=default_preset,
-                        help="model shape: tiny is DeepSeek-V3.2 (DSA), tiny-v3 the same without the indexer "
+                        help="model shape: tiny is DeepSeek-V3.2 (DSA), tiny-v3 the same without the indexer, tiny-v4 "
+                             "DeepSeek-V4 (sliding, CSA and HCA layers, mHC, hash routing) "
                              f"(default: {default_preset})")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="attention kernels: xla (pure-jnp references), pallas, or auto (pallas on GPU)")

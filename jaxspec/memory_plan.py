@@ -10,7 +10,8 @@ logical axis names mapped to the mesh by `jaxspec.sharding`), the caches `genera
 state, and an estimate of the largest temporaries of the two programs `generate` runs (prefill over
 the whole prompt, and one speculative step). The figures are per device, for the fullest device.
 
-Weights and caches are exact (they match the compiled programs' argument bytes). Temporaries are
+Weights and caches are exact (they match the compiled programs' argument bytes; DeepSeek-V4's
+caches are the shapes `jaxspec.cache_v4.init_v4_cache` builds, its rings sized as `generate` sizes them). Temporaries are
 estimated from the terms that dominate XLA's buffer assignment for these programs: the float32
 logits of a call and the vocabulary-wide float32 work on them, and in prefill the expanded
 attention's float32 scores and up-projected keys and values over the whole cache, plus the
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxspec import sharding
-from jaxspec.config import DecodeConfig, ModelConfig
+from jaxspec.config import HCA, DecodeConfig, ModelConfig
 from jaxspec.orbax_io import abstract_model
 
 GIB = 2 ** 30
@@ -145,16 +146,21 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     f32 = 4
 
     capacity = default_capacity(prompt_len, decode)
-    pages = rows * -(-capacity // decode.page_size)
-    entry = config.latent_dim + (config.index_head_dim if config.is_v32 else 0)
     drafting = decode.draft_tree is not None
-    cache_layers = config.num_hidden_layers + (1 if drafting else 0)
-    caches = cache_layers * pages * decode.page_size * entry * act
+    if config.is_v4:
+        caches = _v4_cache_bytes(config, decode, rows, capacity, prompt_len, act)
+    else:
+        pages = rows * -(-capacity // decode.page_size)
+        entry = config.latent_dim + (config.index_head_dim if config.is_v32 else 0)
+        cache_layers = config.num_hidden_layers + (1 if drafting else 0)
+        caches = cache_layers * pages * decode.page_size * entry * act
 
     vocab, window = config.vocab_size, decode.window_size
     heads_local = config.num_attention_heads // math.prod(sizes[a] for a in sharding.HEAD_AXES[plan])
+    # V4's hidden state (what the MTP reads, and the residual) is its hc_mult streams.
+    hidden = config.hidden_size * (config.hc_mult if config.is_v4 else 1)
     # The loop state: emitted tokens, the MTP seed (logits and hidden) and the draft window.
-    state = rows * ((decode.max_new_tokens + decode.max_depth + 1) * 4 + vocab * f32 + config.hidden_size * act
+    state = rows * ((decode.max_new_tokens + decode.max_depth + 1) * 4 + vocab * f32 + hidden * act
                     + window * 4)
     # A step: the float32 logits of the target's window and of the MTP's next draft, each with a
     # same-sized float32 companion (probabilities, acceptance's work on them).
@@ -162,12 +168,34 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     # Prefill: the float32 logits of every prompt position (target, and the MTP's when drafting),
     # the expanded attention's float32 scores [P, H, capacity] and up-projected keys and values
     # [capacity, H, Dn + Dv], and the prompt's activations (a few [P, D] buffers).
-    prefill_temp = rows * (prompt_len * ((2 if drafting else 1) * vocab * f32 + heads_local * capacity * f32
-                                         + config.hidden_size * act * 8)
-                           + capacity * heads_local * (config.qk_nope_head_dim + config.v_head_dim) * f32)
+    if config.is_v4:
+        # V4 (not checked against a compile): each prompt token's float32 scores over its sliding
+        # window and the most compressed entries one query sees (CSA's top-k, or HCA's count).
+        keys = config.sliding_window + max(config.index_topk, capacity // dict(config.compress_rates)[HCA])
+        attention = prompt_len * heads_local * keys * f32
+    else:
+        attention = (prompt_len * heads_local * capacity * f32
+                     + capacity * heads_local * (config.qk_nope_head_dim + config.v_head_dim) * f32)
+    prefill_temp = rows * (prompt_len * ((2 if drafting else 1) * vocab * f32 + hidden * act * 8) + attention)
     return MemoryPlan(weights=weight_bytes(config, dtype, mesh, plan), caches=caches, state=state,
                       prefill_temp=prefill_temp, step_temp=step_temp,
                       device_memory=None if device_memory is None else int(device_memory))
+
+
+def _v4_cache_bytes(config: ModelConfig, decode: DecodeConfig, rows: int, capacity: int, prompt_len: int,
+                   act: int) -> int:
+    """Bytes of one device's `rows` rows of DeepSeek-V4's caches (target, and the MTP's when
+    drafting), exact: the arrays `jaxspec.cache_v4.init_v4_cache` builds for them, rings sized for
+    the widest call as `generate` sizes them (`ring_window`)."""
+    from jaxspec.cache_v4 import init_v4_cache
+    from jaxspec.generation import ring_window
+
+    dtype = jnp.bfloat16 if act == 2 else jnp.float32
+    build = lambda mtp: init_v4_cache(config, rows, capacity, max_window=ring_window(prompt_len, decode),
+                                      page_size=decode.page_size, mtp=mtp, dtype=dtype)
+    caches = [build(False)] + ([build(True)] if decode.draft_tree is not None else [])
+    leaves = jax.tree.leaves(jax.eval_shape(lambda: caches))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
 
 
 def device_memory(device=None) -> int | None:
