@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.config import DecodeConfig, ModelConfig
-from jaxspec.generation import required_capacity
+from jaxspec.generation import required_capacity, ring_window
 from jaxspec import sharding
 from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
 from jaxspec.orbax_io import abstract_model
@@ -42,16 +42,24 @@ PHASES = ("prefill", "decode")
 
 def reduced_depth(config: ModelConfig, layers: int) -> ModelConfig:
     """`config` with `layers` decoder layers at full width, keeping at least one MoE layer (the
-    dense prefix shrinks to layers - 1 when it would cover them all)."""
+    dense prefix shrinks to layers - 1 when it would cover them all). DeepSeek-V4 keeps its first
+    `layers` attention and MLP kinds (V4-Flash's first 4: sliding, sliding, CSA, HCA over hash,
+    hash, hash, learned routing: every kind once)."""
     if not 1 <= layers <= config.num_hidden_layers:
         raise ValueError(f"layers={layers}: must be in [1, num_hidden_layers={config.num_hidden_layers}]")
+    kinds = ({"layer_types": config.layer_types[:layers], "mlp_layer_types": config.mlp_layer_types[:layers]}
+             if config.is_v4 else {})
     return config.replace(num_hidden_layers=layers,
-                          first_k_dense_replace=min(config.first_k_dense_replace, layers - 1))
+                          first_k_dense_replace=min(config.first_k_dense_replace, layers - 1), **kinds)
 
 
-def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig, row_shards: int = 1):
+def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig, prompt_width: int, row_shards: int = 1):
+    """The target's and the MTP's caches as `generate` builds them, as shapes. DeepSeek-V4's rings
+    are sized for the widest call (`ring_window`: the prompt, or the step's window), as `generate`
+    sizes them."""
+    rings = {"max_window": ring_window(prompt_width, decode)} if model.config.is_v4 else {}
     cache = lambda mtp: jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size, mtp=mtp,
-                                                                row_shards=row_shards))
+                                                                row_shards=row_shards, **rings))
     return cache(False), cache(True) if decode.draft_tree is not None else None
 
 
@@ -88,7 +96,7 @@ def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batc
         return _compile_on_mesh(graphdef, params, model, decode, phase=phase, batch=batch, prompt_width=prompt_width,
                                 devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
                                 mesh_shape=mesh_shape, plan=plan)
-    target_cache, mtp_cache = _abstract_caches(model, batch, required_capacity(prompt_width, decode), decode)
+    target_cache, mtp_cache = _abstract_caches(model, batch, required_capacity(prompt_width, decode), decode, prompt_width)
     prompts = jax.ShapeDtypeStruct((batch, prompt_width), jnp.int32)
     prompt_lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     rng_key = jax.eval_shape(lambda: base_key(0))
@@ -116,7 +124,8 @@ def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: st
     shards = sharding.row_shards(mesh, plan)
     padded = -(-batch // shards) * shards
     params = _placed(params, sharding.param_shardings(params, mesh, plan))
-    caches = _abstract_caches(model, padded, required_capacity(prompt_width, decode), decode, row_shards=shards)
+    caches = _abstract_caches(model, padded, required_capacity(prompt_width, decode), decode, prompt_width,
+                              row_shards=shards)
     caches = [None if c is None else _placed(c, sharding.cache_shardings(c, mesh, plan)) for c in caches]
     rows = NamedSharding(mesh, sharding.row_spec(plan))
     prompts = jax.ShapeDtypeStruct((padded, prompt_width), jnp.int32, sharding=rows)
