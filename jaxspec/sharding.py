@@ -16,6 +16,12 @@ machinery (`nnx.logical_axis_rules` + `nnx.get_partition_spec`). Plans (`PLANS`)
   head reads the whole latent), which costs `model`-fold cache memory and a psum per layer but
   keeps a row's attention on `model` devices.
 
+DeepSeek-V4 uses the same names: its query projection and per-head sinks are `heads` (tp splits
+them, and its grouped output projection by group), its shared-KV projection, compressors, mHC
+weights and hyper head carry no mesh-mapped name (small, replicated), hash routing's `tid2eid`
+table is replicated (each device looks up its own rows' tokens inside the shard_map), and its
+`V4Cache` rings and entry pools are split by rows like the latent cache (`cache_specs`).
+
 In both plans the routed experts are split over all devices (expert parallelism, `experts` ->
 ("data", "model")): `models.moe.MoE` dispatches and combines inside the `shard_map` the loop runs
 in (its docstring says how and why).
@@ -156,9 +162,12 @@ def row_spec(plan: str = DEFAULT_PLAN) -> PartitionSpec:
 
 
 def cache_specs(cache, plan: str = DEFAULT_PLAN):
-    """The `PartitionSpec` of every leaf of a `jaxspec.cache.PagedCache` (real or abstract) under
-    `plan`: page pools split by pages over the row axes (each device holds its rows' pages, see
-    `jaxspec.cache.init_cache(row_shards=)`), page table and lengths by rows. None stays None."""
+    """The `PartitionSpec` of every leaf of a `jaxspec.cache.PagedCache` or a DeepSeek-V4
+    `jaxspec.cache_v4.V4Cache` (real or abstract) under `plan`: page pools split by pages over the
+    row axes (each device holds its rows' pages, see `init_cache(row_shards=)` / `init_v4_cache`;
+    for V4 every ring, compressor state and entry pool, each layer's), page tables (V4: the dict
+    of per-structure tables) and lengths by rows. None stays None (a cache, or a V4 layer's
+    structure it lacks)."""
     if cache is None:
         return None
     rows = row_spec(plan)
@@ -166,7 +175,7 @@ def cache_specs(cache, plan: str = DEFAULT_PLAN):
 
 
 def cache_shardings(cache, mesh: Mesh, plan: str = DEFAULT_PLAN):
-    """The `NamedSharding` of every leaf of a `PagedCache` on `mesh` under `plan` (None stays None)."""
+    """The `NamedSharding` of every leaf of a `PagedCache` / `V4Cache` on `mesh` under `plan` (None stays None)."""
     check_mesh(mesh, plan)
     specs = cache_specs(cache, plan)
     return None if specs is None else jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
