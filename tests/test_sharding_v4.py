@@ -1,0 +1,90 @@
+"""DeepSeek-V4 on a mesh (`jaxspec.sharding`): every V4 parameter's logical names map under both
+plans, every leaf of a `V4Cache` is split by rows, and (in a subprocess with 8 virtual CPU devices,
+this file run as a script) greedy MTP k = 3 on tiny-v4 equals the one-device run token for token on
+a 1x8 mesh (dp) and a 4x2 mesh (tp): rings, compressor states and entries split by row block, hash
+routing inside the shard_map (each device looks its own tokens' experts up), experts split over all
+devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python tests/test_sharding_v4.py
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxspec import sharding
+from jaxspec.cache_v4 import init_v4_cache
+from jaxspec.config import DecodeConfig, preset
+from jaxspec.orbax_io import abstract_model
+
+# Three rows of different lengths: neither mesh's row shards divide them, so both runs pad the batch.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8], [20, 21, 22, 23, 24]]
+
+
+def test_every_v4_parameter_maps_under_both_plans():
+    _, state, _ = abstract_model(preset("tiny-v4"), jax.numpy.float32)
+    for plan in sharding.PLANS:
+        specs = dict(nnx.to_flat_state(sharding.param_specs(state, plan)))
+        for path, variable in nnx.to_flat_state(state):
+            names = variable.get_metadata().get("out_sharding")
+            where = ".".join(map(str, path))
+            assert names is not None and len(names) == len(variable.shape), where
+            spec = specs[path].get_value()
+            axes = {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+            assert axes <= set(sharding.MESH_AXES), (plan, where, spec)
+            if "hc" in where:  # mHC and the hyper head: small, replicated
+                assert axes == set(), (plan, where, spec)
+    tp = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sharding.param_specs(state, "tp"))}
+    assert tp["layers.1.self_attn.sinks"] == PartitionSpec("model")
+    assert tp["layers.0.mlp.tid2eid"] == PartitionSpec(None, None)  # every device looks up its own tokens
+
+
+def test_v4_cache_split_by_rows():
+    cache = jax.eval_shape(lambda: init_v4_cache(preset("tiny-v4"), 4, 64, max_window=4, page_size=8, row_shards=2))
+    for plan in sharding.PLANS:
+        specs = sharding.cache_specs(cache, plan)
+        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        assert len(leaves) == len(jax.tree.leaves(cache)) and set(leaves) == {sharding.row_spec(plan)}
+        assert specs.window[0] == sharding.row_spec(plan) and specs.state[0] is None  # layer 0: sliding only
+
+
+def test_v4_mesh_runs_equal_one_device():
+    root = pathlib.Path(__file__).resolve().parent
+    path = os.pathsep.join([str(root.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true")
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "v4 sharding checks passed" in done.stdout
+
+
+def main() -> None:
+    from jaxspec.generation import generate
+    from jaxspec.models import DeepseekV4, moe
+
+    assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    moe.EP_CHUNK_TOKENS = 4  # prefills exchange tokens in several chunks
+    model = DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0))
+    # 16 new tokens: the rows cross the sliding window (8) and many CSA (4) / HCA (8) blocks.
+    chain = DecodeConfig(num_draft=3, max_new_tokens=16, backend="xla")
+    ref = generate(model, PROMPTS, chain)
+    # tp on 4x2: each device holds 2 of the 4 heads, one whole output group (o_groups 2).
+    for shape, plan in (((1, 8), "dp"), ((4, 2), "tp")):
+        got = generate(model, PROMPTS, chain, mesh=sharding.make_mesh(*shape), plan=plan)
+        for field in ("tokens", "num_tokens", "accepted"):
+            a, b = np.asarray(getattr(got, field)), np.asarray(getattr(ref, field))
+            assert a.shape == b.shape and (a == b).all(), f"V4 k=3 {plan} on {shape} {field}:\n{a}\n{b}"
+    print("v4 sharding checks passed")
+
+
+if __name__ == "__main__":
+    main()
