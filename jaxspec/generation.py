@@ -105,6 +105,9 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
         if mconf.num_attention_heads % split:
             raise ValueError(f"plan={plan!r} splits attention heads {split} ways; num_attention_heads="
                              f"{mconf.num_attention_heads} is not a multiple")
+        if mconf.is_v4 and mconf.o_groups % split:  # V4's grouped output projection splits by groups
+            raise ValueError(f"plan={plan!r} splits attention heads {split} ways; a V4 output group spans "
+                             f"several heads, so o_groups={mconf.o_groups} must be a multiple of {split}")
     if config.draft_tree is not None and getattr(model, "mtp", None) is None:
         raise ValueError(f"{'tree' if config.tree else f'num_draft={config.num_draft}'} needs an MTP module, "
                          "but the model has none (num_nextn_predict_layers == 0); use num_draft=0")
@@ -229,7 +232,8 @@ def _empty_cache(layout: PagedCache | None) -> PagedCache | None:
         return None
     # device=: a sharded layout's buffers are created split (no device ever holds the whole cache).
     empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), layout.replace(page_table=None))
-    return empty.replace(page_table=jnp.array(layout.page_table))
+    # A V4Cache's page table is a dict of per-structure tables; a PagedCache's is one array.
+    return empty.replace(page_table=jax.tree.map(jnp.array, layout.page_table))
 
 
 def _layout(cache: PagedCache | None) -> PagedCache | None:

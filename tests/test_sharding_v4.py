@@ -83,6 +83,13 @@ def main() -> None:
         for field in ("tokens", "num_tokens", "accepted"):
             a, b = np.asarray(getattr(got, field)), np.asarray(getattr(ref, field))
             assert a.shape == b.shape and (a == b).all(), f"V4 k=3 {plan} on {shape} {field}:\n{a}\n{b}"
+    # 2x4 tp would leave one head per device, half of an output group: refused before tracing.
+    try:
+        generate(model, PROMPTS, chain, mesh=sharding.make_mesh(2, 4), plan="tp")
+    except ValueError as refused:
+        assert "o_groups=2" in str(refused), refused
+    else:
+        raise AssertionError("tp on 2x4 with o_groups 2 was not refused")
     print("v4 sharding checks passed")
 
 
