@@ -88,6 +88,24 @@ def exact_sequence_probs(model, prompt: list[int], horizon: int) -> dict[tuple[i
     return dist
 
 
+def assert_distributed_as(result, target_distribution, *, max_total_variation: float):
+    """The rows' emitted sequences are a sample of `target_distribution`: none outside its support,
+    a chi-square test p > 1e-3 (bins with fewer than 5 expected rows merged), total variation below
+    `max_total_variation`."""
+    sequences = [tuple(row) for row in np.asarray(result.tokens).tolist()]
+    num_rows = len(sequences)
+    support = sorted(target_distribution, key=target_distribution.get, reverse=True)
+    assert set(sequences) <= set(support), "a sequence the target never samples was emitted"
+    counts = np.array([sequences.count(s) for s in support], float)
+    probs = np.array([target_distribution[s] for s in support])
+    small = probs * num_rows < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        probs = np.append(probs[~small], probs[small].sum())
+    assert chi_square_p_value(counts, probs) > 1e-3
+    assert 0.5 * np.abs(counts / num_rows - probs).sum() < max_total_variation
+
+
 @pytest.fixture(scope="module")
 def target_distribution(trained_v3):
     return exact_sequence_probs(trained_v3, SAMPLE_PROMPT, HORIZON)
@@ -102,17 +120,7 @@ def test_sampling_is_lossless(trained_v3, target_distribution, tree):
     key reuses the compiled computation and gives other tokens."""
     cfg = DecodeConfig(num_draft=2, tree=tree, max_new_tokens=HORIZON, page_size=8, backend="xla", **SAMPLING)
     result = generate(trained_v3, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=1)
-    sequences = [tuple(row) for row in np.asarray(result.tokens).tolist()]
-    support = sorted(target_distribution, key=target_distribution.get, reverse=True)
-    assert set(sequences) <= set(support), "a sequence the target never samples was emitted"
-    counts = np.array([sequences.count(s) for s in support], float)
-    probs = np.array([target_distribution[s] for s in support])
-    small = probs * NUM_ROWS < 5
-    if small.any():
-        counts = np.append(counts[~small], counts[small].sum())
-        probs = np.append(probs[~small], probs[small].sum())
-    assert chi_square_p_value(counts, probs) > 1e-3
-    assert 0.5 * np.abs(counts / NUM_ROWS - probs).sum() < 0.05
+    assert_distributed_as(result, target_distribution, max_total_variation=0.05)
     assert 1.0 < result.mean_accepted_length < cfg.max_depth + 1
 
     cache_size = generate_module._generate_jit._cache_size()

@@ -1,0 +1,225 @@
+"""DeepSeek-V4 through the speculative loop (`tiny-v4`, float32, xla backend): greedy speculation
+equals plain greedy for chains k = 1..4 and a tree, the cached drafts equal a naive MTP recompute,
+after every commit the V4 caches' readable rows equal a recompute from the committed tokens,
+finished and padding rows write nothing and stay finite, sampling is lossless, and the caches'
+rings are sized from the widest call rather than the capacity.
+
+The model is trained briefly on conftest's word language so drafts are both accepted and rejected.
+Prompts of different lengths run past the sliding window (8) and across many CSA (m = 4) and HCA
+(m' = 8) blocks, so verification windows close compression blocks that are then rejected.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import word_batches
+from jaxspec.cache import pages_per_row
+from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE
+from jaxspec.config import CSA, SLIDING, DecodeConfig, preset
+from jaxspec.generation import generate, prepare
+from jaxspec.loop import init_state, step
+from jaxspec.models import DeepseekV4
+from jaxspec.pallas_kernels import Visibility
+from jaxspec.pallas_kernels.paged import read_slots
+from jaxspec.train import train
+from jaxspec.trees import DynamicTreeSpec
+from test_loop import acceptance_histogram, naive_drafts
+from test_tree_decoding import HORIZON, SAMPLE_PROMPT, SAMPLING, assert_distributed_as, exact_sequence_probs
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Different lengths (2 .. 31 tokens); some are not made of the training words, so early drafts
+# get rejected. With 40 new tokens every row runs well past the window and many blocks.
+PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy dog and"), list(b"zq"), list(b"brown cat ov"),
+           list(b"xylophone "), list(b"la")]
+NEW = 40
+PAGE = 8
+ENTRIES = 128  # positions whose entries `readable_rows` reads (fixed shapes; longer than any row here)
+
+
+def config(k=0, **changes):
+    return DecodeConfig(**{"num_draft": k, "max_new_tokens": NEW, "page_size": PAGE, "backend": "xla", **changes})
+
+
+@pytest.fixture(scope="module")
+def trained_v4() -> DeepseekV4:
+    """tiny-v4 trained on the word language for 80 steps of 8 x 32 tokens, the MTP chained twice
+    (`train`'s mtp_depth=2: with depth 1 only, k = 4 never had all four drafts accepted). Losses
+    end near 0.5 from 5.5: within-word bytes are certain, the next word a guess."""
+    model = DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0))
+    train(model, word_batches(seed=0, batch=8, length=32), steps=80, learning_rate=1e-2, mtp_depth=2)
+    return model
+
+
+# -- cache sizing ----------------------------------------------------------------------------------
+
+def test_rings_are_sized_by_the_widest_call():
+    """`generate` sizes V4 rings from the widest call (the one-call prefill, the window, the MTP's
+    draft slots), not from the capacity: window ring = sliding_window - 1 + W slots in whole pages,
+    projection rings 2m - 1 + 2W (CSA) and m' - 1 + 2W (HCA); the entry pages cover the capacity."""
+    model = DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0))
+    cfg = model.config
+    # prompt width 31 > window 4; window 4 > prompt width 2; a dynamic tree's MTP drafting writes
+    # (depth - 1) * top_k = 8 slots past the committed length, more than its window (1 + budget 3).
+    dynamic = DynamicTreeSpec(top_k=4, depth=3, budget=3)
+    for prompts, dcfg, widest in [(PROMPTS, config(3), 31), ([[1, 2]], config(3), 4),
+                                  ([[1, 2]], config(1, tree=dynamic), 8)]:
+        batch = prepare(model, prompts, dcfg)
+        capacity = batch.target_cache.capacity
+        for cache in (batch.target_cache, batch.mtp_cache):
+            slots = {name: table.shape[1] * PAGE for name, table in cache.page_table.items()}
+            assert slots["window"] == PAGE * pages_per_row(cfg.sliding_window - 1 + widest, PAGE)
+            assert slots["window"] < capacity
+        slots = {name: table.shape[1] * PAGE for name, table in batch.target_cache.page_table.items()}
+        assert slots["csa_state"] == PAGE * pages_per_row(2 * 4 - 1 + 2 * widest, PAGE)
+        assert slots["hca_state"] == PAGE * pages_per_row(8 - 1 + 2 * widest, PAGE)
+        assert slots["csa_entries"] >= capacity // 4 and slots["hca_entries"] >= capacity // 8
+        assert set(batch.mtp_cache.page_table) == {"window"}  # the MTP block is a sliding layer
+
+
+# -- greedy losslessness ---------------------------------------------------------------------------
+
+def test_greedy_speculative_equals_plain(trained_v4):
+    """Chains k = 1..4 and the static `small` tree emit plain greedy's tokens. Every acceptance
+    count 0..k occurs for each chain; the tree (top-3 candidates at depths 1 and 2) nearly always holds
+    the next two tokens, so there only full-depth and shorter accepted paths are both required."""
+    plain = np.asarray(generate(trained_v4, PROMPTS, config(0)).tokens)
+    for k, tree in [(1, None), (2, None), (3, None), (4, None), (1, "small")]:
+        cfg = config(k, tree=tree)
+        spec = generate(trained_v4, PROMPTS, cfg)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), plain, err_msg=f"k={k} tree={tree}")
+        histogram = acceptance_histogram(spec, cfg.max_depth)
+        message = f"k={k} tree={tree}: steps accepting 0..D drafts = {histogram.tolist()}"
+        if tree is None:
+            assert (histogram > 0).all(), message
+        else:
+            assert histogram[-1] > 0 and histogram[:-1].sum() > 0, message
+
+
+# -- drafts, caches and finished rows, step by step -----------------------------------------------
+
+def readable_rows(cache, length: int) -> dict[str, np.ndarray]:
+    """Row 0 of `cache` as a later query can still read it after `length` committed tokens, every
+    layer: window ring rows of the last sliding_window - 1 slots, projection rows of the blocks
+    still to close, the compressed (and indexer) entries closed so far."""
+    config = preset("tiny-v4")
+    rates = dict(config.compress_rates)
+    before = lambda count: jnp.asarray(np.maximum(length - count + np.arange(count), -1)[None], jnp.int32)
+    rows = {}
+    for layer, kind in enumerate(cache.layer_types):
+        rows[f"window{layer}"] = cache.read_ring("window", "window", layer, before(config.sliding_window - 1))
+        if kind == SLIDING:
+            continue
+        m = rates[kind]
+        tail = before(2 * m - 1 if kind == CSA else m - 1)
+        entries = np.arange(ENTRIES // m)
+        entries = jnp.asarray(np.where(entries < length // m, entries, -1)[None], jnp.int32)  # fixed shape
+        names = [("state", "entries")] + ([("index_state", "index_entries")] if kind == CSA else [])
+        for state, entry in names:
+            rows[f"{state}{layer}"] = cache.read_ring(state, STATE_TABLE[kind], layer, tail)
+            rows[f"{entry}{layer}"] = read_slots(getattr(cache, entry)[layer], cache.page_table[ENTRY_TABLE[kind]],
+                                                 entries)
+    return {name: np.asarray(value) for name, value in rows.items()}
+
+
+def row_of(cache, b: int):
+    return cache.replace(page_table={name: table[b:b + 1] for name, table in cache.page_table.items()},
+                         lengths=cache.lengths[b:b + 1])
+
+
+def row_pages(cache, b: int) -> list[np.ndarray]:
+    """Every page row b owns, in every layer's structures."""
+    out = []
+    for layer, kind in enumerate(cache.layer_types):
+        out.append(np.asarray(cache.window[layer][cache.page_table["window"][b]]))
+        if kind != SLIDING:
+            out.append(np.asarray(cache.state[layer][cache.page_table[STATE_TABLE[kind]][b]]))
+            out.append(np.asarray(cache.entries[layer][cache.page_table[ENTRY_TABLE[kind]][b]]))
+        if kind == CSA:
+            out.append(np.asarray(cache.index_state[layer][cache.page_table["csa_state"][b]]))
+            out.append(np.asarray(cache.index_entries[layer][cache.page_table["csa_entries"][b]]))
+    return out
+
+
+def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trained_v4):
+    """k = 3 stepped by hand: every step's drafts equal a from-scratch MTP recompute; after every
+    commit the target cache's readable rows (every layer: window ring, projection rings, CSA / HCA
+    / indexer entries) equal a fresh prefill of the committed tokens; rows that finished (at
+    different steps: their budgets run out after different acceptances) change none of their pages
+    in either cache while the others go on; nothing in the state is NaN; stepping by hand equals
+    generate."""
+    k = 3
+    cfg = config(k)
+    width = max(map(len, PROMPTS)) + NEW + k + 1
+    graphdef, params = nnx.split(trained_v4)
+
+    @jax.jit
+    def recompute(params, tokens, lens):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+        cache = model.init_cache(tokens.shape[0], width, page_size=PAGE)
+        vis = Visibility(jnp.zeros(lens.shape, jnp.int32), lens)
+        return model(tokens, positions, cache, vis, form="expanded", backend="xla")[2]
+
+    state = init_state(trained_v4, PROMPTS, cfg)
+    checked, finished_at = 0, {}
+    while not bool(np.all(state.done)):
+        sequences = [PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
+                     for b in range(len(PROMPTS))]
+        active = ~np.asarray(state.done)
+        expected = naive_drafts(trained_v4, sequences, k, width)
+        before = {b: row_pages(state.target_cache, b) + row_pages(state.mtp_cache, b)
+                  for b in np.flatnonzero(~active)}
+        state = step(trained_v4, state, cfg)
+        np.testing.assert_array_equal(np.asarray(state.drafts)[active], expected[active])
+        checked += int(active.sum())
+        for b, pages in before.items():
+            for old, new in zip(pages, row_pages(state.target_cache, b) + row_pages(state.mtp_cache, b)):
+                np.testing.assert_array_equal(new, old, err_msg=f"finished row {b} wrote")
+        for leaf in jax.tree.leaves(state):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                assert np.isfinite(np.asarray(leaf)).all()
+
+        # Rows still going: their cache holds every emitted token but the last (a row that just
+        # finished may hold accepted drafts past its budget, which it never emits).
+        going = ~np.asarray(state.done)
+        committed = np.asarray(state.target_cache.lengths)
+        tokens = np.zeros((len(PROMPTS), width), np.int32)
+        for b in np.flatnonzero(going):
+            seq = PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
+            assert len(seq) == committed[b] + 1
+            tokens[b, :committed[b]] = seq[:committed[b]]
+        fresh = recompute(params, jnp.asarray(tokens), jnp.asarray(np.where(going, committed, 1), jnp.int32))
+        for b in np.flatnonzero(going):
+            ours, theirs = readable_rows(row_of(state.target_cache, b), committed[b]), \
+                readable_rows(row_of(fresh, b), committed[b])
+            for name in theirs:
+                np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"{name} of row {b} after {committed[b]} committed")
+        for b in np.flatnonzero(active & np.asarray(state.done)):
+            finished_at[int(b)] = int(state.steps)
+    assert checked >= 20
+    assert len(set(finished_at.values())) > 1, f"rows should finish at different steps: {finished_at}"
+    result = generate(trained_v4, PROMPTS, cfg)
+    np.testing.assert_array_equal(np.asarray(state.tokens[:, :NEW]), np.asarray(result.tokens))
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+
+NUM_ROWS = 2048
+
+
+def test_sampling_is_lossless(trained_v4):
+    """2048 rows of one prompt (k = 2): the emitted 3-token sequences match the target's exact
+    sampling distribution by a chi-square test (p > 1e-3, bins under 5 expected rows merged) and in
+    total variation (< 0.07 at this many rows), with drafts sometimes accepted."""
+    cfg = DecodeConfig(num_draft=2, max_new_tokens=HORIZON, page_size=PAGE, backend="xla", **SAMPLING)
+    target = exact_sequence_probs(trained_v4, SAMPLE_PROMPT, HORIZON)
+    result = generate(trained_v4, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=1)
+    assert_distributed_as(result, target, max_total_variation=0.07)
+    assert 1.0 < result.mean_accepted_length < cfg.max_depth + 1
