@@ -155,5 +155,9 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
         # XLA sizes a CUB radix sort's scratch by asking the CUDA runtime, which fails without a
         # device ("invalid device ordinal"): large sorts (top-k of the DSA indexer) use XLA's own
         # sort kernel here, where a GPU host's compile would call CUB.
-        "xla_gpu_enable_cub_radix_sort": False})
+        "xla_gpu_enable_cub_radix_sort": False,
+        # The instrument measures the program a GPU host would build, whatever the process's
+        # XLA_FLAGS say (the test suite lowers XLA's optimization level for its CPU programs; at
+        # level 0 ptxas spills kernels that fit at the default level).
+        "xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False})
     return GpuCompiled(compiled, dump_dir, time.perf_counter() - start, owner)
