@@ -70,6 +70,25 @@ def pages_per_row(capacity: int, page_size: int) -> int:
     return -(-capacity // page_size)
 
 
+def check_geometry(batch_size: int, capacity: int, row_shards: int, page_table) -> None:
+    """The checks every cache layout makes of its arguments (ValueError naming the argument)."""
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity}: must be >= 1")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    if row_shards < 1 or batch_size % row_shards:
+        raise ValueError(f"row_shards={row_shards}: must be >= 1 and divide batch_size={batch_size}")
+    if row_shards > 1 and page_table is not None:
+        raise ValueError("page_table: a cache split into row shards numbers its pages itself; pass None")
+
+
+def row_page_table(batch_size: int, num_row_pages: int, row_shards: int = 1) -> jax.Array:
+    """[batch_size, num_row_pages] int32: row b owns pages [b * M, (b + 1) * M), numbered within its
+    block of batch_size / row_shards rows (each row shard's pages are its own pool)."""
+    num_pages = batch_size * num_row_pages
+    return jnp.arange(num_pages, dtype=jnp.int32).reshape(batch_size, num_row_pages) % (num_pages // row_shards)
+
+
 def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: int, index_dim: int = 0,
                page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None,
                row_shards: int = 1) -> PagedCache:
@@ -87,18 +106,11 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     latent_dim], index_keys [L, num_pages, page_size, index_dim] (or None), page_table, lengths
     [batch_size] = 0.
     """
-    if capacity < 1:
-        raise ValueError(f"capacity={capacity}: must be >= 1")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    check_geometry(batch_size, capacity, row_shards, page_table)
     num_row_pages = pages_per_row(capacity, page_size)
     num_pages = batch_size * num_row_pages
-    if row_shards < 1 or batch_size % row_shards:
-        raise ValueError(f"row_shards={row_shards}: must be >= 1 and divide batch_size={batch_size}")
-    if row_shards > 1 and page_table is not None:
-        raise ValueError("page_table: a cache split into row shards numbers its pages itself; pass None")
     if page_table is None:
-        page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch_size, num_row_pages) % (num_pages // row_shards)
+        page_table = row_page_table(batch_size, num_row_pages, row_shards)
     elif page_table.shape != (batch_size, num_row_pages):
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
     latent = tuple(jnp.zeros((num_pages, page_size, latent_dim), dtype) for _ in range(num_layers))

@@ -42,7 +42,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import pages_per_row
+from jaxspec.cache import check_geometry, pages_per_row, row_page_table
 from jaxspec.config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
@@ -126,12 +126,6 @@ class V4Cache:
         return cache
 
 
-def _row_page_table(batch_size: int, num_row_pages: int, row_shards: int) -> jax.Array:
-    """Row b owns pages [b * M, (b + 1) * M), numbered within its row shard (`init_cache`'s layout)."""
-    num_pages = batch_size * num_row_pages
-    return jnp.arange(num_pages, dtype=jnp.int32).reshape(batch_size, num_row_pages) % (num_pages // row_shards)
-
-
 def ring_capacities(config: ModelConfig, capacity: int, max_window: int, page_size: int) -> dict[str, int]:
     """Pages per row of every structure: {"window", "csa_state", "hca_state", "csa_entries",
     "hca_entries"} -> M (the module docstring gives the ring rules)."""
@@ -162,20 +156,16 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     """
     if not config.is_v4:
         raise ValueError(f"config.model_type={config.model_type!r}: init_v4_cache needs deepseek_v4")
-    if capacity < 1:
-        raise ValueError(f"capacity={capacity}: must be >= 1")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    check_geometry(batch_size, capacity, row_shards, page_table)
     if max_window < 1:
         raise ValueError(f"max_window={max_window}: must be >= 1 (the largest Q of a call)")
-    if row_shards < 1 or batch_size % row_shards:
-        raise ValueError(f"row_shards={row_shards}: must be >= 1 and divide batch_size={batch_size}")
-    if row_shards > 1 and page_table is not None:
-        raise ValueError("page_table: a cache split into row shards numbers its pages itself; pass None")
     if layer_types is None:
         layer_types = (config.layer_type(config.num_hidden_layers),) if mtp else tuple(config.layer_types)
     if any(kind not in (SLIDING, CSA, HCA) for kind in layer_types):
         raise ValueError(f"layer_types={layer_types}: entries must be in {(SLIDING, CSA, HCA)}")
+    if page_table is not None and not isinstance(page_table, Mapping):
+        raise ValueError(f"page_table: must be a mapping from structure name to a [batch_size, M] table "
+                         f"(got {type(page_table).__name__})")
     counts = ring_capacities(config, capacity, max_window, page_size)
     needed = {"window"} | {STATE_TABLE[k] for k in layer_types if k != SLIDING} | {
         ENTRY_TABLE[k] for k in layer_types if k != SLIDING}
@@ -183,7 +173,7 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     for name in sorted(needed):
         given = (page_table or {}).get(name)
         if given is None:
-            tables[name] = _row_page_table(batch_size, counts[name], row_shards)
+            tables[name] = row_page_table(batch_size, counts[name], row_shards)
         elif given.shape != (batch_size, counts[name]):
             raise ValueError(f"page_table[{name!r}] shape {given.shape}: expected {(batch_size, counts[name])}")
         else:

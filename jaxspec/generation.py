@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.cache import PagedCache
-from jaxspec.config import DecodeConfig
+from jaxspec.config import DecodeConfig, ModelConfig
 from jaxspec.drafting import mtp_draft_slots
 from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding
 from jaxspec.sampling import base_key
@@ -69,13 +69,13 @@ def ring_window(prompt_width: int, config: DecodeConfig) -> int:
     return max(prompt_width, config.window_size, mtp_draft_slots(config))
 
 
-def _cache_kwargs(model: nnx.Module, prompt_width: int, config: DecodeConfig) -> dict:
+def cache_kwargs(model_config: ModelConfig, prompt_width: int, config: DecodeConfig) -> dict:
     """Extra `init_cache` arguments by model kind. A model whose caches hold rings (DeepSeek-V4's
     sliding windows and compressor states, `jaxspec.cache_v4`) takes `max_window`, the widest call,
     and sizes its rings from it rather than from the capacity: a ring of sliding_window - 1 +
     max_window slots never lets one call overwrite what a committed query still sees. Paged MLA
     caches (DeepSeek-V3) take no such argument."""
-    if model.config.is_v4:
+    if model_config.is_v4:
         return {"max_window": ring_window(prompt_width, config)}
     return {}
 
@@ -97,6 +97,10 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
     """
     check_plan(plan)
     mconf = model.config
+    if mconf.is_v4 and page_table is not None:
+        raise ValueError("page_table: a DeepSeek-V4 model's caches have one page table per structure (rings sized "
+                         "by the widest call, entry pools by the capacity), which one [B, M] layout cannot give; "
+                         "pass None (jaxspec.cache_v4.init_v4_cache takes per-structure tables)")
     if mesh is not None:
         check_mesh(mesh, plan)
         if page_table is not None:
@@ -182,7 +186,7 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
     # which must consume neither the caller's array nor one buffer twice.
     own = lambda: None if page_table is None else jnp.array(page_table, jnp.int32)
 
-    ring_kwargs = _cache_kwargs(model, width, config)
+    ring_kwargs = cache_kwargs(model.config, width, config)
 
     def caches():
         cache = lambda mtp: model.init_cache(padded, capacity, page_size=config.page_size, mtp=mtp,
@@ -327,7 +331,7 @@ def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), 
     plus budget plus draft window over `max_position_embeddings` or `config.max_cache_len`, a
     `page_table` with too few rows or slots, drafting (`num_draft > 0` or a tree) with a model that
     has no MTP module, a tree whose top_k exceeds the vocabulary, a mesh without the axes
-    ("data", "model"), an unknown plan, a page_table with a mesh.
+    ("data", "model"), an unknown plan, a page_table with a mesh or with a DeepSeek-V4 model.
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)

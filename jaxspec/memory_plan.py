@@ -186,12 +186,12 @@ def _v4_cache_bytes(config: ModelConfig, decode: DecodeConfig, rows: int, capaci
                    act: int) -> int:
     """Bytes of one device's `rows` rows of DeepSeek-V4's caches (target, and the MTP's when
     drafting), exact: the arrays `jaxspec.cache_v4.init_v4_cache` builds for them, rings sized for
-    the widest call as `generate` sizes them (`ring_window`)."""
+    the widest call as `generate` sizes them (`cache_kwargs`)."""
     from jaxspec.cache_v4 import init_v4_cache
-    from jaxspec.generation import ring_window
+    from jaxspec.generation import cache_kwargs
 
     dtype = jnp.bfloat16 if act == 2 else jnp.float32
-    build = lambda mtp: init_v4_cache(config, rows, capacity, max_window=ring_window(prompt_len, decode),
+    build = lambda mtp: init_v4_cache(config, rows, capacity, **cache_kwargs(config, prompt_len, decode),
                                       page_size=decode.page_size, mtp=mtp, dtype=dtype)
     caches = [build(False)] + ([build(True)] if decode.draft_tree is not None else [])
     leaves = jax.tree.leaves(jax.eval_shape(lambda: caches))

@@ -95,9 +95,8 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        normed = unit_rms_norm(x.astype(jnp.float32), self.eps)
+        return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def unit_rms_norm(x: jax.Array, eps: float) -> jax.Array:

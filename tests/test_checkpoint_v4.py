@@ -4,7 +4,6 @@ V4's FP8 (e8m0 scales) and MXFP4 experts (against an independent decoding of the
 
 from __future__ import annotations
 
-import json
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from jaxspec.checkpoint import load_hf_checkpoint, load_model
 from jaxspec.checkpoint_v4 import to_transformers
 from jaxspec.config import preset
 from jaxspec.orbax_io import abstract_model, save_model
-from jaxspec.shards import INDEX_FILE, write
+from test_checkpoint import write_checkpoint
 
 
 def _released_names(layer_kinds: list[tuple[str, bool]], num_experts: int, mtp: bool) -> list[str]:
@@ -268,18 +267,6 @@ def quantize_as_released(tensors: dict[str, np.ndarray], rng: np.random.Generato
     return stored
 
 
-def write_checkpoint(directory, hf_config: dict, stored: dict[str, np.ndarray]) -> None:
-    """config.json, two safetensors shards and their index, as DeepSeek releases them."""
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(hf_config))
-    names = sorted(stored)
-    half = len(names) // 2
-    shard = {n: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, n in enumerate(names)}
-    for file in sorted(set(shard.values())):
-        write(str(directory / file), {n: stored[n] for n in names if shard[n] == file})
-    (directory / INDEX_FILE).write_text(json.dumps({"weight_map": shard}))
-
-
 def random_param(path: str, spec: jax.ShapeDtypeStruct, rng: np.random.Generator, num_experts: int) -> np.ndarray:
     """A random value for a parameter: distinct experts per token for a hash table, around 1 for a
     norm weight, fan-in scaled normal for matrices, small normal otherwise."""
@@ -314,7 +301,7 @@ def released_v4(tmp_path_factory):
     hf_config = {**config.to_hf(), "expert_dtype": "fp4",
                  "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                          "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
-    write_checkpoint(directory, hf_config, stored)
+    write_checkpoint(directory, hf_config, stored, shards=2)
     return model, stored, hf_config, directory
 
 
@@ -351,7 +338,7 @@ def test_what_does_not_fit_is_listed_by_deepseek_name(released_v4, tmp_path):
     del edited["layers.1.attn.compressor.ape"]
     edited["layers.0.attn.wq.weight"] = stored["layers.0.attn.wq_a.weight"]
     edited["layers.2.ffn.experts.3.w1.scale"] = stored["layers.2.ffn.experts.3.w1.scale"][:, :1]
-    write_checkpoint(tmp_path / "edited", hf_config, edited)
+    write_checkpoint(tmp_path / "edited", hf_config, edited, shards=2)
     with pytest.raises(ValueError) as error:
         load_hf_checkpoint(tmp_path / "edited", log=lambda line: None)
     message = str(error.value)
@@ -378,7 +365,7 @@ def test_fp8_experts_load_fp8_resident(released_v4, tmp_path):
         base[name] = (value / scale).astype(ml_dtypes.float8_e4m3fn)
         scales[name] = np.full((-(-value.shape[0] // 128), -(-value.shape[1] // 128)), scale, np.float32)
         base[name.removesuffix(".weight") + ".scale"] = scales[name]
-    write_checkpoint(tmp_path / "base", {**hf_config, "expert_dtype": "fp8"}, base)
+    write_checkpoint(tmp_path / "base", {**hf_config, "expert_dtype": "fp8"}, base, shards=2)
     loaded = load_hf_checkpoint(tmp_path / "base", dtype=jnp.float8_e4m3fn, log=lambda line: None)
     got = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param))}
     kept = {path: value for path, value in got.items() if value.dtype == ml_dtypes.float8_e4m3fn}

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec.config import DecodeConfig, ModelConfig
-from jaxspec.generation import required_capacity, ring_window
+from jaxspec.generation import cache_kwargs, required_capacity
 from jaxspec import sharding
 from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
 from jaxspec.orbax_io import abstract_model
@@ -54,10 +54,9 @@ def reduced_depth(config: ModelConfig, layers: int) -> ModelConfig:
 
 
 def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig, prompt_width: int, row_shards: int = 1):
-    """The target's and the MTP's caches as `generate` builds them, as shapes. DeepSeek-V4's rings
-    are sized for the widest call (`ring_window`: the prompt, or the step's window), as `generate`
-    sizes them."""
-    rings = {"max_window": ring_window(prompt_width, decode)} if model.config.is_v4 else {}
+    """The target's and the MTP's caches as `generate` builds them (`cache_kwargs` included:
+    DeepSeek-V4's rings sized for the widest call), as shapes."""
+    rings = cache_kwargs(model.config, prompt_width, decode)
     cache = lambda mtp: jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size, mtp=mtp,
                                                                 row_shards=row_shards, **rings))
     return cache(False), cache(True) if decode.draft_tree is not None else None
