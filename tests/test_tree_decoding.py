@@ -31,15 +31,19 @@ DYNAMIC = "3,3,6"  # EAGLE-2: top-3 children of the 3 best frontier nodes, depth
 
 @pytest.mark.parametrize("model_name", ["trained_v3", "trained_v32"])
 def test_greedy_tree_decoding_equals_plain(model_name, request):
-    """A static and a dynamic tree (and relaxed acceptance at top-1, which is greedy) emit plain
-    greedy decoding's tokens, over permuted page tables, with every accepted path length 1..D
-    occurring (and 0 for the dynamic tree)."""
+    """The static tree (both models), a dynamic tree (V3.2) and relaxed acceptance at top-1 (V3;
+    greedy) emit plain greedy decoding's tokens, over permuted page tables, with every accepted
+    path length 1..D occurring (and 0 for the dynamic tree)."""
     model = request.getfixturevalue(model_name)
     plain = np.asarray(generate(model, PROMPTS, config(0)).tokens)
     rng = np.random.default_rng(1)
-    cases = {"small": config(3, tree="small"), "dynamic": config(3, tree=DYNAMIC)}
+    # Each case is a compile: V3.2 (DSA) gets both tree kinds, V3 the static tree and relaxed top-1
+    # (V3's dynamic tree runs on a mesh in test_sharding, against one device).
+    cases = {"small": config(3, tree="small")}
     if model_name == "trained_v3":
         cases["relaxed top-1"] = config(3, tree="small", relaxed=(1, 0.0))
+    else:
+        cases["dynamic"] = config(3, tree=DYNAMIC)
     for name, cfg in cases.items():
         pages = -(-generate_module.required_capacity(max(map(len, PROMPTS)), cfg) // cfg.page_size)
         page_table = jnp.asarray(rng.permutation(len(PROMPTS) * pages).reshape(len(PROMPTS), pages), jnp.int32)
@@ -56,7 +60,7 @@ def test_greedy_tree_decoding_equals_plain(model_name, request):
 SAMPLE_PROMPT = list(b"the lazy dog ")  # the next word is a guess: the first tokens vary
 SAMPLING = dict(temperature=3.0, top_k=3, top_p=0.95)  # flat enough that all three tokens vary
 HORIZON = 3
-NUM_ROWS = 4096
+NUM_ROWS = 2048
 
 
 def exact_sequence_probs(model, prompt: list[int], horizon: int) -> dict[tuple[int, ...], float]:
@@ -111,22 +115,24 @@ def target_distribution(trained_v3):
     return exact_sequence_probs(trained_v3, SAMPLE_PROMPT, HORIZON)
 
 
-@pytest.mark.parametrize("tree", [None, "small", "2,2,3"], ids=["chain_k2", "static_tree", "dynamic_tree"])
-def test_sampling_is_lossless(trained_v3, target_distribution, tree):
-    """4096 rows of one prompt, one RNG stream each (fixed key): the emitted 3-token sequences (up
+@pytest.mark.parametrize("tree, other_key", [(None, True), ("small", False), ("2,2,3", False)],
+                         ids=["chain_k2", "static_tree", "dynamic_tree"])
+def test_sampling_is_lossless(trained_v3, target_distribution, tree, other_key):
+    """2048 rows of one prompt, one RNG stream each (fixed key): the emitted 3-token sequences (up
     to 27) match the target's exact sampling distribution by a chi-square test (p > 1e-3, bins with
-    fewer than 5 expected rows merged) and in total variation (< 0.05; about 0.015 is typical), while
-    drafts are sometimes accepted and sometimes not. The key is a runtime argument: another
-    key reuses the compiled computation and gives other tokens."""
+    fewer than 5 expected rows merged) and in total variation (< 0.07; about 0.02 is typical at this
+    many rows), while drafts are sometimes accepted and sometimes not. The key is a runtime
+    argument (checked on the chain): another key reuses the compiled computation and gives other
+    tokens."""
     cfg = DecodeConfig(num_draft=2, tree=tree, max_new_tokens=HORIZON, page_size=8, backend="xla", **SAMPLING)
     result = generate(trained_v3, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=1)
-    assert_distributed_as(result, target_distribution, max_total_variation=0.05)
+    assert_distributed_as(result, target_distribution, max_total_variation=0.07)
     assert 1.0 < result.mean_accepted_length < cfg.max_depth + 1
-
-    cache_size = generate_module._generate_jit._cache_size()
-    other = generate(trained_v3, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=2)
-    assert generate_module._generate_jit._cache_size() == cache_size
-    assert not np.array_equal(np.asarray(other.tokens), np.asarray(result.tokens))
+    if other_key:
+        cache_size = generate_module._generate_jit._cache_size()
+        other = generate(trained_v3, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=2)
+        assert generate_module._generate_jit._cache_size() == cache_size
+        assert not np.array_equal(np.asarray(other.tokens), np.asarray(result.tokens))
 
 
 # --- commit compacts the accepted path ------------------------------------------------------

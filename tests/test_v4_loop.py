@@ -19,7 +19,7 @@ from flax import nnx
 
 from conftest import word_batches
 from jaxspec.cache import pages_per_row
-from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE
+from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, init_v4_cache
 from jaxspec.config import CSA, SLIDING, DecodeConfig, preset
 from jaxspec.generation import generate, prepare
 from jaxspec.loop import init_state, step
@@ -56,6 +56,17 @@ def trained_v4() -> DeepseekV4:
     return model
 
 
+@pytest.fixture(scope="module")
+def plain_tokens(trained_v4) -> np.ndarray:
+    """Plain greedy decoding's tokens [rows, NEW] (k = 0), which every greedy run must equal."""
+    return np.asarray(generate(trained_v4, PROMPTS, config(0)).tokens)
+
+
+def assert_every_acceptance_count(result, depth: int, what: str) -> None:
+    histogram = acceptance_histogram(result, depth)
+    assert (histogram > 0).all(), f"{what}: steps accepting 0..{depth} drafts = {histogram.tolist()}"
+
+
 # -- cache sizing ----------------------------------------------------------------------------------
 
 def test_rings_are_sized_by_the_widest_call():
@@ -82,23 +93,32 @@ def test_rings_are_sized_by_the_widest_call():
         assert set(batch.mtp_cache.page_table) == {"window"}  # the MTP block is a sliding layer
 
 
+def test_a_single_page_table_is_refused_for_v4():
+    """A user page table ([B, M], one layout for every cache) cannot address V4's per-structure
+    pages: `generate` refuses it before tracing, and `init_v4_cache` refuses a non-mapping table."""
+    model = DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="page_table: a DeepSeek-V4 model's caches"):
+        generate(model, [[1, 2]], config(1), page_table=jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="page_table: must be a mapping"):
+        init_v4_cache(model.config, 1, 64, max_window=4, page_table=jnp.zeros((1, 8), jnp.int32))
+
+
 # -- greedy losslessness ---------------------------------------------------------------------------
 
-def test_greedy_speculative_equals_plain(trained_v4):
-    """Chains k = 1..4 and the static `small` tree emit plain greedy's tokens. Every acceptance
-    count 0..k occurs for each chain; the tree (top-3 candidates at depths 1 and 2) nearly always holds
-    the next two tokens, so there only full-depth and shorter accepted paths are both required."""
-    plain = np.asarray(generate(trained_v4, PROMPTS, config(0)).tokens)
-    for k, tree in [(1, None), (2, None), (3, None), (4, None), (1, "small")]:
+def test_greedy_speculative_equals_plain(trained_v4, plain_tokens):
+    """Chains k = 1, 2, 4 and the static `small` tree emit plain greedy's tokens (k = 3: the stepped
+    test below, which runs it anyway). Every acceptance count 0..k occurs for each chain; the tree
+    (top-3 candidates at depths 1 and 2) nearly always holds the next two tokens, so there only
+    full-depth and shorter accepted paths are both required."""
+    for k, tree in [(1, None), (2, None), (4, None), (1, "small")]:
         cfg = config(k, tree=tree)
         spec = generate(trained_v4, PROMPTS, cfg)
-        np.testing.assert_array_equal(np.asarray(spec.tokens), plain, err_msg=f"k={k} tree={tree}")
-        histogram = acceptance_histogram(spec, cfg.max_depth)
-        message = f"k={k} tree={tree}: steps accepting 0..D drafts = {histogram.tolist()}"
+        np.testing.assert_array_equal(np.asarray(spec.tokens), plain_tokens, err_msg=f"k={k} tree={tree}")
         if tree is None:
-            assert (histogram > 0).all(), message
+            assert_every_acceptance_count(spec, k, f"k={k}")
         else:
-            assert histogram[-1] > 0 and histogram[:-1].sum() > 0, message
+            histogram = acceptance_histogram(spec, cfg.max_depth)
+            assert histogram[-1] > 0 and histogram[:-1].sum() > 0, f"tree: {histogram.tolist()}"
 
 
 # -- drafts, caches and finished rows, step by step -----------------------------------------------
@@ -146,13 +166,13 @@ def row_pages(cache, b: int) -> list[np.ndarray]:
     return out
 
 
-def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trained_v4):
+def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trained_v4, plain_tokens):
     """k = 3 stepped by hand: every step's drafts equal a from-scratch MTP recompute; after every
     commit the target cache's readable rows (every layer: window ring, projection rings, CSA / HCA
     / indexer entries) equal a fresh prefill of the committed tokens; rows that finished (at
     different steps: their budgets run out after different acceptances) change none of their pages
     in either cache while the others go on; nothing in the state is NaN; stepping by hand equals
-    generate."""
+    generate, which equals plain greedy with every acceptance count 0..3."""
     k = 3
     cfg = config(k)
     width = max(map(len, PROMPTS)) + NEW + k + 1
@@ -207,6 +227,8 @@ def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trai
     assert len(set(finished_at.values())) > 1, f"rows should finish at different steps: {finished_at}"
     result = generate(trained_v4, PROMPTS, cfg)
     np.testing.assert_array_equal(np.asarray(state.tokens[:, :NEW]), np.asarray(result.tokens))
+    np.testing.assert_array_equal(np.asarray(result.tokens), plain_tokens, err_msg="k=3")
+    assert_every_acceptance_count(result, k, "k=3")
 
 
 # -- sampling ----------------------------------------------------------------------------------------
