@@ -7,8 +7,18 @@ a device-to-device copy measured in the same run. The indexer's top-k is timed s
 kernel's scores, for `lax.top_k` (what `indexer_topk_pallas` uses), `lax.approx_max_k` and a full
 stable sort, with approx_max_k's recall against the exact top-k.
 
+The ops: DeepSeek-V3.2's `mla_attention`, `sparse_mla` and `indexer_scores` (with its top-k), and
+DeepSeek-V4's `sliding_compressed_attention` in its two compressed layer kinds, `v4_csa` (the
+sliding window plus each token's indexer top-k of the entries closed every 4 tokens) and `v4_hca`
+(the window plus every entry closed every 128 tokens): one 512-wide K = V entry per key shared by
+all heads, per-head attention sinks, at DeepSeek-V4-Flash's widths by default (--v4-preset).
+Queries and keys are random: RoPE (on their last 64 dims) is applied before the op, which does not
+see it. The V4 caches are laid out as `jaxspec.cache_v4` sizes them (ring of window - 1 + Q slots,
+entries for the context), in random page order.
+
     python benchmarks/kernels.py                       # the full sweep, on a GPU
     python benchmarks/kernels.py --batch 8 --context 16384 --queries 2
+    python benchmarks/kernels.py --ops v4_csa v4_hca   # only DeepSeek-V4's attention
     python benchmarks/kernels.py --smoke               # tiny shapes, any machine (interpret mode)
 
 Shapes whose inputs (or a reference's intermediates) do not fit in device memory are skipped and
@@ -28,10 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.cache_v4 import ring_capacities
+from jaxspec.config import CSA, HCA, ModelConfig, preset
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
-                                    sparse_mla_attention_reference)
+                                    sliding_compressed_attention_reference, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
+from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
 
 
@@ -49,6 +62,9 @@ class Dims(NamedTuple):
 
 DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page_size=64)
 SMOKE = Dims(heads=4, latent=32, rope=16, index_heads=4, index_dim=32, topk=32, page_size=16)
+V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
+V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
+V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
 # Keep inputs plus the largest intermediate under this fraction of device memory.
 MEMORY_FRACTION = 0.7
 ITEM = 2  # bf16 bytes
@@ -165,6 +181,86 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     ]
 
 
+def v4_input_bytes(case: Case, config: ModelConfig, page_size: int) -> int:
+    """Bytes of the V4 ops' inputs at one shape: each row's window ring and both entry arrays."""
+    pages = ring_capacities(config, case.context, case.queries, page_size)
+    slots = pages["window"] + pages["csa_entries"] + pages["hca_entries"]
+    return case.batch * slots * page_size * config.head_dim * ITEM
+
+
+def v4_inputs(case: Case, config: ModelConfig, page_size: int, key) -> dict:
+    """Device arrays for V4's attention at one shape: a chain of Q tokens at positions
+    [context - Q, context), the window ring and the CSA / HCA entries paged as `jaxspec.cache_v4`
+    sizes them (random page order), CSA's indices as the indexer gives them (each token's top-k of
+    the entries it sees, entry j closing at position (j + 1) * rate - 1; -1 padded) and HCA's
+    counts (every entry the token sees)."""
+    batch, context, queries = case
+    pages = ring_capacities(config, context, queries, page_size)
+    rates = dict(config.compress_rates)
+    keys = jax.random.split(key, 6)
+
+    def paged(k, count):  # [B * count, page, D] bf16 pages and a [B, count] table over them
+        kv_key, table_key = jax.random.split(k)
+        kv = jax.random.normal(kv_key, (batch * count, page_size, config.head_dim), jnp.bfloat16)
+        return kv, jax.random.permutation(table_key, batch * count).reshape(batch, count).astype(jnp.int32)
+
+    positions = jnp.broadcast_to(jnp.arange(context - queries, context, dtype=jnp.int32), (batch, queries))
+    entries = pages["csa_entries"] * page_size
+    width = max(entries, config.index_topk)  # top_k needs index_topk columns even with fewer entries
+    seen = jnp.arange(width) < ((positions + 1) // rates[CSA])[..., None]
+    scores = jnp.where(seen, jax.random.uniform(keys[0], (batch, queries, width)), -1.0)
+    top, chosen = jax.lax.top_k(scores, config.index_topk)
+    window_kv, window_pages = paged(keys[1], pages["window"])
+    csa_kv, csa_pages = paged(keys[2], pages["csa_entries"])
+    hca_kv, hca_pages = paged(keys[3], pages["hca_entries"])
+    return dict(
+        q=jax.random.normal(keys[4], (batch, queries, config.num_attention_heads, config.head_dim), jnp.bfloat16),
+        window_kv=window_kv, window_pages=window_pages, positions=positions,
+        vis=Visibility(jnp.full((batch,), context - queries, jnp.int32), jnp.full((batch,), queries, jnp.int32)),
+        sinks=jax.random.normal(keys[5], (config.num_attention_heads,), jnp.float32),
+        **{CSA: (csa_kv, csa_pages, jnp.where(top >= 0, chosen, -1).astype(jnp.int32)),
+           HCA: (hca_kv, hca_pages, (positions + 1) // rates[HCA])})
+
+
+def v4_ops(config: ModelConfig, arrays: dict) -> list[Op]:
+    """Both V4 ops on one set of inputs (`v4_inputs`)."""
+    return [v4_op(name, config, arrays) for name in V4_OPS]
+
+
+def v4_op(name: str, config: ModelConfig, arrays: dict) -> Op:
+    """One V4 layer kind's attention: sliding window plus CSA's selected or HCA's counted entries."""
+    kind = V4_OPS[name]
+    q, positions = arrays["q"], arrays["positions"]
+    entry_kv, entry_pages, selection = arrays[kind]
+    batch, queries, heads, dim = q.shape
+    ring = arrays["window_pages"].shape[1] * arrays["window_kv"].shape[1]
+    window_keys = int(jnp.sum(jnp.minimum(positions + 1, config.sliding_window)))  # ring keys, summed over tokens
+    if kind == CSA:  # each token's own selected entries: every distinct one read once, every number read
+        chosen = np.asarray(selection).reshape(batch, -1)
+        entry_keys = int(np.sum(chosen >= 0))
+        distinct = sum(np.unique(numbers[numbers >= 0]).size for numbers in chosen)
+        entry_bytes = distinct * dim * ITEM + chosen.size * 4
+        xla_keys = queries * selection.shape[-1]  # the reference gathers [B, Q, K, D]
+    else:  # the tokens share one prefix of entries
+        entry_keys = int(jnp.sum(selection))
+        entry_bytes = batch * int(jnp.max(selection)) * dim * ITEM
+        xla_keys = entry_pages.shape[1] * entry_kv.shape[1]  # [B, 1, E, D]
+    slots = min(config.sliding_window - 1 + queries, int(positions[0, -1]) + 1)  # ring slots a row's tokens see
+
+    def call(impl):
+        option = "compressed_indices" if kind == CSA else "compressed_count"
+        return jax.jit(lambda q, kv, pages, pos, vis, sinks, entries, entry_pages, selection: impl(
+            q, kv, pages, pos, vis, sinks, sliding_window=config.sliding_window, scale=dim ** -0.5,
+            compressed_kv=entries, compressed_pages=entry_pages, **{option: selection}))
+
+    return Op(name, call(sliding_compressed_attention_pallas), call(sliding_compressed_attention_reference),
+              (q, arrays["window_kv"], arrays["window_pages"], positions, arrays["vis"], arrays["sinks"],
+               entry_kv, entry_pages, selection),
+              bytes=batch * slots * dim * ITEM + entry_bytes + 2 * q.size * ITEM,  # K = V: each key read once
+              flops=4 * heads * dim * (window_keys + entry_keys),  # scores and values, D wide each
+              xla_bytes=4 * (batch * (ring + xla_keys) * dim + 2 * batch * queries * heads * (ring + xla_keys)))
+
+
 def max_error(got, want) -> float:
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     errors = []
@@ -196,19 +292,25 @@ def topk_rows(scores, topk: int, iters: int, warmup: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs anywhere (interpret mode off a GPU)")
+    parser.add_argument("--ops", nargs="+", choices=(*V32_OPS, *V4_OPS), default=[*V32_OPS, *V4_OPS],
+                        help="the ops to time (default: all; indexer_scores includes its top-k)")
+    parser.add_argument("--v4-preset", choices=V4_PRESETS, default=V4_PRESETS[0],
+                        help="the DeepSeek-V4 widths of v4_csa / v4_hca (--smoke: tiny-v4)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--block-m", type=int, default=None, help="query rows per MLA program (default: kernel's)")
-    parser.add_argument("--num-splits", type=int, default=None, help="split-KV parts (default: kernel's heuristic)")
+    parser.add_argument("--num-splits", type=int, default=None,
+                        help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
         return 2
     dims = SMOKE if args.smoke else DEEPSEEK_V32
+    v4 = preset("tiny-v4" if args.smoke else args.v4_preset)
     if args.smoke:
         args.batch, args.context, args.queries, args.iters, args.warmup = [2], [128], [2], 1, 1
     tuning = {k: v for k, v in (("block_m", args.block_m), ("num_splits", args.num_splits)) if v is not None}
@@ -217,8 +319,15 @@ def main(argv=None) -> int:
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
     copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s "
-          f"(read + write of {copy_bytes >> 20} MiB); heads {dims.heads}, latent {dims.latent}+{dims.rope}, "
-          f"indexer {dims.index_heads}x{dims.index_dim}, top-k {dims.topk}, page {dims.page_size}")
+          f"(read + write of {copy_bytes >> 20} MiB); page {dims.page_size}")
+    if set(args.ops) & set(V32_OPS):
+        print(f"V3.2: heads {dims.heads}, latent {dims.latent}+{dims.rope}, indexer {dims.index_heads}x"
+              f"{dims.index_dim}, top-k {dims.topk}")
+    if set(args.ops) & set(V4_OPS):
+        rates = dict(v4.compress_rates)
+        print(f"V4 ({'tiny-v4' if args.smoke else args.v4_preset}): heads {v4.num_attention_heads}, head_dim "
+              f"{v4.head_dim} (K = V), window {v4.sliding_window}, CSA every {rates[CSA]} (top-{v4.index_topk}), "
+              f"HCA every {rates[HCA]}, sinks")
     header = (f"{'op':<16}{'impl':<18}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
               f"{'%copy':>7}{'vs xla':>8}{'max err':>10}")
     print(header)
@@ -229,19 +338,16 @@ def main(argv=None) -> int:
         for context in args.context:
             for queries in args.queries:
                 case = Case(batch, context, queries)
-                run_case(case, dims, key, tuning, memory, copy_bw, args)
+                run_case(case, dims, v4, key, tuning, memory, copy_bw, args)
                 gc.collect()
     return 0
 
 
-def run_case(case: Case, dims: Dims, key, tuning: dict, memory: int | None, copy_bw: float, args):
+def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory: int | None, copy_bw: float, args):
+    """Time the chosen ops at one shape: V3.2's on one set of inputs, V4's on another (each skipped,
+    and said so, when its inputs do not fit)."""
     batch, context, queries = case
     label = f"{batch:>5}{context:>7}{queries:>3}"
-    input_bytes = batch * context * (dims.latent + dims.rope + dims.index_dim) * ITEM
-    if memory is not None and input_bytes > MEMORY_FRACTION * memory:
-        print(f"{'(all)':<16}{'skipped: memory':<18}{label}")
-        return
-    arrays = inputs(case, dims, key)
 
     def row(op, impl, seconds, nbytes, flops, xla_seconds=None, error=None):
         bandwidth = nbytes / seconds
@@ -250,30 +356,44 @@ def run_case(case: Case, dims: Dims, key, tuning: dict, memory: int | None, copy
         print(f"{op:<16}{impl:<18}{label}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>9.0f}{flops / seconds / 1e12:>9.1f}"
               f"{100 * bandwidth / copy_bw:>6.0f}%{speedup}{err}")
 
-    for op in ops(case, dims, arrays, tuning):
-        pallas_out = jax.block_until_ready(op.pallas(*op.args))
-        pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-        xla_seconds = error = None
-        fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
-        if not args.no_xla and fits:
-            try:
-                with jax.default_matmul_precision("highest"):
-                    error = max_error(pallas_out, op.xla(*op.args))
-                xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
-            except jax.errors.JaxRuntimeError as failure:  # out of memory after all
-                print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
-        row(op.name, "pallas", pallas_seconds, op.bytes, op.flops, xla_seconds, error)
-        if xla_seconds:
-            row(op.name, "xla", xla_seconds, op.bytes, op.flops)
-        elif not args.no_xla and not fits:
-            print(f"{op.name:<16}{'xla: skip memory':<18}{label}")
-        if op.name == "indexer_scores":
-            score_bytes = batch * queries * pallas_out.shape[-1] * 4
-            for name, seconds, recall in topk_rows(pallas_out, dims.topk, args.iters, args.warmup):
-                row("indexer_topk", name, seconds, score_bytes, 0.0)
-                if recall < 1:
-                    print(f"{'':<16}{'  recall':<18}{label}{recall:>10.4f}")
-        del pallas_out
+    families = []  # (name, input bytes, the family's ops at this shape)
+    if set(args.ops) & set(V32_OPS):
+        families.append(("(V3.2)", batch * context * (dims.latent + dims.rope + dims.index_dim) * ITEM,
+                         lambda: ops(case, dims, inputs(case, dims, key), tuning)))
+    if set(args.ops) & set(V4_OPS):
+        # V4's caches in pages of the V3.2 cache's size (64, init_v4_cache's default; 16 for --smoke).
+        families.append(("(V4)", v4_input_bytes(case, v4, dims.page_size),
+                         lambda: v4_ops(v4, v4_inputs(case, v4, dims.page_size, key))))
+    for family, input_bytes, build in families:
+        if memory is not None and input_bytes > MEMORY_FRACTION * memory:
+            print(f"{family:<16}{'skipped: memory':<18}{label}")
+            continue
+        for op in build():
+            if op.name not in args.ops:
+                continue
+            pallas_out = jax.block_until_ready(op.pallas(*op.args))
+            pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
+            xla_seconds = error = None
+            fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
+            if not args.no_xla and fits:
+                try:
+                    with jax.default_matmul_precision("highest"):
+                        error = max_error(pallas_out, op.xla(*op.args))
+                    xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
+                except jax.errors.JaxRuntimeError as failure:  # out of memory after all
+                    print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
+            row(op.name, "pallas", pallas_seconds, op.bytes, op.flops, xla_seconds, error)
+            if xla_seconds:
+                row(op.name, "xla", xla_seconds, op.bytes, op.flops)
+            elif not args.no_xla and not fits:
+                print(f"{op.name:<16}{'xla: skip memory':<18}{label}")
+            if op.name == "indexer_scores":
+                score_bytes = batch * queries * pallas_out.shape[-1] * 4
+                for name, seconds, recall in topk_rows(pallas_out, dims.topk, args.iters, args.warmup):
+                    row("indexer_topk", name, seconds, score_bytes, 0.0)
+                    if recall < 1:
+                        print(f"{'':<16}{'  recall':<18}{label}{recall:>10.4f}")
+            del pallas_out
 
 
 if __name__ == "__main__":

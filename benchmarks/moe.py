@@ -1,5 +1,12 @@
-"""One DeepSeek-V3.2 MoE layer (hidden 7168, 256 experts of 2048, top-8, one shared expert) timed
-on a GPU for the three ways to run its experts (`models/moe.py`):
+"""One DeepSeek MoE layer timed on a GPU for the three ways to run its experts (`models/moe.py`), at
+the widths of --model:
+
+  * deepseek-v3.2 (default): hidden 7168, 256 experts of 2048, top-8 (group-limited, 4 of 8
+    groups), one shared expert, sigmoid scores;
+  * deepseek-v4-flash: hidden 4096, 256 experts of 2048, top-6, one shared expert, sqrt(softplus)
+    scores, SwiGLU clamped at 10 (a learned-routing layer, as 40 of its 43 are).
+
+The three paths:
 
   * pallas     — the grouped-matmul Pallas kernel (`pallas_kernels/grouped_matmul_pallas.py`);
   * ragged_dot — `jax.lax.ragged_dot`, which XLA's GPU backend lowers to a matmul over every expert;
@@ -11,10 +18,12 @@ the layer must move at least: each hit expert's three matrices once, the shared 
 and the activations, divided by the time) as GB/s and as a fraction of a device-to-device copy
 measured in the same run, TFLOP/s of the routed work, the speedup of the kernel over each XLA
 path, and each path's largest difference from the kernel's output. Weights and inputs are random
-(bf16, 22.5 GB of experts); a path whose memory would not fit is skipped and said so.
+(bf16: 22.5 GB of experts for V3.2, 12.9 GB for V4-Flash); a path whose memory would not fit is
+skipped and said so.
 
     python benchmarks/moe.py                    # the sweep, on a GPU (H100 / H200)
     python benchmarks/moe.py --tokens 32 128
+    python benchmarks/moe.py --model deepseek-v4-flash
     python benchmarks/moe.py --smoke            # tiny widths, any machine (interpret mode)
 
 A timing is the best of three runs of --iters back-to-back calls (after --warmup calls), as in
@@ -39,8 +48,12 @@ from jaxspec.models.moe import MoE, route
 
 # (label, MoE path, backend)
 PATHS = (("pallas", "grouped", "pallas"), ("ragged_dot", "grouped", "xla"), ("gathered", "gathered", "xla"))
+MODELS = ("deepseek-v3.2", "deepseek-v4-flash")
+# --smoke widths per model: V3.2 keeps group-limited routing; V4 routes ungrouped and its shared
+# expert's width (intermediate_size) is the experts'.
 SMOKE_WIDTHS = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
-                    n_group=4, topk_group=2, n_shared_experts=1)
+                    n_shared_experts=1)
+SMOKE_MODEL_WIDTHS = {"deepseek-v3.2": dict(n_group=4, topk_group=2), "deepseek-v4-flash": dict(intermediate_size=32)}
 
 
 def extra_memory(label: str, config, num_tokens: int) -> int:
@@ -58,6 +71,7 @@ def extra_memory(label: str, config, num_tokens: int) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="whose MoE layer widths and routing")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 1024], help="tokens per MoE call")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -65,7 +79,7 @@ def main(argv=None) -> int:
 
     if not gpu_or_smoke("benchmarks/moe.py", args.smoke):
         return 2
-    config = preset("deepseek-v3.2", **(SMOKE_WIDTHS if args.smoke else {}))
+    config = preset(args.model, **({**SMOKE_WIDTHS, **SMOKE_MODEL_WIDTHS[args.model]} if args.smoke else {}))
     if args.smoke:
         args.tokens, args.iters, args.warmup = [2, 8], 1, 1
     dim, hidden, experts, topk = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
@@ -79,8 +93,9 @@ def main(argv=None) -> int:
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
     copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of "
-          f"{copy_bytes >> 20} MiB); hidden {dim}, {experts} experts of {hidden}, top-{topk}, "
-          f"{config.n_shared_experts} shared; expert weights {weight_bytes / 2**30:.1f} GiB")
+          f"{copy_bytes >> 20} MiB); {args.model}{' (smoke widths)' if args.smoke else ''}: hidden {dim}, "
+          f"{experts} experts of {hidden}, top-{topk} by {config.scoring_func}, {config.n_shared_experts} shared; "
+          f"expert weights {weight_bytes / 2**30:.1f} GiB")
     header = f"{'T':>6}  {'path':<10}{'hit':>5}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}{'vs pallas':>10}{'max diff':>10}"
     print(header)
     print("-" * len(header))
