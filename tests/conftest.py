@@ -1,25 +1,22 @@
-"""Shared fixtures: tiny trained models (so drafts really get accepted), marker handling, and the
-suite's CPU budget (cheaper XLA code generation, heaviest modules scheduled first).
+"""Shared fixtures: tiny trained models (so drafts really get accepted; stored, see
+`trained_models`), marker handling, and the suite's CPU budget (cheaper XLA code generation,
+heaviest modules scheduled first).
 
 `gpu` tests run only where JAX sees a GPU; `hf` tests only where torch and transformers import.
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import os
-import pickle
-from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 
+import trained_models
 from jaxspec.config import preset
-from jaxspec.models import DeepseekV3
-from jaxspec.train import train
+from jaxspec.models import DeepseekV3, DeepseekV4
 
 # Compiling dominates the suite's CPU time and its programs run briefly: XLA's cheaper CPU code
 # generation takes about 20% less CPU time (test_exactness: 149 s against 189 s). Every comparison
@@ -28,64 +25,25 @@ from jaxspec.train import train
 CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CHEAP_CODEGEN}".strip()
 
-# A byte-level "language" of words: within a word the next bytes are certain (drafts accepted),
-# at a word boundary the next word is a coin toss (drafts rejected). Decoding it covers every
-# acceptance count from 0 to k.
-WORDS = [b"the ", b"quick ", b"brown ", b"fox ", b"jumps ", b"over ", b"lazy ", b"dog ", b"and ", b"cat "]
 
-
-def word_batches(seed: int, batch: int = 16, length: int = 48):
-    rng = np.random.default_rng(seed)
-    while True:
-        rows = []
-        for _ in range(batch):
-            text = b"".join(WORDS[i] for i in rng.integers(0, len(WORDS), length))
-            start = rng.integers(0, 8)
-            rows.append(list(text[start:start + length]))
-        yield np.array(rows, np.int32)
-
-
-TRAIN_STEPS = 150
-
-
-def _trained(name: str, shared_dir: Path | None) -> DeepseekV3:
-    """The `name` preset trained for TRAIN_STEPS steps on the word language.
-
-    Under xdist every worker is its own process with its own session fixtures, and training costs
-    ~40 s of CPU: the first worker to ask trains and leaves the parameters in `shared_dir` (one
-    directory per pytest run); the others wait on the lock and load them, bit for bit the same.
-    """
-    model = DeepseekV3(preset(name), rngs=nnx.Rngs(0))
-    if shared_dir is None:
-        train(model, word_batches(seed=0), steps=TRAIN_STEPS, learning_rate=1e-2)
-        return model
-    saved = shared_dir / f"trained-{name}-{TRAIN_STEPS}.pkl"
-    with open(shared_dir / f"trained-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        params = nnx.state(model, nnx.Param)
-        if saved.exists():
-            nnx.replace_by_pure_dict(params, jax.tree.map(jax.numpy.asarray, pickle.loads(saved.read_bytes())))
-            nnx.update(model, params)
-        else:
-            train(model, word_batches(seed=0), steps=TRAIN_STEPS, learning_rate=1e-2)
-            pure = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-            partial = saved.with_suffix(".partial")
-            partial.write_bytes(pickle.dumps(pure))
-            os.replace(partial, saved)
-    return model
+@pytest.fixture(scope="session")
+def trained_v32() -> DeepseekV3:
+    """The `tiny` preset (DeepSeek-V3.2: DSA with index_topk=16, MoE), trained on the word language
+    (stored: `trained_models`)."""
+    return trained_models.load("tiny")
 
 
 @pytest.fixture(scope="session")
-def _shared_dir(tmp_path_factory) -> Path | None:
-    """A directory all xdist workers of this run share (None without xdist: one process, nothing to
-    share). Workers' base temp dirs are `pytest-N/popen-gwK`, so their parent is this run's own."""
-    return tmp_path_factory.getbasetemp().parent if "PYTEST_XDIST_WORKER" in os.environ else None
+def trained_v3() -> DeepseekV3:
+    """The `tiny-v3` preset (dense MLA, MoE), trained the same way."""
+    return trained_models.load("tiny-v3")
 
 
 @pytest.fixture(scope="session")
-def trained_v32(_shared_dir) -> DeepseekV3:
-    """The `tiny` preset (DeepSeek-V3.2: DSA with index_topk=16, MoE), trained for a few seconds."""
-    return _trained("tiny", _shared_dir)
+def trained_v4() -> DeepseekV4:
+    """The `tiny-v4` preset (DeepSeek-V4: sliding, CSA and HCA layers, hash and learned MoE), trained
+    on the word language with the MTP chained twice."""
+    return trained_models.load("tiny-v4")
 
 
 @pytest.fixture(scope="session")
@@ -106,12 +64,6 @@ def h100():
         pytest.skip(str(missing))
 
 
-@pytest.fixture(scope="session")
-def trained_v3(_shared_dir) -> DeepseekV3:
-    """The `tiny-v3` preset (dense MLA, MoE), trained the same way."""
-    return _trained("tiny-v3", _shared_dir)
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module: one pytest process compiles hundreds of
@@ -121,10 +73,10 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-# The heaviest modules, heaviest first (summed test durations of a full run; the trained fixtures'
-# ~40 s each land in the first module to use them). `.ci/run` hands out whole modules
-# (`--dist loadfile`) in collection order (`--no-loadscope-reorder`), so the two workers start on
-# the long ones and finish together on the short ones, which keep their own order after these.
+# The heaviest modules, heaviest first (summed test durations of a full run). `.ci/run` hands out
+# whole modules (`--dist loadfile`) in collection order (`--no-loadscope-reorder`), so the two
+# workers start on the long ones and finish together on the short ones, which keep their own order
+# after these.
 HEAVIEST_FIRST = ["test_tree_decoding.py", "test_v4_loop.py", "test_sharding.py", "test_exactness.py", "test_loop.py",
                   "test_hf_parity.py", "test_examples.py", "test_default_model.py", "test_model.py",
                   "test_public_api.py", "test_sharding_v4.py", "test_pallas_backend.py", "test_checkpoint.py",
