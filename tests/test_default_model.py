@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import DecodeConfig, preset
-from jaxspec.generation import generate
+from jaxspec.config import preset
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
@@ -79,19 +78,13 @@ def _forward(model, tokens: jax.Array):
 
 
 def test_held_out_continuation_loss(model, held_out_texts):
-    """Prompt with a held-out snippet; the model's per-byte loss on the true continuation is low, and
-    its greedy continuation of the same prompt is Python-looking text (printable ASCII)."""
+    """Prompt with a held-out snippet: the model's per-byte loss on the true continuation is low.
+    (What it generates, Python-looking text, is checked on the main job's output in test_examples.)"""
     snippets = _snippets(held_out_texts, 2, PROMPT_BYTES + CONTINUATION_BYTES)
     logits, _ = _forward(model, jnp.asarray(snippets))
     log_probs = jax.nn.log_softmax(logits[:, PROMPT_BYTES - 1:-1])
     nll = -jnp.take_along_axis(log_probs, jnp.asarray(snippets[:, PROMPT_BYTES:, None]), axis=-1)
     assert float(jnp.mean(nll)) < MAX_CONTINUATION_NATS_PER_BYTE
-
-    result = generate(model, snippets[:, :PROMPT_BYTES].tolist(),
-                      DecodeConfig(num_draft=3, max_new_tokens=64, eos_token_id=257, backend="xla"))
-    for row in range(len(snippets)):
-        text = bytes(t for t in result.row_tokens(row) if t < 256)
-        assert all(32 <= b < 127 or b in b"\n\t" for b in text), text
 
 
 def test_mtp_top1_agrees_with_target(model, held_out_texts):

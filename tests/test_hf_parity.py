@@ -64,21 +64,19 @@ class Case:
 
 
 CASES = [
+    # mscale_all_dim 0: YaRN's default cos/sin magnitude, 0.1 ln(factor) + 1, with the plain softmax scale.
     Case("v3-no-q-lora-yarn", "v3", dict(q_lora_rank=None, norm_topk_prob=False, n_group=1, topk_group=1,
                                          first_k_dense_replace=0, n_shared_experts=1,
-                                         rope_parameters=yarn(4.0, 1.0, 0.5)), num_draft=1),
+                                         rope_parameters=yarn(4.0, 1.0, 0.0)), num_draft=1),
     # A large rms_norm_eps shows which norms use it (the latent norms do not).
     Case("v3-groups-dense-first", "v3", dict(norm_topk_prob=True, n_group=4, topk_group=2, first_k_dense_replace=1,
                                              n_shared_experts=2, rope_parameters=yarn(8.0, 0.9, 1.0),
                                              rms_norm_eps=0.05),
          num_draft=2, sharded=True, released=True),
     Case("v32-topk4-fused", "v32", dict(norm_topk_prob=True, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                        n_shared_experts=1, index_topk=4, rope_parameters=yarn(8.0, 1.0, 1.0), **V32),
+                                        n_shared_experts=2, index_topk=4, rope_parameters=yarn(8.0, 1.0, 0.5),
+                                        rms_norm_eps=0.05, **V32),
          num_draft=3, fused=True, sharded=True),
-    # mscale_all_dim 0: YaRN's default cos/sin magnitude, 0.1 ln(factor) + 1, with the plain softmax scale.
-    Case("v32-topk6-dense-none", "v32", dict(norm_topk_prob=False, n_group=1, topk_group=1, first_k_dense_replace=0,
-                                             n_shared_experts=2, index_topk=6, rope_parameters=yarn(4.0, 1.0, 0.0),
-                                             rms_norm_eps=0.05, **V32), num_draft=2),
     Case("v32-predictable", "v32", dict(norm_topk_prob=True, n_group=2, topk_group=2, first_k_dense_replace=1,
                                         n_shared_experts=1, index_topk=5, rope_parameters=yarn(4.0, 1.0, 1.0), **V32),
          num_draft=3, predictable=True),

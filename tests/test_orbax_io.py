@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import DecodeConfig, ModelConfig, preset
-from jaxspec.generation import generate
+from jaxspec.config import ModelConfig, preset
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model, save_model
-
-PROMPTS = [[256, 100, 101, 102], [256, 7]]
 
 
 def _params(model) -> dict:
@@ -26,7 +24,7 @@ def model() -> DeepseekV3:
     return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(3))
 
 
-def test_round_trip_identical_params_and_generations(model, tmp_path):
+def test_round_trip_identical_model(model, tmp_path):
     save_model(model, tmp_path / "ckpt")
     restored = restore_model(tmp_path / "ckpt")
     assert restored.config == model.config
@@ -35,9 +33,11 @@ def test_round_trip_identical_params_and_generations(model, tmp_path):
     for path in before:
         assert after[path].dtype == before[path].dtype, path
         np.testing.assert_array_equal(np.asarray(after[path]), np.asarray(before[path]), err_msg=str(path))
-    config = DecodeConfig(num_draft=2, max_new_tokens=12, backend="xla")
-    np.testing.assert_array_equal(np.asarray(generate(restored, PROMPTS, config).tokens),
-                                  np.asarray(generate(model, PROMPTS, config).tokens))
+    # The same graph and every variable (not only parameters) the same bits: `generate` traces the
+    # same program with the same inputs, so generations are equal without compiling one here.
+    (graph, state), (restored_graph, restored_state) = nnx.split(model), nnx.split(restored)
+    assert restored_graph == graph
+    jax.tree.map(np.testing.assert_array_equal, restored_state, state)
 
 
 def test_bfloat16_storage_restores_model_dtypes(model, tmp_path):
