@@ -20,13 +20,13 @@ GENERATE = ROOT / "examples" / "generate.py"
 BENCHMARK = ROOT / "benchmarks" / "speculative.py"
 EXAMPLE_FLAGS = ["--seed", "1", "--max-new-tokens", "12", "--prompt", "hello", "--prompt", "ab", "--batch", "3",
                  "--backend", "xla"]
-WORD_MODEL = ROOT / "tests" / "fixtures" / "tiny"  # a 2-layer V3.2 (trained_models): a cheap compile
+V4_MODEL = ROOT / "tests" / "fixtures" / "tiny-v4"  # the suite's trained DeepSeek-V4 (trained_models)
 RUNS = {
     "mtp3": [GENERATE, "--mtp", "3", *EXAMPLE_FLAGS],
     # Plain decoding on a 2 x 2 mesh of virtual CPU devices (the shipped model has 4 experts): its
     # text must equal mtp3's on one device, which checks both at once.
     "mtp0 on a mesh": [GENERATE, "--mtp", "0", *EXAMPLE_FLAGS, "--mesh", "2x2"],
-    "sampled": [GENERATE, "--checkpoint", WORD_MODEL, "--prompt-ids", "116,104,101,32", "--prompt-ids", "97",
+    "sampled": [GENERATE, "--checkpoint", V4_MODEL, "--prompt-ids", "116,104,101,32", "--prompt-ids", "97",
                 "--tree", "2,2,3", "--temperature", "1.0", "--top-k", "5", "--sample-seed", "3",
                 *EXAMPLE_FLAGS[:4], "--batch", "3", "--backend", "xla"],
     "benchmark": [BENCHMARK, "--random", "--k", "1", "--tree", "small", "--batch", "2", "--prompt-len", "8",
@@ -86,9 +86,10 @@ def test_generate_prints_the_same_text_with_and_without_mtp_on_a_mesh(outputs):
 
 @pytest.mark.slow
 def test_generate_samples_one_stream_per_row(outputs):
-    """A saved checkpoint without a tokenizer (the suite's trained word model: --prompt-ids), a
-    dynamic tree, sampling: rows with the same prompt get their own streams."""
+    """A saved DeepSeek-V4 checkpoint without a tokenizer (the suite's trained tiny V4: --prompt-ids),
+    a dynamic tree, sampling: rows with the same prompt get their own streams."""
     sampled = outputs["sampled"]
+    assert "deepseek_v4" in _stat(sampled, "model")
     assert "sampling (temperature 1.0, top-k 5, top-p 1.0, seed 3)" in _stat(sampled, "decoding")
     rows = _rows(sampled)
     assert rows[0].startswith("[0] [116, 104, 101, 32] -> [") and rows[2].startswith("[2] [116, 104, 101, 32] -> [")
