@@ -6,6 +6,7 @@
     python examples/generate.py --tree eagle          # a static draft tree; --tree 4,4,12 a dynamic one
     python examples/generate.py --temperature 0.8 --top-p 0.95 --sample-seed 1   # lossless sampling
     python examples/generate.py --prompt "Hello" --prompt "Once upon" --batch 8 --max-new-tokens 128
+    python examples/generate.py --random --preset tiny-v4 --prefill-chunk 16   # prompts run 16 tokens per call
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype bfloat16 --prompt "Hello"
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype fp8 --prompt "Hello"   # FP8 weights kept
     python examples/generate.py --checkpoint DIR --prompt-ids 1,2,3 --print-ids   # no tokenizer.json in DIR
@@ -43,7 +44,7 @@ from jaxspec import sharding
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
-from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, relaxed_spec, tree_spec
+from jaxspec.flags import TREE_HELP, add_model_flags, add_prefill_flag, positive_int, relaxed_spec, tree_spec
 from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
 from jaxspec.models import DeepseekV3, model_class
@@ -89,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model weights (with --random)")
     add_model_flags(parser, default_preset="tiny")
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
+    add_prefill_flag(parser)
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled programs in DIR (JAX's persistent compilation cache): a later run "
                              "with the same model and settings loads them instead of compiling (the XLA compile "
@@ -198,12 +200,14 @@ def main(argv=None) -> None:
         raise SystemExit(f"--mtp {args.mtp}: {args.checkpoint} has no MTP layer; use --mtp 0")
     eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     config = DecodeConfig(**draft_options(args), max_new_tokens=args.max_new_tokens,
-                          eos_token_id=eos_token_id, page_size=args.page_size, backend=args.backend)
+                          eos_token_id=eos_token_id, page_size=args.page_size, backend=args.backend,
+                          prefill_chunk=args.prefill_chunk)
     mconf = model.config
     print(f"model     {args.checkpoint or (args.preset if args.random else 'tiny-stdlib')} ({mconf.model_type}, {mconf.num_hidden_layers} layers"
           f"{', MTP' if model.mtp is not None else ''}), {weights}")
     print(f"decoding  batch {args.batch}, {describe_decoding(args)}, up to {args.max_new_tokens} new tokens per row, "
-          f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}")
+          f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}"
+          f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}")
 
     prompt_ids = [encode(p, tokenizer, args) for p in prompts]
     memory = plan_memory(mconf, config, batch=args.batch, prompt_len=max(map(len, prompt_ids)), mesh=mesh,

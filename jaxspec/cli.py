@@ -4,6 +4,7 @@
 
     jaxspec aot --target h100|h200 [--devices N] (--preset NAME | --config config.json)
                 --batch B --context C [--mtp K | --tree SPEC] [--phase prefill|decode] [--layers L]
+                [--prefill-chunk C]
 
 `aot` compiles the model's prefill or one decode step for an NVIDIA GPU target without a GPU
 (`jaxspec.aot`) and prints per-device memory, flops and bytes (XLA ops plus the Pallas kernels'),
@@ -27,6 +28,7 @@ import time
 import jax.numpy as jnp
 
 from jaxspec.checkpoint import load_hf_checkpoint
+from jaxspec.flags import add_prefill_flag
 from jaxspec.orbax_io import save_model
 
 # --dtype choices. "fp8" keeps a checkpoint's float8_e4m3fn weights and their 128 x 128 block scales
@@ -81,7 +83,7 @@ def aot(args: argparse.Namespace) -> None:
     config = preset(args.preset) if args.config is None else ModelConfig.from_hf(args.config)
     if args.layers is not None:
         config = reduced_depth(config, args.layers)
-    decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend)
+    decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend, prefill_chunk=args.prefill_chunk)
     memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
     devices = instrument.gpu_devices(args.target, args.devices, hosts=args.hosts, **memory)
     compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
@@ -90,7 +92,8 @@ def aot(args: argparse.Namespace) -> None:
     drafting = f"tree {args.tree}" if args.tree else (f"MTP chain k={args.mtp}" if args.mtp else "plain")
     mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
-             f"{drafting}, batch {args.batch}, context {args.context}, backend {args.backend}; "
+             f"{drafting}, batch {args.batch}, context {args.context}"
+             f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}, backend {args.backend}; "
              f"{args.devices} x {devices[0].device_kind}{f' on {args.hosts} hosts' if args.hosts > 1 else ''}{mesh}")
     print(instrument.report(compiled, title))
 
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     drafting.add_argument("--tree", help="a draft tree: a static tree's name or 'top_k,depth,budget'")
     aot_parser.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     aot_parser.add_argument("--layers", type=int, help="decoder layers (reduced depth, full width; default: all)")
+    add_prefill_flag(aot_parser)
     aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                             help=f"parameter dtype; {FP8_HELP}")
     aot_parser.add_argument("--backend", choices=("pallas", "xla"), default="pallas", help="attention kernels")

@@ -783,6 +783,18 @@ class DecodeConfig:
       11 of 12 held-out rows identical at k = 1, 10 of 12 at k = 3). Off by default: it costs
       speed (`benchmarks/heldout.py --window-invariant`). On a GPU it is untested; it reads the
       weights once per window position, so it forfeits most of verification's saving there.
+      With `prefill_chunk` set it covers the target's prefill chunks too (the one-call prefill
+      and the MTP's calls are not window-invariant): its caches and the first token are then the
+      same, bit for bit, for every chunk size, on caches of one geometry (V4's attention reduces
+      over its whole ring, which `generate` sizes by the widest call, so by the chunk).
+    prefill_chunk: None (default) runs the whole padded prompt [B, P] through the target and the
+      MTP module in one call each. C >= 1 runs it in ceil(P / C) calls of min(C, P) tokens inside
+      one `jax.lax.fori_loop` (`jaxspec.loop.prefill`), so the prefill's activations and
+      DeepSeek-V4's rings (`jaxspec.cache_v4`, sized by the widest call) follow C instead of P.
+      Any C works: a chunk may end anywhere in a page or a compression block, as a verification
+      window does (each call re-closes the blocks that ended before it from the projection
+      rings). Greedy output equals the one-call prefill's up to rounding (token for token on the
+      tests' models); the chunks use the cached ("absorbed") attention form.
     """
 
     num_draft: int = 3
@@ -797,6 +809,7 @@ class DecodeConfig:
     top_p: float = 1.0
     relaxed: tuple[int, float] | None = None
     window_invariant: bool = False
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -811,6 +824,10 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.backend={self.backend!r}: must be one of {BACKENDS}")
         if not isinstance(self.window_invariant, bool):
             raise ValueError(f"DecodeConfig.window_invariant={self.window_invariant!r}: must be True or False")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
+                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
+                             "integer >= 1 (tokens per prefill call)")
         self._check_tree()
         self._check_sampling()
 
@@ -864,6 +881,11 @@ class DecodeConfig:
     def window_size(self) -> int:
         """N: tokens per verification window (the root plus the drafts)."""
         return 1 if self.draft_tree is None else self.draft_tree.num_nodes
+
+    def prefill_width(self, prompt_width: int) -> int:
+        """Tokens per prefill call for a [B, prompt_width] prompt: all of them, or the chunk (at most
+        the prompt: a longer chunk would only add padding)."""
+        return prompt_width if self.prefill_chunk is None else min(self.prefill_chunk, prompt_width)
 
     @property
     def max_depth(self) -> int:

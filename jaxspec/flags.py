@@ -51,3 +51,11 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default_preset: str) -> 
                              f"(default: {default_preset})")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="attention kernels: xla (pure-jnp references), pallas, or auto (pallas on GPU)")
+
+
+def add_prefill_flag(parser: argparse.ArgumentParser) -> None:
+    """--prefill-chunk: `DecodeConfig.prefill_chunk` (None when absent: the one-call prefill)."""
+    parser.add_argument("--prefill-chunk", type=positive_int, metavar="C",
+                        help="run the prompt through the model C tokens per call (a loop inside the compiled "
+                             "prefill) instead of in one call: the prefill's activations and DeepSeek-V4's rings "
+                             "are then sized by C, not by the prompt (default: one call)")

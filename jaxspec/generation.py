@@ -63,10 +63,10 @@ def default_capacity(prompt_width: int, config: DecodeConfig) -> int:
 
 
 def ring_window(prompt_width: int, config: DecodeConfig) -> int:
-    """The widest call either cache sees: the prefill (one call over the padded prompt), the
-    verification window, the MTP's catch-up (at most the window) and its drafting calls (each
-    within the `mtp_draft_slots` it writes past the committed length)."""
-    return max(prompt_width, config.window_size, mtp_draft_slots(config))
+    """The widest call either cache sees: a prefill call (the padded prompt, or one chunk of it with
+    `DecodeConfig.prefill_chunk`), the verification window, the MTP's catch-up (at most the window)
+    and its drafting calls (each within the `mtp_draft_slots` it writes past the committed length)."""
+    return max(config.prefill_width(prompt_width), config.window_size, mtp_draft_slots(config))
 
 
 def cache_kwargs(model_config: ModelConfig, prompt_width: int, config: DecodeConfig) -> dict:

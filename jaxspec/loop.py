@@ -144,14 +144,20 @@ def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: D
     return tokens, num_generated, done
 
 
-def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,
-            target_cache: PagedCache, mtp_cache: PagedCache | None, rng_key: jax.Array,
-            config: DecodeConfig) -> DecodeState:
-    """Run the prompts through the target (and the MTP module) and emit the first token.
+def _first_token(last_logits: jax.Array, rng_key: jax.Array, config: DecodeConfig) -> jax.Array:
+    """The token after each row's prompt from the target's logits there ([B, V] -> [B]): argmax, or
+    a draw from step 0 of the row's stream."""
+    batch = last_logits.shape[0]
+    if config.temperature > 0:
+        return sample_tokens(_row_keys(rng_key, 0, batch), processed_probs(last_logits, _sampling(config, batch)))
+    return _argmax(last_logits)
 
-    prompts [B, P] int32 (right-padded), prompt_lens [B] int32 in [1, P]. Caches empty. rng_key: the
-    base PRNG key (used when sampling).
-    """
+
+def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
+                      config: DecodeConfig):
+    """The whole padded prompt [B, P] in one target call (expanded attention form), then one MTP
+    call over its pairs -> (first_token [B], seed_logits [B, V], seed_hidden [B, H], caches);
+    seeds are zeros without drafts."""
     model = nnx.merge(graphdef, params)
     batch, prompt_width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
@@ -160,11 +166,7 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, promp
                                          backend=config.backend)
     last = prompt_lens - 1
     last_logits = _row_gather(logits, last)
-    if config.temperature > 0:
-        first_token = sample_tokens(_row_keys(rng_key, 0, batch), processed_probs(last_logits, _sampling(config, batch)))
-    else:
-        first_token = _argmax(last_logits)
-    target_cache = target_cache.replace(lengths=prompt_lens)
+    first_token = _first_token(last_logits, rng_key, config)
 
     seed_logits = jnp.zeros_like(last_logits)
     seed_hidden = jnp.zeros((batch, hidden.shape[-1]), hidden.dtype)
@@ -174,9 +176,97 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, promp
         next_tokens = shifted.at[jnp.arange(batch), last].set(first_token)
         mtp_logits, mtp_hidden, mtp_cache = model.draft(next_tokens, hidden, positions, mtp_cache, vis,
                                                         form="expanded", backend=config.backend)
-        mtp_cache = mtp_cache.replace(lengths=prompt_lens)
         seed_logits = _row_gather(mtp_logits, last)
         seed_hidden = _row_gather(mtp_hidden, last)
+    return first_token, seed_logits, seed_hidden, target_cache, mtp_cache
+
+
+def _chunk_visibility(start: jax.Array, ends: jax.Array, chunk: int) -> Visibility:
+    """The chunk of positions [start, start + chunk) of rows whose tokens end at `ends` [B]
+    (exclusive): each row sees what it committed before the chunk and writes its tokens in it;
+    a row whose tokens ended before the chunk has query_len 0 (writes nothing)."""
+    return Visibility(prefix_len=jnp.minimum(ends, start), query_len=jnp.clip(ends - start, 0, chunk))
+
+
+def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
+                     config: DecodeConfig):
+    """`_prefill_one_call`'s results from ceil(P / C) calls of C = `config.prefill_width(P)` tokens.
+
+    Chunk j (a `jax.lax.fori_loop`, so the program holds one [B, C] target call and one MTP call)
+    runs positions [jC, (j + 1) C) through the target (absorbed form, window-invariant when the
+    config says so), keeps the logits and hidden state of each row's last prompt position when the
+    chunk holds it, and runs the MTP over the chunk's pairs (h_i, t_{i+1}) for every i below the
+    row's last position. The last pair needs the first generated token, known after the loop: one
+    width-1 MTP call (h_last, first token) at the last position completes the MTP cache and gives
+    the seeds.
+    """
+    batch, prompt_width = prompts.shape
+    chunk = config.prefill_width(prompt_width)
+    num_chunks = -(-prompt_width // chunk)
+    drafting = config.draft_tree is not None
+    # Padded to whole chunks plus one column: the MTP's pair i reads token i + 1.
+    tokens = jnp.pad(prompts, ((0, 0), (0, num_chunks * chunk + 1 - prompt_width)))
+    last = prompt_lens - 1
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+    def run_chunk(j, target_cache, mtp_cache):
+        """Chunk j through the target and the MTP -> (logits [B, C, V], hidden [B, C, H], caches)."""
+        model = nnx.merge(graphdef, params)
+        start = j * chunk
+        positions = jnp.broadcast_to(start + offsets, (batch, chunk))
+        logits, hidden, target_cache = model(
+            jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1), positions, target_cache,
+            _chunk_visibility(start, prompt_lens, chunk), form="absorbed", backend=config.backend,
+            window_invariant=config.window_invariant)
+        if drafting:
+            _, _, mtp_cache = model.draft(jax.lax.dynamic_slice_in_dim(tokens, start + 1, chunk, axis=1), hidden,
+                                          positions, mtp_cache, _chunk_visibility(start, last, chunk),
+                                          form="absorbed", backend=config.backend)
+        return logits, hidden, target_cache, mtp_cache
+
+    def body(j, carry):
+        last_logits, last_hidden, target_cache, mtp_cache = carry
+        logits, hidden, target_cache, mtp_cache = run_chunk(j, target_cache, mtp_cache)
+        here = ((last >= j * chunk) & (last < (j + 1) * chunk))[:, None]
+        index = jnp.clip(last - j * chunk, 0, chunk - 1)
+        return (jnp.where(here, _row_gather(logits, index), last_logits),
+                jnp.where(here, _row_gather(hidden, index), last_hidden), target_cache, mtp_cache)
+
+    # The carried rows' shapes and dtypes are the model's outputs' (V4's hidden state is its
+    # hyper-connection streams, flattened), taken from an abstract trace of one chunk.
+    logits_shape, hidden_shape, _, _ = jax.eval_shape(run_chunk, 0, target_cache, mtp_cache)
+    init = (jnp.zeros((batch, logits_shape.shape[-1]), logits_shape.dtype),
+            jnp.zeros((batch, hidden_shape.shape[-1]), hidden_shape.dtype), target_cache, mtp_cache)
+    last_logits, last_hidden, target_cache, mtp_cache = jax.lax.fori_loop(0, num_chunks, body, init)
+    first_token = _first_token(last_logits, rng_key, config)
+
+    seed_logits, seed_hidden = jnp.zeros_like(last_logits), jnp.zeros_like(last_hidden)
+    if drafting:
+        model = nnx.merge(graphdef, params)
+        mtp_logits, mtp_hidden, mtp_cache = model.draft(
+            first_token[:, None], last_hidden[:, None], last[:, None], mtp_cache,
+            Visibility(prefix_len=last, query_len=jnp.ones_like(last)), form="absorbed", backend=config.backend)
+        seed_logits, seed_hidden = mtp_logits[:, 0], mtp_hidden[:, 0]
+    return first_token, seed_logits, seed_hidden, target_cache, mtp_cache
+
+
+def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,
+            target_cache: PagedCache, mtp_cache: PagedCache | None, rng_key: jax.Array,
+            config: DecodeConfig) -> DecodeState:
+    """Run the prompts through the target (and the MTP module) and emit the first token.
+
+    prompts [B, P] int32 (right-padded), prompt_lens [B] int32 in [1, P]. Caches empty. rng_key: the
+    base PRNG key (used when sampling). `config.prefill_chunk` None: one call over the whole prompt
+    (`_prefill_one_call`); C: calls of C tokens in a loop (`_prefill_chunked`), whose caches hold
+    the same entries (up to rounding; bit for bit across chunk sizes with window_invariant).
+    """
+    batch = prompts.shape[0]
+    run = _prefill_one_call if config.prefill_chunk is None else _prefill_chunked
+    first_token, seed_logits, seed_hidden, target_cache, mtp_cache = run(
+        graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
+    target_cache = target_cache.replace(lengths=prompt_lens)
+    if mtp_cache is not None:
+        mtp_cache = mtp_cache.replace(lengths=prompt_lens)
 
     depth = config.max_depth
     state = DecodeState(

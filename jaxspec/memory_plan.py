@@ -8,7 +8,8 @@ Everything is arithmetic on shapes: the parameters of an abstract model (`nnx.ev
 logical axis names mapped to the mesh by `jaxspec.sharding`), the caches `generate` would build
 (`default_capacity` slots per row, rows padded to the mesh and split as the plan says), the loop
 state, and an estimate of the largest temporaries of the two programs `generate` runs (prefill over
-the whole prompt, and one speculative step). The figures are per device, for the fullest device.
+the whole prompt or, with `DecodeConfig.prefill_chunk`, one chunk at a time, and one speculative
+step). The figures are per device, for the fullest device.
 
 Weights and caches are exact (they match the compiled programs' argument bytes; DeepSeek-V4's
 caches are the shapes `jaxspec.cache_v4.init_v4_cache` builds, its rings sized as `generate` sizes them). Temporaries are
@@ -22,7 +23,7 @@ compiled 4.45 / 1.42 GiB, estimated 4.58 / 2.14 (XLA frees some buffers before o
 the estimate adds them). Against 47.7 GiB of weights even the worst is within 2% of the total. At DeepSeek-V3.2's scale the weights and
 caches dominate; prefill's logits and scores grow with batch x prompt x (vocabulary, heads x
 cache), which is why a long prompt at a large batch can fit for decoding and not for its prefill
-(the plan says which).
+(the plan says which; a `prefill_chunk` bounds them by the chunk instead of the prompt).
 """
 
 from __future__ import annotations
@@ -165,18 +166,24 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     # A step: the float32 logits of the target's window and of the MTP's next draft, each with a
     # same-sized float32 companion (probabilities, acceptance's work on them).
     step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2
-    # Prefill: the float32 logits of every prompt position (target, and the MTP's when drafting),
-    # the expanded attention's float32 scores [P, H, capacity] and up-projected keys and values
-    # [capacity, H, Dn + Dv], and the prompt's activations (a few [P, D] buffers).
+    # Prefill, per call (W = the whole prompt, or one `prefill_chunk`): the float32 logits of the
+    # call's positions (target, and the MTP's when drafting), its activations (a few [W, D]
+    # buffers) and attention's float32 work: in one call the expanded form's scores [P, H,
+    # capacity] and up-projected keys and values [capacity, H, Dn + Dv]; in a chunk the absorbed
+    # form's scores [W, H, capacity] only, as its pure-jnp reference makes them (the Pallas kernels
+    # stream them: an upper bound on a GPU; chunks are not checked against a compile).
+    width = decode.prefill_width(prompt_len)
     if config.is_v4:
         # V4 (not checked against a compile): each prompt token's float32 scores over its sliding
         # window and the most compressed entries one query sees (CSA's top-k, or HCA's count).
         keys = config.sliding_window + max(config.index_topk, capacity // dict(config.compress_rates)[HCA])
-        attention = prompt_len * heads_local * keys * f32
-    else:
+        attention = width * heads_local * keys * f32
+    elif decode.prefill_chunk is None:
         attention = (prompt_len * heads_local * capacity * f32
                      + capacity * heads_local * (config.qk_nope_head_dim + config.v_head_dim) * f32)
-    prefill_temp = rows * (prompt_len * ((2 if drafting else 1) * vocab * f32 + hidden * act * 8) + attention)
+    else:
+        attention = width * heads_local * capacity * f32
+    prefill_temp = rows * (width * ((2 if drafting else 1) * vocab * f32 + hidden * act * 8) + attention)
     return MemoryPlan(weights=weight_bytes(config, dtype, mesh, plan), caches=caches, state=state,
                       prefill_temp=prefill_temp, step_temp=step_temp,
                       device_memory=None if device_memory is None else int(device_memory))

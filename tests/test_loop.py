@@ -37,11 +37,13 @@ def acceptance_histogram(result, k):
     return np.array([at_least[j] - at_least[j + 1] for j in range(k + 1)])
 
 
-@pytest.mark.parametrize("model_name, draft_lengths", [("trained_v3", (1,)), ("trained_v32", (2, 4))])
-def test_greedy_speculative_equals_plain(model_name, draft_lengths, request):
+@pytest.mark.parametrize("model_name, draft_lengths, prefill_chunk",
+                         [("trained_v3", (1,), None), ("trained_v32", (2, 4), 5)])
+def test_greedy_speculative_equals_plain(model_name, draft_lengths, prefill_chunk, request):
     """Tokens equal plain greedy for k = 1, 2, 4, with every acceptance count 0..k occurring (each k
     is a compile: k = 3 on both models runs in test_pallas_backend and test_rows_are_independent,
-    on meshes in test_sharding, trees in test_tree_decoding)."""
+    on meshes in test_sharding, trees in test_tree_decoding). V3.2's speculative runs prefill in
+    chunks of 5 (`DecodeConfig.prefill_chunk`; V4's: tests/test_chunked_prefill.py)."""
     model = request.getfixturevalue(model_name)
     plain = generate(model, PROMPTS, config(0))
     plain_tokens = np.asarray(plain.tokens)
@@ -50,7 +52,7 @@ def test_greedy_speculative_equals_plain(model_name, draft_lengths, request):
     for k in draft_lengths:
         pages = -(-(len(PROMPTS[1]) + 48 + k) // 8)  # the longest prompt, the budget and a window
         page_table = jnp.asarray(rng.permutation(len(PROMPTS) * pages).reshape(len(PROMPTS), pages), jnp.int32)
-        spec = generate(model, PROMPTS, config(k), page_table=page_table)
+        spec = generate(model, PROMPTS, config(k, prefill_chunk=prefill_chunk), page_table=page_table)
         np.testing.assert_array_equal(np.asarray(spec.tokens), plain_tokens, err_msg=f"k={k}")
         histogram = acceptance_histogram(spec, k)
         assert (histogram > 0).all(), f"k={k}: steps accepting 0..k drafts = {histogram.tolist()}"

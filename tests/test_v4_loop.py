@@ -105,11 +105,14 @@ def test_greedy_speculative_equals_plain(trained_v4, plain_tokens):
     """Chains k = 1, 2, 4 and a dynamic tree emit plain greedy's tokens, with every acceptance count
     0..k occurring for the chains and every accepted path length 1..3 for the tree (its two
     candidates per level always hold the next token here: the chains cover the all-rejected step).
-    k = 3: the stepped test below, which runs it anyway; the static tree: the sampling test."""
-    for k, tree in [(1, None), (2, None), (4, None), (1, V4_DYNAMIC)]:
-        cfg = config(k, tree=tree)
+    k = 3: the stepped test below, which runs it anyway; the static tree: the sampling test. k = 2
+    prefills in chunks of 5 (`DecodeConfig.prefill_chunk`: boundaries inside CSA and HCA blocks and
+    the sliding window, 2-token rows riding along empty chunks; tests/test_chunked_prefill.py)."""
+    for k, tree, chunk in [(1, None, None), (2, None, 5), (4, None, None), (1, V4_DYNAMIC, None)]:
+        cfg = config(k, tree=tree, prefill_chunk=chunk)
         spec = generate(trained_v4, PROMPTS, cfg)
-        np.testing.assert_array_equal(np.asarray(spec.tokens), plain_tokens, err_msg=f"k={k} tree={tree}")
+        np.testing.assert_array_equal(np.asarray(spec.tokens), plain_tokens,
+                                      err_msg=f"k={k} tree={tree} prefill_chunk={chunk}")
         if tree is None:
             assert_every_acceptance_count(spec, k, f"k={k}")
         else:
