@@ -63,7 +63,7 @@ def test_bad_mesh_and_plan():
 
 def test_mesh_runs_equal_one_device():
     """8 virtual devices: greedy (k=3 chain on V3.2, dynamic tree on V3) and a sampled run equal
-    the one-device runs on meshes 1x8, 2x4, 8x1, plans dp and tp, a batch no mesh divides; every
+    the one-device runs on meshes 2x4 and 1x8, plans dp and tp, a batch no mesh divides; every
     parameter's per-device block as the plan says."""
     root = pathlib.Path(__file__).resolve().parent
     # The repository first on the path: the subprocess imports the jaxspec this process imported.
