@@ -6,9 +6,10 @@ the held-out stdlib files), where bfloat16 rounding flips greedy near-ties unles
 activations are independent of how many tokens share its call. Two levels are pinned: a
 verification window's hidden states equal those of single-token steps bit for bit (chain and
 tree, bfloat16 and float32; the shipped weights cut to their first two layers, see
-`shipped_front`), and whole generations are identical row for row (a chain and a dynamic
-tree on a randomized tiny V3.2 in bfloat16; `benchmarks/exactness.py` runs the whole matrix, k =
-1..4 and both trees on the shipped model, and exits 1 if a window-invariant row differs).
+`shipped_front`), and whole generations are identical row for row (a chain and a dynamic tree on
+a randomized tiny V3.2, a chain on a tiny V3, in bfloat16; `benchmarks/exactness.py` runs the
+whole matrix, k = 1..4 and both trees on the shipped model, and exits 1 if a window-invariant row
+differs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,12 +76,10 @@ def _window(model, tokens, positions, cache, prefix_len, tree_mask):
     return logits, hidden, cache
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_window_hidden_states_equal_single_steps(dtype):
-    """A chain window of 4 and a tree window of 6 against the same tokens decoded one per call,
-    from the same prefilled cache: logits and hidden states bit for bit, every row."""
-    model = shipped_front(dtype)
-    tokens = jnp.asarray(prompts(), jnp.int32)
+def assert_windows_equal_single_steps(model, tokens: jax.Array) -> None:
+    """After prefilling `tokens` [B, P]: a chain window of 4 and a tree window of 6 against the same
+    tokens decoded one per call, from the same prefilled cache: logits and hidden states bit for
+    bit, every row."""
     batch, width = tokens.shape
     cache = _prefill(model, tokens, width)
     rng = np.random.default_rng(0)
@@ -108,17 +108,30 @@ def test_window_hidden_states_equal_single_steps(dtype):
         np.testing.assert_array_equal(np.asarray(chain_logits[:, q]), np.asarray(logits[:, 0]))
 
 
-def test_random_tiny_v32_bf16_every_row_equals_plain_greedy():
-    """A randomized tiny V3.2 model in bfloat16 (DSA, MoE; prompts of mixed lengths, so rows sit at
-    different positions): a chain of k = 4 and a dynamic tree. Every configuration is a compile of
-    about 10 s on a 2-core CPU, so the whole matrix (the shipped model, k = 1..4, both trees, both
-    backends) is `benchmarks/exactness.py`, which exits 1 if a window-invariant row differs."""
-    model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_window_hidden_states_equal_single_steps(dtype):
+    """The shipped model's front on the held-out prompts (see `assert_windows_equal_single_steps`)."""
+    assert_windows_equal_single_steps(shipped_front(dtype), jnp.asarray(prompts(), jnp.int32))
+
+
+@pytest.mark.parametrize("name, drafts", [("tiny", (dict(num_draft=4), dict(num_draft=1, tree="4,3,8"))),
+                                          ("tiny-v3", (dict(num_draft=3),))], ids=["v32", "v3"])
+def test_random_tiny_bf16_windows_and_rows_equal_plain_greedy(name, drafts):
+    """Randomized tiny models in bfloat16, V3.2 (DSA, MoE) and V3 (dense MLA attention, MoE):
+    window hidden states equal single steps bit for bit (without window_invariant about 1 in 6
+    elements differ), and rows equal plain greedy (prompts of mixed lengths, so rows sit at
+    different positions): V3.2 a chain of k = 4 and a dynamic tree, V3 k = 3. Random weights
+    rarely make greedy near-ties (these rows agree even without the switch), hence the hidden
+    states; every generate configuration is a compile of about 10 s on a 2-core CPU, so the whole
+    matrix (the shipped model, k = 1..4, both trees, both backends) is `benchmarks/exactness.py`,
+    which exits 1 if a window-invariant row differs."""
+    model = DeepseekV3(preset(name), rngs=nnx.Rngs(3), dtype=jnp.bfloat16)
     rng = np.random.default_rng(1)
+    assert_windows_equal_single_steps(model, jnp.asarray(rng.integers(0, 256, (4, 20)), jnp.int32))
     batch_prompts = [list(rng.integers(0, 256, n)) for n in (5, 17, 30, 9)]
     base = DecodeConfig(max_new_tokens=24, backend="xla", num_draft=0, window_invariant=True)
     plain = rows(model, batch_prompts, base)
-    for draft in (dict(num_draft=4), dict(num_draft=1, tree="4,3,8")):
+    for draft in drafts:
         assert rows(model, batch_prompts, base.replace(**draft)) == plain, draft
 
 
