@@ -23,8 +23,11 @@ tokens, or a committed token after a rejection, still reads:
   Rc >= 2m - 1 + 2W (CSA: entry j reads slots [(j - 1) m, (j + 1) m))
         m' - 1 + 2W (HCA: entry j reads slots [j m', (j + 1) m'))
 
-(2W: a call first re-closes the blocks that ended in the W slots before it, which a tree call
-committed without writing, `models.compressor`), each rounded up to whole pages. Nothing is ever
+(2W: a call first re-closes the blocks that ended in the `lookback` <= W slots before it, which a
+tree call committed without writing, `models.compressor`), each rounded up to whole pages.
+`lookback` only has to cover the widest tree call (`generate` passes the verification window):
+with rings sized for a long one-call prefill, re-closing W = prompt-length slots back would pool
+a whole prompt's blocks in every decode step. Nothing is ever
 erased: whatever a rejected draft wrote (a ring
 slot, an entry closed by a draft) is either out of every later query's view or rewritten by the
 call that processes that position again before anyone reads it (`models.v4_attention`).
@@ -37,7 +40,7 @@ row, or per row shard), so `jaxspec.sharding` can split them by rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +69,8 @@ class V4Cache:
     [Pe, page, index_head_dim]. page_table: {"window": [B, R / page], "csa_state" / "hca_state":
     [B, Rc / page], "csa_entries" / "hca_entries": [B, E / page]} int32 (only the kinds present);
     lengths [B] int32 committed tokens per row; capacity: the positions a row can hold,
-    max_window: the most tokens of one call, layer_types: each layer's attention kind (static)."""
+    max_window: the most tokens of one call, lookback: the slots before a call whose blocks it
+    re-closes, layer_types: each layer's attention kind (static)."""
 
     window: tuple
     state: tuple
@@ -77,6 +81,7 @@ class V4Cache:
     lengths: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
     max_window: int = dataclasses.field(metadata=dict(static=True))
+    lookback: int = dataclasses.field(metadata=dict(static=True))
     layer_types: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
@@ -107,14 +112,16 @@ class V4Cache:
         pages = self.page_table[table]
         return read_slots(getattr(self, name)[layer], pages, ring_slots(slots, pages, self.page_size))
 
-    def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "V4Cache":
-        """Copy every ring's entries (window, compressor and indexer projections, all layers) from
-        src_slots to dst_slots, both [B, L] int32 (-1 = skip the pair): a tree's accepted path made
-        contiguous. All sources are read before anything is written. Compressed entries are not
-        moved: a tree call writes none (they are closed from the moved rings)."""
+    def move(self, src_slots: jax.Array, dst_slots: jax.Array, layers: Sequence[int] | None = None) -> "V4Cache":
+        """Copy every ring's entries (window, compressor and indexer projections; of every layer, or
+        of `layers`) from src_slots to dst_slots, both [B, L] int32 (-1 = skip the pair): a tree's
+        accepted path made contiguous. All sources are read before anything is written. Compressed
+        entries are not moved: a tree call writes none (they are closed from the moved rings)."""
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
         cache = self
         for layer, kind in enumerate(self.layer_types):
+            if layers is not None and layer not in layers:
+                continue
             rings = [("window", "window")]
             if kind != SLIDING:
                 rings.append(("state", STATE_TABLE[kind]))
@@ -139,14 +146,15 @@ def ring_capacities(config: ModelConfig, capacity: int, max_window: int, page_si
     }
 
 
-def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_window: int, page_size: int = 64,
-                  mtp: bool = False, layer_types: tuple[str, ...] | None = None,
+def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_window: int,
+                  lookback: int | None = None, page_size: int = 64, mtp: bool = False, layer_types: tuple[str, ...] | None = None,
                   page_table: Mapping[str, jax.Array] | None = None, row_shards: int = 1,
                   dtype=jnp.float32) -> V4Cache:
     """An empty V4 cache for `batch_size` rows of up to `capacity` positions.
 
     max_window: the largest number of tokens Q of any call (prefill chunk, k + 1, tree size): the
-    rings leave room for it. Layer kinds: `layer_types` if given, else the MTP block's kind
+    rings leave room for it. lookback: how many slots before each call it re-closes blocks in, at
+    least the widest tree call (None: max_window, always enough). Layer kinds: `layer_types` if given, else the MTP block's kind
     (`config.layer_type(num_hidden_layers)`: one layer) with mtp=True, else `config.layer_types`.
     page_table: optional {name: [batch_size, M] int32} for some of the structures
     (`ring_capacities` gives each M); the others get rows' consecutive pages. row_shards: as in
@@ -159,6 +167,9 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     check_geometry(batch_size, capacity, row_shards, page_table)
     if max_window < 1:
         raise ValueError(f"max_window={max_window}: must be >= 1 (the largest Q of a call)")
+    lookback = max_window if lookback is None else lookback
+    if not 0 <= lookback <= max_window:
+        raise ValueError(f"lookback={lookback}: must be in [0, max_window={max_window}] (the widest tree call)")
     if layer_types is None:
         layer_types = (config.layer_type(config.num_hidden_layers),) if mtp else tuple(config.layer_types)
     if any(kind not in (SLIDING, CSA, HCA) for kind in layer_types):
@@ -197,4 +208,4 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     return V4Cache(window=tuple(window), state=tuple(state), entries=tuple(entries), index_state=tuple(index_state),
                    index_entries=tuple(index_entries), page_table=tables,
                    lengths=jnp.zeros((batch_size,), jnp.int32), capacity=capacity,
-                   max_window=max_window, layer_types=tuple(layer_types))
+                   max_window=max_window, lookback=lookback, layer_types=tuple(layer_types))

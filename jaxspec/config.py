@@ -781,8 +781,12 @@ class DecodeConfig:
       rounding: a window computes its tokens with matmul and reduction algorithms chosen for
       k + 1 rows, so in bfloat16 a near-tie between two logits can resolve differently (measured:
       11 of 12 held-out rows identical at k = 1, 10 of 12 at k = 3). Off by default: it costs
-      speed (`benchmarks/heldout.py --window-invariant`). On a GPU it is untested; it reads the
+      speed (`benchmarks/heldout.py --window-invariant`). On a GPU it was measured on an H100
+      (every held-out row identical, both backends; README) and is not a test; it reads the
       weights once per window position, so it forfeits most of verification's saving there.
+      DeepSeek-V4 trees run each node as a one-token chain call (`models/v4_attention.py`); V4's
+      attention reduces over its whole ring, so a plain and a speculative run compare bit for
+      bit when their rings have one size (the prompt at least as wide as the window).
       With `prefill_chunk` set it covers the target's prefill chunks too (the one-call prefill
       and the MTP's calls are not window-invariant): its caches and the first token are then the
       same, bit for bit, for every chunk size, on caches of one geometry (V4's attention reduces

@@ -73,10 +73,12 @@ def cache_kwargs(model_config: ModelConfig, prompt_width: int, config: DecodeCon
     """Extra `init_cache` arguments by model kind. A model whose caches hold rings (DeepSeek-V4's
     sliding windows and compressor states, `jaxspec.cache_v4`) takes `max_window`, the widest call,
     and sizes its rings from it rather than from the capacity: a ring of sliding_window - 1 +
-    max_window slots never lets one call overwrite what a committed query still sees. Paged MLA
-    caches (DeepSeek-V3) take no such argument."""
+    max_window slots never lets one call overwrite what a committed query still sees; and
+    `lookback`, the verification window: the widest tree call, whose committed blocks the next
+    call closes (the prefill's calls are chains and close their own). Paged MLA caches
+    (DeepSeek-V3) take no such argument."""
     if model_config.is_v4:
-        return {"max_window": ring_window(prompt_width, config)}
+        return {"max_window": ring_window(prompt_width, config), "lookback": config.window_size}
     return {}
 
 

@@ -114,14 +114,14 @@ class Compressor(nnx.Module):
                slots: jax.Array, vis: Visibility, *, window_invariant: bool) -> V4Cache:
         """Write the call's projections to ring `state[layer]` at `slots` [B, Q] (-1: padding, which
         writes nothing), then close into `entries[layer]`, before any query of the call attends,
-        every block that ended in the W = max_window slots before the call (a tree call committed
-        them without writing; for a chain they are rewritten with the same values) and, for a chain,
-        every block whose end lies in the call. x [B, Q, D]; positions [B, Q]."""
+        every block that ended in the W = `cache.lookback` slots before the call (a tree call
+        committed them without writing; for a chain they are rewritten with the same values) and,
+        for a chain, every block whose end lies in the call. x [B, Q, D]; positions [B, Q]."""
         state_table, entry_table = STATE_TABLE[self.kind], ENTRY_TABLE[self.kind]
         rows = per_position(self.project, x, positions, enabled=window_invariant)
         cache = cache.write_ring(state, state_table, layer, slots, rows)
 
-        m, num_queries, back = self.rate, x.shape[1], cache.max_window
+        m, num_queries, back = self.rate, x.shape[1], cache.lookback
         span = 2 * m if self.overlap else m
         count = -(-(back + num_queries) // m)  # blocks that can end in [prefix_len - W, prefix_len + Q)
         block = (vis.prefix_len[:, None] - back) // m + jnp.arange(count, dtype=jnp.int32)[None]  # [B, N]

@@ -120,13 +120,14 @@ class DeepseekV4(nnx.Module):
     # -- caches ---------------------------------------------------------------------------------
 
     def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
-                   page_table=None, row_shards: int = 1, max_window: int | None = None) -> V4Cache:
+                   page_table=None, row_shards: int = 1, max_window: int | None = None,
+                   lookback: int | None = None) -> V4Cache:
         """An empty `V4Cache` for the target (or, with `mtp=True`, the one-layer MTP module).
         max_window: the most tokens one call will process (prefill chunk, k + 1, tree size), which
         the rings leave room for; None = `capacity` (any call fits: the rings never wrap inside a
-        call). page_table, row_shards: as `jaxspec.cache_v4.init_v4_cache`."""
+        call). lookback, page_table, row_shards: as `jaxspec.cache_v4.init_v4_cache`."""
         return init_v4_cache(self.config, batch_size, capacity, max_window=capacity if max_window is None else max_window,
-                             page_size=page_size, mtp=mtp, page_table=page_table, row_shards=row_shards,
+                             lookback=lookback, page_size=page_size, mtp=mtp, page_table=page_table, row_shards=row_shards,
                              dtype=self.dtype)
 
     # -- forward passes -------------------------------------------------------------------------

@@ -27,7 +27,12 @@ A tree call (tree_mask given; positions = prefix_len + depth, window token q at 
 q) writes its ring rows the same way but no entry: the entries a query's branch closes inside the
 window reach the op as its extra keys (`Compressor.branch_entries`; for CSA the indexer ranks them
 after the cached entries). After the loop made the accepted path contiguous (`V4Cache.move`), the
-next call closes its blocks from the rings. window_invariant is for chains only.
+next call closes its blocks from the rings.
+
+window_invariant=True: a chain call computes each token's projections and attention alone
+(`per_position`, `_attend_alone`). A tree call writes what a tree call writes (its tokens' ring rows,
+computed alone), then runs each node as a one-token chain call at its position on a view of the
+cache where its ancestors' ring rows sit at the slots plain decoding gives them (`_tree_alone`).
 
 Interface (what `models/deepseek_v4.py` calls):
   V4Attention(config, layer, *, rngs, dtype)   layer: index into config.layer_types
@@ -49,7 +54,7 @@ from jaxspec.config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_attention, window_slots
 from jaxspec.sharding import current
 
-from .compressor import Compressor, CSACompressor
+from .compressor import Compressor, CSACompressor, branch_slots
 from .layers import Linear, RMSNorm, param, per_position, unit_rms_norm
 from .rope import rope_angles, rotate_tail
 
@@ -88,8 +93,6 @@ class V4Attention(nnx.Module):
             raise ValueError(f"x has {x.shape[1]} tokens per row: the cache's rings leave room for "
                              f"max_window={cache.max_window} (init_v4_cache)")
         tree = vis.tree_mask is not None
-        if tree and window_invariant:
-            raise NotImplementedError("V4Attention: window_invariant tree calls are not implemented; chains only")
         if cache.layer_types[layer] != self.kind:
             raise ValueError(f"layer={layer}: the cache holds a {cache.layer_types[layer]} layer there, "
                              f"this attention is {self.kind}")
@@ -100,19 +103,23 @@ class V4Attention(nnx.Module):
         q_residual, q, kv = each(self._project, x, cos, sin)
         slots = window_slots(vis, num_queries)
         cache = cache.write_ring("window", "window", layer, slots, kv)
-
-        compressed = {}
         if self.compressor is not None:
             cache = self.compressor.update(cache, "state", "entries", layer, x, positions, slots, vis,
                                            window_invariant=window_invariant)
+        if self.kind == CSA:
+            cache = self.compressor.indexer.update(cache, "index_state", "index_entries", layer, x, positions, slots,
+                                                   vis, window_invariant=window_invariant)
+        if tree and window_invariant:
+            return self._tree_alone(x, positions, cache, layer, vis, backend=backend), cache
+
+        compressed = {}
+        if self.compressor is not None:
             compressed = dict(compressed_kv=cache.entries[layer],
                               compressed_pages=cache.page_table[ENTRY_TABLE[self.kind]])
             if tree:  # entries closed inside the window: per query, along its branch, not cached
                 compressed["extra_kv"], closed = self.compressor.branch_entries(cache, "state", layer, positions, vis)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
-                cache = indexer.update(cache, "index_state", "index_entries", layer, x, positions, slots, vis,
-                                       window_invariant=window_invariant)
                 if tree:
                     keys, keys_closed = indexer.branch_entries(cache, "index_state", layer, positions, vis)
                     compressed["compressed_indices"], compressed["extra_valid"] = indexer.select(
@@ -162,6 +169,33 @@ class V4Attention(nnx.Module):
         w = self.o_a_proj.dense_weight().reshape(per_group, -1, c.o_lora_rank).astype(o.dtype)
         mixed = jnp.einsum("bqgi,igr->bqgr", grouped, w)
         return self.o_b_proj(mixed.reshape(batch, num_queries, -1))
+
+    def _tree_alone(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer: int, vis: Visibility, *,
+                    backend: str) -> jax.Array:
+        """A window-invariant tree call's outputs [B, Q, D], `cache` holding the call's writes.
+
+        Node q at depth d runs as a one-token chain call at position prefix_len + d (a
+        `per_position` loop over the nodes) on a view of `cache` in which the ring rows of its
+        ancestors (itself included) are copied to slots prefix_len .. prefix_len + d (`V4Cache.move`,
+        this layer only), where plain decoding of its branch would have written them. The chain
+        call then closes its branch's blocks from those rows and attends exactly as the token
+        decoded alone would: the same rows, entries and shapes, so the same bits. Nothing a view
+        holds is kept: the window's other nodes' rows in it sit at ring indices no token of the
+        branch can see (the rings leave room for max_window tokens past the sliding window and
+        the blocks being closed), and the call's own writes are the tree call's.
+        """
+        num_queries = x.shape[1]
+        ancestors = branch_slots(positions, vis)  # [B, Q, Q]: slot of node q's ancestor at depth d, or -1
+        chain = jnp.broadcast_to(vis.prefix_len[:, None] + jnp.arange(num_queries, dtype=jnp.int32), positions.shape)
+        valid = query_valid(vis, num_queries).astype(jnp.int32)
+
+        def node(x, position, ancestors, valid):  # one node: [B, 1, ...]
+            view = cache.move(ancestors[:, 0], chain, layers=(layer,))
+            alone = Visibility(position[:, 0], valid[:, 0])  # prefix_len + depth tokens before it on its branch
+            out, _ = self(x, position, view, layer, alone, backend=backend, window_invariant=True)
+            return out
+
+        return per_position(node, x, positions, ancestors, valid)
 
     def _attend_alone(self, attend, q, cache: V4Cache, layer: int, positions, vis: Visibility, compressed):
         """The attention op once per window token, as token q alone in a call: prefix_len + q

@@ -77,7 +77,8 @@ def test_rings_are_sized_by_the_chunk(trained_v4):
     a chunk longer than it; `generate`'s caches are built for it (`ring_capacities`' rules:
     test_v4_loop; their bytes: the V4-Flash test below)."""
     for chunk, widest in [(CHUNK, CHUNK), (2, 4), (64, WIDTH)]:
-        assert cache_kwargs(trained_v4.config, WIDTH, config(3, prefill_chunk=chunk)) == {"max_window": widest}
+        assert cache_kwargs(trained_v4.config, WIDTH, config(3, prefill_chunk=chunk)) == {"max_window": widest,
+                                                                                          "lookback": 4}
     batch = prepare(trained_v4, PROMPTS, config(3, prefill_chunk=CHUNK))
     pages = ring_capacities(trained_v4.config, batch.target_cache.capacity, CHUNK, PAGE)
     for cache in (batch.target_cache, batch.mtp_cache):

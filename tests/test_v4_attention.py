@@ -10,7 +10,7 @@
   accepted length and the right continuation, equals a fresh recompute of the committed tokens,
   and after each commit every cache row a later query can read equals the recompute's;
 * padding writes nothing and returns finite values;
-* window_invariant: a window is bit for bit its tokens decoded one by one;
+* window_invariant: a window, chain or tree, is bit for bit its tokens decoded one by one;
 * trees: every node equals the chain call of its branch, and after a branch is committed
   (`V4Cache.move`) the next window equals a recompute.
 """
@@ -302,6 +302,15 @@ def test_padding_writes_nothing(kind):
 PARENTS = (-1, 0, 0, 1, 2)  # two branches 0-1-3 and 0-2-4; depths 0, 1, 1, 2, 2
 
 
+def ancestors_of(parents) -> np.ndarray:
+    """[N, N] bool: node i's ancestors, itself included (parents listed before children)."""
+    mask = np.eye(len(parents), dtype=bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] |= mask[parent]
+    return mask
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_tree_equals_its_branches_and_commits(kind):
     """Every node of a tree call equals the chain call of its branch (row 0: both depth-2 nodes,
@@ -312,10 +321,7 @@ def test_tree_equals_its_branches_and_commits(kind):
     x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
     prefix = np.array([13, 11])
     _, cache = chunked(model, kind, x, prefix)
-    mask = np.eye(5, dtype=bool)
-    for node, parent in enumerate(PARENTS):
-        if parent >= 0:
-            mask[node] |= mask[parent]
+    mask = ancestors_of(PARENTS)
     depths = mask.sum(1) - 1
     out, tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, depths=depths, tree_mask=mask)
     for node in range(5):
@@ -344,3 +350,28 @@ def test_tree_equals_its_branches_and_commits(kind):
         for name in theirs:
             np.testing.assert_allclose(np.asarray(ours[name]), np.asarray(theirs[name]), rtol=1e-5, atol=1e-5,
                                        err_msg=f"{name} of row {b}")
+
+
+@pytest.mark.parametrize("kind", [CSA, HCA])
+def test_window_invariant_tree_equals_its_branches_decoded_alone(kind):
+    """window_invariant=True: every node of a tree call is bit for bit its branch decoded one token
+    per call (row 0's depth-2 nodes close CSA block 3 and HCA block 1 from their own branch), and
+    the tree call writes what the same call without the switch writes, up to rounding (its
+    token-local rows computed alone)."""
+    model = model_for(kind)
+    x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
+    prefix = np.array([13, 11])
+    _, cache = chunked(model, kind, x, prefix)
+    mask = ancestors_of(PARENTS)
+    depths = mask.sum(1) - 1
+    out, tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, window_invariant=True, depths=depths,
+                          tree_mask=mask)
+    for node in range(5):
+        step_cache = cache
+        for depth, ancestor in enumerate(np.nonzero(mask[node])[0]):
+            step, step_cache = run(model, kind, nodes[:, ancestor:ancestor + 1], prefix + depth, [1, 1], step_cache,
+                                   window_invariant=True)
+        np.testing.assert_array_equal(np.asarray(out[:, node]), np.asarray(step[:, 0]), err_msg=f"node {node}")
+    _, plain_tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, depths=depths, tree_mask=mask)
+    for ours, theirs in zip(jax.tree.leaves(tree_cache), jax.tree.leaves(plain_tree_cache)):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-5)

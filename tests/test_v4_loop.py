@@ -62,7 +62,9 @@ def assert_every_acceptance_count(result, depth: int, what: str) -> None:
 def test_rings_are_sized_by_the_widest_call():
     """`generate` sizes V4 rings from the widest call (the one-call prefill, the window, the MTP's
     draft slots), not from the capacity: window ring = sliding_window - 1 + W slots in whole pages,
-    projection rings 2m - 1 + 2W (CSA) and m' - 1 + 2W (HCA); the entry pages cover the capacity."""
+    projection rings 2m - 1 + 2W (CSA) and m' - 1 + 2W (HCA); the entry pages cover the capacity.
+    A call re-closes blocks only as far back as the verification window (`lookback`), however
+    wide the rings; a lookback beyond the rings is refused."""
     model = DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0))
     cfg = model.config
     # prompt width 31 > window 4; window 4 > prompt width 2; a dynamic tree's MTP drafting writes
@@ -81,6 +83,9 @@ def test_rings_are_sized_by_the_widest_call():
         assert slots["hca_state"] == PAGE * pages_per_row(8 - 1 + 2 * widest, PAGE)
         assert slots["csa_entries"] >= capacity // 4 and slots["hca_entries"] >= capacity // 8
         assert set(batch.mtp_cache.page_table) == {"window"}  # the MTP block is a sliding layer
+        assert batch.target_cache.lookback == dcfg.window_size
+    with pytest.raises(ValueError, match=r"lookback=5: must be in \[0, max_window=4\]"):
+        init_v4_cache(cfg, 1, 64, max_window=4, lookback=5)
 
 
 def test_a_single_page_table_is_refused_for_v4():
