@@ -311,18 +311,24 @@ def ancestors_of(parents) -> np.ndarray:
     return mask
 
 
+def tree_case(kind):
+    """The trees' setup: a layer, 30 inputs, 5 tree nodes, rows committed to 13 and 11 tokens in
+    chunks -> (model, x, nodes, prefix [B], cache, PARENTS' ancestor mask, depths)."""
+    model = model_for(kind)
+    x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
+    prefix = np.array([13, 11])
+    _, cache = chunked(model, kind, x, prefix)
+    mask = ancestors_of(PARENTS)
+    return model, x, nodes, prefix, cache, mask, mask.sum(1) - 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_tree_equals_its_branches_and_commits(kind):
     """Every node of a tree call equals the chain call of its branch (row 0: both depth-2 nodes,
     at position 15, close CSA block 3 and HCA block 1, each from its own branch); after branch
     0-2-4 is committed (`move`) the next chain window, which closes those blocks from the rings,
     equals a recompute of the committed tokens, as does every cache row a later query reads."""
-    model = model_for(kind)
-    x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
-    prefix = np.array([13, 11])
-    _, cache = chunked(model, kind, x, prefix)
-    mask = ancestors_of(PARENTS)
-    depths = mask.sum(1) - 1
+    model, x, nodes, prefix, cache, mask, depths = tree_case(kind)
     out, tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, depths=depths, tree_mask=mask)
     for node in range(5):
         branch = np.nonzero(mask[node])[0]
@@ -358,12 +364,7 @@ def test_window_invariant_tree_equals_its_branches_decoded_alone(kind):
     per call (row 0's depth-2 nodes close CSA block 3 and HCA block 1 from their own branch), and
     the tree call writes what the same call without the switch writes, up to rounding (its
     token-local rows computed alone)."""
-    model = model_for(kind)
-    x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
-    prefix = np.array([13, 11])
-    _, cache = chunked(model, kind, x, prefix)
-    mask = ancestors_of(PARENTS)
-    depths = mask.sum(1) - 1
+    model, x, nodes, prefix, cache, mask, depths = tree_case(kind)
     out, tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, window_invariant=True, depths=depths,
                           tree_mask=mask)
     for node in range(5):
