@@ -236,17 +236,20 @@ def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trai
 
 # -- sampling ----------------------------------------------------------------------------------------
 
-NUM_ROWS = 2048
+# Running the rows costs more than compiling here (2048 rows: about 40 s on the suite's CPU code).
+NUM_ROWS = 1024
 
 
 def test_sampling_is_lossless(trained_v4):
-    """2048 rows of one prompt through the static `small` tree (top-3 candidates at depths 1 and 2):
+    """1024 rows of one prompt through the static `small` tree (top-3 candidates at depths 1 and 2):
     the emitted 3-token sequences match the target's exact sampling distribution by a chi-square
-    test (p > 1e-3, bins under 5 expected rows merged) and in total variation (< 0.07 at this many
-    rows), with drafts sometimes accepted. (Chains sample losslessly on V3 in test_tree_decoding:
-    chain and tree share the V4 caches' code paths, the tree writes more of them.)"""
+    test (p > 1e-3, bins under 5 expected rows merged) and in total variation (< 0.08: for exact
+    samples of this many rows from this target, 0.03 on average, 0.066 the 99.9th percentile and
+    0.077 the largest of 20,000 simulated), with drafts sometimes accepted. (Chains sample
+    losslessly on V3 in test_tree_decoding: chain and tree share the V4 caches' code paths, the
+    tree writes more of them.)"""
     cfg = DecodeConfig(num_draft=1, tree="small", max_new_tokens=HORIZON, page_size=PAGE, backend="xla", **SAMPLING)
     target = exact_sequence_probs(trained_v4, SAMPLE_PROMPT, HORIZON)
     result = generate(trained_v4, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=1)
-    assert_distributed_as(result, target, max_total_variation=0.07)
+    assert_distributed_as(result, target, max_total_variation=0.08)
     assert 1.0 < result.mean_accepted_length < cfg.max_depth + 1
