@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from virtual_devices import virtual_devices_env
+
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ROOT / "examples" / "generate.py"
 BENCHMARK = ROOT / "benchmarks" / "speculative.py"
@@ -45,7 +47,7 @@ def outputs(compile_cache):
     """Each run's stdout, by name; a failed run fails the tests with its stderr."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     runs = {**RUNS, "mtp3": [*RUNS["mtp3"], "--compile-cache", compile_cache]}
-    mesh_env = {**env, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
+    mesh_env = virtual_devices_env(4)
     procs = {name: subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=mesh_env if "mesh" in name else env)
              for name, argv in runs.items()}

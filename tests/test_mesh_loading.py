@@ -7,10 +7,11 @@ device."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from virtual_devices import virtual_devices_env
 
 TESTS = Path(__file__).resolve().parent
 
@@ -63,8 +64,6 @@ print("ok")
 
 
 def test_checkpoint_loads_into_the_plans_shards(tmp_path):
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # conftest's too
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(TESTS)], env=env,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(TESTS)], env=virtual_devices_env(8),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]

@@ -4,7 +4,6 @@ equal to one-device runs token for token and parameters split as the plans say."
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from jaxspec import sharding
 from jaxspec.config import DecodeConfig, preset
 from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3
+from virtual_devices import virtual_devices_env
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +65,8 @@ def test_mesh_runs_equal_one_device():
     """8 virtual devices: greedy (k=3 chain on V3.2, dynamic tree on V3) and a sampled run equal
     the one-device runs on meshes 2x4 and 1x8, plans dp and tp, a batch no mesh divides; every
     parameter's per-device block as the plan says."""
-    root = pathlib.Path(__file__).resolve().parent
-    # The repository first on the path: the subprocess imports the jaxspec this process imported.
-    path = os.pathsep.join([str(root.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    # conftest's cheaper XLA code generation too: the checks compile seven programs and run each
-    # briefly, and both sides of every comparison share it.
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, str(root / "sharding_checks.py")], env=env, capture_output=True,
+    checks = pathlib.Path(__file__).resolve().parent / "sharding_checks.py"
+    done = subprocess.run([sys.executable, str(checks)], env=virtual_devices_env(8), capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "sharding checks passed" in done.stdout

@@ -12,8 +12,6 @@ test_sharding.)
 
 from __future__ import annotations
 
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -26,6 +24,7 @@ from jaxspec import sharding
 from jaxspec.cache_v4 import init_v4_cache
 from jaxspec.config import DecodeConfig, preset
 from jaxspec.orbax_io import abstract_model
+from virtual_devices import virtual_devices_env
 
 # Three rows of different lengths: the mesh's 4 row shards do not divide them, so the run pads the batch.
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 8], [20, 21, 22, 23, 24]]
@@ -59,11 +58,8 @@ def test_v4_cache_split_by_rows():
 
 
 def test_v4_mesh_runs_equal_one_device():
-    root = pathlib.Path(__file__).resolve().parent
-    path = os.pathsep.join([str(root.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # conftest's too
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, __file__], env=virtual_devices_env(8), capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "v4 sharding checks passed" in done.stdout
 
