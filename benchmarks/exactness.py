@@ -21,7 +21,7 @@ import time
 import jax
 
 from heldout import DEFAULT_CHECKPOINT, DTYPES, held_out_prompts
-from jaxspec.config import DecodeConfig
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 

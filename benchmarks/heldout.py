@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import DecodeConfig
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.flags import TREE_HELP, tree_spec
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model

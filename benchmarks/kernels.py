@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache_v4 import ring_capacities
-from jaxspec.config import CSA, HCA, ModelConfig, preset
+from jaxspec.model_config import CSA, HCA, ModelConfig
+from jaxspec.presets import preset
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas

@@ -43,8 +43,8 @@ import numpy as np
 from flax import nnx
 from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, gpu_or_smoke, timed
 
-from jaxspec.config import preset
 from jaxspec.models.moe import MoE, route
+from jaxspec.presets import preset
 
 # (label, MoE path, backend)
 PATHS = (("pallas", "grouped", "pallas"), ("ragged_dot", "grouped", "xla"), ("gathered", "gathered", "xla"))

@@ -65,7 +65,8 @@ import jax.numpy as jnp
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model, depth_cost, reduced_depth
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
+from jaxspec.presets import preset
 
 PUBLISHED_ACCEPTANCE = 0.875
 MEASURED_PER_POSITION = (0.89, 0.42, 0.36)

@@ -39,10 +39,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
+from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, tree_spec
 from jaxspec.generation import GenerateResult, compile_generate
 from jaxspec.models import DeepseekV3, model_class
+from jaxspec.presets import preset
 from jaxspec.train import train
 from jaxspec.trees import parse_tree
 

@@ -43,13 +43,14 @@ from jax.experimental import multihost_utils
 from jaxspec import sharding
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
-from jaxspec.config import MAX_DRAFT_TOKENS, DecodeConfig, preset
+from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
 from jaxspec.flags import TREE_HELP, add_model_flags, add_prefill_flag, positive_int, relaxed_spec, tree_spec
 from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
 from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels.backend import resolve_backend
+from jaxspec.presets import preset
 from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
 
 DEFAULT_PROMPTS = ("import os\nimport sys\n\n\ndef ", "    def __repr__(self):\n        return ")

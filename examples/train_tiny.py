@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import preset
 from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import save_model
+from jaxspec.presets import preset
 from jaxspec.tokenizer import ByteTokenizer
 from jaxspec.train import indexer_kl_loss, losses, train
 
@@ -89,7 +89,7 @@ def evaluate(model: DeepseekV3, stream: np.ndarray, length: int, *, batch_size: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny-stdlib", help="model shape (a jaxspec.config preset)")
+    parser.add_argument("--preset", default="tiny-stdlib", help="model shape (a jaxspec.presets preset)")
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256, help="bytes per training window")

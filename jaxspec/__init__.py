@@ -18,7 +18,8 @@ The public API (each name's docstring gives its arguments, shapes and errors):
     from jaxspec import DecodeConfig, DeepseekV3, generate, preset
 
 The names resolve lazily (PEP 562 `__getattr__`), so `import jaxspec` and the leaf modules
-(`jaxspec.config`, `jaxspec.cache`, `jaxspec.pallas_kernels`) load without flax or the engine. No
+(`jaxspec.model_config`, `jaxspec.presets`, `jaxspec.decode_config`, `jaxspec.cache`,
+`jaxspec.pallas_kernels`) load without flax or the engine. No
 public name is also a submodule name: importing a submodule binds it as an attribute of this
 package, and a function and a module under one name would make `from jaxspec import generate`
 return whichever was bound last (the module `jaxspec/generate.py` did exactly that; it is now
@@ -28,9 +29,9 @@ return whichever was bound last (the module `jaxspec/generate.py` did exactly th
 import importlib
 
 _PUBLIC = {
-    "ModelConfig": "jaxspec.config",
-    "DecodeConfig": "jaxspec.config",
-    "preset": "jaxspec.config",
+    "ModelConfig": "jaxspec.model_config",
+    "DecodeConfig": "jaxspec.decode_config",
+    "preset": "jaxspec.presets",
     "PagedCache": "jaxspec.cache",
     "init_cache": "jaxspec.cache",
     "DeepseekV3": "jaxspec.models",

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import check_geometry, pages_per_row, row_page_table
-from jaxspec.config import CSA, HCA, SLIDING, ModelConfig
+from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
 # Page-table names per structure, by layer type.

@@ -71,8 +71,8 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import checkpoint_v4, fp8, sharding, shards
-from jaxspec.config import ModelConfig
 from jaxspec.mesh_loading import load_onto_mesh
+from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import PARAMS_DIR, abstract_model, param_placement, restore_model
 

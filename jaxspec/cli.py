@@ -78,7 +78,9 @@ def aot(args: argparse.Namespace) -> None:
         jax.config.update("jax_platforms", "cpu")
     from jaxspec import aot as instrument
     from jaxspec.aot.model import compile_model, reduced_depth
-    from jaxspec.config import DecodeConfig, ModelConfig, preset
+    from jaxspec.decode_config import DecodeConfig
+    from jaxspec.model_config import ModelConfig
+    from jaxspec.presets import preset
 
     config = preset(args.preset) if args.config is None else ModelConfig.from_hf(args.config)
     if args.layers is not None:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     aot_parser.add_argument("--devices", type=int, default=1, help="devices in all (default 1)")
     aot_parser.add_argument("--hosts", type=int, default=1, help="nodes the devices are spread over (default 1)")
     model_source = aot_parser.add_mutually_exclusive_group(required=True)
-    model_source.add_argument("--preset", help="a jaxspec.config preset, e.g. deepseek-v3.2")
+    model_source.add_argument("--preset", help="a jaxspec.presets preset, e.g. deepseek-v3.2")
     model_source.add_argument("--config", help="a Hugging Face config.json")
     aot_parser.add_argument("--batch", type=int, required=True, help="rows B")
     aot_parser.add_argument("--context", type=int, required=True, help="cached tokens per row (decode) or prompt length (prefill)")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PagedCache
-from jaxspec.config import DecodeConfig
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, draft_candidates
 from jaxspec.trees import (DynamicTreeSpec, StaticTree, ancestor_mask, dynamic_tree_expand, dynamic_tree_init,

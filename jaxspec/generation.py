@@ -23,9 +23,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.cache import PagedCache
-from jaxspec.config import DecodeConfig, ModelConfig
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.drafting import mtp_draft_slots
 from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding
+from jaxspec.model_config import ModelConfig
 from jaxspec.sampling import base_key
 from jaxspec.sharding import (DEFAULT_PLAN, HEAD_AXES, cache_shardings, check_mesh, check_plan, row_shards, row_spec,
                               shard_params)

@@ -49,7 +49,7 @@ from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_ch
                                 relaxed_accept_chain, relaxed_accept_tree, speculative_sample_chain,
                                 speculative_sample_tree)
 from jaxspec.cache import PagedCache
-from jaxspec.config import DecodeConfig
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.drafting import Draft, draft
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params

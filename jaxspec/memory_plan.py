@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxspec import sharding
-from jaxspec.config import HCA, DecodeConfig, ModelConfig
+from jaxspec.decode_config import DecodeConfig
+from jaxspec.model_config import HCA, ModelConfig
 from jaxspec.orbax_io import abstract_model
 
 GIB = 2 ** 30

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxspec import sharding
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3, model_class
 
 CONFIG_FILE = "config.json"

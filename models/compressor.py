@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, V4Cache
-from jaxspec.config import CSA, ModelConfig
+from jaxspec.model_config import CSA, ModelConfig
 from jaxspec.pallas_kernels import Visibility, gather_rows, query_valid, select_topk, write_slots
 from jaxspec.pallas_kernels.indexer import score_keys
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import PagedCache, init_cache
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
 from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache_v4 import V4Cache, init_v4_cache
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
 from .hyper_connections import HyperConnection, HyperHead

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 
 from .layers import param, unit_rms_norm
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility, indexer_topk
 
 from .layers import LayerNorm, Linear, compute_dtype

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import PagedCache
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import (Visibility, attend_latent, gather_rows, mla_attention, read_slots, select_topk,
                                     sparse_mla_attention, visible_mask, window_slots)
 from jaxspec.pallas_kernels.indexer import score_keys

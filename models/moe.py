@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
 from jaxspec.pallas_kernels.block_fp8 import dequantize
 from jaxspec.sharding import Parallel, current

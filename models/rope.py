@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import ModelConfig
+from jaxspec.model_config import ModelConfig
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache_v4 import ENTRY_TABLE, V4Cache
-from jaxspec.config import CSA, HCA, SLIDING, ModelConfig
+from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_attention, window_slots
 from jaxspec.sharding import current
 

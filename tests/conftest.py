@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 import trained_models
-from jaxspec.config import preset
 from jaxspec.models import DeepseekV3, DeepseekV4
+from jaxspec.presets import preset
 
 # Compiling dominates the suite's CPU time and its programs run briefly, so the suite asks XLA for
 # cheaper CPU code generation: no LLVM optimization (about 20% less CPU: test_exactness 149 s

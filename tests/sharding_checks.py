@@ -15,10 +15,11 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import sharding
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import compile_generate, generate
 from jaxspec.loop import init_state, step
 from jaxspec.models import DeepseekV3, moe
+from jaxspec.presets import preset
 
 # Three rows: dp's 8 row shards and tp's 2 do not divide them, so every mesh run pads its batch.
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24]]

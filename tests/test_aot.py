@@ -18,11 +18,12 @@ import pytest
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model, reduced_depth
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.pallas_kernels.indexer_pallas import indexer_topk_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
+from jaxspec.presets import preset
 
 V32 = preset("deepseek-v3.2")
 SHARED_MEMORY_LIMIT = 232448  # bytes a block may opt into on sm_90 (227 KB), the H100 spec's value

@@ -19,10 +19,12 @@ from flax import nnx
 
 from jaxspec import cli, fp8
 from jaxspec.checkpoint import load_hf_checkpoint, load_model
-from jaxspec.config import DecodeConfig, ModelConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
+from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
+from jaxspec.presets import preset
 from jaxspec.shards import INDEX_FILE, write
 from jaxspec.tokenizer import ByteTokenizer, load_tokenizer
 

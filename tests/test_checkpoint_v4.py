@@ -15,8 +15,8 @@ from flax import nnx
 from jaxspec import fp8
 from jaxspec.checkpoint import load_hf_checkpoint, load_model
 from jaxspec.checkpoint_v4 import to_transformers
-from jaxspec.config import preset
 from jaxspec.orbax_io import abstract_model, save_model
+from jaxspec.presets import preset
 from test_checkpoint import write_checkpoint
 
 

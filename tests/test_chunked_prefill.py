@@ -20,10 +20,12 @@ from flax import nnx
 from jaxspec.aot.model import reduced_depth
 from jaxspec.cache import pages_per_row
 from jaxspec.cache_v4 import ring_capacities
-from jaxspec.config import CSA, HCA, SLIDING, DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import cache_kwargs, prepare
 from jaxspec.loop import prefill
 from jaxspec.memory_plan import plan_memory
+from jaxspec.model_config import CSA, HCA, SLIDING
+from jaxspec.presets import preset
 from jaxspec.sampling import base_key
 from test_v4_loop import PAGE, PROMPTS, config
 

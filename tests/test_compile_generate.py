@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import compile_generate, generate
 from jaxspec.models import DeepseekV3
+from jaxspec.presets import preset
 
 
 def test_compiled_run_equals_generate():

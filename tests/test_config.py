@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from jaxspec.config import PRESETS, DecodeConfig, ModelConfig, preset
+from jaxspec.decode_config import DecodeConfig
+from jaxspec.model_config import ModelConfig
+from jaxspec.presets import PRESETS, preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.config import CSA, HCA, SLIDING, ModelConfig, preset
+from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
+from jaxspec.presets import preset
 
 # DeepSeek's released config.json files (huggingface.co/deepseek-ai/DeepSeek-V4-Flash and -Pro), the
 # fields as shipped: legacy forms (compress_ratios with one extra entry for the MTP block,

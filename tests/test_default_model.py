@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import preset
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
+from jaxspec.presets import preset
 from jaxspec.train import indexer_kl_loss, losses
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "checkpoints",

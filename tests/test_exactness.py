@@ -25,11 +25,12 @@ import pytest
 from flax import nnx
 
 from jaxspec.aot.model import reduced_depth
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
+from jaxspec.presets import preset
 from jaxspec.trees import ancestor_mask
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -19,12 +19,12 @@ import pytest
 from flax import nnx
 
 from jaxspec import fp8
-from jaxspec.config import preset
 from jaxspec.models import DeepseekV3
 from jaxspec.models.layers import Linear
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import Visibility, block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_pallas import grouped_matmul_pallas
+from jaxspec.presets import preset
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import preset
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_M, grouped_matmul_pallas, num_work_items, work_items
+from jaxspec.presets import preset
 
 
 def random_sizes(rng, num_groups: int, total: int, empty_fraction: float) -> np.ndarray:

@@ -27,8 +27,9 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_layers import MtpModel  # noqa: E402
 
 from jaxspec.checkpoint import load_hf_checkpoint  # noqa: E402
-from jaxspec.config import DecodeConfig, ModelConfig  # noqa: E402
+from jaxspec.decode_config import DecodeConfig  # noqa: E402
 from jaxspec.generation import generate  # noqa: E402
+from jaxspec.model_config import ModelConfig  # noqa: E402
 from jaxspec.pallas_kernels import Visibility  # noqa: E402
 from jaxspec.shards import INDEX_FILE, read_header, write  # noqa: E402
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility
+from jaxspec.presets import preset
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -11,9 +11,10 @@ import pytest
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model, reduced_depth
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.memory_plan import GIB, plan_memory, shard_bytes, weight_bytes
 from jaxspec.orbax_io import abstract_model
+from jaxspec.presets import preset
 from jax.sharding import PartitionSpec as P
 
 V32 = preset("deepseek-v3.2")

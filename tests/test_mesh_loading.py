@@ -23,9 +23,9 @@ sys.path.insert(0, sys.argv[2])
 from test_checkpoint import FP8_CONFIG, hf_tensors, params_of, released_config, write_checkpoint
 from jaxspec import shards, sharding
 from jaxspec.checkpoint import load_model
-from jaxspec.orbax_io import save_model
-from jaxspec.config import preset
 from jaxspec.models import DeepseekV3
+from jaxspec.orbax_io import save_model
+from jaxspec.presets import preset
 
 root = __import__("pathlib").Path(sys.argv[1])
 fp8_model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(6), dtype=ml_dtypes.float8_e4m3fn)

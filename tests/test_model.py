@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import preset
 from jaxspec.models import DeepseekV3, route
 from jaxspec.models.moe import expert_path
 from jaxspec.models.rope import apply_rope, rope_frequencies
 from jaxspec.pallas_kernels import Visibility
+from jaxspec.presets import preset
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import ModelConfig, preset
+from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model, save_model
+from jaxspec.presets import preset
 
 
 def _params(model) -> dict:

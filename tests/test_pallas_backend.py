@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.config import DecodeConfig
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 
 PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy"), list(b"zq")]

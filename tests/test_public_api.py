@@ -57,7 +57,7 @@ def test_from_import_gives_the_objects_in_any_order(order):
 
 def test_import_is_cheap():
     """`import jaxspec` and its leaf modules load neither flax nor the engine."""
-    proc = run_python("import sys, jaxspec, jaxspec.config, jaxspec.cache\n"
+    proc = run_python("import sys, jaxspec, jaxspec.model_config, jaxspec.decode_config, jaxspec.presets, jaxspec.cache\n"
                       "print(sorted(m for m in ('flax', 'jaxspec.loop', 'jaxspec.generation') if m in sys.modules))")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"

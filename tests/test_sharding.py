@@ -15,9 +15,10 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxspec import sharding
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3
+from jaxspec.presets import preset
 from virtual_devices import virtual_devices_env
 
 

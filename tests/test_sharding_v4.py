@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec
 
 from jaxspec import sharding
 from jaxspec.cache_v4 import init_v4_cache
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.orbax_io import abstract_model
+from jaxspec.presets import preset
 from virtual_devices import virtual_devices_env
 
 # Three rows of different lengths: the mesh's 4 row shards do not divide them, so the run pads the batch.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxspec.config import preset
+from jaxspec.presets import preset
 from jaxspec.tokenizer import ByteTokenizer, load_tokenizer
 
 

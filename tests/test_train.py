@@ -16,8 +16,9 @@ import pytest
 from flax import nnx
 
 import trained_models
-from jaxspec.config import CSA, ModelConfig, preset
+from jaxspec.model_config import CSA, ModelConfig
 from jaxspec.models import DeepseekV4
+from jaxspec.presets import preset
 from jaxspec.train import train
 
 

@@ -14,11 +14,12 @@ from flax import nnx
 
 from jaxspec import generation as generate_module
 from jaxspec.cache import PagedCache, init_cache
-from jaxspec.config import DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility, read_slots
+from jaxspec.presets import preset
 from jaxspec.sampling import processed_probs, sampling_params
 from jaxspec.trees import DynamicTreeSpec, StaticTree, compact_slots
 from test_acceptance import chi_square_p_value

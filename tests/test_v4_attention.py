@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, init_v4_cache
-from jaxspec.config import CSA, HCA, SLIDING, ModelConfig
+from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.models.v4_attention import V4Attention
 from jaxspec.pallas_kernels import Visibility, read_slots
 

@@ -21,12 +21,14 @@ from flax import nnx
 
 from jaxspec.cache import pages_per_row
 from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, init_v4_cache
-from jaxspec.config import CSA, SLIDING, DecodeConfig, preset
+from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate, prepare
 from jaxspec.loop import init_state, step
+from jaxspec.model_config import CSA, SLIDING
 from jaxspec.models import DeepseekV4
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.pallas_kernels.paged import read_slots
+from jaxspec.presets import preset
 from jaxspec.trees import DynamicTreeSpec
 from test_loop import acceptance_histogram, naive_drafts
 from test_tree_decoding import HORIZON, SAMPLE_PROMPT, SAMPLING, assert_distributed_as, exact_sequence_probs

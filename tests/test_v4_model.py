@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.config import preset
 from jaxspec.models.hyper_connections import HyperConnection, HyperHead
 from jaxspec.models.moe import MoE
+from jaxspec.presets import preset
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -30,9 +30,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import preset
 from jaxspec.models import model_class
 from jaxspec.orbax_io import restore_model, save_model
+from jaxspec.presets import preset
 from jaxspec.train import train
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

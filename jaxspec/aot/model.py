@@ -27,10 +27,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxspec.config import DecodeConfig, ModelConfig
-from jaxspec.generation import cache_kwargs, required_capacity
 from jaxspec import sharding
+from jaxspec.decode_config import DecodeConfig
+from jaxspec.generation import cache_kwargs, required_capacity
 from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
+from jaxspec.model_config import ModelConfig
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
 

@@ -1,0 +1,164 @@
+"""`DecodeConfig`: what the decoding loop needs and the model does not (draft length or tree,
+sampling and acceptance rule, token budget, cache geometry, kernel backend)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.trees import DynamicTreeSpec, StaticTree, chain_tree, parse_tree
+
+MAX_DRAFT_TOKENS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """What the decoding loop needs beyond the model. Every field is static (part of the compiled
+    computation); the sampling seed is not a field but an argument of `generate`.
+
+    num_draft: k, draft tokens per speculative step when `tree` is None (0 = plain decoding, the
+      baseline; 1..MAX_DRAFT_TOKENS chains the one MTP layer). With a tree it must be >= 1 and is
+      otherwise unused: the tree decides the drafts.
+    tree: None (a chain of num_draft), a `StaticTree`, a `DynamicTreeSpec` (EAGLE-2), or a string
+      for either (`jaxspec.trees.parse_tree`: a name in STATIC_TREES, or "top_k,depth,budget");
+      stored parsed.
+    temperature: 0 = greedy (lossless against plain greedy decoding); > 0 samples, and lossless
+      rejection sampling makes the output distributed as the target's processed distribution.
+    top_k / top_p: sampling filters (0 / 1.0 = off); they need temperature > 0.
+    relaxed: None, or (top_k, delta) for relaxed acceptance: a draft among the target's top_k and
+      within delta of its top-1 probability is accepted. LOSSY: the output is no longer the
+      target's greedy output. Needs temperature 0 and drafts.
+    max_new_tokens: per-row budget of generated tokens (the first token after the prompt counts).
+    eos_token_id: a row stops after emitting it; None = only the budget stops rows.
+    page_size: cache slots per page.
+    max_cache_len: slots per row; None sizes the cache to the prompts and the budget.
+    backend: kernel implementation, "xla" (pure-jnp references), "pallas", or "auto".
+    window_invariant: compute every token of a verification window as if it were alone in a
+      plain [B, 1] decode step (`jaxspec.models.layers.per_position`: the window's positions run
+      one after another through the token-local ops, and attention reads each token's entries in
+      plain decoding's order with the pure-jnp reference ops, whatever `backend` says). Then
+      greedy speculative decoding emits exactly the tokens of plain greedy decoding with the same
+      flag, batch and prompts, for every k and tree, in bfloat16 as in float32: guaranteed on
+      XLA's CPU backend (tests/test_exactness.py). Without it the guarantee holds only up to
+      rounding: a window computes its tokens with matmul and reduction algorithms chosen for
+      k + 1 rows, so in bfloat16 a near-tie between two logits can resolve differently (measured:
+      11 of 12 held-out rows identical at k = 1, 10 of 12 at k = 3). Off by default: it costs
+      speed (`benchmarks/heldout.py --window-invariant`). On a GPU it was measured on an H100
+      (every held-out row identical, both backends; README) and is not a test; it reads the
+      weights once per window position, so it forfeits most of verification's saving there.
+      DeepSeek-V4 trees run each node as a one-token chain call (`models/v4_attention.py`); V4's
+      attention reduces over its whole ring, so a plain and a speculative run compare bit for
+      bit when their rings have one size (the prompt at least as wide as the window).
+      With `prefill_chunk` set it covers the target's prefill chunks too (the one-call prefill
+      and the MTP's calls are not window-invariant): its caches and the first token are then the
+      same, bit for bit, for every chunk size, on caches of one geometry (V4's attention reduces
+      over its whole ring, which `generate` sizes by the widest call, so by the chunk).
+    prefill_chunk: None (default) runs the whole padded prompt [B, P] through the target and the
+      MTP module in one call each. C >= 1 runs it in ceil(P / C) calls of min(C, P) tokens inside
+      one `jax.lax.fori_loop` (`jaxspec.loop.prefill`), so the prefill's activations and
+      DeepSeek-V4's rings (`jaxspec.cache_v4`, sized by the widest call) follow C instead of P.
+      Any C works: a chunk may end anywhere in a page or a compression block, as a verification
+      window does (each call re-closes the blocks that ended before it from the projection
+      rings). Greedy output equals the one-call prefill's up to rounding (token for token on the
+      tests' models); the chunks use the cached ("absorbed") attention form.
+    """
+
+    num_draft: int = 3
+    max_new_tokens: int = 64
+    eos_token_id: int | None = None
+    page_size: int = 64
+    max_cache_len: int | None = None
+    backend: str = "auto"
+    tree: StaticTree | DynamicTreeSpec | str | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    relaxed: tuple[int, float] | None = None
+    window_invariant: bool = False
+    prefill_chunk: int | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"DecodeConfig.num_draft={self.num_draft}: must be in [0, {MAX_DRAFT_TOKENS}]")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"DecodeConfig.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.page_size < 1:
+            raise ValueError(f"DecodeConfig.page_size={self.page_size}: must be >= 1")
+        if self.max_cache_len is not None and self.max_cache_len < 1:
+            raise ValueError(f"DecodeConfig.max_cache_len={self.max_cache_len}: must be >= 1 or None")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"DecodeConfig.backend={self.backend!r}: must be one of {BACKENDS}")
+        if not isinstance(self.window_invariant, bool):
+            raise ValueError(f"DecodeConfig.window_invariant={self.window_invariant!r}: must be True or False")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
+                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
+                             "integer >= 1 (tokens per prefill call)")
+        self._check_tree()
+        self._check_sampling()
+
+    def _check_tree(self):
+        if isinstance(self.tree, str):
+            object.__setattr__(self, "tree", parse_tree(self.tree))
+        if self.tree is None:
+            return
+        if not isinstance(self.tree, (StaticTree, DynamicTreeSpec)):
+            raise ValueError(f"DecodeConfig.tree={self.tree!r}: must be None, a StaticTree, a DynamicTreeSpec "
+                             "or a string for one")
+        if self.num_draft == 0:
+            raise ValueError("DecodeConfig.num_draft=0 means plain decoding, but a tree is given; "
+                             "use num_draft >= 1 (the tree decides the drafts)")
+
+    def _check_sampling(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"DecodeConfig.temperature={self.temperature}: must be a finite number >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"DecodeConfig.top_k={self.top_k}: must be >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"DecodeConfig.top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        for name, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0)):
+            if self.temperature == 0 and value != off:
+                raise ValueError(f"DecodeConfig.{name}={value} filters sampling, but temperature=0 is greedy; "
+                                 f"set temperature > 0 or leave {name} at {off}")
+        if self.relaxed is None:
+            return
+        if len(self.relaxed) != 2:
+            raise ValueError(f"DecodeConfig.relaxed={self.relaxed!r}: must be None or (top_k, delta)")
+        top_k, delta = self.relaxed
+        if int(top_k) != top_k or top_k < 1:
+            raise ValueError(f"DecodeConfig.relaxed top_k={top_k}: must be an integer >= 1")
+        if not 0 <= delta <= 1:
+            raise ValueError(f"DecodeConfig.relaxed delta={delta}: must be in [0, 1] (a probability gap)")
+        if self.temperature > 0:
+            raise ValueError(f"DecodeConfig.relaxed={self.relaxed!r} is a lossy variant of greedy acceptance; "
+                             f"it needs temperature=0, got {self.temperature}")
+        if self.num_draft == 0:
+            raise ValueError("DecodeConfig.relaxed needs drafts to accept; num_draft=0 is plain decoding")
+        object.__setattr__(self, "relaxed", (int(top_k), float(delta)))  # hashable, whatever was passed
+
+    @functools.cached_property
+    def draft_tree(self) -> StaticTree | DynamicTreeSpec | None:
+        """The tree drafted each step: `tree`, else the chain of num_draft drafts; None for plain decoding."""
+        if self.tree is not None:
+            return self.tree
+        return chain_tree(self.num_draft) if self.num_draft else None
+
+    @property
+    def window_size(self) -> int:
+        """N: tokens per verification window (the root plus the drafts)."""
+        return 1 if self.draft_tree is None else self.draft_tree.num_nodes
+
+    def prefill_width(self, prompt_width: int) -> int:
+        """Tokens per prefill call for a [B, prompt_width] prompt: all of them, or the chunk (at most
+        the prompt: a longer chunk would only add padding)."""
+        return prompt_width if self.prefill_chunk is None else min(self.prefill_chunk, prompt_width)
+
+    @property
+    def max_depth(self) -> int:
+        """D: the most drafts one step can accept (the depth of the tree)."""
+        return 0 if self.draft_tree is None else self.draft_tree.max_depth
+
+    def replace(self, **changes) -> "DecodeConfig":
+        return dataclasses.replace(self, **changes)
