@@ -22,8 +22,9 @@ weight is transposed from the checkpoint's [out, in] to our [in, out]:
         anything else (the decoder block)           -> mtp.block.<path>, as for a layer
 
 DeepSeek-V4 directories (`model_type` "deepseek_v4") hold DeepSeek's own names (`layers.{i}.attn.wq_a`,
-`mtp.0.e_proj`, `<module>.scale`, ...): `jaxspec.checkpoint_v4` renames them to transformers' (our
-V4 tree mirrors transformers' modules), and then
+`mtp.0.e_proj`, `<module>.scale`, ...) or the ones transformers' `save_pretrained` writes
+(`model.layers.{i}.attn.wq_a`, ...): `jaxspec.checkpoint_v4` renames them to transformers' modules
+(which our V4 tree mirrors), and then
 
     model.embed_tokens.weight, lm_head.weight, model.norm.weight -> as for V3
     model.hc_head.<p>                               -> hc_head.<p>

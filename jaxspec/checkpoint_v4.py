@@ -1,4 +1,5 @@
-"""DeepSeek-V4 checkpoint names: DeepSeek's (as released) -> transformers 5.23's -> our parameter paths.
+"""DeepSeek-V4 checkpoint names: DeepSeek's (as released) or transformers' `save_pretrained`'s ->
+transformers 5.23's module names -> our parameter paths.
 
 DeepSeek releases V4 (deepseek-ai/DeepSeek-V4-Flash, -Pro) under the module names of its own
 inference code (`inference/model.py`): `embed`, `head`, `layers.{i}.attn.wq_a`, `layers.{i}.ffn.experts.{e}.w1`,
@@ -37,6 +38,13 @@ Layout of the name (D = DeepSeek, T = transformers), block part (`layers.{i}.` o
 
 and top level: `embed` -> `model.embed_tokens`, `head` -> `lm_head`, `norm` -> `model.norm`,
 `hc_head_{fn,base,scale}` -> `model.hc_head.hc_{fn,base,scale}`, `layers.` -> `model.layers.`.
+
+transformers' `save_pretrained` writes a third form, which loads too: it runs its load renames
+backwards, so the blocks carry DeepSeek's module names under `model.layers.{i}.`, the head is
+`head.weight`, and the other top-level tensors keep transformers' names (`model.embed_tokens.weight`,
+`model.norm.weight`, `model.hc_head.*`). One rename does not invert: the attention's `kv_norm`
+comes back as `attn.norm` (the compressors' `norm` -> `kv_norm`, reversed), renamed here to
+`self_attn.kv_norm`. transformers has no V4 MTP module, so such a checkpoint has no `mtp.*`.
 """
 
 from __future__ import annotations
@@ -69,7 +77,10 @@ _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])")
 # The MTP module's own tensors (everything else under mtp.{i}. is its decoder block).
 _MTP_OWN = {"enorm": "enorm", "hnorm": "hnorm", "e_proj": "e_proj", "h_proj": "h_proj", "norm": "norm",
             "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
-_LAYER = re.compile(r"(layers|mtp)\.(\d+)\.(.+)")
+# Block modules only transformers' `save_pretrained` writes (module docstring).
+_SAVED_BLOCK = {"attn.norm": "self_attn.kv_norm"}
+_SAVED_LAYERS = "model.layers"
+_LAYER = re.compile(r"(model\.layers|layers|mtp)\.(\d+)\.(.+)")
 _LEAVES = (".weight", DEEPSEEK_SCALE)
 
 
@@ -96,13 +107,16 @@ def _split_leaf(name: str) -> tuple[str, str]:
 
 
 def to_transformers(name: str) -> str | None:
-    """DeepSeek's tensor name -> transformers 5.23's (per-expert, `mtp.{i}.` kept; module docstring).
+    """DeepSeek's tensor name, or the one transformers' `save_pretrained` writes, -> transformers
+    5.23's (per-expert, `mtp.{i}.` kept; module docstring).
 
     A scale (`<module>.scale`) maps to `<transformers module>.weight_scale_inv`. None for a name
-    DeepSeek's V4 layout does not have.
+    neither layout has.
     """
     if name in _TOP:
         return _TOP[name]
+    if name in _TOP.values():  # save_pretrained's top-level names are transformers' own
+        return name
     match = _LAYER.fullmatch(name)
     if match is None:
         return None
@@ -110,20 +124,21 @@ def to_transformers(name: str) -> str | None:
     module, leaf = _split_leaf(rest)
     if scope == "mtp" and module in _MTP_OWN:
         renamed = _MTP_OWN[module]
+    elif scope == _SAVED_LAYERS and module in _SAVED_BLOCK:
+        renamed = _SAVED_BLOCK[module]
     else:
         renamed = _block_module(module)
     if renamed is None:
         return None
     if leaf == DEEPSEEK_SCALE:
         leaf = ".weight" + fp8.SCALE_SUFFIX
-    return f"{'model.layers' if scope == 'layers' else 'mtp'}.{index}.{renamed}{leaf}"
+    return f"{'mtp' if scope == 'mtp' else _SAVED_LAYERS}.{index}.{renamed}{leaf}"
 
 
 def renamed_headers(tensors: Mapping[str, shards.TensorInfo]
                     ) -> tuple[dict[str, shards.TensorInfo], dict[str, str], list[str]]:
-    """A V4 checkpoint's headers under transformers' names -> (renamed tensors, transformers name ->
-    DeepSeek name, DeepSeek names with no V4 meaning). A checkpoint already in transformers' names
-    (`save_pretrained` of a converted model) is refused by the caller through the third list."""
+    """A V4 checkpoint's headers (DeepSeek's or `save_pretrained`'s names) under transformers' names
+    -> (renamed tensors, transformers name -> stored name, stored names with no V4 meaning)."""
     renamed, origin, unknown = {}, {}, []
     for name, info in tensors.items():
         new = to_transformers(name)

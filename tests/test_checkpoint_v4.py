@@ -1,9 +1,12 @@
 """DeepSeek-V4 checkpoints in DeepSeek's own layout: the names (against transformers 5.23's renames),
-V4's FP8 (e8m0 scales) and MXFP4 experts (against an independent decoding of the formats).
+V4's FP8 (e8m0 scales) and MXFP4 experts (against an independent decoding of the formats); and in
+the layout transformers' `save_pretrained` writes, decoded through the main job against transformers.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec import fp8
+from jaxspec import fp8, shards
 from jaxspec.checkpoint import load_hf_checkpoint, load_model
 from jaxspec.checkpoint_v4 import to_transformers
+from jaxspec.model_config import CSA, HCA, SLIDING
 from jaxspec.orbax_io import abstract_model, save_model
 from jaxspec.presets import preset
 from test_checkpoint import write_checkpoint
@@ -375,3 +379,44 @@ def test_fp8_experts_load_fp8_resident(released_v4, tmp_path):
     scale_params = {path: got[path + fp8.SCALE_SUFFIX] for path in kept}
     for path, value in from_deepseek(scale_params, scales).items():
         np.testing.assert_array_equal(got[path + fp8.SCALE_SUFFIX], value, err_msg=path)
+
+
+@pytest.mark.hf
+def test_transformers_saved_v4_decodes_like_transformers(tmp_path, capsys, monkeypatch):
+    """A tiny DeepseekV4ForCausalLM (sliding, CSA and HCA layers, hash-routed then learned MoE, 4 mHC
+    streams) on random weights, saved by transformers' `save_pretrained`, runs through the main job's
+    `--checkpoint` and decodes greedily token for token as transformers' `generate` does (its CSA
+    top-k with ties broken by index, as jax.lax.top_k breaks them: `test_v4_model._stable_topk`)."""
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV4ForCausalLM
+
+    from test_checkpoint import EXAMPLES
+    from test_v4_model import _stable_topk, hf_config, randomize
+
+    config = preset("tiny-v4", eos_token_id=None)  # no EOS: both decode the whole budget
+    assert set(config.layer_types) == {SLIDING, CSA, HCA} and set(config.mlp_layer_types) == {"hash_moe", "moe"}
+    assert config.hc_mult > 1
+    torch.manual_seed(0)
+    hf_model = DeepseekV4ForCausalLM(hf_config(config)).eval()
+    randomize(hf_model, 11, (config.vocab_size, config.n_routed_experts))
+    hf_model.save_pretrained(tmp_path)
+    assert any(".attn.wq_a." in name for name in shards.read_headers(tmp_path))  # transformers' saved layout
+
+    prompt_len, new_tokens = 23, 9  # past the 8-token sliding window and several CSA / HCA blocks
+    prompts = torch.randint(0, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(torch.Tensor, "topk", _stable_topk)
+    with torch.no_grad():
+        want = hf_model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[:, prompt_len:].tolist()
+
+    spec = importlib.util.spec_from_file_location("generate_example", EXAMPLES / "generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    capsys.readouterr()
+    ids = [",".join(map(str, row)) for row in prompts.tolist()]
+    script.main(["--checkpoint", str(tmp_path), "--prompt-ids", ids[0], "--prompt-ids", ids[1], "--mtp", "0",
+                 "--max-new-tokens", str(new_tokens), "--backend", "xla"])
+    out = capsys.readouterr()
+    assert "no MTP layer" in out.err  # transformers' V4 has no MTP module to save
+    rows = [line.split(" -> ")[1] for line in out.out.splitlines() if line.startswith("[")]
+    assert [ast.literal_eval(row) for row in rows] == want
