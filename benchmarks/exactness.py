@@ -15,13 +15,16 @@ if any window-invariant row differs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
 import jax
 
 from heldout import DEFAULT_CHECKPOINT, DTYPES, held_out_prompts
+from jaxspec import progress
 from jaxspec.decode_config import DecodeConfig
+from jaxspec.flags import checkpoint_dir
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 
@@ -40,7 +43,7 @@ def first_departures(rows: list[list[int]], reference: list[list[int]]) -> list[
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
+    parser.add_argument("--checkpoint", type=checkpoint_dir, default=DEFAULT_CHECKPOINT)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--backend", choices=["xla", "pallas"], nargs="+", default=["xla", "pallas"])
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -53,21 +56,20 @@ def main(argv=None) -> int:
     print(f"{'backend':>7}  {'window_invariant':>16}  {'draft':>5}  {'identical rows':>14}  {'seconds':>7}  "
           f"first departures")
     exact = True
-    for backend in args.backend:
-        for invariant in (False, True):
-            base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend=backend, num_draft=0,
-                                window_invariant=invariant)
-            result = generate(model, prompts, base)
-            reference = [result.row_tokens(b) for b in range(len(prompts))]
-            for label, draft in DRAFTS:
-                start = time.perf_counter()
-                result = generate(model, prompts, base.replace(**draft))
-                rows = [result.row_tokens(b) for b in range(len(prompts))]
-                seconds = time.perf_counter() - start
-                departures = first_departures(rows, reference)
-                exact &= not (invariant and departures)
-                print(f"{backend:>7}  {str(invariant):>16}  {label:>5}  {len(rows) - len(departures):>6} / "
-                      f"{len(rows):<5}  {seconds:>7.1f}  {departures or '-'}", flush=True)
+    for backend, invariant in progress.bar(list(itertools.product(args.backend, (False, True))), "settings"):
+        base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend=backend, num_draft=0,
+                            window_invariant=invariant)
+        result = generate(model, prompts, base)
+        reference = [result.row_tokens(b) for b in range(len(prompts))]
+        for label, draft in DRAFTS:
+            start = time.perf_counter()
+            result = generate(model, prompts, base.replace(**draft))
+            rows = [result.row_tokens(b) for b in range(len(prompts))]
+            seconds = time.perf_counter() - start
+            departures = first_departures(rows, reference)
+            exact &= not (invariant and departures)
+            print(f"{backend:>7}  {str(invariant):>16}  {label:>5}  {len(rows) - len(departures):>6} / "
+                  f"{len(rows):<5}  {seconds:>7.1f}  {departures or '-'}", flush=True)
     return 0 if exact else 1
 
 

@@ -48,8 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec import progress
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.flags import TREE_HELP, tree_spec
+from jaxspec.flags import TREE_HELP, checkpoint_dir, tree_spec
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
@@ -125,7 +126,7 @@ def measure(model, prompts: list[list[int]], config: DecodeConfig, repeats: int)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="a directory written by save_model")
+    parser.add_argument("--checkpoint", type=checkpoint_dir, default=DEFAULT_CHECKPOINT, help="a directory written by save_model")
     parser.add_argument("--prompts-per-file", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=96, help="bytes per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=160,
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     reference, base_rate, lossless = None, None, True
-    for label, config in drafts:
+    for label, config in progress.bar(drafts, "draft settings"):
         outputs, stats, seconds = measure(model, prompts, config, args.repeats)
         rate = sum(len(o) for o in outputs) / seconds
         if reference is None:

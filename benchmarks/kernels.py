@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import itertools
 import sys
 import time
 from typing import NamedTuple
@@ -38,15 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import progress
 from jaxspec.cache_v4 import ring_capacities
 from jaxspec.model_config import CSA, HCA, ModelConfig
-from jaxspec.presets import preset
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
+from jaxspec.presets import preset
 
 
 class Dims(NamedTuple):
@@ -335,12 +337,10 @@ def main(argv=None) -> int:
     print("-" * len(header))
 
     key = jax.random.key(0)
-    for batch in args.batch:
-        for context in args.context:
-            for queries in args.queries:
-                case = Case(batch, context, queries)
-                run_case(case, dims, v4, key, tuning, memory, copy_bw, args)
-                gc.collect()
+    cases = [Case(*point) for point in itertools.product(args.batch, args.context, args.queries)]
+    for case in progress.bar(cases, "cases"):
+        run_case(case, dims, v4, key, tuning, memory, copy_bw, args)
+        gc.collect()
     return 0
 
 

@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, gpu_or_smoke, timed
 
+from jaxspec import progress
 from jaxspec.models.moe import MoE, route
 from jaxspec.presets import preset
 
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
 
-    for num_tokens in args.tokens:
+    for num_tokens in progress.bar(args.tokens, "token counts"):
         x = jax.random.normal(jax.random.key(num_tokens), (1, num_tokens, dim), jnp.bfloat16)
         _, chosen = route(config, x[0], moe.gate_weight[...], moe.e_score_correction_bias[...])
         hit = len(np.unique(np.asarray(chosen)))

@@ -57,13 +57,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec import aot
+from jaxspec import aot, progress
 from jaxspec.aot.model import compile_model, depth_cost, reduced_depth
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.presets import preset
@@ -90,8 +89,8 @@ def target_peaks(target: str) -> tuple[float, float]:
     return bandwidth, 2 * fmas * units * cores * clock * 1e9  # an FMA is 2 flops
 
 
-def progress(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+def note(line: str) -> None:
+    progress.write(f"[{time.strftime('%H:%M:%S')}] {line}")
 
 
 def validate(layers: int, batch: int, context: int, drafts: int, devices) -> None:
@@ -99,11 +98,11 @@ def validate(layers: int, batch: int, context: int, drafts: int, devices) -> Non
     config = reduced_depth(preset("deepseek-v3.2"), layers)
     decode = DecodeConfig(num_draft=drafts, backend="pallas")
     point = dict(phase="decode", batch=batch, context=context, devices=devices)
-    projected = depth_cost(config, decode, **point, on_compile=lambda name, seconds: progress(
+    projected = depth_cost(config, decode, **point, on_compile=lambda name, seconds: note(
         f"validate {layers} layers: {name} compiled in {seconds:.0f} s"))
     compiled = compile_model(config, decode, **point)
     direct = aot.program_cost(compiled)
-    progress(f"validate {layers} layers: direct compile in {compiled.compile_seconds:.0f} s")
+    note(f"validate {layers} layers: direct compile in {compiled.compile_seconds:.0f} s")
     print(f"validate B={batch} ctx={context} k={drafts}, {layers} layers ({config.first_k_dense_replace} dense): "
           f"direct {direct.flops:.5e} flops {direct.bytes_accessed:.5e} bytes ({compiled.compile_seconds:.0f} s), "
           f"projected/direct - 1: flops {projected.flops / direct.flops - 1:+.1e}, "
@@ -153,17 +152,17 @@ def main() -> None:
     header = (f"{'B':>4} {'ctx':>6} {'k':>2} {'TFLOP':>8} {'GB':>8} {'coll GB':>7} {'compile s':>9} | {'gpu':>4} {'step ms':>8} "
               f"{'bound':>5} | {'len pub':>7} {'tok/s/row':>9} {'speedup':>7} | {'len ours':>8} {'tok/s/row':>9} {'speedup':>7}")
     print(header, flush=True)
-    for batch, context in itertools.product(args.batches, args.contexts):
+    for batch, context in progress.bar(list(itertools.product(args.batches, args.contexts)), "grid points"):
         plain = {}
         for drafts in sorted(args.drafts):
             point = f"B={batch} ctx={context} k={drafts}"
             try:
                 cost = depth_cost(full, DecodeConfig(num_draft=drafts, backend="pallas"), phase="decode", batch=batch,
                                   context=context, devices=devices, dtype=DTYPES[args.dtype], **sharded,
-                                  on_compile=lambda name, seconds: progress(f"{point}: {name} compiled in {seconds:.0f} s"))
+                                  on_compile=lambda name, seconds: note(f"{point}: {name} compiled in {seconds:.0f} s"))
             except jax.errors.JaxRuntimeError as failed:  # a point XLA cannot compile: say so, go on
                 reason = str(failed).splitlines()[0]
-                progress(f"{point}: compile failed: {reason}")
+                note(f"{point}: compile failed: {reason}")
                 print(f"{batch:>4} {context:>6} {drafts:>2} does not compile for sm_90a: {reason[:150]}", flush=True)
                 continue
             lengths = (accepted_length(args.acceptance ** j for j in range(1, drafts + 1)),

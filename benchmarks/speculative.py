@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxspec import progress
 from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, tree_spec
 from jaxspec.generation import GenerateResult, compile_generate
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     drafts = [(str(k), base.replace(num_draft=k)) for k in [0] + args.k]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     plain_tokens, plain_rate = None, None
-    for label, config in drafts:
+    for label, config in progress.bar(drafts, "draft settings"):
         seconds, result = measure(model, prompts, config, args.repeats)
         emitted = int(np.sum(result.num_tokens))
         best, median = emitted / min(seconds), emitted / statistics.median(seconds)

@@ -22,8 +22,9 @@ prompts get Python-flavoured text and most drafts are accepted. --random uses th
 `tiny-v3`) with random weights drawn from --seed instead: the text is noise and few drafts are
 accepted. `generate` is compiled ahead of time and run once to warm up, so the decode time excludes both.
 
---checkpoint runs a real model instead: a Hugging Face DeepSeek-V3 / V3.2 directory (safetensors,
-FP8 or not; loaded tensor by tensor) or one written by `jaxspec convert` (orbax, fast to restore).
+--checkpoint runs a real model instead: a Hugging Face DeepSeek-V3 / V3.2 / V4 directory (safetensors
+as DeepSeek releases them or as transformers' `save_pretrained` writes them, FP8 or not; loaded
+tensor by tensor) or one written by `jaxspec convert` (orbax, fast to restore).
 Its `tokenizer.json` encodes --prompt; a directory without one takes --prompt-ids and prints ids.
 """
 
@@ -40,11 +41,12 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxspec import sharding
+from jaxspec import progress, sharding
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
-from jaxspec.flags import TREE_HELP, add_model_flags, add_prefill_flag, positive_int, relaxed_spec, tree_spec
+from jaxspec.flags import (TREE_HELP, add_model_flags, add_prefill_flag, checkpoint_dir, positive_int, relaxed_spec,
+                           tree_spec)
 from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
 from jaxspec.models import DeepseekV3, model_class
@@ -106,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="several hosts: call jax.distributed.initialize() first (run the same command on "
                              "every host; the coordinator and process ids come from the cluster's environment, "
                              "e.g. SLURM, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
-    parser.add_argument("--checkpoint", metavar="DIR",
+    parser.add_argument("--checkpoint", metavar="DIR", type=checkpoint_dir,
                         help="run this checkpoint (Hugging Face safetensors, or a `jaxspec convert` output) "
                              "instead of the shipped model")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
@@ -224,7 +226,8 @@ def main(argv=None) -> None:
 
     start = time.perf_counter()
     try:
-        run = compile_generate(model, prompt_ids, config, key=args.sample_seed, mesh=mesh, plan=args.plan)
+        with progress.elapsed("compiling generate"):
+            run = compile_generate(model, prompt_ids, config, key=args.sample_seed, mesh=mesh, plan=args.plan)
     except ValueError as error:  # e.g. a mesh the model's experts or heads do not split over
         raise SystemExit(f"{error}") from None
     compile_s = time.perf_counter() - start

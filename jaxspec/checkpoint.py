@@ -51,8 +51,8 @@ mis-shaped tensors raise one `ValueError` listing them, so a load never half-suc
 are read one after the other, each tensor read, moved to the device and converted there (FP8
 dequantized, transposed, cast) before the next is touched: memory beyond the model itself stays
 at a few copies of the largest tensor, far below one shard (per-expert tensors are written into
-their stacked parameter in place, through a donated buffer). Progress goes to stderr, a line per
-shard.
+their stacked parameter in place, through a donated buffer). Progress goes to `log` (default:
+stderr), a line per shard, and to a bar of shards on stderr when it is a terminal (`jaxspec.progress`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ import functools
 import json
 import os
 import re
-import sys
 import time
 from typing import Callable, Mapping
 
@@ -71,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec import checkpoint_v4, fp8, sharding, shards
+from jaxspec import checkpoint_v4, fp8, progress, sharding, shards
 from jaxspec.mesh_loading import load_onto_mesh
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3
@@ -96,7 +95,7 @@ Array = jax.Array | np.ndarray
 
 
 def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    progress.write(line)
 
 
 # -- checkpoint layout -> ours --------------------------------------------------------------------
@@ -416,7 +415,7 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32, mesh:
         return _merged(graphdef, state, values)
     values: dict[str, jax.Array] = {}
     start = time.perf_counter()
-    for index, path in enumerate(files, 1):
+    for index, path in enumerate(progress.bar(files, "reading shards", unit="shard"), 1):
         shard_start, shard_bytes = time.perf_counter(), 0
         # File order keeps the reads sequential.
         for name, writes in sorted(by_file[path], key=lambda entry: tensors[entry[0]].start):

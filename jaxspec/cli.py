@@ -27,8 +27,9 @@ import time
 
 import jax.numpy as jnp
 
+from jaxspec import progress
 from jaxspec.checkpoint import load_hf_checkpoint
-from jaxspec.flags import add_prefill_flag
+from jaxspec.flags import add_prefill_flag, checkpoint_dir
 from jaxspec.orbax_io import save_model
 
 # --dtype choices. "fp8" keeps a checkpoint's float8_e4m3fn weights and their 128 x 128 block scales
@@ -50,7 +51,8 @@ def convert(src: str, dst: str, *, dtype=jnp.bfloat16) -> None:
     start = time.perf_counter()
     model = load_hf_checkpoint(src, dtype=dtype, log=_log)
     loaded = time.perf_counter()
-    save_model(model, dst)
+    with progress.elapsed(f"writing {dst}"):
+        save_model(model, dst)
     copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))]
     for name in copied:
         shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
@@ -88,9 +90,10 @@ def aot(args: argparse.Namespace) -> None:
     decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend, prefill_chunk=args.prefill_chunk)
     memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
     devices = instrument.gpu_devices(args.target, args.devices, hosts=args.hosts, **memory)
-    compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
-                             devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
-                             fail_on_spill=not args.allow_spills, mesh_shape=args.mesh, plan=args.plan)
+    with progress.elapsed(f"compiling the {args.phase} for {args.devices} x {args.target}"):
+        compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
+                                 devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
+                                 fail_on_spill=not args.allow_spills, mesh_shape=args.mesh, plan=args.plan)
     drafting = f"tree {args.tree}" if args.tree else (f"MTP chain k={args.mtp}" if args.mtp else "plain")
     mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
@@ -105,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     convert_parser = commands.add_parser(
         "convert", help="Hugging Face checkpoint directory -> orbax directory (fast to restore)",
-        description="Convert a Hugging Face DeepSeek-V3/V3.2 checkpoint (safetensors, FP8 or not) "
+        description="Convert a Hugging Face DeepSeek-V3/V3.2/V4 checkpoint (safetensors, FP8 or not) "
                     "into an orbax directory that restores quickly.")
-    convert_parser.add_argument("src", help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    convert_parser.add_argument("src", type=checkpoint_dir,
+                                help="Hugging Face checkpoint directory (config.json + *.safetensors)")
     convert_parser.add_argument("dst", help="output directory (config.json + params/ + tokenizer files)")
     convert_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                                 help=f"parameter dtype (default: bfloat16); {FP8_HELP}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from jaxspec.pallas_kernels.backend import BACKENDS
 from jaxspec.trees import STATIC_TREES, parse_tree
@@ -17,6 +18,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def checkpoint_dir(text: str) -> str:
+    """argparse type: a checkpoint directory, one that holds `config.json` (Hugging Face safetensors or
+    a `jaxspec convert` output); the error says which of the two it is not."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: {'not a directory' if os.path.exists(text) else 'no such directory'}")
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text}: no config.json in it, so not a checkpoint directory (Hugging Face "
+                                         "safetensors or a `jaxspec convert` output)")
+    return text
 
 
 def tree_spec(text: str) -> str:

@@ -58,6 +58,8 @@ def config_from_hf(source: str | os.PathLike | Mapping[str, Any], *, strict: boo
         path = os.fspath(source)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"config.json: {path} does not exist")
         with open(path) as f:
             raw = json.load(f)
     model_type = raw.get("model_type")

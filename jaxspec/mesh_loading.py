@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxspec import fp8, shards
+from jaxspec import fp8, progress, shards
 
 
 def _host_tensor(name: str, write, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int],
@@ -60,7 +60,7 @@ def load_onto_mesh(loads: Sequence[tuple[str, list]], tensors: Mapping[str, shar
 
     values, start, done_bytes = {}, time.perf_counter(), 0
     report_every = max(1, len(parts) // 10)
-    for count, (param, sources) in enumerate(parts.items(), 1):
+    for count, (param, sources) in enumerate(progress.bar(parts.items(), "loading parameters", unit="param"), 1):
         spec = specs[param]
         stacked = sources[0][1].expert is not None
         by_row = {w.expert: (name, w, scale) for name, w, scale in sources} if stacked else None

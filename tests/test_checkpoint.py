@@ -389,8 +389,9 @@ def test_convert_then_restore_is_identical(model, tmp_path, capsys):
     assert restored.config == model.config
     assert_same_params(restored, model)
     assert_same_params(load_model(tmp_path / "orbax", log=quiet), model)
-    assert cli.main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
-    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, naming SRC
+        cli.main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "nowhere: no such directory" in capsys.readouterr().err
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
