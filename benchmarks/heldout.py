@@ -2,7 +2,7 @@
 
     python benchmarks/heldout.py                                  # examples/checkpoints/tiny-stdlib
     python benchmarks/heldout.py --prompts-per-file 4 --max-new-tokens 256 --repeats 5
-    python benchmarks/heldout.py --dtype bfloat16 --window-invariant   # exact in bfloat16 (issue 14)
+    python benchmarks/heldout.py --dtype bfloat16 --window-invariant   # every row equal to k = 0's in bfloat16 too
 
 The prompts are byte windows of the files `examples/train_tiny.py` held out of training (listed in
 the checkpoint's `training.json`), starting at evenly spaced line starts. Every prompt is decoded

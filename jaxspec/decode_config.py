@@ -43,11 +43,10 @@ class DecodeConfig:
       flag, batch and prompts, for every k and tree, in bfloat16 as in float32: guaranteed on
       XLA's CPU backend (tests/test_exactness.py). Without it the guarantee holds only up to
       rounding: a window computes its tokens with matmul and reduction algorithms chosen for
-      k + 1 rows, so in bfloat16 a near-tie between two logits can resolve differently (measured:
-      11 of 12 held-out rows identical at k = 1, 10 of 12 at k = 3). Off by default: it costs
-      speed (`benchmarks/heldout.py --window-invariant`). On a GPU it was measured on an H100
-      (every held-out row identical, both backends; README) and is not a test; it reads the
-      weights once per window position, so it forfeits most of verification's saving there.
+      k + 1 rows, so in bfloat16 a near-tie between two logits can resolve differently. Off by
+      default: it costs speed (`benchmarks/heldout.py --window-invariant` measures both). On a
+      GPU no test pins it; it reads the weights once per window position there, so it forfeits
+      most of verification's saving.
       DeepSeek-V4 trees run each node as a one-token chain call (`models/v4_attention.py`); V4's
       attention reduces over its whole ring, so a plain and a speculative run compare bit for
       bit when their rings have one size (the prompt at least as wide as the window).

@@ -1,5 +1,6 @@
 """Window invariance: with `DecodeConfig(window_invariant=True)` greedy speculative decoding emits
-exactly the tokens of plain greedy decoding, in bfloat16 as in float32 (issue 14).
+exactly the tokens of plain greedy decoding, in bfloat16 as in float32, where without it a
+bfloat16 near-tie can resolve differently in a k + 1-token window than in a one-token step.
 
 The held-out prompts are those of `benchmarks/heldout.py` (shipped model, 12 line-start prompts of
 the held-out stdlib files), where bfloat16 rounding flips greedy near-ties unless every token's

@@ -272,10 +272,10 @@ def test_pallas_matches_reference(options):
 
 
 def test_pallas_token_alone_equals_token_in_window():
-    """Window invariance (issue 14): each token of a chain window gives bit for bit what it gives
-    alone in a one-token call after the tokens before it were committed (same ring, same entries):
-    tiles are anchored to absolute slots and entry numbers, and a tile a row sees nothing of
-    leaves its carry unchanged."""
+    """Window invariance (what keeps speculative greedy decoding exact in bfloat16): each token of a
+    chain window gives bit for bit what it gives alone in a one-token call after the tokens before
+    it were committed (same ring, same entries): tiles are anchored to absolute slots and entry
+    numbers, and a tile a row sees nothing of leaves its carry unchanged."""
     case = make_case(np.random.default_rng(8), batch=2, num_queries=4, heads=4, dim=32, window=40, ring_pages=12,
                      compressed="count", extra=2)
     args, kwargs = case.args(jnp.float32)

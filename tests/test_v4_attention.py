@@ -209,7 +209,8 @@ def test_causal_and_chain_windows_equal_recompute(kind):
 
 def test_window_invariant_chain_equals_single_steps():
     """window_invariant=True: a CSA window of 5 tokens is bit for bit the same tokens decoded one by
-    one (issue 14), cache included; 13..17 closes entry 3 inside the window."""
+    one, cache included (so speculative greedy decoding is exact in bfloat16 too); 13..17 closes
+    entry 3 inside the window."""
     model, x = model_for(CSA), inputs(2, 18)
     _, cache = chunked(model, CSA, x, [13, 13])
     window, window_cache = run(model, CSA, x[:, 13:18], [13, 13], [5, 5], cache, window_invariant=True)

@@ -206,7 +206,7 @@ def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
     indexer scores an entry exactly 0 whenever all its heads' q.k are negative (often, with two
     random heads), and torch.topk's order among tied zeros depends on the length of the call:
     that, not the formulas, is what made transformers' CSA layers look inconsistent between a
-    prefix and a longer forward (/work/notes/v4_research.md (d))."""
+    prefix and a longer forward."""
     values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
     return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
