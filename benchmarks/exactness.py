@@ -27,6 +27,7 @@ from jaxspec.decode_config import DecodeConfig
 from jaxspec.flags import checkpoint_dir
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
+from jaxspec.platforms import use_cpu_without_nvidia_driver
 
 DRAFTS = [("k=1", dict(num_draft=1)), ("k=2", dict(num_draft=2)), ("k=3", dict(num_draft=3)),
           ("k=4", dict(num_draft=4)), ("small", dict(num_draft=1, tree="small")), ("4,3,8", dict(num_draft=1, tree="4,3,8"))]
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=["xla", "pallas"], nargs="+", default=["xla", "pallas"])
     parser.add_argument("--max-new-tokens", type=int, default=160)
     args = parser.parse_args(argv)
+    use_cpu_without_nvidia_driver()
 
     model = restore_model(args.checkpoint, dtype=DTYPES[args.dtype])
     prompts = held_out_prompts(args.checkpoint)

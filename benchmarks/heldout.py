@@ -53,6 +53,7 @@ from jaxspec.decode_config import DecodeConfig
 from jaxspec.flags import TREE_HELP, checkpoint_dir, tree_spec
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
+from jaxspec.platforms import use_cpu_without_nvidia_driver
 from jaxspec.pallas_kernels import Visibility
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window-invariant", action="store_true",
                         help="DecodeConfig(window_invariant=True): every token computed as if alone in its call")
     args = parser.parse_args(argv)
+    use_cpu_without_nvidia_driver()
 
     model = restore_model(args.checkpoint, dtype=DTYPES[args.dtype])
     files = held_out_files(args.checkpoint)

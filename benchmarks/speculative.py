@@ -44,6 +44,7 @@ from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
 from jaxspec.flags import TREE_HELP, add_model_flags, positive_int, tree_spec
 from jaxspec.generation import GenerateResult, compile_generate
 from jaxspec.models import DeepseekV3, model_class
+from jaxspec.platforms import use_cpu_without_nvidia_driver
 from jaxspec.presets import preset
 from jaxspec.train import train
 from jaxspec.trees import parse_tree
@@ -122,6 +123,7 @@ def measure(model: DeepseekV3, prompts: np.ndarray, config: DecodeConfig,
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    use_cpu_without_nvidia_driver()
     model = build_model(args)
     prompts = windows(phrase_stream(args.seed + 1, 10_000), np.random.default_rng(args.seed + 1),
                       args.batch, args.prompt_len)

@@ -51,6 +51,7 @@ from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
 from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import restore_model
+from jaxspec.platforms import use_cpu_without_nvidia_driver
 from jaxspec.pallas_kernels.backend import resolve_backend
 from jaxspec.presets import preset
 from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
@@ -189,6 +190,7 @@ def encode(prompt: str | list[int], tokenizer: Tokenizer | None, args: argparse.
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    use_cpu_without_nvidia_driver()
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     if args.distributed:

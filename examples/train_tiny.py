@@ -36,6 +36,7 @@ from flax import nnx
 
 from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import save_model
+from jaxspec.platforms import use_cpu_without_nvidia_driver
 from jaxspec.presets import preset
 from jaxspec.tokenizer import ByteTokenizer
 from jaxspec.train import indexer_kl_loss, losses, train
@@ -101,6 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help="checkpoint directory (replaced)")
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
+    use_cpu_without_nvidia_driver()
 
     names = corpus_files()
     stream = token_stream(names)

@@ -31,6 +31,7 @@ from jaxspec import progress
 from jaxspec.checkpoint import load_hf_checkpoint
 from jaxspec.flags import add_prefill_flag, checkpoint_dir
 from jaxspec.orbax_io import save_model
+from jaxspec.platforms import use_cpu_without_nvidia_driver
 
 # --dtype choices. "fp8" keeps a checkpoint's float8_e4m3fn weights and their 128 x 128 block scales
 # as they are, computing in bfloat16 (`jaxspec.fp8`); "bfloat16" / "float32" dequantize them.
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                             help="compile for devices with this much memory (default: the target's); a large "
                                  "value keeps XLA from recomputing values to fit, for costing")
     args = parser.parse_args(argv)
+    use_cpu_without_nvidia_driver()
     try:
         if args.command == "aot":
             if args.tree is not None and args.mtp == 0:

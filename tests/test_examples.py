@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec.platforms import cuda_plugin_installed
 from virtual_devices import virtual_devices_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,21 +43,35 @@ def compile_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("compile-cache")
 
 
+# A user's host with JAX's CUDA plugin (the test command installs it) and no NVIDIA driver: no
+# platform named, and no device visible even where a GPU is (so the run stays on the CPU everywhere).
+NO_DRIVER_ENV = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, "CUDA_VISIBLE_DEVICES": ""}
+# The control: plain JAX in that environment, to show that it has the plugin and no driver.
+JAX_ALONE = ["-c", "import jax; print(jax.devices())"]
+
+
 @pytest.fixture(scope="module")
-def outputs(compile_cache):
-    """Each run's stdout, by name; a failed run fails the tests with its stderr."""
+def runs(compile_cache) -> dict[str, subprocess.CompletedProcess]:
+    """Each run's result, by name; a failed run fails the tests with its stderr. The main job (mtp3)
+    and the control run in NO_DRIVER_ENV."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    runs = {**RUNS, "mtp3": [*RUNS["mtp3"], "--compile-cache", compile_cache]}
-    mesh_env = virtual_devices_env(4)
+    argvs = {**RUNS, "mtp3": [*RUNS["mtp3"], "--compile-cache", compile_cache], "jax alone": JAX_ALONE}
+    envs = {"mtp3": NO_DRIVER_ENV, "jax alone": NO_DRIVER_ENV, "mtp0 on a mesh": virtual_devices_env(4)}
     procs = {name: subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=mesh_env if "mesh" in name else env)
-             for name, argv in runs.items()}
+                                    stderr=subprocess.PIPE, text=True, env=envs.get(name, env))
+             for name, argv in argvs.items()}
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"{name} failed:\n{err}"
-        results[name] = out
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return results
+
+
+@pytest.fixture(scope="module")
+def outputs(runs) -> dict[str, str]:
+    """Each run's stdout, by name."""
+    return {name: run.stdout for name, run in runs.items()}
 
 
 def _rows(output: str) -> list[str]:
@@ -112,6 +127,18 @@ def test_generate_reports_speed_and_acceptance_apart_from_compilation(outputs):
 @pytest.mark.slow
 def test_generate_keeps_its_compiled_programs_in_the_compile_cache(outputs, compile_cache):
     assert any(compile_cache.iterdir()), "--compile-cache wrote nothing"
+
+
+@pytest.mark.slow
+def test_generate_on_a_host_without_a_driver_prints_no_cuda_traceback(runs):
+    """With JAX's CUDA plugin installed and no NVIDIA driver, plain JAX logs the plugin's failed
+    `cuInit` as a traceback on every run; the main job picks the CPU first and prints none."""
+    if not cuda_plugin_installed():
+        pytest.skip("JAX's CUDA plugin is not installed (the README's test command installs it)")
+    assert "Jax plugin configuration error" in runs["jax alone"].stderr, runs["jax alone"].stderr
+    stderr = runs["mtp3"].stderr
+    assert "Traceback" not in stderr and "Jax plugin configuration error" not in stderr, stderr
+    assert "CpuDevice" in runs["jax alone"].stdout
 
 
 @pytest.mark.slow

@@ -1,12 +1,14 @@
-"""The public API as a user meets it: `from jaxspec import ...`, `help(jaxspec)`, the README.
+"""The public API as a user meets it: `from jaxspec import ...`, `help(jaxspec)`, the docs.
 
-Every Python block of README.md runs here exactly as written, and every command its shell blocks
-show for a script (`python path/to/script.py ...`, `jaxspec ...`) starts and answers `--help`, so
-an edit that breaks an example fails a test.
+Every Python block of README.md and of docs/*.md runs here exactly as written, every command their
+shell blocks show for a script (`python path/to/script.py ...`, `jaxspec ...`) starts and answers
+`--help`, and every link between them names a file (and heading) that exists, so an edit that
+breaks an example or moves a page fails a test. README.md stays short enough to read on a screen.
 """
 
 from __future__ import annotations
 
+import glob
 import inspect
 import os
 import pydoc
@@ -21,10 +23,17 @@ import jaxspec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
+PAGES = [README, *sorted(glob.glob(os.path.join(DOCS, "*.md")))]
+README_MAX_CHARS = 12_000
 
 
-def readme_blocks(language: str) -> list[str]:
-    with open(README) as f:
+def page_id(path: str) -> str:
+    return os.path.relpath(path, REPO)
+
+
+def code_blocks(path: str, language: str) -> list[str]:
+    with open(path) as f:
         text = f.read()
     return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
 
@@ -86,17 +95,28 @@ def test_docstring_names_every_argument(name):
     assert not missing, f"the docstring of {name} does not say what {missing} are"
 
 
-def test_readme_python_blocks_run_as_written():
-    blocks = readme_blocks("python")
-    assert blocks, "README.md has no python block"
-    for block in blocks:
-        exec(compile(block, README, "exec"), {"__name__": "readme"})
+def test_readme_fits_on_a_screen():
+    """What jaxspec is, setting it up, using it and its guarantees; the rest lives in docs/."""
+    with open(README) as f:
+        size = len(f.read())
+    assert size <= README_MAX_CHARS, f"README.md has {size:,} characters (at most {README_MAX_CHARS:,}): move detail to docs/"
 
 
-def readme_commands() -> list[str]:
-    """The script commands of README.md's shell blocks: `python <file>.py ...` and `jaxspec ...`."""
+def test_readme_and_docs_have_python_blocks():
+    assert code_blocks(README, "python"), "README.md has no python block"
+    assert len(PAGES) > 1, "docs/ has no page"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p, "python")], ids=page_id)
+def test_python_blocks_run_as_written(page):
+    for block in code_blocks(page, "python"):
+        exec(compile(block, page, "exec"), {"__name__": "docs"})
+
+
+def shell_commands(page: str) -> list[str]:
+    """The script commands of a page's shell blocks: `python <file>.py ...` and `jaxspec ...`."""
     commands = []
-    for block in readme_blocks("bash"):
+    for block in code_blocks(page, "bash"):
         for line in block.splitlines():
             for command in line.split("#")[0].split("&&"):
                 words = command.split()
@@ -109,14 +129,16 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def test_readme_shows_the_main_job_and_benchmarks():
-    commands = readme_commands()
-    assert "python examples/generate.py" in commands
-    assert any(c.startswith("python benchmarks/") for c in commands)
+ALL_COMMANDS = sorted({command for page in PAGES for command in shell_commands(page)})
 
 
-@pytest.mark.parametrize("command", sorted(set(readme_commands())))
-def test_readme_command_answers_help(command, monkeypatch, capsys):
+def test_readme_shows_the_main_job_and_docs_the_benchmarks():
+    assert "python examples/generate.py" in shell_commands(README)
+    assert any(c.startswith("python benchmarks/") for c in shell_commands(os.path.join(DOCS, "benchmarks.md")))
+
+
+@pytest.mark.parametrize("command", ALL_COMMANDS)
+def test_command_answers_help(command, monkeypatch, capsys):
     """Run as `python` would run it (`runpy`: the script as __main__, its directory first on the
     path; `jaxspec` is the console script's module), in this process: a subprocess per command
     cost ~4 s of CPU each, mostly importing JAX again."""
@@ -133,3 +155,41 @@ def test_readme_command_answers_help(command, monkeypatch, capsys):
         run()
     assert exited.value.code in (0, None), capsys.readouterr().err[-2000:]
     assert "usage:" in capsys.readouterr().out
+
+
+def heading_anchors(path: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces -> '-'."""
+    with open(path) as f:
+        headings = re.findall(r"^#+ (.+)$", f.read(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def links(page: str) -> list[tuple[str, str]]:
+    """(file, anchor) of each relative markdown link of a page, and of each `docs/NAME.md` it names;
+    the file relative to the repository, anchor '' where none."""
+    with open(page) as f:
+        text = f.read()
+    found = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        path = os.path.join(os.path.dirname(page), path) if path else page
+        found.append((os.path.relpath(os.path.normpath(path), REPO), anchor))
+    found += [(name, "") for name in re.findall(r"(?<![\w/.])docs/[\w.-]+\.md", text)]
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_links_name_pages_that_exist(page):
+    """A link to a page (or heading) that does not exist, or not yet, is a broken promise."""
+    broken = [f"{path}#{anchor}" if anchor else path for path, anchor in links(page)
+              if not os.path.exists(os.path.join(REPO, path))
+              or anchor and anchor not in heading_anchors(os.path.join(REPO, path))]
+    assert not broken, f"{page_id(page)} links to {broken}"
+
+
+def test_every_docs_page_is_in_the_index():
+    index = {path for path, _ in links(os.path.join(DOCS, "README.md"))}
+    missing = [page_id(p) for p in PAGES[1:] if page_id(p) not in index and not p.endswith("README.md")]
+    assert not missing, f"docs/README.md does not list {missing}"
