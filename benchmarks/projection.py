@@ -49,7 +49,7 @@ Accepted length (tokens per target call), two columns:
     chaining its one MTP module), assume each further draft is accepted with the same 0.875
     given its predecessor: 1 + p + ... + p^k. Override with --acceptance.
   * ours: the shipped tiny-stdlib model's measured per-position acceptance 0.89 / 0.42 / 0.36
-    (README, `examples/generate.py --mtp 3`): 1 + a_1 + ... + a_k. Override with --measured.
+    (docs/performance.md, `examples/generate.py --mtp 3`): 1 + a_1 + ... + a_k. Override with --measured.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main() -> None:
     for target, (bandwidth, flops) in peaks.items():
         print(f"  {target}: HBM {bandwidth / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s (XLA GpuTargetConfig)")
     print(f"  accepted length: published p = {args.acceptance} per draft (DeepSeek-V3 report, section 5.4.3); "
-          f"ours = 1 + {' + '.join(map(str, args.measured))} (tiny-stdlib model, README)")
+          f"ours = 1 + {' + '.join(map(str, args.measured))} (tiny-stdlib model, docs/performance.md)")
     header = (f"{'B':>4} {'ctx':>6} {'k':>2} {'TFLOP':>8} {'GB':>8} {'coll GB':>7} {'compile s':>9} | {'gpu':>4} {'step ms':>8} "
               f"{'bound':>5} | {'len pub':>7} {'tok/s/row':>9} {'speedup':>7} | {'len ours':>8} {'tok/s/row':>9} {'speedup':>7}")
     print(header, flush=True)
