@@ -77,9 +77,9 @@ _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])")
 # The MTP module's own tensors (everything else under mtp.{i}. is its decoder block).
 _MTP_OWN = {"enorm": "enorm", "hnorm": "hnorm", "e_proj": "e_proj", "h_proj": "h_proj", "norm": "norm",
             "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
-# Block modules only transformers' `save_pretrained` writes (module docstring).
+# Block modules only transformers' `save_pretrained` writes (module docstring), under its layer prefix.
 _SAVED_BLOCK = {"attn.norm": "self_attn.kv_norm"}
-_SAVED_LAYERS = "model.layers"
+_LAYERS = "model.layers"
 _LAYER = re.compile(r"(model\.layers|layers|mtp)\.(\d+)\.(.+)")
 _LEAVES = (".weight", DEEPSEEK_SCALE)
 
@@ -124,7 +124,7 @@ def to_transformers(name: str) -> str | None:
     module, leaf = _split_leaf(rest)
     if scope == "mtp" and module in _MTP_OWN:
         renamed = _MTP_OWN[module]
-    elif scope == _SAVED_LAYERS and module in _SAVED_BLOCK:
+    elif scope == _LAYERS and module in _SAVED_BLOCK:
         renamed = _SAVED_BLOCK[module]
     else:
         renamed = _block_module(module)
@@ -132,7 +132,7 @@ def to_transformers(name: str) -> str | None:
         return None
     if leaf == DEEPSEEK_SCALE:
         leaf = ".weight" + fp8.SCALE_SUFFIX
-    return f"{'mtp' if scope == 'mtp' else _SAVED_LAYERS}.{index}.{renamed}{leaf}"
+    return f"{'mtp' if scope == 'mtp' else _LAYERS}.{index}.{renamed}{leaf}"
 
 
 def renamed_headers(tensors: Mapping[str, shards.TensorInfo]
