@@ -74,15 +74,18 @@ def target_of(device) -> str:
 
 def fitting_layers(config, decode: DecodeConfig, batch: int, memory: int | None) -> int:
     """Decoder layers (1 dense + MoE) of `config` the device holds at `batch` rows under `decode`:
-    the most, up to the config's depth, whose `plan_memory` total stays within FILL of `memory`
-    (None, the CPU: the smallest model, 1 + MIN_MOE_LAYERS). Raises ValueError when even that does
-    not fit."""
+    the most, up to the config's depth, whose `plan_memory` resident bytes and step temporaries
+    (no prefill runs here) stay within FILL of `memory` (None, the CPU: the smallest model,
+    1 + MIN_MOE_LAYERS). Raises ValueError when even that does not fit."""
     smallest = min(1 + MIN_MOE_LAYERS, config.num_hidden_layers)
     if memory is None:
         return smallest
-    fits = [layers for layers in range(smallest, config.num_hidden_layers + 1)
-            if plan_memory(shallow(config, layers), decode, batch=batch, prompt_len=1, dtype=FP8).total
-            <= FILL * memory]
+
+    def needed(layers: int) -> int:
+        plan = plan_memory(shallow(config, layers), decode, batch=batch, prompt_len=1, dtype=FP8)
+        return plan.resident + plan.step_temp
+
+    fits = [layers for layers in range(smallest, config.num_hidden_layers + 1) if needed(layers) <= FILL * memory]
     if not fits:
         raise ValueError(f"{smallest} layers of {config.model_type} at batch {batch} do not fit "
                          f"{FILL:.0%} of {memory / 2**30:.1f} GiB")

@@ -7,8 +7,9 @@ projection, written to OUT/report.json and OUT/report.md.
     python benchmarks/gpu_report.py --out /tmp/smoke --smoke                # every part at tiny sizes, any machine
 
 Parts, in order (each runs as its own subprocess, so this process never holds the GPU):
-  suite      pytest on the GPU (`-n --workers`), in chunks of test modules heaviest first, each
-             module's outcome recorded as its chunk ends (smoke: `--collect-only` of one module);
+  suite      pytest on the GPU (`-n --workers`), in chunks of --suite-chunk test modules heaviest
+             first, each module's outcome recorded as its chunk ends (smoke: `--collect-only` of
+             one module);
   kernels    benchmarks/kernels.py (V3.2 and V4 attention ops) at B 1, 8, 32, context 4096, Q 1, 4;
   moe        benchmarks/moe.py (one V3.2 MoE layer, 8 to 1024 tokens);
   matmuls    benchmarks/matmuls.py (bf16 and FP8 linear layers at decode shapes);
@@ -19,7 +20,8 @@ Parts, in order (each runs as its own subprocess, so this process never holds th
 
 Resuming: every finished unit (a test module, a benchmark, an e2e point) goes into OUT/report.json
 at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
-same kind of device skips what is there, so a run cut short loses only the unit in flight.
+same kind of device skips what is there, so a run cut short loses only the unit in flight
+(`--retry-failed` runs the failed units again, after a fix; `--redo` everything).
 `--deadline` (seconds) stops starting units near the end of a time limit; what is left is listed.
 OUT/report.md is rewritten from the JSON at the end of every run.
 
@@ -38,13 +40,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 
-from projection import target_peaks
+from projection import load_calibration, target_peaks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
@@ -66,8 +69,10 @@ BENCHMARK_UNITS = {
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
                     "2", "--max-new-tokens", "2", "--json", "{json}"])],
 }
+# (smoke: k = 3 only, on a random tiny model: the part's code path once, at the least CPU)
 MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-new-tokens", "96"],
-                  ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k), "--max-new-tokens", "2"])
+                  None if k == 0 else ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k),
+                                       "--max-new-tokens", "2"])
                  for k in (0, 3)]
 # Which benchmark rows calibrate which op class: (part, op name prefix, impl).
 CLASS_ROWS = {"attention": [("kernels", ("mla_attention", "sparse_mla", "indexer_scores"), "pallas")],
@@ -94,9 +99,10 @@ class Report:
     """report.json: {"runs": [...], "devices": {device: {unit: record}}, "calibration": {...}},
     written after every change (to a temporary file, then renamed: never half written)."""
 
-    def __init__(self, out: str, device: str):
+    def __init__(self, out: str, device: str, retry_failed: bool = False):
         self.path = os.path.join(out, "report.json")
         self.device = device
+        self.retry_failed = retry_failed
         self.data = {"runs": [], "devices": {}}
         if os.path.exists(self.path):
             with open(self.path) as f:
@@ -104,10 +110,12 @@ class Report:
         self.units = self.data["devices"].setdefault(device, {})
 
     def has(self, unit: str) -> bool:
-        return unit in self.units
+        """Whether `unit` is recorded for this device (and, with retry_failed, succeeded)."""
+        return unit in self.units and (not self.retry_failed or self.units[unit]["ok"])
 
-    def record(self, unit: str, value: dict) -> None:
-        self.units[unit] = {**value, "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    def record(self, unit: str, value: dict, ok: bool) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.units[unit] = {**value, "ok": ok, "recorded": now}
         self.save()
 
     def save(self) -> None:
@@ -137,13 +145,17 @@ def run(argv: list[str], clock: Clock, env: dict | None = None) -> dict:
         argv = [sys.executable, *argv]
     start = time.monotonic()
     timeout = clock.left()
+    # Its own process group, so that at the deadline its children (pytest-xdist's workers) go too:
+    # a surviving child would hold the output pipe open and this call would never return.
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
     try:
-        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env,
-                              timeout=None if timeout is None else max(timeout, 1.0))
-        output, code, timed_out = done.stdout + done.stderr, done.returncode, False
-    except subprocess.TimeoutExpired as stopped:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-        output, code, timed_out = text(stopped.stdout) + text(stopped.stderr), None, True
+        output, _ = process.communicate(timeout=None if timeout is None else max(timeout, 1.0))
+        code, timed_out = process.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        code, timed_out = None, True
     return {"returncode": code, "seconds": time.monotonic() - start, "output": output[-TAIL:], "timed_out": timed_out}
 
 
@@ -215,12 +227,14 @@ def part_suite(report: Report, clock: Clock, args) -> None:
         for module in chunk:
             found = outcomes.get(module, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
                                           "skips": []})
-            if args.smoke:
-                found["collected_only"] = True
+            if args.smoke:  # --collect-only writes no test cases: count what it collected
+                collected = re.search(r"(\d+) tests? collected", result["output"])
+                found["collected_only"] = int(collected.group(1)) if collected else 0
             if result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
                 found["failed"] += 1
                 found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
-            report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]})
+            report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]},
+                          ok=not found["failed"])
 
 
 def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
@@ -234,12 +248,12 @@ def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
             rows = json.load(open(rows_path)) if os.path.exists(rows_path) else None
         progress(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
         if not result["timed_out"]:
-            report.record(unit, {**result, "json": rows})
+            report.record(unit, {**result, "json": rows}, ok=result["returncode"] == 0 and rows is not None)
 
 
 def part_mainjob(report: Report, clock: Clock, args) -> None:
     for unit, argv, smoke_argv in MAINJOB_UNITS:
-        if report.has(f"mainjob/{unit}") or clock.expired(30):
+        if report.has(f"mainjob/{unit}") or clock.expired(30) or (args.smoke and smoke_argv is None):
             continue
         result = run(smoke_argv if args.smoke else argv, clock, child_env(args.smoke))
         progress(f"mainjob {unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
@@ -248,7 +262,7 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
                   ("compile_s", r"compile\s+([\d.]+) s"))}
         parsed = {key: float(m.group(1).replace(",", "")) if m else None for key, m in found.items()}
         if not result["timed_out"]:
-            report.record(f"mainjob/{unit}", {**result, **parsed})
+            report.record(f"mainjob/{unit}", {**result, **parsed}, ok=result["returncode"] == 0)
 
 
 def part_e2e(report: Report, clock: Clock, args) -> None:
@@ -257,8 +271,12 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
     if not missing or clock.expired(60):
         return
     argv = ["benchmarks/e2e_step.py", "--points", *[f"{b},{k}" for b, k in missing]] + (["--smoke"] if args.smoke else [])
-    if report.data.get("calibration", {}).get("device") == report.device:
-        argv += ["--calibration", report.path]
+    if (report.data.get("calibration") or {}).get("device") == report.device:
+        try:
+            load_calibration(report.path)
+            argv += ["--calibration", report.path]
+        except ValueError as unusable:  # a benchmark's byte count over its real traffic, say: say so, go on
+            progress(f"e2e: calibrated column left out: {unusable}")
     with tempfile.TemporaryDirectory() as scratch:
         points_path = os.path.join(scratch, "e2e.json")
         left = clock.left()
@@ -271,9 +289,9 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
         measured = json.load(open(points_path)) if os.path.exists(points_path) else {}
     progress(f"e2e: {len(measured)} of {len(missing)} points in {result['seconds']:.0f} s, exit {result['returncode']}")
     for key, point in measured.items():
-        report.record(f"e2e/B={point['batch']},k={point['drafts']}", point)
+        report.record(f"e2e/B={point['batch']},k={point['drafts']}", point, ok=True)
     if result["returncode"] not in (0, None) or result["timed_out"]:
-        report.record(f"e2e/failed run {len(report.data['runs'])}", {**result, "missing": missing})
+        report.record(f"e2e/failed run {len(report.data['runs'])}", {**result, "missing": missing}, ok=False)
 
 
 # --- calibration and the markdown report ---------------------------------------------------------
@@ -427,14 +445,19 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                         help="start no unit after this many seconds (what is left is listed)")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers of the suite part")
-    parser.add_argument("--suite-chunk", type=int, default=12, help="test modules per pytest run (recorded as it ends)")
+    parser.add_argument("--suite-chunk", type=int, default=None,
+                        help="test modules per pytest run, recorded as it ends (default: --workers, so a chunk "
+                             "takes as long as its heaviest module)")
     parser.add_argument("--redo", action="store_true", help="measure again what the report holds for this device")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="run again the units that failed (a benchmark's error, a test module's failures)")
     args = parser.parse_args(argv)
+    args.suite_chunk = args.suite_chunk or args.workers
     if args.workers < 1 or args.suite_chunk < 1:
         parser.error("--workers and --suite-chunk must be >= 1")
     os.makedirs(args.out, exist_ok=True)
     device = device_name() + (" (smoke)" if args.smoke else "")
-    report = Report(args.out, device)
+    report = Report(args.out, device, args.retry_failed)
     if args.redo:
         report.units.clear()
     clock = Clock(args.deadline)
