@@ -102,7 +102,8 @@ def fp8_tiny() -> DeepseekV3:
 @pytest.fixture(scope="session")
 def h100():
     """One abstract H100 SXM for compiling GPU programs on this host (`jaxspec.aot`); skips with
-    the instrument's reason (the CUDA plugin is missing, or the run lacks JAX_PLATFORMS=cpu)."""
+    the instrument's reason (the CUDA plugin is missing, or the run lacks JAX_PLATFORMS=cpu). On a
+    GPU host the plugin registers anyway, and the deviceless compiles run there too."""
     from jaxspec import aot
     try:
         return aot.gpu_devices("h100")
