@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 
@@ -48,30 +49,42 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--backend", choices=["xla", "pallas"], nargs="+", default=["xla", "pallas"])
     parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--prompts", type=int, default=None, help="only the first N held-out prompts")
+    parser.add_argument("--drafts", nargs="+", choices=[label for label, _ in DRAFTS],
+                        default=[label for label, _ in DRAFTS], help="the draft settings to compare")
+    parser.add_argument("--invariant-only", action="store_true", help="only window_invariant=True")
+    parser.add_argument("--json", metavar="PATH", help="also write every printed row here")
     args = parser.parse_args(argv)
     use_cpu_without_nvidia_driver()
 
     model = restore_model(args.checkpoint, dtype=DTYPES[args.dtype])
-    prompts = held_out_prompts(args.checkpoint)
+    prompts = held_out_prompts(args.checkpoint)[:args.prompts]
     print(f"{len(prompts)} prompts, batch {len(prompts)}, {args.max_new_tokens} new tokens, {args.dtype}, "
           f"{jax.default_backend()} ({jax.devices()[0].device_kind})")
     print(f"{'backend':>7}  {'window_invariant':>16}  {'draft':>5}  {'identical rows':>14}  {'seconds':>7}  "
           f"first departures")
     exact = True
-    for backend, invariant in progress.bar(list(itertools.product(args.backend, (False, True))), "settings"):
+    measured = []
+    invariants = (True,) if args.invariant_only else (False, True)
+    for backend, invariant in progress.bar(list(itertools.product(args.backend, invariants)), "settings"):
         base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend=backend, num_draft=0,
                             window_invariant=invariant)
         result = generate(model, prompts, base)
         reference = [result.row_tokens(b) for b in range(len(prompts))]
-        for label, draft in DRAFTS:
+        for label, draft in [(label, draft) for label, draft in DRAFTS if label in args.drafts]:
             start = time.perf_counter()
             result = generate(model, prompts, base.replace(**draft))
             rows = [result.row_tokens(b) for b in range(len(prompts))]
             seconds = time.perf_counter() - start
             departures = first_departures(rows, reference)
             exact &= not (invariant and departures)
+            measured.append(dict(backend=backend, window_invariant=invariant, draft=label, rows=len(rows),
+                                 identical=len(rows) - len(departures), first_departures=departures))
             print(f"{backend:>7}  {str(invariant):>16}  {label:>5}  {len(rows) - len(departures):>6} / "
                   f"{len(rows):<5}  {seconds:>7.1f}  {departures or '-'}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "dtype": args.dtype, "rows": measured}, f, indent=1)
     return 0 if exact else 1
 
 

@@ -31,6 +31,7 @@ import argparse
 import functools
 import gc
 import itertools
+import json
 import sys
 import time
 from typing import NamedTuple
@@ -105,6 +106,12 @@ def copy_bandwidth(nbytes: int, iters: int, warmup: int) -> float:
     x = jnp.zeros((nbytes // ITEM,), jnp.bfloat16)
     seconds = timed(jax.jit(lambda v: v + 1), x, iters=iters, warmup=warmup)
     return 2 * nbytes / seconds
+
+
+def write_rows(path: str, copy_bw: float, rows: list[dict]) -> None:
+    """--json: the device, the copy bandwidth and every timed row (`benchmarks/gpu_report.py` reads it)."""
+    with open(path, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "copy_bytes_per_s": copy_bw, "rows": rows}, f, indent=1)
 
 
 def device_memory() -> int | None:
@@ -308,6 +315,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
+    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
@@ -338,19 +346,25 @@ def main(argv=None) -> int:
 
     key = jax.random.key(0)
     cases = [Case(*point) for point in itertools.product(args.batch, args.context, args.queries)]
+    rows = []
     for case in progress.bar(cases, "cases"):
-        run_case(case, dims, v4, key, tuning, memory, copy_bw, args)
+        rows += run_case(case, dims, v4, key, tuning, memory, copy_bw, args)
         gc.collect()
+    if args.json:
+        write_rows(args.json, copy_bw, rows)
     return 0
 
 
 def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory: int | None, copy_bw: float, args):
     """Time the chosen ops at one shape: V3.2's on one set of inputs, V4's on another (each skipped,
-    and said so, when its inputs do not fit)."""
+    and said so, when its inputs do not fit). Returns the printed rows as dicts (for --json)."""
     batch, context, queries = case
     label = f"{batch:>5}{context:>7}{queries:>3}"
+    timed_rows = []
 
     def row(op, impl, seconds, nbytes, flops, xla_seconds=None, error=None):
+        timed_rows.append(dict(op=op, impl=impl, batch=batch, context=context, queries=queries, seconds=seconds,
+                               bytes=nbytes, flops=flops))
         bandwidth = nbytes / seconds
         speedup = f"{xla_seconds / seconds:>7.2f}x" if xla_seconds else f"{'':>8}"
         err = f"{error:>10.2e}" if error is not None else ""
@@ -395,6 +409,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     if recall < 1:
                         print(f"{'':<16}{'  recall':<18}{label}{recall:>10.4f}")
             del pallas_out
+    return timed_rows
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, gpu_or_smoke, timed
+from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, gpu_or_smoke, timed, write_rows
 
 from jaxspec import progress
 from jaxspec.models.moe import MoE, route
@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 1024], help="tokens per MoE call")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/moe.py", args.smoke):
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
 
+    rows = []
     for num_tokens in progress.bar(args.tokens, "token counts"):
         x = jax.random.normal(jax.random.key(num_tokens), (1, num_tokens, dim), jnp.bfloat16)
         _, chosen = route(config, x[0], moe.gate_weight[...], moe.e_score_correction_bias[...])
@@ -128,10 +130,14 @@ def main(argv=None) -> int:
                 versus = f"{seconds / kernel_seconds:>9.2f}x"
                 diff = f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - kernel_out.astype(jnp.float32)))):>10.2e}"
             bandwidth = min_bytes / seconds
+            rows.append(dict(op="moe_layer", impl=label, tokens=num_tokens, experts_hit=hit, seconds=seconds,
+                             bytes=min_bytes, flops=flops))
             print(f"{prefix}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>8.0f}{100 * bandwidth / copy_bw:>6.0f}%"
                   f"{flops / seconds / 1e12:>9.1f}{versus}{diff}")
             del out
             gc.collect()
+    if args.json:
+        write_rows(args.json, copy_bw, rows)
     return 0
 
 

@@ -56,14 +56,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import re
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec import aot, progress
-from jaxspec.aot.model import compile_model, depth_cost, reduced_depth
+from jaxspec.aot.model import DepthCost, compile_model, depth_cost, reduced_depth
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.presets import preset
 
@@ -87,6 +89,62 @@ def target_peaks(target: str) -> tuple[float, float]:
                      r"ops_per_clock: (\d+)", spec.split("matrix_unit_description")[1])
     clock, units, fmas = float(bf16.group(1)), int(bf16.group(2)), int(bf16.group(3))
     return bandwidth, 2 * fmas * units * cores * clock * 1e9  # an FMA is 2 flops
+
+
+class Calibration(NamedTuple):
+    """Measured fraction of the roofline each op class reaches (`aot.OP_CLASSES` and
+    "collectives"; a class it does not name counts as 1.0, the roofline), and where it came from."""
+
+    label: str
+    fractions: dict[str, float]
+
+    def describe(self) -> str:
+        if not self.fractions:
+            return self.label
+        return f"{self.label} ({', '.join(f'{name} {value:.2f}' for name, value in sorted(self.fractions.items()))})"
+
+
+ROOFLINE = Calibration("none: every op class at its roofline", {})
+
+
+def load_calibration(path: str) -> Calibration:
+    """The calibration in a JSON file (`benchmarks/gpu_report.py`'s report, or any file) holding
+    {"calibration": {"label": str, "fractions": {class: fraction in (0, 1.5]}}}. Raises ValueError
+    naming the file for anything else."""
+    with open(path) as f:
+        found = json.load(f).get("calibration")
+    if not isinstance(found, dict) or not isinstance(found.get("fractions"), dict):
+        raise ValueError(f"--calibration {path}: no {{'calibration': {{'label', 'fractions'}}}} in it")
+    known = set(aot.OP_CLASSES) | {"collectives"}
+    fractions = {name: float(value) for name, value in found["fractions"].items() if value is not None}
+    bad = {name: value for name, value in fractions.items() if name not in known or not 0 < value <= 1.5}
+    if bad:
+        raise ValueError(f"--calibration {path}: fractions {bad}: classes must be in {sorted(known)}, "
+                         "each fraction in (0, 1.5]")
+    return Calibration(str(found.get("label", path)), fractions)
+
+
+def compiled_cost(compiled) -> DepthCost:
+    """A compiled program's own cost in `depth_cost`'s form (flops, bytes, collectives' bytes, the
+    split by op class), for projecting a program compiled directly (or on a real GPU)."""
+    cost = aot.program_cost(compiled)
+    return DepthCost(flops=cost.flops, bytes_accessed=cost.bytes_accessed, compile_seconds=0.0,
+                     collective_bytes=sum(c.bytes for c in aot.collectives(compiled)),
+                     by_class=aot.op_class_costs(compiled))
+
+
+def step_seconds(cost: DepthCost, peaks: tuple[float, float], calibration: Calibration = ROOFLINE) -> float:
+    """The projected step: without a calibration max(bytes / bandwidth, flops / peak) of the whole
+    program; with one, each op class's max(bytes / bandwidth, flops / peak) divided by its measured
+    fraction, summed. Collectives add their bytes / NVLink bandwidth (divided by their fraction)."""
+    bandwidth, peak = peaks
+    roofline = lambda flops, nbytes: max(nbytes / bandwidth, flops / peak)
+    fraction = lambda name: calibration.fractions.get(name, 1.0)
+    if calibration.fractions:
+        compute = sum(roofline(*cost.by_class[name]) / fraction(name) for name in aot.OP_CLASSES)
+    else:
+        compute = roofline(cost.flops, cost.bytes_accessed)
+    return compute + cost.collective_bytes / NVLINK_BYTES_PER_S / fraction("collectives")
 
 
 def note(line: str) -> None:
@@ -128,9 +186,15 @@ def main() -> None:
                         help="GPUs of one node the model is sharded over (jaxspec.sharding, default plan; "
                              "default 1: one GPU holding everything)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights (fp8: DeepSeek's, kept)")
+    parser.add_argument("--calibration", metavar="JSON", default=None,
+                        help="scale each op class by its measured fraction of the roofline (gpu_report.py's report.json)")
     args = parser.parse_args()
     if args.devices < 1:
         parser.error(f"--devices {args.devices}: must be >= 1")
+    try:
+        calibration = ROOFLINE if args.calibration is None else load_calibration(args.calibration)
+    except (OSError, ValueError) as bad:
+        parser.error(str(bad))
     if max(args.drafts) > len(args.measured):
         parser.error(f"--measured gives {len(args.measured)} positions; --drafts asks for {max(args.drafts)}")
     # Both targets are sm_90a and, at the same device memory, differ only in HBM bandwidth (and the
@@ -142,6 +206,7 @@ def main() -> None:
     peaks = {target: target_peaks(target) for target in ("h100", "h200")}
     full = preset("deepseek-v3.2")
     print("PROJECTION (roofline of the compiled step's flops and bytes; not a measurement)")
+    print(f"  calibration: {calibration.describe()}")
     print(f"  {args.dtype} weights, " + (f"{args.devices} GPUs of one node (mesh 1x{args.devices}, plan dp; flops, bytes "
                                          f"and collectives per GPU; collectives at NVLink {NVLINK_BYTES_PER_S / 1e9:.0f} "
                                          "GB/s per direction, not overlapped)" if args.devices > 1 else "one GPU"))
@@ -168,7 +233,7 @@ def main() -> None:
             lengths = (accepted_length(args.acceptance ** j for j in range(1, drafts + 1)),
                        accepted_length(args.measured[:drafts]))
             for target, (bandwidth, peak) in peaks.items():
-                step = max(cost.bytes_accessed / bandwidth, cost.flops / peak) + cost.collective_bytes / NVLINK_BYTES_PER_S
+                step = step_seconds(cost, (bandwidth, peak), calibration)
                 bound = "HBM" if cost.bytes_accessed / bandwidth >= cost.flops / peak else "flops"
                 rates = [length / step for length in lengths]
                 base = plain.setdefault(target, rates[0] if drafts == 0 else None)

@@ -3,6 +3,8 @@
 heaviest modules scheduled first).
 
 `gpu` tests run only where JAX sees a GPU; `hf` tests only where torch and transformers import.
+On a GPU (JAX's default platform there, `docs/gpu-testing.md`) the whole suite runs on it: see
+ON_GPU for what changes.
 """
 
 from __future__ import annotations
@@ -39,13 +41,35 @@ def _known_to_xla(flags: list[str]) -> bool:
     return probe.returncode == 0
 
 
-# pytest-xdist's workers inherit the flags from the controlling process, which loads this file
-# first, so one probe (about 2 s) serves the run; a flag this XLA does not know is left out.
-_set = os.environ.get("XLA_FLAGS", "").split()
-_missing = [flag for flag in CHEAP_CODEGEN if flag not in _set]
-if _missing and not _known_to_xla(_missing):
-    _missing = [flag for flag in _missing if _known_to_xla([flag])]
-os.environ["XLA_FLAGS"] = " ".join(_set + _missing)
+def _runs_on_gpu() -> bool:
+    """Whether JAX's platform in this run is a GPU, decided before JAX initializes its backends:
+    JAX_PLATFORMS when set (CI sets "cpu"), else a probe of what JAX picks (about 2 s)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] in ("cuda", "gpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
+                           text=True)
+    return probe.stdout.strip().endswith("gpu")
+
+
+# pytest-xdist's workers inherit the environment of the controlling process, which loads this
+# file first, so the probes run once per run.
+ON_GPU = os.environ.setdefault("JAXSPEC_TESTS_ON_GPU", str(int(_runs_on_gpu()))) == "1"
+if ON_GPU:
+    # Several pytest workers share the GPU: each allocates what it needs instead of 75% of it. The
+    # suite's float32 comparisons mean on a GPU what they mean on the CPU: float32 matmuls in full
+    # float32 (JAX's GPU default is TF32, about 1e-3 relative; the kernels state HIGHEST). The
+    # cheap-codegen flags are not set: XLA's GPU compiler reads the optimization level too.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
+else:
+    # A flag this XLA does not know is left out (one probe, about 2 s).
+    _set = os.environ.get("XLA_FLAGS", "").split()
+    _missing = [flag for flag in CHEAP_CODEGEN if flag not in _set]
+    if _missing and not _known_to_xla(_missing):
+        _missing = [flag for flag in _missing if _known_to_xla([flag])]
+    os.environ["XLA_FLAGS"] = " ".join(_set + _missing)
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +102,8 @@ def fp8_tiny() -> DeepseekV3:
 @pytest.fixture(scope="session")
 def h100():
     """One abstract H100 SXM for compiling GPU programs on this host (`jaxspec.aot`); skips with
-    the instrument's reason (the CUDA plugin is missing, or the run lacks JAX_PLATFORMS=cpu)."""
+    the instrument's reason (the CUDA plugin is missing, or the run lacks JAX_PLATFORMS=cpu). On a
+    GPU host the plugin registers anyway, and the deviceless compiles run there too."""
     from jaxspec import aot
     try:
         return aot.gpu_devices("h100")
@@ -99,12 +124,12 @@ def _release_compiled_programs():
 # whole modules (`--dist loadfile`) in collection order (`--no-loadscope-reorder`), so the two
 # workers start on the long ones and finish together on the short ones, which keep their own order
 # after these.
-HEAVIEST_FIRST = ["test_v4_loop.py", "test_tree_decoding.py", "test_sharding.py", "test_hf_parity.py", "test_loop.py",
-                  "test_exactness.py", "test_examples.py", "test_checkpoint.py", "test_model.py", "test_sharding_v4.py",
-                  "test_aot.py", "test_pallas_backend.py", "test_chunked_prefill.py", "test_v4_attention.py",
-                  "test_public_api.py", "test_notebook.py", "test_default_model.py", "test_fp8.py",
-                  "test_grouped_matmul.py", "test_acceptance.py", "test_v4_model.py", "test_mesh_loading.py",
-                  "test_memory_plan.py"]
+HEAVIEST_FIRST = ["test_v4_loop.py", "test_tree_decoding.py", "test_sharding.py", "test_hf_parity.py",
+                  "test_loop.py", "test_exactness.py", "test_examples.py", "test_gpu_report.py",
+                  "test_checkpoint.py", "test_model.py", "test_sharding_v4.py", "test_aot.py",
+                  "test_pallas_backend.py", "test_chunked_prefill.py", "test_v4_attention.py", "test_public_api.py",
+                  "test_notebook.py", "test_default_model.py", "test_fp8.py", "test_grouped_matmul.py",
+                  "test_acceptance.py", "test_v4_model.py", "test_mesh_loading.py", "test_memory_plan.py"]
 
 
 def pytest_collection_modifyitems(config, items):

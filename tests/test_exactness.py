@@ -78,6 +78,24 @@ def _window(model, tokens, positions, cache, prefix_len, tree_mask):
     return logits, hidden, cache
 
 
+# Bit-for-bit window invariance is guaranteed on XLA's CPU backend. On a GPU the measured guarantee
+# is the rows' (`benchmarks/exactness.py`: every window-invariant row equal to plain greedy on an
+# H100), not every bit of every activation, so there the window's values are held to their dtype's
+# rounding and the rows are asserted (`test_window_hidden_states_equal_single_steps`).
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def assert_as_alone(in_window: jax.Array, alone: jax.Array) -> None:
+    """A window token's values equal the same token's decoded alone: bit for bit on the CPU, within
+    the dtype's rounding on a GPU (see ON_GPU)."""
+    if not ON_GPU:
+        np.testing.assert_array_equal(np.asarray(in_window), np.asarray(alone))
+        return
+    tolerance = 2e-2 if in_window.dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(np.asarray(in_window, np.float32), np.asarray(alone, np.float32), rtol=tolerance,
+                               atol=tolerance)
+
+
 def assert_windows_equal_single_steps(model, tokens: jax.Array) -> None:
     """After prefilling `tokens` [B, P]: a chain window of 4 and a tree window of 6 against the same
     tokens decoded one per call, from the same prefilled cache: logits and hidden states bit for
@@ -99,21 +117,26 @@ def assert_windows_equal_single_steps(model, tokens: jax.Array) -> None:
         for depth, node in enumerate(path):
             logits, hidden, step_cache = _window(model, window[:, node:node + 1], jnp.full((batch, 1), width + depth),
                                                  step_cache, prefix + depth, None)
-            np.testing.assert_array_equal(np.asarray(tree_hidden[:, node]), np.asarray(hidden[:, 0]))
-            np.testing.assert_array_equal(np.asarray(tree_logits[:, node]), np.asarray(logits[:, 0]))
+            assert_as_alone(tree_hidden[:, node], hidden[:, 0])
+            assert_as_alone(tree_logits[:, node], logits[:, 0])
     # the chain window 0, 1, 2, 3 as four steps
     step_cache = cache
     for q in range(4):
         logits, hidden, step_cache = _window(model, window[:, q:q + 1], jnp.full((batch, 1), width + q), step_cache,
                                              prefix + q, None)
-        np.testing.assert_array_equal(np.asarray(chain_hidden[:, q]), np.asarray(hidden[:, 0]))
-        np.testing.assert_array_equal(np.asarray(chain_logits[:, q]), np.asarray(logits[:, 0]))
+        assert_as_alone(chain_hidden[:, q], hidden[:, 0])
+        assert_as_alone(chain_logits[:, q], logits[:, 0])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_window_hidden_states_equal_single_steps(dtype):
-    """The shipped model's front on the held-out prompts (see `assert_windows_equal_single_steps`)."""
+    """The shipped model's front on the held-out prompts (see `assert_windows_equal_single_steps`);
+    on a GPU also the shipped model's window-invariant k = 3 rows against plain greedy (ON_GPU)."""
     assert_windows_equal_single_steps(shipped_front(dtype), jnp.asarray(prompts(), jnp.int32))
+    if ON_GPU:
+        model = restore_model(DEFAULT_CHECKPOINT, dtype=dtype)
+        base = DecodeConfig(max_new_tokens=64, num_draft=0, window_invariant=True)
+        assert rows(model, prompts(), base.replace(num_draft=3)) == rows(model, prompts(), base)
 
 
 @pytest.mark.parametrize("name, drafts", [("tiny", (dict(num_draft=4), dict(num_draft=1, tree="4,3,8"))),

@@ -185,3 +185,8 @@ def test_fp8_linear_compiled_reads_fp8_bytes(h100):
     assert weight_bytes <= mem.argument <= weight_bytes + rows * fan_in * 2
     assert weight_bytes <= cost.bytes_accessed <= 1.05 * (weight_bytes + activations)
     assert mem.temp < 0.05 * 2 * fan_in * fan_out
+    # the projection's op classes: the kernel's stated cost is the grouped matmul's, the rest XLA's
+    (call,) = aot.pallas_calls(compiled)
+    classes = aot.op_class_costs(compiled)
+    assert classes["grouped_matmul"] == (call.flops, call.bytes_accessed) and classes["attention"] == (0, 0)
+    assert classes["xla"] == (cost.xla_flops, cost.xla_bytes)

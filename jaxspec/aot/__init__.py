@@ -11,13 +11,13 @@ shared memory, collectives): facts that tests may assert. Run times derived from
 projections (`benchmarks/projection.py`).
 """
 
-from .analysis import (Collective, KernelLaunch, Memory, PallasCall, ProgramCost, collectives, kernel_launches, kernel_name,
-                       memory, pallas_calls, program_cost, ptxas_path, shape_bytes)
+from .analysis import (OP_CLASSES, Collective, KernelLaunch, Memory, PallasCall, ProgramCost, collectives, kernel_launches,
+                       kernel_name, memory, op_class_costs, pallas_calls, program_cost, ptxas_path, shape_bytes)
 from .compile import TARGETS, GpuCompiled, compile_gpu, gpu_devices, target_config
 from .report import report
 
 __all__ = [
-    "TARGETS", "Collective", "GpuCompiled", "KernelLaunch", "Memory", "PallasCall", "ProgramCost", "collectives",
-    "compile_gpu", "gpu_devices", "kernel_launches", "kernel_name", "memory", "pallas_calls", "program_cost", "ptxas_path", "report",
-    "shape_bytes", "target_config",
+    "OP_CLASSES", "TARGETS", "Collective", "GpuCompiled", "KernelLaunch", "Memory", "PallasCall", "ProgramCost",
+    "collectives", "compile_gpu", "gpu_devices", "kernel_launches", "kernel_name", "memory", "op_class_costs",
+    "pallas_calls", "program_cost", "ptxas_path", "report", "shape_bytes", "target_config",
 ]

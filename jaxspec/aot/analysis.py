@@ -146,6 +146,31 @@ def program_cost(compiled) -> ProgramCost:
                        rematerialized=sum(1 for name in _INSTRUCTION_NAME.findall(text) if _REMAT.search(name)))
 
 
+# The op classes a program's cost splits into (`op_class_costs`), by the Pallas kernel that runs
+# them: the attention kernels; the grouped matmul, which runs the MoE's experts and, on the pallas
+# backend, every FP8 linear layer (`models.layers.Linear`); and everything XLA emits itself as
+# "xla" (bfloat16 matmuls, norms, routing, top-k, sampling).
+KERNEL_CLASSES = {"mla_attention": "attention", "sparse_mla_attention": "attention", "indexer_scores": "attention",
+                  "flash_decoding": "attention", "sliding_compressed_attention": "attention",
+                  "grouped_matmul": "grouped_matmul"}
+OP_CLASSES = ("attention", "grouped_matmul", "xla")
+
+
+def op_class_costs(compiled) -> dict[str, tuple[float, float]]:
+    """`program_cost` split by op class -> {class: (flops, bytes accessed)} over `OP_CLASSES`: the
+    Pallas kernels' stated costs by `KERNEL_CLASSES` (a kernel it does not name counts as "xla"),
+    XLA's own ops as "xla". The classes sum to `program_cost`'s totals."""
+    cost = program_cost(compiled)
+    split = {name: [0.0, 0.0] for name in OP_CLASSES}
+    split["xla"] = [cost.xla_flops, cost.xla_bytes]
+    for call in pallas_calls(compiled):
+        if call.flops is not None:
+            part = split[KERNEL_CLASSES.get(kernel_name(call.name), "xla")]
+            part[0] += call.flops
+            part[1] += call.bytes_accessed
+    return {name: (flops, nbytes) for name, (flops, nbytes) in split.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """Per-device bytes of XLA's buffer assignment. `alias`: output bytes that reuse a donated
@@ -211,9 +236,11 @@ def ptxas_path() -> str:
     """The CUDA toolkit's ptxas that comes with the CUDA plugin (nvidia-cuda-nvcc), else PATH's."""
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations if spec else []):
-        candidate = os.path.join(root, "cuda_nvcc", "bin", "ptxas")
-        if os.path.isfile(candidate):
-            return candidate
+        # CUDA 12's wheel (nvidia-cuda-nvcc-cu12) and CUDA 13's (nvidia/cu13/bin)
+        candidates = [os.path.join(root, "cuda_nvcc", "bin", "ptxas"), *glob.glob(os.path.join(root, "cu*", "bin", "ptxas"))]
+        for candidate in candidates:
+            if os.path.isfile(candidate):
+                return candidate
     found = shutil.which("ptxas")
     if found is None:
         raise RuntimeError(f"ptxas not found: pip install 'jax[cuda12]=={jax.__version__}' brings it")

@@ -42,8 +42,22 @@ def target_config(target: str) -> str:
     return (importlib.resources.files("jaxspec") / "targets" / TARGETS[target]).read_text()
 
 
+# JAX's CUDA plugin distributions: CUDA 12 (the CPU hosts and CI) or CUDA 13 (the lent GPU machines).
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+
+
 def _plugin_missing_error() -> RuntimeError:
     return RuntimeError(f"compiling for a GPU needs JAX's CUDA plugin: pip install 'jax[cuda12]=={jax.__version__}'")
+
+
+def _cuda_plugin_installed() -> bool:
+    for name in CUDA_PLUGINS:
+        try:
+            importlib.metadata.version(name)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
 
 
 def gpu_devices(target: str = "h100", num_devices: int = 1, *, device_memory: int | None = None,
@@ -73,10 +87,8 @@ def gpu_devices(target: str = "h100", num_devices: int = 1, *, device_memory: in
         config, found = re.subn(r"device_memory_size: \d+", f"device_memory_size: {device_memory}", config)
         if found != 1:
             raise RuntimeError(f"target {target!r}: its GpuTargetConfig has no single device_memory_size")
-    try:
-        importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
-        raise _plugin_missing_error() from None
+    if not _cuda_plugin_installed():
+        raise _plugin_missing_error()
     from jax.experimental import topologies
 
     try:

@@ -35,7 +35,7 @@ from jaxspec.model_config import ModelConfig
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
 
-from .analysis import collectives, program_cost
+from .analysis import OP_CLASSES, collectives, op_class_costs, program_cost
 from .compile import GpuCompiled, compile_gpu
 
 PHASES = ("prefill", "decode")
@@ -155,12 +155,14 @@ SHALLOW_MODELS = (("A: one MoE layer", 1, 0), ("D: one dense + one MoE layer", 2
 @dataclasses.dataclass(frozen=True)
 class DepthCost:
     """Flops and bytes accessed of one full-depth program (XLA ops plus Pallas kernels), and the
-    seconds its shallow compiles took."""
+    seconds its shallow compiles took. by_class: the same split by op class (`aot.op_class_costs`:
+    class -> (flops, bytes)), each extrapolated as the totals are."""
 
     flops: float
     bytes_accessed: float
     compile_seconds: float
     collective_bytes: float = 0.0  # bytes the program's collectives produce (`collectives`), per device
+    by_class: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: int, context: int, devices: Sequence,
@@ -195,9 +197,13 @@ def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: 
             raise RuntimeError(f"{name}: XLA rematerialized {cost.rematerialized} instructions to fit the "
                                "device's memory; pass devices from gpu_devices(..., device_memory=) with room for "
                                "the program")
-        costs.append((cost.flops, cost.bytes_accessed, sum(c.bytes for c in collectives(compiled))))
+        classes = op_class_costs(compiled)
+        costs.append((cost.flops, cost.bytes_accessed, sum(c.bytes for c in collectives(compiled)),
+                      *(value for name in OP_CLASSES for value in classes[name])))
         seconds += compiled.compile_seconds
         if on_compile is not None:
             on_compile(name, compiled.compile_seconds)
     full = [a + dense * (d - a) + (moe - 1) * (m - a) for a, d, m in zip(*costs)]
-    return DepthCost(flops=full[0], bytes_accessed=full[1], collective_bytes=full[2], compile_seconds=seconds)
+    by_class = {name: (full[3 + 2 * i], full[4 + 2 * i]) for i, name in enumerate(OP_CLASSES)}
+    return DepthCost(flops=full[0], bytes_accessed=full[1], collective_bytes=full[2], compile_seconds=seconds,
+                     by_class=by_class)

@@ -1,0 +1,306 @@
+"""A measured decode step of a full-width DeepSeek-V3.2 on one GPU, beside the projection of the
+same compiled program.
+
+    python benchmarks/e2e_step.py --json e2e.json                    # B 1, 8, 32 x k 0, 1, 3 at ctx 4096
+    python benchmarks/e2e_step.py --points 32,3 --layers 5
+    python benchmarks/e2e_step.py --smoke --json e2e.json            # preset tiny, any machine
+
+The model: preset deepseek-v3.2 at full width with DeepSeek's FP8 weights (float8_e4m3fn, 128 x 128
+block scales), cut to its dense first layer, as many MoE layers as fit the device (at least 3;
+`jaxspec.memory_plan` sizes it for the widest point, B 32, k 3) and the MTP block. The weights are
+random, drawn straight into their stored dtypes on the device (FP8 bit patterns with the top
+exponent bit cleared: finite values up to 1.875, scales set so a projection keeps unit size), so
+no bfloat16 copy of an expert stack is ever made.
+
+A point (B rows, k MTP drafts; `--context` C): the loop state of B one-token prompts is built
+without running the prefill (`state_at`: one compile per point, the step's), both caches are
+filled with random entries and their lengths set to C, so each step attends over C committed
+tokens (the DSA indexer picks its top-k of them). The step program is
+`jaxspec.loop._step` jitted as `jaxspec.step` jits it (state donated), lowered and compiled once;
+its cost (XLA's cost analysis of that executable plus the Pallas kernels' stated costs) gives the
+projection (`benchmarks/projection.py`: max(bytes / HBM bandwidth, flops / peak) of the device's
+target, and with `--calibration` the calibrated form); the ratio printed is measured / projected
+throughput, i.e. projected time over measured time (1.0: the step runs at its roofline). Timing: before each step the lengths are
+reset to C (a separate tiny program, outside the timed region); each step is timed alone from
+dispatch to `block_until_ready`, after `--warmup` steps; the median of `--iters` is reported.
+With random weights drafts are rarely accepted; a step's work does not depend on it (the window
+and the catch-up have fixed widths).
+
+On a CPU the step runs through the XLA references (backend "auto") and the projection uses the
+H100's peaks: the ratio then only shows that the code path runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from projection import ROOFLINE, compiled_cost, load_calibration, step_seconds, target_peaks
+
+from jaxspec.aot.model import reduced_depth
+from jaxspec.decode_config import DecodeConfig
+from jaxspec.generation import prepare
+from jaxspec.loop import DecodeState, _step, prefill
+from jaxspec.memory_plan import device_memory, plan_memory
+from jaxspec.orbax_io import abstract_model
+from jaxspec.presets import preset
+from jaxspec.sampling import base_key
+
+FP8 = jnp.float8_e4m3fn
+MIN_MOE_LAYERS = 3
+# Of the device's allocatable bytes (`memory_plan.device_memory`), what the plan may fill: the
+# plan's temporaries are estimates, and XLA's autotuner and the step's own scratch need room.
+FILL = 0.9
+FULL = dict(preset="deepseek-v3.2", batches=(1, 8, 32), drafts=(0, 1, 3), context=4096, iters=10, warmup=2)
+SMOKE = dict(preset="tiny", batches=(2,), drafts=(0, 1), context=64, iters=2, warmup=1)
+# FP8 values drawn as e4m3fn bit patterns: root mean square of those values (exponent uniform in
+# 0..7 once its top bit is cleared), which the block scales divide out.
+FP8_RMS = 0.48
+
+
+def target_of(device) -> str:
+    """The `jaxspec/targets` spec whose peaks project `device`'s steps: "h200" for an H200, else "h100"."""
+    return "h200" if "H200" in device.device_kind else "h100"
+
+
+def fitting_layers(config, decode: DecodeConfig, batch: int, memory: int | None) -> int:
+    """Decoder layers (1 dense + MoE) of `config` the device holds at `batch` rows under `decode`:
+    the most, up to the config's depth, whose `plan_memory` resident bytes and step temporaries
+    (no prefill runs here) stay within FILL of `memory` (None, the CPU: the smallest model,
+    1 + MIN_MOE_LAYERS). Raises ValueError when even that does not fit."""
+    smallest = min(1 + MIN_MOE_LAYERS, config.num_hidden_layers)
+    if memory is None:
+        return smallest
+
+    def needed(layers: int) -> int:
+        plan = plan_memory(shallow(config, layers), decode, batch=batch, prompt_len=1, dtype=FP8)
+        return plan.resident + plan.step_temp
+
+    fits = [layers for layers in range(smallest, config.num_hidden_layers + 1) if needed(layers) <= FILL * memory]
+    if not fits:
+        raise ValueError(f"{smallest} layers of {config.model_type} at batch {batch} do not fit "
+                         f"{FILL:.0%} of {memory / 2**30:.1f} GiB")
+    return fits[-1]
+
+
+def shallow(config, layers: int):
+    """`config` cut to `layers` decoder layers, the first dense and the rest MoE (and its MTP block)."""
+    return reduced_depth(config, layers).replace(first_k_dense_replace=min(1, layers - 1))
+
+
+def _draw(key, shape, dtype, kind: str):
+    """One parameter's random value, drawn in its own dtype (see the module docstring)."""
+    if kind == "fp8":
+        bits = jax.random.bits(key, shape, jnp.uint8) & 0xBF  # clear the exponent's top bit: finite, |x| <= 1.875
+        return jax.lax.bitcast_convert_type(bits, FP8)
+    if kind == "scale":  # [..., in / 128, out / 128]: unit-sized outputs for unit-sized inputs
+        return jnp.full(shape, 1.0 / (FP8_RMS * np.sqrt(shape[-2] * 128)), dtype)
+    if kind == "norm":
+        return jnp.ones(shape, dtype)
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def random_fp8_model(config, seed: int = 0) -> nnx.Module:
+    """`config` built in DeepSeek's FP8 layout with random values, each parameter drawn on the
+    default device in its stored dtype (`_draw`; one program for all of them, whose temporaries
+    are one parameter's at a time); nothing is initialized in a wider dtype."""
+    graphdef, abstract, _ = abstract_model(config, FP8)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def draw(key, index, path, leaf):
+        name = jax.tree_util.keystr(path)
+        if leaf.dtype == FP8:
+            kind = "fp8"
+        elif "scale_inv" in name:
+            kind = "scale"
+        elif "norm" in name and "weight" in name:
+            kind = "norm"
+        elif "bias" in name or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            kind = "zeros"
+        else:
+            kind = "normal"
+        return _draw(jax.random.fold_in(key, index), tuple(leaf.shape), leaf.dtype, kind)
+
+    build = jax.jit(lambda key: [draw(key, i, path, leaf) for i, (path, leaf) in enumerate(paths)])
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, build(jax.random.key(seed))))
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("context",))
+def _at_context(state, context: int):
+    """`state` with every row at `context` committed tokens in both caches."""
+    full = jnp.full_like(state.target_cache.lengths, context)
+    mtp = None if state.mtp_cache is None else state.mtp_cache.replace(lengths=full)
+    return state.replace(target_cache=state.target_cache.replace(lengths=full), mtp_cache=mtp)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _random_caches(state, key):
+    """`state` with random entries in every cache page (the latents and indexer keys of both
+    caches): attention reads real-looking data, not the zeros `init_cache` wrote."""
+    def fill(cache, key):
+        if cache is None:
+            return None
+        arrays = list(cache.latent) + list(cache.index_keys)
+        keys = jax.random.split(key, len(arrays))
+        drawn = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, arrays)]
+        return cache.replace(latent=tuple(drawn[:len(cache.latent)]), index_keys=tuple(drawn[len(cache.latent):]))
+
+    target_key, mtp_key = jax.random.split(key)
+    return state.replace(target_cache=fill(state.target_cache, target_key), mtp_cache=fill(state.mtp_cache, mtp_key))
+
+
+def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
+    """A loop state of `batch` one-token prompts as `init_state` would return it, without running
+    (and compiling) the prefill: caches as `generate` builds them (`jaxspec.generation.prepare`),
+    every other field of the prefill's output shape, drawn at random where a step reads values
+    (last token, MTP seeds), zeros elsewhere (counters, the output buffer)."""
+    rng = np.random.default_rng(batch * 10 + decode.num_draft)
+    prompts = rng.integers(2, model.config.vocab_size, (batch, 1)).tolist()
+    prepared = prepare(model, prompts, decode)
+    graphdef, params = nnx.split(model)
+    shapes = jax.eval_shape(functools.partial(prefill, graphdef, config=decode), params, prepared.prompts,
+                            prepared.prompt_lens, prepared.target_cache, prepared.mtp_cache, base_key(0))
+    keys = iter(jax.random.split(jax.random.key(batch), 2))
+    fields = {field.name: jnp.zeros(getattr(shapes, field.name).shape, getattr(shapes, field.name).dtype)
+              for field in dataclasses.fields(DecodeState)
+              if field.name not in ("target_cache", "mtp_cache", "rng_key")}
+    fields["last_token"] = jnp.asarray(rng.integers(2, model.config.vocab_size, batch), jnp.int32)
+    for name in ("seed_logits", "seed_hidden"):
+        fields[name] = jax.random.normal(next(keys), fields[name].shape, jnp.float32).astype(fields[name].dtype)
+    return DecodeState(target_cache=prepared.target_cache, mtp_cache=prepared.mtp_cache, rng_key=base_key(0), **fields)
+
+
+@dataclasses.dataclass
+class Point:
+    """One measured point: batch, drafts, context, the model's depth, the step's median and spread
+    (seconds), the compiled program's flops and bytes, and the projections (seconds)."""
+
+    batch: int
+    drafts: int
+    context: int
+    layers: int
+    measured_s: float
+    spread_s: tuple[float, float]
+    compile_s: float
+    flops: float
+    bytes: float
+    by_class: dict
+    target: str
+    projected_s: float
+    calibrated_s: float | None
+    calibration: str
+
+    @property
+    def ratio(self) -> float:
+        """Measured / projected throughput (= projected step time / measured step time): the
+        fraction of the roofline projection the real step reaches."""
+        return self.projected_s / self.measured_s
+
+
+def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
+                  calibration=ROOFLINE) -> Point:
+    """Build the state at `context`, compile the step, time it and project it (module docstring)."""
+    decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend="auto")
+    graphdef, params = nnx.split(model)
+    state = _at_context(_random_caches(state_at(model, batch, decode), jax.random.key(drafts)), context)
+    start = time.perf_counter()
+    compiled = jax.jit(_step, static_argnames=("graphdef", "config"), donate_argnames=("state",)).lower(
+        graphdef, params, state, config=decode).compile()
+    compile_s = time.perf_counter() - start
+    times = []
+    for i in range(warmup + iters):
+        state = jax.block_until_ready(_at_context(state, context))
+        start = time.perf_counter()
+        state = jax.block_until_ready(compiled(params, state))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    cost = compiled_cost(compiled)
+    target = target_of(jax.devices()[0])
+    peaks = target_peaks(target)
+    return Point(batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
+                 measured_s=statistics.median(times), spread_s=(min(times), max(times)), compile_s=compile_s,
+                 flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
+                 projected_s=step_seconds(cost, peaks),
+                 calibrated_s=step_seconds(cost, peaks, calibration) if calibration.fractions else None,
+                 calibration=calibration.describe())
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    try:
+        batch, drafts = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected B,K (e.g. 32,3)") from None
+    if batch < 1 or drafts < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: B must be >= 1 and K >= 0")
+    return batch, drafts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="preset tiny at tiny sizes; runs anywhere")
+    parser.add_argument("--points", type=parse_point, nargs="+", metavar="B,K",
+                        help="(batch, drafts) points (default: B 1, 8, 32 x k 0, 1, 3; --smoke: 2,0 2,1)")
+    parser.add_argument("--context", type=int, help="committed tokens per row (default 4096; --smoke 64)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: as many as fit, at least 4)")
+    parser.add_argument("--iters", type=int, help="timed steps per point (default 10; --smoke 2)")
+    parser.add_argument("--calibration", metavar="JSON", help="also project with this calibration (projection.py)")
+    parser.add_argument("--json", metavar="PATH", help="write the points here as they finish (existing points kept)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                        help="start no new point after this many seconds")
+    args = parser.parse_args(argv)
+    setting = SMOKE if args.smoke else FULL
+    context = args.context or setting["context"]
+    points = args.points or [(b, k) for b in setting["batches"] for k in setting["drafts"]]
+    iters = args.iters or setting["iters"]
+    if iters < 1 or context < 1:
+        parser.error("--iters and --context must be >= 1")
+    calibration = ROOFLINE if args.calibration is None else load_calibration(args.calibration)
+    config = preset(setting["preset"])
+    widest = DecodeConfig(num_draft=max(k for _, k in points), max_new_tokens=context)
+    layers = args.layers or fitting_layers(config, widest, max(b for b, _ in points), device_memory())
+    if not 1 + MIN_MOE_LAYERS <= layers <= config.num_hidden_layers and not args.smoke:
+        parser.error(f"--layers {layers}: must be in [{1 + MIN_MOE_LAYERS}, {config.num_hidden_layers}]")
+    started = time.perf_counter()
+    model = random_fp8_model(shallow(config, layers))
+    print(f"device: {jax.devices()[0].device_kind}; {setting['preset']} FP8, {layers} layers (1 dense) + MTP, "
+          f"random weights built in {time.perf_counter() - started:.1f} s; context {context}; "
+          f"calibration {calibration.describe()}", flush=True)
+    print(f"{'B':>4} {'k':>2} {'measured ms':>11} {'min-max':>15} {'projected ms':>12} {'m/p':>6} "
+          f"{'calibrated ms':>13} {'TFLOP':>7} {'GB':>7} {'compile s':>9}", flush=True)
+    done = {}
+    if args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            done = json.load(f)
+    for batch, drafts in points:
+        if args.deadline is not None and time.perf_counter() - started > args.deadline:
+            print(f"deadline: B={batch} k={drafts} not started", flush=True)
+            continue
+        point = measure_point(model, batch, drafts, context, iters=iters, warmup=setting["warmup"],
+                              calibration=calibration)
+        calibrated = f"{point.calibrated_s * 1e3:>13.3f}" if point.calibrated_s else f"{'-':>13}"
+        print(f"{batch:>4} {drafts:>2} {point.measured_s * 1e3:>11.3f} "
+              f"{point.spread_s[0] * 1e3:>7.2f}-{point.spread_s[1] * 1e3:<7.2f} {point.projected_s * 1e3:>12.3f} "
+              f"{point.ratio:>6.2f} {calibrated} {point.flops / 1e12:>7.3f} {point.bytes / 1e9:>7.2f} "
+              f"{point.compile_s:>9.1f}", flush=True)
+        if args.json:
+            done[f"B={batch},k={drafts},ctx={context}"] = {**dataclasses.asdict(point), "ratio": point.ratio,
+                                                          "device": jax.devices()[0].device_kind}
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

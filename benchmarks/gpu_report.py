@@ -1,0 +1,492 @@
+"""One command that turns a lent GPU into evidence: the test suite on the GPU, the kernel, MoE,
+matmul and exactness benchmarks, the main job, and a measured full-width decode step beside its
+projection, written to OUT/report.json and OUT/report.md.
+
+    python benchmarks/gpu_report.py --out gpu-report                        # every part
+    python benchmarks/gpu_report.py --out gpu-report --parts suite          # one part (or several: suite,e2e)
+    python benchmarks/gpu_report.py --out /tmp/smoke --smoke                # every part at tiny sizes, any machine
+
+Parts, in order (each runs as its own subprocess, so this process never holds the GPU):
+  suite      pytest on the GPU (`-n --workers`), in chunks of --suite-chunk test modules heaviest
+             first, each module's outcome recorded as its chunk ends (smoke: `--collect-only` of
+             one module);
+  kernels    benchmarks/kernels.py (V3.2 and V4 attention ops) at B 1, 8, 32, context 4096, Q 1, 4;
+  moe        benchmarks/moe.py (one V3.2 MoE layer, 8 to 1024 tokens);
+  matmuls    benchmarks/matmuls.py (bf16 and FP8 linear layers at decode shapes);
+  exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
+  mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
+  e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
+             context 4096, each step measured beside its projection (and the calibrated one).
+
+Resuming: every finished unit (a test module, a benchmark, an e2e point) goes into OUT/report.json
+at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
+same kind of device skips what is there, so a run cut short loses only the unit in flight
+(`--retry-failed` runs the failed units again, after a fix; `--redo` everything).
+`--deadline` (seconds) stops starting units near the end of a time limit; what is left is listed.
+OUT/report.md is rewritten from the JSON at the end of every run.
+
+Calibration: from the kernel, MoE and matmul rows, the fraction of the roofline each op class
+reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak) of the device's
+target over measured time, summed over the class's rows); report.json's "calibration" is the input
+of `projection.py --calibration` and of the e2e part's calibrated column. Collectives are not
+measured on one GPU and stay at 1.0 (said so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+
+from projection import load_calibration, target_peaks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(REPO, "benchmarks")
+PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "e2e")
+E2E_POINTS = [(b, k) for b in (1, 8, 32) for k in (0, 1, 3)]
+SMOKE_E2E_POINTS = [(2, 0), (2, 1)]
+HEADLINE = (32, 3)  # the e2e point whose measured / projected the report states
+GOAL = 0.7  # measured / projected the headline aims at; op classes under it are named
+# Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
+BENCHMARK_UNITS = {
+    "kernels": [("kernels", ["benchmarks/kernels.py", "--batch", "1", "8", "32", "--context", "4096", "--queries", "1",
+                             "4", "--ops", "mla_attention", "sparse_mla", "indexer_scores", "v4_csa", "v4_hca",
+                             "--json", "{json}"],
+                 ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--no-xla", "--json", "{json}"])],
+    "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
+    "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
+                 ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
+    "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
+                   ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
+                    "2", "--max-new-tokens", "2", "--json", "{json}"])],
+}
+# (smoke: k = 3 only, on a random tiny model: the part's code path once, at the least CPU)
+MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-new-tokens", "96"],
+                  None if k == 0 else ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k),
+                                       "--max-new-tokens", "2"])
+                 for k in (0, 3)]
+# Which benchmark rows calibrate which op class: (part, op name prefix, impl).
+CLASS_ROWS = {"attention": [("kernels", ("mla_attention", "sparse_mla", "indexer_scores"), "pallas")],
+              "grouped_matmul": [("moe", ("moe_layer",), "pallas"), ("matmuls", ("linear_fp8",), "pallas")],
+              "xla": [("matmuls", ("linear_bf16",), "xla")]}
+TAIL = 4000  # characters of a command's output kept in the report
+
+
+def device_name() -> str:
+    """The GPU's name from nvidia-smi (without initializing JAX here), or "cpu"."""
+    if shutil.which("nvidia-smi") is None:
+        return "cpu"
+    found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    names = found.stdout.strip().splitlines()
+    return names[0].strip() if found.returncode == 0 and names else "cpu"
+
+
+def target_of(device: str) -> str:
+    """The `jaxspec/targets` spec for a device name ("h200" for an H200, else "h100")."""
+    return "h200" if "H200" in device else "h100"
+
+
+class Report:
+    """report.json: {"runs": [...], "devices": {device: {unit: record}}, "calibration": {...}},
+    written after every change (to a temporary file, then renamed: never half written)."""
+
+    def __init__(self, out: str, device: str, retry_failed: bool = False):
+        self.path = os.path.join(out, "report.json")
+        self.device = device
+        self.retry_failed = retry_failed
+        self.data = {"runs": [], "devices": {}}
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.data = json.load(f)
+        self.units = self.data["devices"].setdefault(device, {})
+
+    def has(self, unit: str) -> bool:
+        """Whether `unit` is recorded for this device (and, with retry_failed, succeeded)."""
+        return unit in self.units and (not self.retry_failed or self.units[unit]["ok"])
+
+    def record(self, unit: str, value: dict, ok: bool) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.units[unit] = {**value, "ok": ok, "recorded": now}
+        self.save()
+
+    def save(self) -> None:
+        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".json")
+        with os.fdopen(handle, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(temporary, self.path)
+
+
+class Clock:
+    """Seconds left of `--deadline` (None: no limit)."""
+
+    def __init__(self, deadline: float | None):
+        self.end = None if deadline is None else time.monotonic() + deadline
+
+    def left(self) -> float | None:
+        return None if self.end is None else self.end - time.monotonic()
+
+    def expired(self, needed: float = 0.0) -> bool:
+        return self.end is not None and self.left() <= needed
+
+
+def run(argv: list[str], clock: Clock, env: dict | None = None) -> dict:
+    """Run `argv` in the repository (python scripts with this interpreter) until it ends or the
+    deadline passes -> {"returncode", "seconds", "output" (its tail), "timed_out"}."""
+    if argv[0].endswith(".py"):
+        argv = [sys.executable, *argv]
+    start = time.monotonic()
+    timeout = clock.left()
+    # Its own process group, so that at the deadline its children (pytest-xdist's workers) go too:
+    # a surviving child would hold the output pipe open and this call would never return.
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=None if timeout is None else max(timeout, 1.0))
+        code, timed_out = process.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        code, timed_out = None, True
+    return {"returncode": code, "seconds": time.monotonic() - start, "output": output[-TAIL:], "timed_out": timed_out}
+
+
+def child_env(smoke: bool) -> dict:
+    """Every part's environment: the repository importable (benchmarks import `jaxspec` and each
+    other), JAX allocating on demand (several processes share the GPU in the suite) unless told."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, BENCHMARKS] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# --- the parts -------------------------------------------------------------------------------------
+
+
+def test_modules() -> list[str]:
+    """tests/test_*.py, heaviest first (tests/conftest.py's HEAVIEST_FIRST, then by name)."""
+    with open(os.path.join(REPO, "tests", "conftest.py")) as f:
+        heavy = re.search(r"HEAVIEST_FIRST = \[(.*?)\]", f.read(), re.S).group(1)
+    order = {name: i for i, name in enumerate(re.findall(r'"([^"]+)"', heavy))}
+    names = sorted(n for n in os.listdir(os.path.join(REPO, "tests")) if n.startswith("test_") and n.endswith(".py"))
+    return sorted(names, key=lambda n: order.get(n, len(order)))
+
+
+def junit_outcomes(path: str) -> dict[str, dict]:
+    """A junit XML file -> {module file name: {"passed", "failed", "skipped", "seconds", "failures": [...],
+    "skips": [...]}}."""
+    modules = {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        module = case.get("classname", "").split(".")
+        name = next((f"{part}.py" for part in module if part.startswith("test_")), "?")
+        entry = modules.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
+                                          "skips": []})
+        entry["seconds"] += float(case.get("time", 0))
+        problem = case.find("failure")
+        problem = case.find("error") if problem is None else problem
+        skipped = case.find("skipped")
+        if problem is not None:
+            entry["failed"] += 1
+            entry["failures"].append(f"{case.get('name')}: {(problem.get('message') or '')[:300]}")
+        elif skipped is not None:
+            entry["skipped"] += 1
+            entry["skips"].append(f"{case.get('name')}: {(skipped.get('message') or '')[:200]}")
+        else:
+            entry["passed"] += 1
+    return modules
+
+
+def part_suite(report: Report, clock: Clock, args) -> None:
+    if args.smoke:
+        chunks = [["test_config.py"]]
+        extra = ["--collect-only"]
+    else:
+        pending = [m for m in test_modules() if not report.has(f"suite/{m}")]
+        chunks = [pending[i:i + args.suite_chunk] for i in range(0, len(pending), args.suite_chunk)]
+        extra = ["-n", str(args.workers)]
+    for chunk in chunks:
+        if all(report.has(f"suite/{m}") for m in chunk) or clock.expired(30):
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            xml = os.path.join(scratch, "junit.xml")
+            result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, f"--junitxml={xml}",
+                          *[os.path.join("tests", m) for m in chunk]], clock, child_env(args.smoke))
+            outcomes = junit_outcomes(xml) if os.path.exists(xml) else {}
+        progress(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        if result["timed_out"]:
+            continue  # nothing recorded: the next run repeats the chunk
+        for module in chunk:
+            found = outcomes.get(module, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
+                                          "skips": []})
+            if args.smoke:  # --collect-only writes no test cases: count what it collected
+                collected = re.search(r"(\d+) tests? collected", result["output"])
+                found["collected_only"] = int(collected.group(1)) if collected else 0
+            if result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
+                found["failed"] += 1
+                found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
+            report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]},
+                          ok=not found["failed"])
+
+
+def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
+    for unit, argv, smoke_argv in BENCHMARK_UNITS[name]:
+        if report.has(unit) or clock.expired(30):
+            continue
+        with tempfile.TemporaryDirectory() as scratch:
+            rows_path = os.path.join(scratch, "rows.json")
+            result = run([a.replace("{json}", rows_path) for a in (smoke_argv if args.smoke else argv)], clock,
+                         child_env(args.smoke))
+            rows = json.load(open(rows_path)) if os.path.exists(rows_path) else None
+        progress(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        if not result["timed_out"]:
+            report.record(unit, {**result, "json": rows}, ok=result["returncode"] == 0 and rows is not None)
+
+
+def part_mainjob(report: Report, clock: Clock, args) -> None:
+    for unit, argv, smoke_argv in MAINJOB_UNITS:
+        if report.has(f"mainjob/{unit}") or clock.expired(30) or (args.smoke and smoke_argv is None):
+            continue
+        result = run(smoke_argv if args.smoke else argv, clock, child_env(args.smoke))
+        progress(f"mainjob {unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        found = {key: re.search(pattern, result["output"]) for key, pattern in
+                 (("tokens_per_s", r"decode .*?: ([\d,.]+) tokens/s"), ("mean_accepted", r"mean accepted length ([\d.]+)"),
+                  ("compile_s", r"compile\s+([\d.]+) s"))}
+        parsed = {key: float(m.group(1).replace(",", "")) if m else None for key, m in found.items()}
+        if not result["timed_out"]:
+            report.record(f"mainjob/{unit}", {**result, **parsed}, ok=result["returncode"] == 0)
+
+
+def part_e2e(report: Report, clock: Clock, args) -> None:
+    points = SMOKE_E2E_POINTS if args.smoke else E2E_POINTS
+    missing = [(b, k) for b, k in points if not report.has(f"e2e/B={b},k={k}")]
+    if not missing or clock.expired(60):
+        return
+    argv = ["benchmarks/e2e_step.py", "--points", *[f"{b},{k}" for b, k in missing]] + (["--smoke"] if args.smoke else [])
+    if (report.data.get("calibration") or {}).get("device") == report.device:
+        try:
+            load_calibration(report.path)
+            argv += ["--calibration", report.path]
+        except ValueError as unusable:  # a benchmark's byte count over its real traffic, say: say so, go on
+            progress(f"e2e: calibrated column left out: {unusable}")
+    with tempfile.TemporaryDirectory() as scratch:
+        points_path = os.path.join(scratch, "e2e.json")
+        left = clock.left()
+        if left is not None:  # leave the point in flight time to finish
+            argv += ["--deadline", str(max(left - 150, 0))]
+        env = child_env(args.smoke)
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # one process: let it have the GPU
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+        result = run([*argv, "--json", points_path], clock, env)
+        measured = json.load(open(points_path)) if os.path.exists(points_path) else {}
+    progress(f"e2e: {len(measured)} of {len(missing)} points in {result['seconds']:.0f} s, exit {result['returncode']}")
+    for key, point in measured.items():
+        report.record(f"e2e/B={point['batch']},k={point['drafts']}", point, ok=True)
+    if result["returncode"] not in (0, None) or result["timed_out"]:
+        report.record(f"e2e/failed run {len(report.data['runs'])}", {**result, "missing": missing}, ok=False)
+
+
+# --- calibration and the markdown report ---------------------------------------------------------
+
+
+def calibration(report: Report) -> dict | None:
+    """Per op class, roofline time / measured time summed over the class's rows (CLASS_ROWS), on
+    the target whose peaks match this device; None without any rows."""
+    bandwidth, peak = target_peaks(target_of(report.device))
+    fractions, counts = {}, {}
+    for name, sources in CLASS_ROWS.items():
+        roofline = measured = 0.0
+        for part, ops, impl in sources:
+            rows = (report.units.get(part, {}).get("json") or {}).get("rows", [])
+            for row in rows:
+                if row["op"].startswith(ops) and row["impl"] == impl:
+                    roofline += max(row["bytes"] / bandwidth, row["flops"] / peak)
+                    measured += row["seconds"]
+                    counts[name] = counts.get(name, 0) + 1
+        if measured:
+            fractions[name] = roofline / measured
+    if not fractions:
+        return None
+    return {"label": f"measured on {report.device} ({target_of(report.device)} peaks)", "device": report.device,
+            "fractions": fractions, "rows": counts,
+            "not_measured": sorted({"attention", "grouped_matmul", "xla", "collectives"} - set(fractions))}
+
+
+def headline(report: Report) -> dict | None:
+    """The e2e point HEADLINE: measured / projected, and each op class's share of the calibrated
+    step with its fraction (classes under GOAL named)."""
+    point = report.units.get(f"e2e/B={HEADLINE[0]},k={HEADLINE[1]}") or (
+        report.units.get(f"e2e/B={SMOKE_E2E_POINTS[-1][0]},k={SMOKE_E2E_POINTS[-1][1]}"))
+    if point is None:
+        return None
+    fractions = (report.data.get("calibration") or {}).get("fractions", {})
+    bandwidth, peak = target_peaks(point["target"])
+    times = {name: max(nbytes / bandwidth, flops / peak) / fractions.get(name, 1.0)
+             for name, (flops, nbytes) in point["by_class"].items()}
+    total = sum(times.values()) or 1.0
+    return {"batch": point["batch"], "drafts": point["drafts"], "ratio": point["ratio"],
+            "measured_ms": point["measured_s"] * 1e3, "projected_ms": point["projected_s"] * 1e3,
+            "classes": {name: {"share": t / total, "fraction": fractions.get(name)} for name, t in times.items()},
+            "missing_goal": sorted(n for n in times if fractions.get(n) is not None and fractions[n] < GOAL)}
+
+
+def markdown(report: Report) -> str:
+    units, device = report.units, report.device
+    lines = [f"# GPU report: {device}", "", f"Runs: {len(report.data['runs'])}; last "
+             f"{report.data['runs'][-1]['started'] if report.data['runs'] else '-'}. Written by "
+             "`python benchmarks/gpu_report.py`; figures are measurements on this device unless named projections.", ""]
+    suite = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/")}
+    lines += ["## Test suite", ""]
+    if suite:
+        totals = [sum(v[key] for v in suite.values()) for key in ("passed", "failed", "skipped")]
+        lines += [f"{len(suite)} modules: {totals[0]} passed, {totals[1]} failed, {totals[2]} skipped "
+                  f"({sum(v['seconds'] for v in suite.values()):.0f} s of test time).", "",
+                  "| module | passed | failed | skipped | s |", "|---|---|---|---|---|"]
+        lines += [f"| {m} | {v['passed']} | {v['failed']} | {v['skipped']} | {v['seconds']:.0f} |" for m, v in suite.items()]
+        problems = [f"- {m}: {f}" for m, v in suite.items() for f in v["failures"]]
+        skips = [f"- {m}: {s}" for m, v in suite.items() for s in v["skips"]]
+        lines += ([""] + ["Failures:"] + problems if problems else []) + ([""] + ["Skips:"] + skips if skips else [])
+    pending = [m for m in test_modules() if m not in suite]
+    lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
+    bandwidth, peak = target_peaks(target_of(device))
+    for part in ("kernels", "moe", "matmuls"):
+        record = units.get(part)
+        lines += [f"## {part}", ""]
+        if record is None or not record.get("json"):
+            lines += ["not measured" + ("" if record is None else f" (exit {record['returncode']})"), ""]
+            continue
+        data = record["json"]
+        lines += [f"copy bandwidth {data['copy_bytes_per_s'] / 1e9:.0f} GB/s; roofline of {target_of(device)}: "
+                  f"{bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s", "",
+                  "| op | impl | shape | ms | GB/s | % roofline |", "|---|---|---|---|---|---|"]
+        for row in data["rows"]:
+            shape = ", ".join(f"{k} {row[k]}" for k in ("layer", "batch", "context", "queries", "tokens") if k in row)
+            roof = max(row["bytes"] / bandwidth, row["flops"] / peak)
+            lines.append(f"| {row['op']} | {row['impl']} | {shape} | {row['seconds'] * 1e3:.3f} | "
+                         f"{row['bytes'] / row['seconds'] / 1e9:.0f} | {100 * roof / row['seconds']:.0f}% |")
+        lines.append("")
+    lines += ["## Exactness", ""]
+    record = units.get("exactness")
+    if record and record.get("json"):
+        lines += ["| backend | window_invariant | draft | identical rows |", "|---|---|---|---|"]
+        lines += [f"| {r['backend']} | {r['window_invariant']} | {r['draft']} | {r['identical']} / {r['rows']} |"
+                  for r in record["json"]["rows"]]
+    else:
+        lines.append("not measured" + ("" if record is None else f" (exit {record['returncode']})"))
+    lines += ["", "## Main job", ""]
+    for unit, *_ in MAINJOB_UNITS:
+        record = units.get(f"mainjob/{unit}")
+        lines.append(f"- {unit}: " + ("not run" if record is None else
+                                      f"{record['tokens_per_s']} tokens/s, mean accepted length "
+                                      f"{record['mean_accepted']}, exit {record['returncode']}"))
+    lines += ["", "## End-to-end decode step (measured beside its projection)", ""]
+    points = [v for k, v in units.items() if k.startswith("e2e/B=")]
+    if points:
+        lines += [f"{points[0]['layers']} layers (1 dense + MoE) + MTP, FP8 random weights, context "
+                  f"{points[0]['context']}; projection: roofline of the same compiled program on {points[0]['target']} "
+                  f"peaks; calibrated: {points[0]['calibration']}.", "",
+                  "| B | k | measured ms | projected ms | measured / projected throughput | calibrated ms | TFLOP | GB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for p in sorted(points, key=lambda p: (p["batch"], p["drafts"])):
+            calibrated = f"{p['calibrated_s'] * 1e3:.2f}" if p.get("calibrated_s") else "-"
+            lines.append(f"| {p['batch']} | {p['drafts']} | {p['measured_s'] * 1e3:.2f} | {p['projected_s'] * 1e3:.2f} | "
+                         f"{p['ratio']:.2f} | {calibrated} | {p['flops'] / 1e12:.3f} | {p['bytes'] / 1e9:.2f} |")
+    else:
+        lines.append("not measured")
+    failed = [k for k in units if k.startswith("e2e/failed")]
+    lines += [f"(e2e runs that failed: {', '.join(failed)}; their output is in report.json)" if failed else ""]
+    cal = report.data.get("calibration")
+    lines += ["", "## Calibration (fraction of the roofline per op class)", ""]
+    if cal and cal.get("device") == device:
+        lines += [f"- {name}: {value:.3f} ({cal['rows'][name]} rows)" for name, value in cal["fractions"].items()]
+        lines.append(f"- not measured (1.0 in the projection): {', '.join(cal['not_measured'])}")
+    else:
+        lines.append("none for this device")
+    top = headline(report)
+    lines += ["", "## The ratio", ""]
+    if top:
+        lines.append(f"B = {top['batch']}, k = {top['drafts']}: measured {top['measured_ms']:.2f} ms, projected "
+                     f"{top['projected_ms']:.2f} ms: measured / projected throughput = {top['ratio']:.2f} (goal >= "
+                     f"{GOAL}: {'met' if top['ratio'] >= GOAL else 'missed'}).")
+        lines += [f"- {name}: {100 * c['share']:.0f}% of the calibrated step, fraction of roofline "
+                  f"{'not measured' if c['fraction'] is None else format(c['fraction'], '.2f')}"
+                  for name, c in top["classes"].items()]
+        lines.append(f"Op classes under {GOAL} of their roofline: {', '.join(top['missing_goal']) or 'none'}.")
+    else:
+        lines.append("no end-to-end point yet")
+    return "\n".join(lines) + "\n"
+
+
+def progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+
+def parse_parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: parts must be a comma-separated subset of {','.join(PARTS)}")
+    return parts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu-report", help="directory of report.json and report.md (kept across runs)")
+    parser.add_argument("--parts", type=parse_parts, default=list(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes; runs anywhere")
+    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                        help="start no unit after this many seconds (what is left is listed)")
+    parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers of the suite part")
+    parser.add_argument("--suite-chunk", type=int, default=None,
+                        help="test modules per pytest run, recorded as it ends (default: --workers, so a chunk "
+                             "takes as long as its heaviest module)")
+    parser.add_argument("--redo", action="store_true", help="measure again what the report holds for this device")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="run again the units that failed (a benchmark's error, a test module's failures)")
+    args = parser.parse_args(argv)
+    args.suite_chunk = args.suite_chunk or args.workers
+    if args.workers < 1 or args.suite_chunk < 1:
+        parser.error("--workers and --suite-chunk must be >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    device = device_name() + (" (smoke)" if args.smoke else "")
+    report = Report(args.out, device, args.retry_failed)
+    if args.redo:
+        report.units.clear()
+    clock = Clock(args.deadline)
+    started = time.monotonic()
+    report.data["runs"].append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                "device": device, "parts": args.parts, "smoke": args.smoke})
+    progress(f"device {device}; parts {','.join(args.parts)}; report {report.path}")
+    for part in PARTS:  # in PARTS' order: the calibration exists before the e2e part uses it
+        if part not in args.parts:
+            continue
+        if part == "suite":
+            part_suite(report, clock, args)
+        elif part == "mainjob":
+            part_mainjob(report, clock, args)
+        elif part == "e2e":
+            part_e2e(report, clock, args)
+        else:
+            part_benchmark(part, report, clock, args)
+        found = calibration(report)
+        if found is not None:
+            report.data["calibration"] = found
+    report.data["runs"][-1]["seconds"] = time.monotonic() - started
+    report.save()
+    text = markdown(report)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""DeepSeek-V3.2's linear layers at decode shapes on a GPU: a bfloat16 weight through XLA's dot and
+an FP8 weight (128 x 128 block scales) through the grouped-matmul kernel, as `models.layers.Linear`
+runs them on the pallas backend.
+
+    python benchmarks/matmuls.py --json matmuls.json     # on a GPU
+    python benchmarks/matmuls.py --smoke                 # tiny widths, any machine (interpret mode)
+
+Shapes (in x out): the attention's q_b_proj (1536 x 24576), o_proj (16384 x 7168) and the dense
+MLP's gate_proj (7168 x 18432), for T tokens per call (default 8, 32, 128: decode at B 8, 32 and
+verification at B 32, k = 3). Each row prints time, the bytes the layer must move at least (the
+weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
+TFLOP/s. Weights and inputs are random. A timing is `benchmarks/kernels.py`'s: the best of three
+runs of --iters back-to-back calls after --warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from kernels import copy_bandwidth, gpu_or_smoke, timed, write_rows
+
+from jaxspec.models.layers import Linear
+
+SHAPES = {"q_b_proj": (1536, 24576), "o_proj": (16384, 7168), "mlp_gate_proj": (7168, 18432)}
+SMOKE_SHAPES = {"smoke_256x384": (256, 384)}
+DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+
+
+def min_bytes(layer: Linear, tokens: int) -> int:
+    """The weight (and its scales) read once, bfloat16 activations in and out."""
+    weight = layer.weight[...]
+    scales = 0 if layer.weight_scale_inv is None else layer.weight_scale_inv[...].nbytes
+    return weight.nbytes + scales + 2 * tokens * (weight.shape[0] + weight.shape[1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128], help="tokens per call")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
+    args = parser.parse_args(argv)
+    if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):
+        return 2
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.smoke:
+        args.tokens, args.iters, args.warmup = [4], 1, 1
+    copy_bytes = (1 << 20) if args.smoke else (1 << 30)
+    copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
+    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    header = f"{'layer':<16}{'weight':>7}{'T':>6}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name, (fan_in, fan_out) in shapes.items():
+        for label, dtype in DTYPES.items():
+            layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=dtype)
+            graphdef, params = nnx.split(layer)
+            fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, backend="pallas"))
+            for tokens in args.tokens:
+                x = jax.random.normal(jax.random.key(tokens), (tokens, fan_in), jnp.bfloat16)
+                seconds = timed(fn, params, x, iters=args.iters, warmup=args.warmup)
+                nbytes, flops = min_bytes(layer, tokens), 2 * tokens * fan_in * fan_out
+                rows.append(dict(op=f"linear_{label}", impl="xla" if label == "bf16" else "pallas", layer=name,
+                                 tokens=tokens, seconds=seconds, bytes=nbytes, flops=flops))
+                print(f"{name:<16}{label:>7}{tokens:>6}{seconds * 1e3:>10.3f}{nbytes / seconds / 1e9:>8.0f}"
+                      f"{100 * nbytes / seconds / copy_bw:>6.0f}%{flops / seconds / 1e12:>9.1f}", flush=True)
+    if args.json:
+        write_rows(args.json, copy_bw, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""`benchmarks/gpu_report.py`, the one command for a lent GPU: its `--smoke` run exercises every
+part at tiny sizes on the CPU and records them, a second run skips what is recorded, and the
+projection it reports beside each measured step is `benchmarks/projection.py`'s (calibrated per op
+class from the benchmark rows)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import gpu_report  # noqa: E402
+from projection import Calibration, load_calibration, step_seconds, target_peaks  # noqa: E402
+
+from jaxspec.aot.model import DepthCost  # noqa: E402
+
+
+def run_report(out, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "benchmarks/gpu_report.py", "--out", str(out), "--smoke", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-report")
+    done = run_report(out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(out / "report.json") as f:
+        return out, json.load(f)
+
+
+def test_smoke_run_records_every_part(smoke_report):
+    out, data = smoke_report
+    (device, units), = data["devices"].items()
+    assert device.endswith("(smoke)")
+    expected = {"suite/test_config.py", "kernels", "moe", "matmuls", "exactness", "mainjob/mtp3", "e2e/B=2,k=0",
+                "e2e/B=2,k=1"}
+    assert set(units) == expected
+    assert units["suite/test_config.py"]["collected_only"] > 0 and not units["suite/test_config.py"]["failed"]
+    for name in ("kernels", "moe", "matmuls", "exactness", "mainjob/mtp3"):
+        assert units[name]["returncode"] == 0, units[name]["output"]
+    for name in ("kernels", "moe", "matmuls"):
+        assert units[name]["json"]["rows"] and all(row["seconds"] > 0 for row in units[name]["json"]["rows"])
+    # window_invariant rows equal plain greedy on the CPU: guaranteed, so the smoke checks it
+    assert all(row["identical"] == row["rows"] for row in units["exactness"]["json"]["rows"])
+    assert units["mainjob/mtp3"]["tokens_per_s"] > 0 and units["mainjob/mtp3"]["mean_accepted"] >= 1
+    text = (out / "report.md").read_text()
+    for heading in ("## Test suite", "## kernels", "## moe", "## matmuls", "## Exactness", "## Main job",
+                    "## End-to-end decode step", "## Calibration", "## The ratio"):
+        assert heading in text
+
+
+def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
+    """Each point's projection is projection.py's roofline of the flops and bytes of the program
+    it timed, and the op classes split those totals exactly."""
+    _, data = smoke_report
+    (units,) = data["devices"].values()
+    for key in ("e2e/B=2,k=0", "e2e/B=2,k=1"):
+        point = units[key]
+        assert point["measured_s"] > 0 and point["flops"] > 0 and point["bytes"] > 0
+        cost = DepthCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
+                         by_class={k: tuple(v) for k, v in point["by_class"].items()})
+        assert point["projected_s"] == pytest.approx(step_seconds(cost, target_peaks(point["target"])))
+        assert point["ratio"] == pytest.approx(point["projected_s"] / point["measured_s"])
+        assert sum(f for f, _ in point["by_class"].values()) == pytest.approx(point["flops"])
+        assert sum(b for _, b in point["by_class"].values()) == pytest.approx(point["bytes"])
+    assert units["e2e/B=2,k=1"]["calibrated_s"] > 0  # the calibration from the kernel rows was passed on
+
+
+def test_second_run_skips_what_is_recorded(smoke_report):
+    out, data = smoke_report
+    done = run_report(out, "--parts", "kernels,e2e")
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "report.json") as f:
+        again = json.load(f)
+    assert len(again["runs"]) == len(data["runs"]) + 1
+    (before,), (after,) = data["devices"].values(), again["devices"].values()
+    assert {k: v["recorded"] for k, v in after.items()} == {k: v["recorded"] for k, v in before.items()}
+    # and the calibration file it wrote is what projection.py --calibration reads
+    calibration = load_calibration(str(out / "report.json"))
+    assert set(calibration.fractions) == {"attention", "grouped_matmul", "xla"}
+
+
+def test_calibrated_step_divides_each_class_by_its_fraction():
+    bandwidth, peak = 1e12, 1e15
+    cost = DepthCost(flops=3e12, bytes_accessed=6e9, compile_seconds=0.0, collective_bytes=4.5e8,
+                     by_class={"attention": (1e12, 1e9), "grouped_matmul": (0.0, 4e9), "xla": (2e12, 1e9)})
+    # roofline of the totals: max(6 ms, 3 ms) + 1 ms of collectives at 450 GB/s
+    assert step_seconds(cost, (bandwidth, peak)) == pytest.approx(7e-3)
+    every_class = {"attention": 1.0, "grouped_matmul": 1.0, "xla": 1.0}
+    # per class: attention max(1, 1) + grouped max(4, 0) + xla max(1, 2) ms, + 1 ms
+    assert step_seconds(cost, (bandwidth, peak), Calibration("all", every_class)) == pytest.approx(8e-3)
+    halved = Calibration("half", {**every_class, "grouped_matmul": 0.5, "collectives": 0.25})
+    assert step_seconds(cost, (bandwidth, peak), halved) == pytest.approx((1 + 8 + 2 + 4) * 1e-3)
+
+
+@pytest.mark.parametrize("content, message", [({"calibration": {"label": "x"}}, "no"),
+                                              ({"calibration": {"fractions": {"moe": 0.5}}}, "classes must be"),
+                                              ({"calibration": {"fractions": {"xla": 0.0}}}, r"in \(0, 1.5\]")])
+def test_load_calibration_refuses_what_it_cannot_use(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        load_calibration(str(path))
+
+
+def test_calibration_is_roofline_over_measured_time_per_class():
+    report = gpu_report.Report.__new__(gpu_report.Report)
+    report.device, report.data = "NVIDIA H100 80GB HBM3", {}
+    bandwidth, peak = target_peaks("h100")
+    row = lambda op, impl, seconds, nbytes: dict(op=op, impl=impl, seconds=seconds, bytes=nbytes, flops=1.0)
+    report.units = {
+        "kernels": {"json": {"rows": [row("mla_attention", "pallas", 2e-3, bandwidth * 1e-3),
+                                      row("mla_attention", "xla", 1.0, 1.0),  # a reference: not the kernel's class
+                                      row("indexer_scores", "pallas", 2e-3, bandwidth * 3e-3)]}},
+        "moe": {"json": {"rows": [row("moe_layer", "pallas", 1e-3, bandwidth * 0.9e-3)]}},
+    }
+    found = gpu_report.calibration(report)
+    assert found["fractions"] == pytest.approx({"attention": 1.0, "grouped_matmul": 0.9})
+    assert found["not_measured"] == ["collectives", "xla"]
+
+
+def test_junit_outcomes_count_each_module(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text("""<testsuites><testsuite>
+      <testcase classname="tests.test_a" name="test_one" time="1.5"/>
+      <testcase classname="tests.test_a" name="test_two" time="0.5"><failure message="boom"/></testcase>
+      <testcase classname="tests.test_b" name="test_three" time="0"><skipped message="needs a GPU"/></testcase>
+    </testsuite></testsuites>""")
+    found = gpu_report.junit_outcomes(str(path))
+    assert found["test_a.py"]["passed"] == 1 and found["test_a.py"]["failed"] == 1
+    assert found["test_a.py"]["seconds"] == 2.0 and found["test_a.py"]["failures"] == ["test_two: boom"]
+    assert found["test_b.py"]["skipped"] == 1 and found["test_b.py"]["skips"] == ["test_three: needs a GPU"]
+
+
+def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
+    report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
+    report.record("kernels", {"returncode": 0}, ok=True)
+    report.record("moe", {"returncode": 1}, ok=False)
+    assert report.has("kernels") and report.has("moe") and not report.has("matmuls")
+    again = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3", retry_failed=True)
+    assert again.has("kernels") and not again.has("moe")
+    other = gpu_report.Report(str(tmp_path), "NVIDIA H200")  # another device measures everything itself
+    assert not other.has("kernels")
