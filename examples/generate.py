@@ -10,6 +10,8 @@
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype bfloat16 --prompt "Hello"
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype fp8 --prompt "Hello"   # FP8 weights kept
     python examples/generate.py --checkpoint DIR --prompt-ids 1,2,3 --print-ids   # no tokenizer.json in DIR
+    python examples/generate.py --checkpoint DIR --mesh 2x8 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
+                                                      # host 0 of 2 (docs/multi-host.md); --distributed: auto-detected
 
 Greedy speculative decoding is lossless: for one seed, every --mtp and --tree prints the same text;
 only the speed and the acceptance statistics change. Sampling (--temperature > 0) is lossless in
