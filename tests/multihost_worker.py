@@ -69,7 +69,8 @@ result["restored"] = tokens(restored, greedy)
 sampled = DecodeConfig(num_draft=3, eos_token_id=model.config.eos_token_id, temperature=1.0, top_k=5,
                        **case["decode"])
 result["sampled"] = tokens(restored, sampled, key=case["sample_key"])
-(root / f"result-{process_id}.json").write_text(json.dumps(result))
+(root / f"result-{process_id}.part").write_text(json.dumps(result))
+(root / f"result-{process_id}.part").rename(root / f"result-{process_id}.json")  # whole when it appears
 
 print("decoding until killed", flush=True)
 while True:

@@ -19,6 +19,7 @@ Every process gets a free loopback port, output to files, a deadline, and is kil
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import re
 import signal
@@ -87,7 +88,7 @@ class Runs:
     def kill_all(self):
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.kill()
+                proc.kill()  # SIGKILL: JAX's preemption notifier catches SIGTERM and carries on
                 proc.wait(timeout=30)
 
 
@@ -257,3 +258,19 @@ def test_checkpoint_identity_follows_the_contents_not_the_path(tmp_path):
     shutil.copytree(ORBAX, tmp_path / "copy")
     assert distributed.checkpoint_identity(tmp_path / "copy") == distributed.checkpoint_identity(ORBAX)
     assert distributed.checkpoint_identity(TESTS / "fixtures" / "tiny-v3") != distributed.checkpoint_identity(ORBAX)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2"], "give all three"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0", "--distributed"],
+     "give all three"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     r"--process-id 2: must be in \[0, 1\]"),
+])
+def test_main_job_refuses_incomplete_process_flags(argv, message, capsys):
+    spec = importlib.util.spec_from_file_location("generate_example", GENERATE)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    with pytest.raises(SystemExit):
+        job.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
