@@ -9,9 +9,10 @@ the mesh and the decode settings). The process joins the run, then writes `ROOT/
   * disagreement: check_agreement's error when the processes pass different decode settings;
   * reads: each tensor this process read from the safetensors files (jaxspec.shards.read is the
     loader's only way to tensor data) while loading the checkpoint onto the mesh;
-  * greedy / restored: greedy MTP tokens of the loaded model, and of the model saved with save_model
-    and restored with restore_model by both processes;
-  * sampled: sampled tokens with a fixed key.
+  * greedy: greedy MTP tokens of the loaded model;
+  * restored_params / restored_differ: the model saved with save_model and restored with
+    restore_model by both processes, against the loaded one, parameter by parameter;
+  * sampled: the restored model's sampled tokens with a fixed key.
 
 and then decodes until it is killed (the lost-peer check kills its peer meanwhile).
 """
@@ -31,6 +32,7 @@ distributed.initialize(f"127.0.0.1:{port}", 2, process_id, initialization_timeou
                        heartbeat_timeout=case["heartbeat_timeout"], shutdown_timeout=case["heartbeat_timeout"])
 
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from jaxspec import shards, sharding  # noqa: E402
 from jaxspec.checkpoint import load_model  # noqa: E402
@@ -62,10 +64,20 @@ def tokens(run_model, config, key=0) -> list[list[int]]:
     return [done.row_tokens(row) for row in range(len(prompts))]
 
 
+def params(of) -> dict:
+    """Every parameter of `of`, whole, by dotted path."""
+    flat = nnx.to_flat_state(nnx.state(of, nnx.Param))
+    return distributed.gather({".".join(map(str, path)): variable.get_value() for path, variable in flat})
+
+
 result["greedy"] = tokens(model, greedy)
 save_model(model, root / "saved")
 restored = restore_model(root / "saved", mesh=mesh)
-result["restored"] = tokens(restored, greedy)
+before, after = params(model), params(restored)
+result["restored_params"] = len(after)
+result["restored_differ"] = sorted(name for name in before.keys() | after.keys() if name not in before
+                                   or name not in after or before[name].dtype != after[name].dtype
+                                   or not (before[name] == after[name]).all())
 sampled = DecodeConfig(num_draft=3, eos_token_id=model.config.eos_token_id, temperature=1.0, top_k=5,
                        **case["decode"])
 result["sampled"] = tokens(restored, sampled, key=case["sample_key"])
@@ -73,5 +85,5 @@ result["sampled"] = tokens(restored, sampled, key=case["sample_key"])
 (root / f"result-{process_id}.part").rename(root / f"result-{process_id}.json")  # whole when it appears
 
 print("decoding until killed", flush=True)
-while True:
-    jax.block_until_ready(generate(restored, prompts, greedy, mesh=mesh).tokens)
+while True:  # a program compiled above: the peer dies mid-decode, not mid-compile
+    jax.block_until_ready(generate(model, prompts, greedy, mesh=mesh).tokens)
