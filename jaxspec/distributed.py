@@ -9,12 +9,14 @@ layer jaxspec puts over it:
     check_agreement(checkpoint=checkpoint_identity(path), config=...)   # before compiling
     result = gather(run())                                        # every field on every process
 
-`initialize` wraps `jax.distributed.initialize` (jax 0.10.2 to 0.11 take the same arguments used
-here) with checked arguments and bounded timeouts: a lost peer is noticed by the coordination
-service after `heartbeat_timeout` seconds without a heartbeat, and every other process is then
-terminated by the runtime with a message naming the lost task (`/job:jax_worker/replica:0/task:I`
-is process I). On the CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`),
-so a multi-process mesh runs, and is tested, on one host with loopback addresses.
+`initialize` wraps `jax.distributed.initialize` (run with jax 0.10.2; its keyword arguments used
+here, `initialization_timeout`, `coordinator_bind_address`, `heartbeat_timeout_seconds` and
+`shutdown_timeout_seconds`, keep their names in later releases) with checked arguments and bounded
+timeouts: the coordination service counts a process without a heartbeat for `heartbeat_timeout`
+seconds as lost, and the runtime then terminates every other process with a message that gives
+the lost process's id ("The following tasks are unhealthy (stopped sending heartbeats): 1"). On the
+CPU the processes exchange data through gloo (`jax_cpu_collectives_implementation`), so a
+multi-process mesh runs, and is tested, on one host with loopback addresses.
 
 `check_agreement` exists because processes given different checkpoints, configs or decode
 settings would otherwise compile different programs and hang in the first collective, or silently
@@ -126,7 +128,8 @@ def checkpoint_identity(directory: str | os.PathLike) -> dict[str, Any]:
     path and size, and a SHA-256 of its first and last `SAMPLE_BYTES` bytes (a whole checkpoint is
     too large to hash on every start; the ends of a safetensors file hold its header and last
     tensor, and a config.json is hashed whole). The directory's own path is not part of it: hosts
-    may mount the same checkpoint at different paths."""
+    may mount the same checkpoint at different paths. Copies agree; two `jaxspec convert` runs of
+    one checkpoint do not (orbax names its data files at random)."""
     directory = os.fspath(directory)
     files = {}
     for root, _, names in os.walk(directory):
