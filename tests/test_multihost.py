@@ -22,6 +22,7 @@ import collections
 import importlib.util
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -254,7 +255,6 @@ def test_initialize_refuses_bad_arguments_before_contacting_anyone(args, message
 
 
 def test_checkpoint_identity_follows_the_contents_not_the_path(tmp_path):
-    import shutil
     shutil.copytree(ORBAX, tmp_path / "copy")
     assert distributed.checkpoint_identity(tmp_path / "copy") == distributed.checkpoint_identity(ORBAX)
     assert distributed.checkpoint_identity(TESTS / "fixtures" / "tiny-v3") != distributed.checkpoint_identity(ORBAX)
