@@ -10,6 +10,8 @@
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype bfloat16 --prompt "Hello"
     python examples/generate.py --checkpoint DeepSeek-V3.2-Exp/ --dtype fp8 --prompt "Hello"   # FP8 weights kept
     python examples/generate.py --checkpoint DIR --prompt-ids 1,2,3 --print-ids   # no tokenizer.json in DIR
+    python examples/generate.py --checkpoint DIR --mesh 2x8 --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
+                                                      # host 0 of 2 (docs/multi-host.md); --distributed: auto-detected
 
 Greedy speculative decoding is lossless: for one seed, every --mtp and --tree prints the same text;
 only the speed and the acceptance statistics change. Sampling (--temperature > 0) is lossless in
@@ -31,17 +33,16 @@ Its `tokenizer.json` encodes --prompt; a directory without one takes --prompt-id
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from jaxspec import progress, sharding
+from jaxspec import distributed, progress, sharding
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
@@ -106,9 +107,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="how --mesh splits the model: dp = attention data-parallel over rows, tp = attention "
                              "heads over MODEL; the routed experts are split over every device in both")
     parser.add_argument("--distributed", action="store_true",
-                        help="several hosts: call jax.distributed.initialize() first (run the same command on "
-                             "every host; the coordinator and process ids come from the cluster's environment, "
-                             "e.g. SLURM, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+                        help="several hosts, auto-detected: run the same command on every host; the coordinator "
+                             "and process ids come from the cluster's environment (SLURM, Open MPI, or "
+                             "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="several hosts, explicitly: process 0's address, the same on every host "
+                             "(with --num-processes and --process-id)")
+    parser.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in all (with --coordinator)")
+    parser.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (with --coordinator)")
+    parser.add_argument("--peer-timeout", type=positive_int, default=100, metavar="S",
+                        help="several hosts: a process silent for S seconds is lost and the others exit with an "
+                             "error naming it; a finishing process waits at most S seconds for the others")
+    parser.add_argument("--init-timeout", type=positive_int, default=300, metavar="S",
+                        help="several hosts: seconds to wait for every process to join")
     parser.add_argument("--checkpoint", metavar="DIR", type=checkpoint_dir,
                         help="run this checkpoint (Hugging Face safetensors, or a `jaxspec convert` output) "
                              "instead of the shipped model")
@@ -128,6 +139,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--checkpoint {args.checkpoint}: no tokenizer.json there; give --prompt-ids (e.g. 1,2,3)")
         args.print_ids = True
     args.prompts = args.prompt_ids or args.prompts or list(DEFAULT_PROMPTS)
+    explicit = [args.coordinator, args.num_processes, args.process_id]
+    if any(v is not None for v in explicit) and (None in explicit or args.distributed):
+        parser.error("--coordinator, --num-processes, --process-id: give all three (or --distributed alone)")
+    if args.coordinator is not None and not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id {args.process_id}: must be in [0, {args.num_processes - 1}]")
     if any(not p for p in args.prompts):
         parser.error("--prompt: prompts must not be empty")
     if args.batch is None:
@@ -172,7 +188,7 @@ def build_model(args: argparse.Namespace, mesh) -> tuple[DeepseekV3, Tokenizer |
             return model, load_tokenizer(args.checkpoint), f"{args.dtype} weights, its tokenizer.json"
         return model, None, f"{args.dtype} weights, token ids (no tokenizer.json)"
     if not args.random:
-        return (restore_model(DEFAULT_CHECKPOINT), load_tokenizer(None),
+        return (restore_model(DEFAULT_CHECKPOINT, mesh=mesh, plan=args.plan), load_tokenizer(None),
                 f"trained weights ({os.path.relpath(DEFAULT_CHECKPOINT)}), byte tokenizer")
     config = preset(args.preset)
     model = model_class(config)(config, rngs=nnx.Rngs(args.seed))
@@ -188,13 +204,36 @@ def encode(prompt: str | list[int], tokenizer: Tokenizer | None, args: argparse.
     return ([bos] if bos is not None else []) + tokenizer.encode(prompt)
 
 
+def join_processes(args: argparse.Namespace) -> None:
+    """Join the multi-process run (`jaxspec.distributed`), refuse to go on unless every process was
+    given the same model and settings, and leave printing to process 0."""
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               initialization_timeout=args.init_timeout, heartbeat_timeout=args.peer_timeout,
+                               shutdown_timeout=args.peer_timeout)
+    except (ValueError, TimeoutError) as error:
+        raise SystemExit(f"--coordinator {args.coordinator}: {error}") from None
+    if jax.process_index() != 0:  # every process runs the same program; one prints (so does the C++ runtime)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if jax.process_count() > 1 and (args.random or args.mesh is None):
+        raise SystemExit(f"{jax.process_count()} processes: give --checkpoint (or the default model) and a --mesh "
+                         f"over all {jax.device_count()} devices; each process loads only its devices' shares")
+    # The path may differ between hosts; checkpoint_identity stands for it. The rest must agree.
+    settings = {k: v for k, v in vars(args).items() if k not in ("process_id", "checkpoint", "compile_cache")}
+    try:
+        distributed.check_agreement(settings=settings, checkpoint=distributed.checkpoint_identity(
+            args.checkpoint or DEFAULT_CHECKPOINT))
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     use_cpu_without_nvidia_driver()
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-    if args.distributed:
-        jax.distributed.initialize()
+    if args.distributed or args.coordinator is not None:
+        join_processes(args)
     try:
         mesh = None if args.mesh is None else sharding.make_mesh(*args.mesh)
     except ValueError as error:
@@ -242,11 +281,7 @@ def main(argv=None) -> None:
     jax.block_until_ready(result.tokens)
     decode_s = time.perf_counter() - start
 
-    if jax.process_count() > 1:  # the rows live on every host's devices: gather them; one process prints
-        result = dataclasses.replace(result, **{field.name: multihost_utils.process_allgather(
-            getattr(result, field.name), tiled=True) for field in dataclasses.fields(result)})
-        if jax.process_index() != 0:
-            return
+    result = distributed.gather(result)  # the rows live on every process's devices
     emitted = int(np.sum(result.num_tokens))
     acceptance = " ".join(f"{a:.2f}" for a in result.acceptance_per_position) or "- (no drafts)"
     print(f"compile   {compile_s:.2f} s ahead of time, then {warmup_s:.3f} s warm-up run (both not counted below)")

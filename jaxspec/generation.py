@@ -28,8 +28,8 @@ from jaxspec.drafting import mtp_draft_slots
 from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding
 from jaxspec.model_config import ModelConfig
 from jaxspec.sampling import base_key
-from jaxspec.sharding import (DEFAULT_PLAN, HEAD_AXES, cache_shardings, check_mesh, check_plan, row_shards, row_spec,
-                              shard_params)
+from jaxspec.sharding import (DEFAULT_PLAN, HEAD_AXES, cache_shardings, check_mesh, check_plan, put, row_shards,
+                              row_spec, shard_params)
 
 
 class PreparedBatch(NamedTuple):
@@ -183,7 +183,8 @@ def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=Non
         prompts_arr = jnp.concatenate([prompts_arr, jnp.zeros((padded - batch, width), jnp.int32)])
         lens_arr = jnp.concatenate([lens_arr, jnp.ones((padded - batch,), jnp.int32)])
     if mesh is not None:
-        prompts_arr, lens_arr = jax.device_put((prompts_arr, lens_arr), NamedSharding(mesh, row_spec(plan)))
+        rows = NamedSharding(mesh, row_spec(plan))
+        prompts_arr, lens_arr = put(prompts_arr, rows), put(lens_arr, rows)
 
     # Each cache gets its own copy of the page table: the caches are donated to the computation,
     # which must consume neither the caller's array nor one buffer twice.
@@ -363,7 +364,7 @@ def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeCo
     graphdef, params = nnx.split(model)
     rng_key = base_key(key)
     if mesh is not None:  # a compiled program takes its arguments exactly where it was compiled for
-        rng_key = jax.device_put(rng_key, NamedSharding(mesh, PartitionSpec()))
+        rng_key = put(rng_key, NamedSharding(mesh, PartitionSpec()))
     fn, (params,), static = _program(graphdef, params, batch, config, mesh, plan)
     compiled = fn.lower(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
                         rng_key, *static).compile()

@@ -209,6 +209,6 @@ def _v4_cache_bytes(config: ModelConfig, decode: DecodeConfig, rows: int, capaci
 def device_memory(device=None) -> int | None:
     """Bytes a device can allocate (`memory_stats()["bytes_limit"]`), or None where the runtime does
     not say (the CPU)."""
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return None if not stats else stats.get("bytes_limit")

@@ -55,7 +55,8 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
     """Write `model`'s config and parameters to `directory` (created; an existing save is replaced).
 
     dtype: storage dtype for floating-point parameters (e.g. `jnp.bfloat16`); None keeps each
-    parameter's own dtype.
+    parameter's own dtype. Several processes (a multi-host mesh): every process calls it with the
+    same `directory` on a file system they share; each writes its own devices' shards.
     """
     directory = os.path.abspath(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)
@@ -67,9 +68,10 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
         params[_param_name(path)] = value
     config = model.config.to_hf()
     config["torch_dtype"] = str(jnp.dtype(dtype if dtype is not None else model.dtype))
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    if jax.process_index() == 0:  # one writer; orbax's save below waits for every process
+        with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(directory, PARAMS_DIR), params, force=True)
 

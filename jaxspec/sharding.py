@@ -155,6 +155,20 @@ def shard_params(state: nnx.State, mesh: Mesh, plan: str = DEFAULT_PLAN) -> nnx.
     return jax.device_put(state, param_shardings(state, mesh, plan))
 
 
+def put(value, sharding: NamedSharding) -> jax.Array:
+    """A host value, the same on every process (an array-like or a `jax.random.key`), as one global
+    array laid out by `sharding`. Unlike `jax.device_put`, this works when `sharding` spans other
+    processes' devices (a multi-host mesh): each process fills only its own devices' blocks. On
+    one process it is `jax.device_put` (which also places a traced value)."""
+    if jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put(jax.random.key_data(value), sharding),
+                                        impl=jax.random.key_impl(value))
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def row_spec(plan: str = DEFAULT_PLAN) -> PartitionSpec:
     """The spec of an array whose leading axis is rows (or a cache's pages): split over the row axes."""
     check_plan(plan)
