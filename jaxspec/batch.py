@@ -76,11 +76,15 @@ def cache_geometry(prompt_width: int, config: DecodeConfig, *, batch_size: int, 
 def check_request(model: DecoderModel, config: DecodeConfig, *, page_table, mesh: Mesh | None, plan: str) -> None:
     """The checks that need no prompt: plan and mesh, the model's layout constraints, drafting."""
     check_plan(plan)
-    head_split = 1
-    if mesh is not None:
+    if mesh is None:
+        model.check_layout(head_split=1, page_table=page_table)
+    else:
         check_mesh(mesh, plan)
-        head_split = int(np.prod([mesh.shape[axis] for axis in HEAD_AXES[plan]]))
-    model.check_layout(head_split=head_split, page_table=page_table)
+        try:
+            model.check_layout(head_split=int(np.prod([mesh.shape[axis] for axis in HEAD_AXES[plan]])),
+                               page_table=page_table)
+        except ValueError as error:
+            raise ValueError(f"plan={plan!r} on a {dict(mesh.shape)} mesh: {error}") from None
     if mesh is not None and page_table is not None:
         raise ValueError("page_table: not supported with a mesh (each device numbers the pages of its own rows)")
     if config.draft_tree is not None and getattr(model, "mtp", None) is None:

@@ -234,3 +234,18 @@ def test_a_third_family_runs_through_the_engine(draft):
         assert spec.row_tokens(row) == plain.row_tokens(row)
     assert 0 < int(np.sum(spec.accepted)) and spec.steps < plain.steps  # drafts were accepted, and some rejected
     assert int(np.sum(spec.accepted)) < int(np.sum(spec.target_calls)) * 3
+
+
+def test_check_layout_names_what_does_not_split():
+    """Each family says before tracing which of its widths a head split must divide."""
+    v3 = nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0)))
+    v4 = nnx.eval_shape(lambda: DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0)))
+    heads, groups = v4.config.num_attention_heads, v4.config.o_groups
+    v3.check_layout(head_split=v3.config.num_attention_heads, page_table=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match=f"num_attention_heads={v3.config.num_attention_heads} is not a multiple"):
+        v3.check_layout(head_split=v3.config.num_attention_heads + 1, page_table=None)
+    v4.check_layout(head_split=groups, page_table=None)
+    with pytest.raises(ValueError, match=f"o_groups={groups} must be a multiple of {heads}"):
+        v4.check_layout(head_split=heads, page_table=None)
+    with pytest.raises(ValueError, match="page_table: a DeepSeek-V4 model's caches"):
+        v4.check_layout(head_split=1, page_table=jnp.zeros((1, 4), jnp.int32))
