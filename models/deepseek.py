@@ -29,6 +29,7 @@ from jaxspec.cache import PagedCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
+from .interface import check_head_split
 from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .mla import MLA
 from .moe import MoE
@@ -119,9 +120,7 @@ class DeepseekV3(nnx.Module):
     def check_layout(self, *, head_split: int, page_table) -> None:
         """Heads split `head_split` ways must divide num_attention_heads; any page table is welcome."""
         del page_table
-        if self.config.num_attention_heads % head_split:
-            raise ValueError(f"the plan splits attention heads {head_split} ways; num_attention_heads="
-                             f"{self.config.num_attention_heads} is not a multiple")
+        check_head_split(self.config, head_split)
 
     def prefill_attention_bytes(self, *, prompt_len: int, width: int, capacity: int, heads: int,
                                 chunked: bool) -> int:

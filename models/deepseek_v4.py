@@ -37,6 +37,7 @@ from jaxspec.config import HCA, ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
 from .hyper_connections import HyperConnection, HyperHead
+from .interface import check_head_split
 from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .moe import MoE
 from .v4_attention import V4Attention
@@ -142,9 +143,7 @@ class DeepseekV4(nnx.Module):
             raise ValueError("page_table: a DeepSeek-V4 model's caches have one page table per structure (rings "
                              "sized by the widest call, entry pools by the capacity), which one [B, M] layout "
                              "cannot give; pass None (jaxspec.cache_v4.init_v4_cache takes per-structure tables)")
-        if c.num_attention_heads % head_split:
-            raise ValueError(f"the plan splits attention heads {head_split} ways; num_attention_heads="
-                             f"{c.num_attention_heads} is not a multiple")
+        check_head_split(c, head_split)
         if c.o_groups % head_split:
             raise ValueError(f"the plan splits attention heads {head_split} ways; a V4 output group spans "
                              f"several heads, so o_groups={c.o_groups} must be a multiple of {head_split}")

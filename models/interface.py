@@ -126,6 +126,13 @@ class DecoderModel(Protocol):
         attention heads on the device (`jaxspec.memory_plan`)."""
 
 
+def check_head_split(config: ModelConfig, head_split: int) -> None:
+    """The check every attention makes of a head split: it must divide num_attention_heads."""
+    if config.num_attention_heads % head_split:
+        raise ValueError(f"the plan splits attention heads {head_split} ways; num_attention_heads="
+                         f"{config.num_attention_heads} is not a multiple")
+
+
 def tree_bytes(tree) -> int:
     """Bytes of every array leaf of `tree` (real arrays or `jax.ShapeDtypeStruct`s)."""
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
