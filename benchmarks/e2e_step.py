@@ -48,8 +48,8 @@ from flax import nnx
 from projection import ROOFLINE, compiled_cost, load_calibration, step_seconds, target_peaks
 
 from jaxspec.aot.model import reduced_depth
+from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.generation import prepare
 from jaxspec.loop import DecodeState, _step, prefill
 from jaxspec.memory_plan import device_memory, plan_memory
 from jaxspec.orbax_io import abstract_model
@@ -163,7 +163,7 @@ def _random_caches(state, key):
 
 def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
     """A loop state of `batch` one-token prompts as `init_state` would return it, without running
-    (and compiling) the prefill: caches as `generate` builds them (`jaxspec.generation.prepare`),
+    (and compiling) the prefill: caches as `generate` builds them (`jaxspec.batch.prepare`),
     every other field of the prefill's output shape, drawn at random where a step reads values
     (last token, MTP seeds), zeros elsewhere (counters, the output buffer)."""
     rng = np.random.default_rng(batch * 10 + decode.num_draft)

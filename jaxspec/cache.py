@@ -44,6 +44,16 @@ class PagedCache:
     def replace(self, **changes) -> "PagedCache":
         return dataclasses.replace(self, **changes)
 
+    def commit(self, lengths: jax.Array) -> "PagedCache":
+        """This cache with committed lengths [B] set: entries below them become visible."""
+        return self.replace(lengths=lengths)
+
+    def partition_specs(self, rows):
+        """A `PartitionSpec` per leaf: every page pool split by pages like `rows`, the spec of an
+        array whose leading axis is rows (each device holds its own rows' pages, `init_cache(row_shards=)`),
+        the page table and lengths by rows."""
+        return jax.tree.map(lambda _: rows, self)
+
     def write(self, layer: int, slots: jax.Array, latent: jax.Array, index_key: jax.Array | None = None):
         """Write one layer's window entries: slots [B, Q] (-1 = skip), latent [B, Q, Dc], index_key [B, Q, Di]."""
         latents = list(self.latent)
@@ -102,9 +112,9 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     range(num_pages)) to lay them out otherwise. row_shards > 1 lays the cache out for a mesh
     that splits the rows into that many blocks (`jaxspec.sharding`): the page pool is split the same
     way, each block's rows own the block's pages, and the page table numbers pages within the block
-    (every device's page table addresses its own pages only). Returns latent [L, num_pages, page_size,
-    latent_dim], index_keys [L, num_pages, page_size, index_dim] (or None), page_table, lengths
-    [batch_size] = 0.
+    (every device's page table addresses its own pages only). Returns a `PagedCache`: latent, L
+    arrays [num_pages, page_size, latent_dim]; index_keys, L arrays [num_pages, page_size,
+    index_dim] (an empty tuple when index_dim = 0); page_table [batch_size, M]; lengths [batch_size] = 0.
     """
     check_geometry(batch_size, capacity, row_shards, page_table)
     num_row_pages = pages_per_row(capacity, page_size)

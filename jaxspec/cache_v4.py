@@ -95,6 +95,16 @@ class V4Cache:
     def replace(self, **changes) -> "V4Cache":
         return dataclasses.replace(self, **changes)
 
+    def commit(self, lengths: jax.Array) -> "V4Cache":
+        """This cache with committed lengths [B] set: positions below them become visible."""
+        return self.replace(lengths=lengths)
+
+    def partition_specs(self, rows):
+        """A `PartitionSpec` per leaf: every ring, compressor state and entry pool (each layer's)
+        split by pages like `rows`, the spec of an array whose leading axis is rows; the per-structure
+        page tables and lengths by rows. None stays None (a structure a layer lacks)."""
+        return jax.tree.map(lambda _: rows, self)
+
     def set_layer(self, name: str, layer: int, value: jax.Array) -> "V4Cache":
         """This cache with `name[layer]` (name: "window", "state", ...) replaced by `value`."""
         arrays = list(getattr(self, name))

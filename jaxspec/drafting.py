@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import PagedCache
 from jaxspec.decode_config import DecodeConfig
+from jaxspec.models.interface import DecodeCache
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, draft_candidates
 from jaxspec.trees import (DynamicTreeSpec, StaticTree, ancestor_mask, dynamic_tree_expand, dynamic_tree_init,
@@ -54,7 +54,7 @@ class Draft(NamedTuple):
     depths: jax.Array
     tree_mask: jax.Array | None
     draft_probs: jax.Array | None
-    mtp_cache: PagedCache | None
+    mtp_cache: DecodeCache | None
 
 
 def mtp_draft_slots(config: DecodeConfig) -> int:
@@ -78,7 +78,7 @@ def draft(model, state, config: DecodeConfig, keys: jax.Array, params: SamplingP
     return _draft_static(model, state, tree, config, keys, params)
 
 
-def _mtp(model, state, config: DecodeConfig, mtp_cache: PagedCache, tokens: jax.Array, hidden: jax.Array,
+def _mtp(model, state, config: DecodeConfig, mtp_cache: DecodeCache, tokens: jax.Array, hidden: jax.Array,
          depths, first_slot: jax.Array, tree_mask: jax.Array | None):
     """One MTP call over drafted nodes: tokens [B, Q], hidden [B, Q, H] (their parents' MTP hidden),
     depths [Q] or [B, Q], first_slot [B] (MTP slot of window token 0) -> logits, hidden, cache."""

@@ -1,20 +1,21 @@
-"""`generate`: prefill plus the speculative while-loop as one jitted computation, and its inputs' checks.
+"""`generate`: prefill plus the speculative while-loop as one jitted computation.
 
     result = generate(model, [[1, 2, 3], [4, 5]], DecodeConfig(num_draft=3, max_new_tokens=32))
     result.tokens            # [B, 32] emitted ids, PAD_TOKEN (-1) past each row's num_tokens
     result.mean_accepted_length, result.acceptance_per_position
     generate(model, prompts, DecodeConfig(tree="eagle", temperature=0.8, top_p=0.9), key=7)
 
-Bad input raises `ValueError` before anything is traced: empty prompts, a prompt plus budget that
-does not fit the cache (or the model's positions), draft length out of range, a model without an
-MTP module asked to draft, a tree asking for more candidates than the vocabulary, more rows than a
-given page table holds (bad `DecodeConfig` values already raise when it is built).
+Bad input raises `ValueError` before anything is traced (`jaxspec.batch.prepare`): empty prompts,
+a prompt plus budget that does not fit the cache (or the model's positions), draft length out of
+range, a model without an MTP module asked to draft, a tree asking for more candidates than the
+vocabulary, more rows than a given page table holds (bad `DecodeConfig` values already raise when
+it is built).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,186 +23,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.cache import PagedCache
+from jaxspec.batch import PreparedBatch, prepare
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.drafting import mtp_draft_slots
 from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding
-from jaxspec.model_config import ModelConfig
+from jaxspec.models.interface import DecodeCache, DecoderModel
 from jaxspec.sampling import base_key
-from jaxspec.sharding import (DEFAULT_PLAN, HEAD_AXES, cache_shardings, check_mesh, check_plan, put, row_shards,
-                              row_spec, shard_params)
-
-
-class PreparedBatch(NamedTuple):
-    prompts: jax.Array       # [B, P] int32, right-padded with 0 (on a mesh: B padded, see `prepare`)
-    prompt_lens: jax.Array   # [B] int32
-    target_cache: PagedCache
-    mtp_cache: PagedCache | None
-    num_rows: int            # the caller's rows: B without a mesh's padding rows
-
-
-def required_capacity(prompt_width: int, config: DecodeConfig) -> int:
-    """Slots a row needs: the prompt, the budget and one step's writes past the last commit (the
-    verification window, or the MTP's draft window when a dynamic tree's is wider)."""
-    return prompt_width + config.max_new_tokens + max(config.window_size, mtp_draft_slots(config)) - 1
-
-
-def default_capacity(prompt_width: int, config: DecodeConfig) -> int:
-    """Slots per row when `DecodeConfig.max_cache_len` is None: whole pages for the prompt and the
-    budget, plus whole pages (at least one) for one step's writes past the last commit.
-
-    Why whole pages for the step's writes, even for plain decoding: attention reduces over the
-    cache's capacity (masked slots add exact zeros), and on a GPU the order of that reduction
-    depends on its length. Sized exactly, a plain run and a k = 3 run at the same prompt and budget
-    can differ by a page, and then compute even the shared prefill with a different rounding
-    (issue 14: a row departing at its first token on an H100). With this rounding every draft
-    setting whose step writes at most a page (chains up to k = page_size - 1, trees up to
-    page_size nodes) gets the same capacity as plain decoding.
-    """
-    pages = lambda slots: -(-slots // config.page_size)
-    step_slots = required_capacity(prompt_width, config) - prompt_width - config.max_new_tokens
-    return (pages(prompt_width + config.max_new_tokens) + max(1, pages(step_slots))) * config.page_size
-
-
-def ring_window(prompt_width: int, config: DecodeConfig) -> int:
-    """The widest call either cache sees: a prefill call (the padded prompt, or one chunk of it with
-    `DecodeConfig.prefill_chunk`), the verification window, the MTP's catch-up (at most the window)
-    and its drafting calls (each within the `mtp_draft_slots` it writes past the committed length)."""
-    return max(config.prefill_width(prompt_width), config.window_size, mtp_draft_slots(config))
-
-
-def cache_kwargs(model_config: ModelConfig, prompt_width: int, config: DecodeConfig) -> dict:
-    """Extra `init_cache` arguments by model kind. A model whose caches hold rings (DeepSeek-V4's
-    sliding windows and compressor states, `jaxspec.cache_v4`) takes `max_window`, the widest call,
-    and sizes its rings from it rather than from the capacity: a ring of sliding_window - 1 +
-    max_window slots never lets one call overwrite what a committed query still sees; and
-    `lookback`, the verification window: the widest tree call, whose committed blocks the next
-    call closes (the prefill's calls are chains and close their own). Paged MLA caches
-    (DeepSeek-V3) take no such argument."""
-    if model_config.is_v4:
-        return {"max_window": ring_window(prompt_width, config), "lookback": config.window_size}
-    return {}
-
-
-def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def prepare(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None,
-            page_table: jax.Array | None = None, mesh: Mesh | None = None, plan: str = DEFAULT_PLAN) -> PreparedBatch:
-    """Check the inputs, pad the prompts and build empty caches. Raises ValueError on bad input.
-
-    prompts: a sequence of token-id sequences, or a [B, P] int array (then `prompt_lens` [B] gives
-    each row's length; None means every row is P long). page_table: an optional [B, M] page layout
-    for both caches (M pages per row); by default rows get consecutive pages. mesh / plan: lay the
-    batch out for a mesh (`jaxspec.sharding`): B is padded to a multiple of the row shards with
-    one-token rows (retired after prefill), and the caches are created split by rows on the mesh,
-    each device's page table numbering its own pages (so no user page_table).
-    """
-    check_plan(plan)
-    mconf = model.config
-    if mconf.is_v4 and page_table is not None:
-        raise ValueError("page_table: a DeepSeek-V4 model's caches have one page table per structure (rings sized "
-                         "by the widest call, entry pools by the capacity), which one [B, M] layout cannot give; "
-                         "pass None (jaxspec.cache_v4.init_v4_cache takes per-structure tables)")
-    if mesh is not None:
-        check_mesh(mesh, plan)
-        if page_table is not None:
-            raise ValueError("page_table: not supported with a mesh (each device numbers the pages of its own rows)")
-        split = int(np.prod([mesh.shape[axis] for axis in HEAD_AXES[plan]]))
-        if mconf.num_attention_heads % split:
-            raise ValueError(f"plan={plan!r} splits attention heads {split} ways; num_attention_heads="
-                             f"{mconf.num_attention_heads} is not a multiple")
-        if mconf.is_v4 and mconf.o_groups % split:  # V4's grouped output projection splits by groups
-            raise ValueError(f"plan={plan!r} splits attention heads {split} ways; a V4 output group spans "
-                             f"several heads, so o_groups={mconf.o_groups} must be a multiple of {split}")
-    if config.draft_tree is not None and getattr(model, "mtp", None) is None:
-        raise ValueError(f"{'tree' if config.tree else f'num_draft={config.num_draft}'} needs an MTP module, "
-                         "but the model has none (num_nextn_predict_layers == 0); use num_draft=0")
-    if config.tree is not None and config.tree.top_k > mconf.vocab_size:
-        raise ValueError(f"DecodeConfig.tree top_k={config.tree.top_k} exceeds the vocabulary ({mconf.vocab_size})")
-
-    if isinstance(prompts, (list, tuple)):
-        if not prompts:
-            raise ValueError("prompts: empty batch; pass at least one prompt")
-        rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-        lengths = np.array([len(r) for r in rows], np.int32)
-        width = int(lengths.max())
-        padded = np.zeros((len(rows), width), np.int32)
-        for i, r in enumerate(rows):
-            padded[i, :len(r)] = r
-        prompts_arr, lens_arr = jnp.asarray(padded), jnp.asarray(lengths)
-    else:
-        prompts_arr = jnp.asarray(prompts, jnp.int32)
-        if prompts_arr.ndim != 2:
-            raise ValueError(f"prompts: expected [B, P] token ids, got shape {prompts_arr.shape}")
-        width = prompts_arr.shape[1]
-        lens_arr = (jnp.full((prompts_arr.shape[0],), width, jnp.int32) if prompt_lens is None
-                    else jnp.asarray(prompt_lens, jnp.int32))
-        if lens_arr.shape != (prompts_arr.shape[0],):
-            raise ValueError(f"prompt_lens: expected shape ({prompts_arr.shape[0]},), got {lens_arr.shape}")
-        lengths = np.asarray(lens_arr) if _is_concrete(lens_arr) else None
-    batch = prompts_arr.shape[0]
-    if width < 1:
-        raise ValueError("prompts: every prompt needs at least one token")
-
-    if lengths is not None:
-        empty = np.flatnonzero(lengths < 1)
-        if empty.size:
-            raise ValueError(f"prompts: row(s) {empty.tolist()} are empty; every prompt needs at least one token")
-        if (lengths > width).any():
-            raise ValueError(f"prompt_lens: values must be <= the padded width {width}")
-    if _is_concrete(prompts_arr):
-        ids = np.asarray(prompts_arr)
-        mask = np.arange(width)[None, :] < (lengths[:, None] if lengths is not None else width)
-        bad = ids[mask & ((ids < 0) | (ids >= mconf.vocab_size))]
-        if bad.size:
-            raise ValueError(f"prompts: token ids must be in [0, vocab_size={mconf.vocab_size}); got {bad[:5].tolist()}")
-
-    needed = required_capacity(width, config)
-    step_slots = needed - width - config.max_new_tokens
-    if needed > mconf.max_position_embeddings:
-        raise ValueError(f"prompt length {width} + max_new_tokens {config.max_new_tokens} + draft window "
-                         f"{step_slots} = {needed} exceeds max_position_embeddings={mconf.max_position_embeddings}")
-    capacity = config.max_cache_len if config.max_cache_len is not None else default_capacity(width, config)
-    if capacity < needed:
-        raise ValueError(f"DecodeConfig.max_cache_len={capacity} is too small: prompt length {width} + "
-                         f"max_new_tokens {config.max_new_tokens} + draft window {step_slots} needs {needed} slots")
-    if page_table is not None:
-        rows_available = page_table.shape[0]
-        if batch > rows_available:
-            raise ValueError(f"batch size {batch} exceeds the cache's rows ({rows_available} in page_table)")
-        page_table = page_table[:batch]
-        if page_table.shape[1] * config.page_size < needed:
-            raise ValueError(f"page_table holds {page_table.shape[1] * config.page_size} slots per row; "
-                             f"{needed} are needed")
-        capacity = page_table.shape[1] * config.page_size
-
-    shards = row_shards(mesh, plan)
-    padded = -(-batch // shards) * shards
-    if padded > batch:  # padding rows: one token each, retired after prefill (`jaxspec.loop.retire_padding`)
-        prompts_arr = jnp.concatenate([prompts_arr, jnp.zeros((padded - batch, width), jnp.int32)])
-        lens_arr = jnp.concatenate([lens_arr, jnp.ones((padded - batch,), jnp.int32)])
-    if mesh is not None:
-        rows = NamedSharding(mesh, row_spec(plan))
-        prompts_arr, lens_arr = put(prompts_arr, rows), put(lens_arr, rows)
-
-    # Each cache gets its own copy of the page table: the caches are donated to the computation,
-    # which must consume neither the caller's array nor one buffer twice.
-    own = lambda: None if page_table is None else jnp.array(page_table, jnp.int32)
-
-    ring_kwargs = cache_kwargs(model.config, width, config)
-
-    def caches():
-        cache = lambda mtp: model.init_cache(padded, capacity, page_size=config.page_size, mtp=mtp,
-                                             page_table=own(), row_shards=shards, **ring_kwargs)
-        return cache(False), cache(True) if config.draft_tree is not None else None
-
-    if mesh is None:
-        target_cache, mtp_cache = caches()
-    else:  # created in place, split by rows: no device ever holds the whole cache
-        target_cache, mtp_cache = jax.jit(caches, out_shardings=cache_shardings(jax.eval_shape(caches), mesh, plan))()
-    return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache, batch)
+from jaxspec.sharding import DEFAULT_PLAN, put, shard_params
 
 
 def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config) -> DecodeState:
@@ -217,7 +44,7 @@ def _generate_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cac
         state = retire_padding(prefill(graphdef, params, *args, config), num_rows)
         return decode(graphdef, params, state, config)
 
-    return mesh_program(body, params, (prompts, prompt_lens, target_cache, mtp_cache, rng_key), mesh=mesh, plan=plan)
+    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, mesh=mesh, plan=plan)
 
 
 # The caches are donated: the loop updates them in place (one copy of the cache on the device).
@@ -233,18 +60,18 @@ def _program(graphdef, params, batch: PreparedBatch, config: DecodeConfig, mesh:
     return _generate_mesh_jit, (shard_params(params, mesh, plan),), (config, mesh, plan, batch.num_rows)
 
 
-def _empty_cache(layout: PagedCache | None) -> PagedCache | None:
+def _empty_cache(layout: DecodeCache | None) -> DecodeCache | None:
     """New empty buffers laid out as `layout` (arrays or ShapeDtypeStructs, each with its sharding
     when it has one) and a copy of its page table."""
     if layout is None:
         return None
     # device=: a sharded layout's buffers are created split (no device ever holds the whole cache).
     empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), layout.replace(page_table=None))
-    # A V4Cache's page table is a dict of per-structure tables; a PagedCache's is one array.
+    # A page table may be one array or a tree of per-structure tables.
     return empty.replace(page_table=jax.tree.map(jnp.array, layout.page_table))
 
 
-def _layout(cache: PagedCache | None) -> PagedCache | None:
+def _layout(cache: DecodeCache | None) -> DecodeCache | None:
     """`cache` as ShapeDtypeStructs, except its page table (kept as an array)."""
     if cache is None:
         return None
@@ -300,7 +127,7 @@ def result_from_state(state: DecodeState, config: DecodeConfig, num_rows: int | 
                           position_accepts=state.position_accepts[rows])
 
 
-def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
+def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
              page_table: jax.Array | None = None, key=0, mesh: Mesh | None = None,
              plan: str = DEFAULT_PLAN) -> GenerateResult:
     """Speculative decoding of `prompts` with the model's MTP module as the drafter (a chain or a
@@ -314,12 +141,14 @@ def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), 
     `jax.random.key`) is a runtime argument: changing it does not recompile. Row b's draws depend
     on (key, step, b) only. Relaxed acceptance (`config.relaxed`) is the one lossy mode.
 
-    model: a `DeepseekV3` (with an MTP module unless `config.num_draft == 0`).
+    model: a `jaxspec.models.interface.DecoderModel` (`DeepseekV3`, `DeepseekV4`), with an MTP
+      module unless `config.num_draft == 0`.
     prompts: a list of B token-id sequences (lengths may differ; ids in [0, vocab_size)), or a
       right-padded [B, P] int array with `prompt_lens` [B] (None: every row is P long).
     config: a `DecodeConfig` (draft length or tree, sampling, budget, cache geometry, backend).
     page_table: optional [B', M] int32 page layout shared by the target and MTP caches (B' >= B,
-      M pages of `config.page_size` slots per row); by default each row gets consecutive pages.
+      M pages of `config.page_size` slots per row), for a model whose caches take one (DeepSeek-V4's
+      do not); by default each row gets consecutive pages.
     key: an int seed or a `jax.random.key` for sampling (ignored when greedy).
     mesh: None (one device, the default) or a `jax.sharding.Mesh` with axes ("data", "model")
       (`jaxspec.sharding.make_mesh`): the whole computation runs sharded on it, prefill and the
@@ -345,7 +174,7 @@ def generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), 
     return result_from_state(state, config, batch.num_rows)
 
 
-def compile_generate(model: nnx.Module, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
+def compile_generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig(), *, prompt_lens=None,
                      page_table: jax.Array | None = None, key=0, mesh: Mesh | None = None,
                      plan: str = DEFAULT_PLAN) -> Callable[[], GenerateResult]:
     """`generate` for these exact inputs, compiled ahead of time: returns `run`, which only executes.

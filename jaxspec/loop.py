@@ -48,13 +48,14 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_chain, greedy_accept_tree,
                                 relaxed_accept_chain, relaxed_accept_tree, speculative_sample_chain,
                                 speculative_sample_tree)
-from jaxspec.cache import PagedCache
+from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.drafting import Draft, draft
+from jaxspec.models.interface import DecodeCache, DecoderModel
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params
-from jaxspec.sharding import (DEFAULT_PLAN, any_row, check_mesh, on_mesh, param_specs, row_block, row_spec,
-                              shard_params)
+from jaxspec.sharding import (DEFAULT_PLAN, any_row, cache_specs, check_mesh, on_mesh, param_specs, row_block,
+                              row_spec, shard_params)
 from jaxspec.trees import compact_slots
 
 PAD_TOKEN = -1  # fills the output buffer past a row's last emitted token
@@ -66,7 +67,7 @@ class DecodeState:
     """The loop carry. Shapes: B rows, N window nodes, D the tree's depth (k for a chain), H hidden,
     V vocabulary, T = max_new_tokens + D + 1.
 
-    target_cache / mtp_cache: PagedCache (mtp_cache is None without drafts).
+    target_cache / mtp_cache: the model's `DecodeCache`s (mtp_cache is None without drafts).
     last_token [B]: t_n, emitted, not yet in the target cache.
     seed_logits [B, V], seed_hidden [B, H]: the MTP's output for t_{n+1} (zeros without drafts).
     drafts [B, N - 1]: the draft nodes verified by the latest step, in window order (for
@@ -79,8 +80,8 @@ class DecodeState:
     rng_key: the base PRNG key; steps []: loop steps taken (the RNG stream's step index).
     """
 
-    target_cache: PagedCache
-    mtp_cache: PagedCache | None
+    target_cache: DecodeCache
+    mtp_cache: DecodeCache | None
     last_token: jax.Array
     seed_logits: jax.Array
     seed_hidden: jax.Array
@@ -251,7 +252,7 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
 
 
 def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,
-            target_cache: PagedCache, mtp_cache: PagedCache | None, rng_key: jax.Array,
+            target_cache: DecodeCache, mtp_cache: DecodeCache | None, rng_key: jax.Array,
             config: DecodeConfig) -> DecodeState:
     """Run the prompts through the target (and the MTP module) and emit the first token.
 
@@ -264,9 +265,9 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, promp
     run = _prefill_one_call if config.prefill_chunk is None else _prefill_chunked
     first_token, seed_logits, seed_hidden, target_cache, mtp_cache = run(
         graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
-    target_cache = target_cache.replace(lengths=prompt_lens)
+    target_cache = target_cache.commit(prompt_lens)
     if mtp_cache is not None:
-        mtp_cache = mtp_cache.replace(lengths=prompt_lens)
+        mtp_cache = mtp_cache.commit(prompt_lens)
 
     depth = config.max_depth
     state = DecodeState(
@@ -343,7 +344,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
     if window.tree_mask is not None:  # a chain's path already sits at slots n .. n + a
         target_cache = target_cache.move(*compact_slots(n, result.path, path_len))
     new_len = n + path_len
-    target_cache = target_cache.replace(lengths=new_len)
+    target_cache = target_cache.commit(new_len)
     position_accepts = state.position_accepts + (
         jnp.arange(config.max_depth)[None, :] < accepted[:, None]).astype(jnp.int32)
 
@@ -356,7 +357,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
         catch_vis = Visibility(prefix_len=n, query_len=path_len)
         mtp_logits, mtp_hidden, mtp_cache = model.draft(jnp.maximum(emitted, 0), path_hidden, positions, mtp_cache,
                                                         catch_vis, form="absorbed", backend=config.backend)
-        mtp_cache = mtp_cache.replace(lengths=new_len)
+        mtp_cache = mtp_cache.commit(new_len)
         seed_logits = jnp.where(active[:, None], _row_gather(mtp_logits, accepted), seed_logits)
         seed_hidden = jnp.where(active[:, None], _row_gather(mtp_hidden, accepted), seed_hidden)
 
@@ -380,18 +381,21 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
     return jax.lax.while_loop(cond, lambda state: _step(graphdef, params, state, config), state)
 
 
-def state_specs(plan: str = DEFAULT_PLAN) -> DecodeState:
-    """The `PartitionSpec`s of a `DecodeState` on a mesh under `plan` (a pytree prefix): every per-row
-    array and both caches split by rows (`jaxspec.sharding.cache_specs`), the key and step counter
-    replicated."""
+def state_specs(target_cache: DecodeCache, mtp_cache: DecodeCache | None, plan: str = DEFAULT_PLAN) -> DecodeState:
+    """The `PartitionSpec`s of a `DecodeState` holding caches laid out as `target_cache` and
+    `mtp_cache` (real or abstract) on a mesh under `plan`, a pytree prefix: every per-row array
+    split by rows, the caches as they say (`jaxspec.sharding.cache_specs`), the key and step
+    counter replicated."""
     rows = row_spec(plan)
     fields = {field.name: rows for field in dataclasses.fields(DecodeState)}
-    return DecodeState(**{**fields, "rng_key": PartitionSpec(), "steps": PartitionSpec()})
+    return DecodeState(**{**fields, "target_cache": cache_specs(target_cache, plan),
+                          "mtp_cache": cache_specs(mtp_cache, plan), "rng_key": PartitionSpec(),
+                          "steps": PartitionSpec()})
 
 
 def retire_padding(state: DecodeState, num_rows: int) -> DecodeState:
     """`state` with the rows past `num_rows` (batch-wide index) marked done: the rows a mesh's
-    batch was padded with (`jaxspec.generation.prepare`) then ride along with empty windows,
+    batch was padded with (`jaxspec.batch.prepare`) then ride along with empty windows,
     writing nothing and never holding the loop up."""
     block = row_block(state.done.shape[0])
     if block is None:
@@ -399,25 +403,29 @@ def retire_padding(state: DecodeState, num_rows: int) -> DecodeState:
     return state.replace(done=state.done | (block[0] >= num_rows))
 
 
-def mesh_program(body, params: nnx.State, args: tuple, *, mesh: Mesh, plan: str) -> DecodeState:
-    """`body(params, *args)` -> DecodeState, run inside the loop's shard_map on `mesh` (call it
-    inside `jax.jit`): params placed by `plan`'s rules, every arg split by rows (the caches by
-    pages) except scalars (the base PRNG key), replicated; the result split by `state_specs`."""
+def mesh_program(body, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array, target_cache: DecodeCache,
+                 mtp_cache: DecodeCache | None, rng_key: jax.Array, *, mesh: Mesh, plan: str) -> DecodeState:
+    """`body(params, prompts, prompt_lens, target_cache, mtp_cache, rng_key)` -> DecodeState, run
+    inside the loop's shard_map on `mesh` (call it inside `jax.jit`): params placed by `plan`'s
+    rules, prompts split by rows, the caches as they say (`cache_specs`), the base PRNG key
+    replicated; the result split by `state_specs`."""
     rows = row_spec(plan)
-    in_specs = (param_specs(params, plan),) + tuple(PartitionSpec() if getattr(a, "ndim", None) == 0 else rows
-                                                    for a in args)
-    return on_mesh(body, mesh, plan, in_specs, state_specs(plan))(params, *args)
+    args = (prompts, prompt_lens, target_cache, mtp_cache, rng_key)
+    in_specs = (param_specs(params, plan), rows, rows, cache_specs(target_cache, plan), cache_specs(mtp_cache, plan),
+                PartitionSpec())
+    return on_mesh(body, mesh, plan, in_specs, state_specs(target_cache, mtp_cache, plan))(params, *args)
 
 
 def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, mesh, plan,
                   num_rows):
     body = lambda params, *args: retire_padding(prefill(graphdef, params, *args, config), num_rows)
-    return mesh_program(body, params, (prompts, prompt_lens, target_cache, mtp_cache, rng_key), mesh=mesh, plan=plan)
+    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, mesh=mesh, plan=plan)
 
 
 def _step_mesh(graphdef, params, state, config, mesh, plan):
+    specs = state_specs(state.target_cache, state.mtp_cache, plan)
     return on_mesh(lambda params, state: _step(graphdef, params, state, config), mesh, plan,
-                   (param_specs(params, plan), state_specs(plan)), state_specs(plan))(params, state)
+                   (param_specs(params, plan), specs), specs)(params, state)
 
 
 # The caches and the loop state are donated at the jit boundary: XLA aliases them to the outputs,
@@ -431,15 +439,15 @@ _prefill_mesh_jit = jax.jit(_prefill_mesh, static_argnames=_MESH_STATIC + ("num_
 _step_mesh_jit = jax.jit(_step_mesh, static_argnames=_MESH_STATIC, donate_argnames=("state",))
 
 
-def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=None, key=0,
+def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_lens=None, key=0,
                mesh: Mesh | None = None, plan: str = DEFAULT_PLAN) -> DecodeState:
     """Prefill `prompts` and return the loop state after the first emitted token (jitted).
 
     `prompts` is a list of token-id sequences or a right-padded [B, P] array with `prompt_lens`;
     `key` an int seed or a `jax.random.key` (used when sampling). Validation and cache sizing are
-    those of `jaxspec.generation.generate`.
+    those of `jaxspec.generation.generate` (`jaxspec.batch.prepare`).
 
-    model: a `DeepseekV3`; config: the `DecodeConfig` every later `step` must be given too.
+    model: a `jaxspec.models.interface.DecoderModel`; config: the `DecodeConfig` every later `step` must be given too.
     mesh / plan: run on a `jax.sharding.Mesh` with axes ("data", "model") under a
     `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. On a mesh the
     state holds B rounded up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the
@@ -447,8 +455,6 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
     Returns a `DecodeState` (tokens [B, max_new_tokens + depth + 1] so far, `done` [B], statistics).
     Raises the ValueErrors `generate` raises, before tracing.
     """
-    from jaxspec.generation import prepare
-
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
     args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
@@ -457,12 +463,12 @@ def init_state(model: nnx.Module, prompts, config: DecodeConfig, *, prompt_lens=
     return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, config, mesh, plan, batch.num_rows)
 
 
-def step(model: nnx.Module, state: DecodeState, config: DecodeConfig, *, mesh: Mesh | None = None,
+def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh: Mesh | None = None,
          plan: str = DEFAULT_PLAN) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
     `state` is donated: its arrays are consumed, use the returned state).
 
-    model: the `DeepseekV3` that `init_state` was given (its parameters as they are now); state:
+    model: the model that `init_state` was given (its parameters as they are now); state:
     the `DecodeState` from `init_state` or the previous `step`; config: the same `DecodeConfig`.
     Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
     `while not state.done.all(): state = step(model, state, config)`, then read

@@ -11,19 +11,16 @@ state, and an estimate of the largest temporaries of the two programs `generate`
 the whole prompt or, with `DecodeConfig.prefill_chunk`, one chunk at a time, and one speculative
 step). The figures are per device, for the fullest device.
 
-Weights and caches are exact (they match the compiled programs' argument bytes; DeepSeek-V4's
-caches are the shapes `jaxspec.cache_v4.init_v4_cache` builds, its rings sized as `generate` sizes them). Temporaries are
-estimated from the terms that dominate XLA's buffer assignment for these programs: the float32
-logits of a call and the vocabulary-wide float32 work on them, and in prefill the expanded
-attention's float32 scores and up-projected keys and values over the whole cache, plus the
-prompt's activations. Checked against sm_90a compiles of a 2-layer full-width V3.2 (`jaxspec.aot`,
-one H100): decode steps B=32 ctx 4096 k=3 / B=8 ctx 32k k=1 / B=1 k=0 compiled 0.130 / 0.036 /
-0.001 GiB of temporaries, estimated 0.154 / 0.023 / 0.001; prefill B=1 P=2048 k=3 / B=4 P=512
-compiled 4.45 / 1.42 GiB, estimated 4.58 / 2.14 (XLA frees some buffers before others are made;
-the estimate adds them). Against 47.7 GiB of weights even the worst is within 2% of the total. At DeepSeek-V3.2's scale the weights and
-caches dominate; prefill's logits and scores grow with batch x prompt x (vocabulary, heads x
-cache), which is why a long prompt at a large batch can fit for decoding and not for its prefill
-(the plan says which; a `prefill_chunk` bounds them by the chunk instead of the prompt).
+Weights and caches are exact: they match the compiled programs' argument bytes, the caches being
+the arrays the model's `init_cache` builds for the geometry `jaxspec.batch` gives them. Temporaries
+are estimated from the terms that dominate XLA's buffer assignment for these programs: the float32
+logits of a call and the vocabulary-wide float32 work on them, the prompt's activations, and in
+prefill the model's attention work (`DecoderModel.prefill_attention_bytes`). They add buffers XLA
+frees before others are made, so they err high; docs/model-interface.md gives the compiles they
+were checked against. At DeepSeek-V3.2's scale the weights and caches dominate; prefill's logits
+and scores grow with batch x prompt x (vocabulary, heads x cache), which is why a long prompt at a
+large batch can fit for decoding and not for its prefill (the plan says which; a `prefill_chunk`
+bounds them by the chunk instead of the prompt).
 """
 
 from __future__ import annotations
@@ -35,9 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from flax import nnx
+
 from jaxspec import sharding
+from jaxspec.batch import cache_geometry, default_capacity
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.model_config import HCA, ModelConfig
+from jaxspec.model_config import ModelConfig
+from jaxspec.models.interface import cache_bytes
 from jaxspec.orbax_io import abstract_model
 
 GIB = 2 ** 30
@@ -119,8 +120,12 @@ def shard_bytes(shape: tuple[int, ...], dtype, spec: PartitionSpec, axis_sizes: 
 def weight_bytes(config: ModelConfig, dtype, mesh=None, plan: str = sharding.DEFAULT_PLAN) -> int:
     """Per-device parameter bytes of `config` built with `dtype` (`jnp.float8_e4m3fn`: DeepSeek's FP8
     layout) on `mesh` (None: one device) under `plan`."""
+    return _param_bytes(abstract_model(config, dtype)[1], mesh, plan)
+
+
+def _param_bytes(state: nnx.State, mesh, plan: str) -> int:
+    """Per-device bytes of the (abstract) parameters `state` on `mesh` under `plan`."""
     sizes = _axis_sizes(mesh)
-    _, state, _ = abstract_model(config, dtype)
     leaves = jax.tree.leaves(state)
     if mesh is None:
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
@@ -134,8 +139,6 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     as `decode` says (its draft settings and `max_new_tokens`), with parameters built in `dtype`, on
     `mesh` (a `jax.sharding.Mesh`, a (data, model) pair of sizes, or None for one device) under
     `plan`. Raises ValueError on a bad batch, prompt length, mesh or plan."""
-    from jaxspec.generation import default_capacity  # generation imports the loop; keep this module light
-
     if batch < 1:
         raise ValueError(f"batch={batch}: must be >= 1")
     if prompt_len < 1:
@@ -149,18 +152,15 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
 
     capacity = default_capacity(prompt_len, decode)
     drafting = decode.draft_tree is not None
-    if config.is_v4:
-        caches = _v4_cache_bytes(config, decode, rows, capacity, prompt_len, act)
-    else:
-        pages = rows * -(-capacity // decode.page_size)
-        entry = config.latent_dim + (config.index_head_dim if config.is_v32 else 0)
-        cache_layers = config.num_hidden_layers + (1 if drafting else 0)
-        caches = cache_layers * pages * decode.page_size * entry * act
+    # The model, abstract (nothing allocated), in the activations' dtype its caches take.
+    graphdef, params, _ = abstract_model(config, dtype)
+    model = nnx.merge(graphdef, params)
+    geometry = cache_geometry(prompt_len, decode, batch_size=rows, capacity=capacity)
+    caches = sum(cache_bytes(model, geometry, mtp=mtp) for mtp in ((False, True) if drafting else (False,)))
 
     vocab, window = config.vocab_size, decode.window_size
     heads_local = config.num_attention_heads // math.prod(sizes[a] for a in sharding.HEAD_AXES[plan])
-    # V4's hidden state (what the MTP reads, and the residual) is its hc_mult streams.
-    hidden = config.hidden_size * (config.hc_mult if config.is_v4 else 1)
+    hidden = model.hidden_width
     # The loop state: emitted tokens, the MTP seed (logits and hidden) and the draft window.
     state = rows * ((decode.max_new_tokens + decode.max_depth + 1) * 4 + vocab * f32 + hidden * act
                     + window * 4)
@@ -169,41 +169,14 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2
     # Prefill, per call (W = the whole prompt, or one `prefill_chunk`): the float32 logits of the
     # call's positions (target, and the MTP's when drafting), its activations (a few [W, D]
-    # buffers) and attention's float32 work: in one call the expanded form's scores [P, H,
-    # capacity] and up-projected keys and values [capacity, H, Dn + Dv]; in a chunk the absorbed
-    # form's scores [W, H, capacity] only, as its pure-jnp reference makes them (the Pallas kernels
-    # stream them: an upper bound on a GPU; chunks are not checked against a compile).
+    # buffers) and the model's attention work.
     width = decode.prefill_width(prompt_len)
-    if config.is_v4:
-        # V4 (not checked against a compile): each prompt token's float32 scores over its sliding
-        # window and the most compressed entries one query sees (CSA's top-k, or HCA's count).
-        keys = config.sliding_window + max(config.index_topk, capacity // dict(config.compress_rates)[HCA])
-        attention = width * heads_local * keys * f32
-    elif decode.prefill_chunk is None:
-        attention = (prompt_len * heads_local * capacity * f32
-                     + capacity * heads_local * (config.qk_nope_head_dim + config.v_head_dim) * f32)
-    else:
-        attention = width * heads_local * capacity * f32
+    attention = model.prefill_attention_bytes(prompt_len=prompt_len, width=width, capacity=capacity,
+                                              heads=heads_local, chunked=decode.prefill_chunk is not None)
     prefill_temp = rows * (width * ((2 if drafting else 1) * vocab * f32 + hidden * act * 8) + attention)
-    return MemoryPlan(weights=weight_bytes(config, dtype, mesh, plan), caches=caches, state=state,
+    return MemoryPlan(weights=_param_bytes(params, mesh, plan), caches=caches, state=state,
                       prefill_temp=prefill_temp, step_temp=step_temp,
                       device_memory=None if device_memory is None else int(device_memory))
-
-
-def _v4_cache_bytes(config: ModelConfig, decode: DecodeConfig, rows: int, capacity: int, prompt_len: int,
-                   act: int) -> int:
-    """Bytes of one device's `rows` rows of DeepSeek-V4's caches (target, and the MTP's when
-    drafting), exact: the arrays `jaxspec.cache_v4.init_v4_cache` builds for them, rings sized for
-    the widest call as `generate` sizes them (`cache_kwargs`)."""
-    from jaxspec.cache_v4 import init_v4_cache
-    from jaxspec.generation import cache_kwargs
-
-    dtype = jnp.bfloat16 if act == 2 else jnp.float32
-    build = lambda mtp: init_v4_cache(config, rows, capacity, **cache_kwargs(config, prompt_len, decode),
-                                      page_size=decode.page_size, mtp=mtp, dtype=dtype)
-    caches = [build(False)] + ([build(True)] if decode.draft_tree is not None else [])
-    leaves = jax.tree.leaves(jax.eval_shape(lambda: caches))
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
 
 
 def device_memory(device=None) -> int | None:

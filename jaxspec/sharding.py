@@ -26,18 +26,10 @@ In both plans the routed experts are split over all devices (expert parallelism,
 ("data", "model")): `models.moe.MoE` dispatches and combines inside the `shard_map` the loop runs
 in (its docstring says how and why).
 
-Why "dp" is the default (measured with `jaxspec.aot`: one MTP k = 3 decode step of V3.2 at full
-width and 2 layers, bf16, batch 32, 8 abstract H200s; dp on 1x8, tp on 2x4). Per device at
-context 4096: dp 11.00 GiB of arguments of which 0.07 GiB cache, 0.38 TFLOP, collectives 4
-all-gathers (4.4 MiB) and 4 reduce-scatters (35 MiB); tp 10.48 GiB of which 0.27 GiB cache, 0.69
-TFLOP (the dense layers, shared experts and LM head run for the 4x more rows a device holds), the
-same MoE collectives plus 9 all-reduces (20.6 MiB), and its MLA kernel spills registers at 32
-heads per device. At context 32768: cache 0.52 GiB (dp) vs 2.08 GiB (tp) for these 3 cached
-layers, i.e. about 10.7 vs 43 GiB per device over V3.2's 62, and 33.0 vs 38.6 GB read per step.
-tp saves what dp replicates of q_b / kv_b / o_proj (0.26 GB per layer in bf16, ~16 GB over 62
-attention blocks) but holds 4x the latent cache per device and computes the row-local layers 4x
-over. At the long contexts and large batches a 671B model on 8 GPUs is served at, the cache
-dominates: dp.
+Why "dp" is the default: at the long contexts and large batches a 671B model on 8 GPUs is served
+at, the latent cache dominates, and tp holds `model`-fold of it per device and computes the
+row-local layers `model`-fold over, to save the attention weights dp replicates
+(docs/model-interface.md has the compiled figures).
 
 Running on a mesh: the loop (`jaxspec.generation.generate`, `jaxspec.loop.init_state` / `step`)
 runs its whole computation (prefill and the while loop) inside one `jax.shard_map` over the mesh,
@@ -176,20 +168,14 @@ def row_spec(plan: str = DEFAULT_PLAN) -> PartitionSpec:
 
 
 def cache_specs(cache, plan: str = DEFAULT_PLAN):
-    """The `PartitionSpec` of every leaf of a `jaxspec.cache.PagedCache` or a DeepSeek-V4
-    `jaxspec.cache_v4.V4Cache` (real or abstract) under `plan`: page pools split by pages over the
-    row axes (each device holds its rows' pages, see `init_cache(row_shards=)` / `init_v4_cache`;
-    for V4 every ring, compressor state and entry pool, each layer's), page tables (V4: the dict
-    of per-structure tables) and lengths by rows. None stays None (a cache, or a V4 layer's
-    structure it lacks)."""
-    if cache is None:
-        return None
-    rows = row_spec(plan)
-    return jax.tree.map(lambda _: rows, cache)
+    """The `PartitionSpec` of every leaf of a model's cache (a `jaxspec.models.interface.DecodeCache`,
+    real or abstract) under `plan`, as the cache lays itself out (`DecodeCache.partition_specs`)
+    given `row_spec(plan)`: each device holds its own rows' pages. None stays None."""
+    return None if cache is None else cache.partition_specs(row_spec(plan))
 
 
 def cache_shardings(cache, mesh: Mesh, plan: str = DEFAULT_PLAN):
-    """The `NamedSharding` of every leaf of a `PagedCache` / `V4Cache` on `mesh` under `plan` (None stays None)."""
+    """The `NamedSharding` of every leaf of a model's cache on `mesh` under `plan` (None stays None)."""
     check_mesh(mesh, plan)
     specs = cache_specs(cache, plan)
     return None if specs is None else jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)

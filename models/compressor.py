@@ -17,23 +17,12 @@ CSA compressor at index_head_dim for its keys, and scores entry j for query p as
 `sum_h w_h relu(q_h . K_j)` (w = weights_proj(x) * Hi^-0.5 * Di^-0.5, q = q_b_proj(q_residual)
 rotated), keeping the top `index_topk` visible entries.
 
-Sources and how they differ. DeepSeek's own inference code (`inference/model.py` of the
-DeepSeek-V4 release, `Compressor.forward` / `overlap_transform` / `Indexer.forward` /
-`get_compress_topk_idxs`; read at github.com/Nicooo-Wang/DeepSeek-V4-Pro-code@0ec3a03, a copy of
-it) and SGLang's V4 (`sglang/srt/models/deepseek_v4.py`: `Compressor.overlap_transform`, a state
-of `seq_len % m + m` tail tokens per request for CSA) define exactly the pooling above: the same
-Ca/Cb overlap, `ape` (= position_bias) added before the softmax, RoPE at `j m`, visibility
-`j < (p + 1) // m` in prefill and decode. transformers 5.23 (`DeepseekV4CSACompressor`,
-`DeepseekV4Indexer`) computes the same values. What issue 13 measured as transformers' CSA "not
-causal, cached != recompute" is top-k tie-breaking: with few indexer heads, several entries score
-exactly 0 (every head's relu(q . k) is 0) and `torch.topk` breaks the tie differently for score
-rows of different lengths (17 vs 25 tokens, prefill vs decode). Probed here on a tiny model: with 2
-indexer heads the 17-token prefix differs from the 25-token run from position 14 on, where entries
-0 and 2 tie at 0.0; with 8 heads both runs and cached decode agree to 1e-6. Here ties go to the
-lowest entry (`select_topk`, `lax.top_k` is stable) and invisible entries score -inf, so selection
-depends only on the visible entries: causal by construction. Not reproduced (as transformers): the
-FP8 / FP4 quantization DeepSeek simulates on the compressed keys and indexer queries (QAT), and its
-Hadamard rotation of both (orthogonal: dot products unchanged without the quantization).
+This is the pooling DeepSeek's V4 inference code and SGLang define; transformers 5.23 computes the
+same values. Top-k ties go to the lowest entry (`select_topk`: `lax.top_k` is stable) and
+invisible entries score -inf, so selection depends only on the visible entries: causal by
+construction. Not reproduced (as in transformers): the FP8 / FP4 quantization DeepSeek simulates
+on the compressed keys and indexer queries, and their Hadamard rotation. docs/model-interface.md
+gives the sources and how they differ.
 
 Trees: a tree call writes its tokens' projections but no entry, since a
 block closed inside the window depends on the branch; each query gets the entries its own branch

@@ -10,25 +10,11 @@ the target's hidden state h_i and the embedding of token t_{i+1}:
     h'_i = block(eh_proj(concat[enorm(embed(t_{i+1})), hnorm(h_i)]))
     logits_i = lm_head(shared_head_norm(h'_i))       (predicts t_{i+2})
 
-`h_i` is the target's hidden state *after* its final norm, the input of its LM head. DeepSeek's
-report says only "the representation given by the main model" and DeepSeek's inference code has
-no MTP (the question, deepseek-ai/DeepSeek-V3#839, went unanswered), so the evidence is the code
-that trains or serves these weights, which all takes the post-norm state:
-  * transformers 5.23 `generate(use_mtp=True)`: `MTPCandidateGenerator` feeds `hidden_states[-1]`,
-    which `capture_outputs` replaces by `last_hidden_state`, i.e. after `self.norm`;
-  * vLLM `DeepSeekMTP` and SGLang `deepseek_nextn`: the target model returns `self.norm(...)`;
-  * Megatron-LM's `MultiTokenPredictionLayer` (DeepSeek-V3-style training) receives the decoder
-    block's output after its `final_layernorm`;
-  * the `modeling_deepseek.py` shipped with AMD's DeepSeek-R1-0528-MXFP4-MTP passes the normed
-    output as `previous_hidden_states` (quoted in ROCm/ATOM#1764).
-Chained drafting (k > 1) feeds the MTP module its own output the same way, after
-`shared_head_norm` (the input of the shared head): transformers' `MtpLayer` returns
-`post_norm(...)` for the next depth, SGLang's `deepseek_nextn` returns the normed state, Megatron
-chains `final_layernorm` outputs; vLLM chained the pre-norm block output until
-vllm-project/vllm#45895, and ROCm/ATOM measured DeepSeek-R1 MTP acceptance rise from 61.4% to 64.6%
-when it made the same switch (ROCm/ATOM#1764). `tests/test_hf_parity.py` pins both hidden states
-against transformers' MTP layer. The embedding and LM head are the target's (shared, as DeepSeek
-specifies; the checkpoint's copies in the MTP layer are duplicates).
+`h_i` is the target's hidden state after its final norm (the input of its LM head), and chained
+drafting (k > 1) feeds the MTP its own output after `shared_head_norm`: the states the code that
+trains and serves these weights uses (docs/model-interface.md gives the sources;
+`tests/test_hf_parity.py` pins both against transformers' MTP layer). The embedding and LM head are
+the target's (shared, as DeepSeek specifies). `DeepseekV3` implements `models.interface.DecoderModel`.
 """
 
 from __future__ import annotations
@@ -43,6 +29,7 @@ from jaxspec.cache import PagedCache, init_cache
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
+from .interface import check_head_split
 from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .mla import MLA
 from .moe import MoE
@@ -113,13 +100,38 @@ class DeepseekV3(nnx.Module):
     # -- caches ---------------------------------------------------------------------------------
 
     def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
-                   page_table: jax.Array | None = None, row_shards: int = 1) -> PagedCache:
+                   page_table: jax.Array | None = None, row_shards: int = 1, max_window: int | None = None,
+                   lookback: int | None = None) -> PagedCache:
         """An empty cache for the target (or, with `mtp=True`, for the one-layer MTP module);
-        row_shards: laid out for a mesh splitting the rows into that many blocks (`jaxspec.cache.init_cache`)."""
+        row_shards: laid out for a mesh splitting the rows into that many blocks (`jaxspec.cache.init_cache`).
+        max_window and lookback are unused: a paged cache holds every slot up to its capacity, so
+        the widest call does not size it."""
+        del max_window, lookback
         c = self.config
         return init_cache(num_layers=1 if mtp else c.num_hidden_layers, batch_size=batch_size, capacity=capacity,
                           latent_dim=c.latent_dim, index_dim=c.index_head_dim if c.is_v32 else 0,
                           page_size=page_size, dtype=self.dtype, page_table=page_table, row_shards=row_shards)
+
+    @property
+    def hidden_width(self) -> int:
+        """The hidden state's width: hidden_size (the post-norm state the MTP reads)."""
+        return self.config.hidden_size
+
+    def check_layout(self, *, head_split: int, page_table) -> None:
+        """Heads split `head_split` ways must divide num_attention_heads; any page table is welcome."""
+        del page_table
+        check_head_split(self.config, head_split)
+
+    def prefill_attention_bytes(self, *, prompt_len: int, width: int, capacity: int, heads: int,
+                                chunked: bool) -> int:
+        """One row's float32 attention work in a prefill call: in one call, the expanded form's
+        scores [P, H, capacity] and up-projected keys and values [capacity, H, Dn + Dv]; in a chunk,
+        the absorbed form's scores [W, H, capacity] as its pure-jnp reference makes them (the
+        Pallas kernels stream them: an upper bound on a GPU)."""
+        c, f32 = self.config, 4
+        if chunked:
+            return width * heads * capacity * f32
+        return prompt_len * heads * capacity * f32 + capacity * heads * (c.qk_nope_head_dim + c.v_head_dim) * f32
 
     # -- forward passes -------------------------------------------------------------------------
 
@@ -134,9 +146,10 @@ class DeepseekV3(nnx.Module):
 
         tokens, positions [B, Q] int32; vis: the window's visibility (`jaxspec.pallas_kernels.Visibility`)
         -> logits [B, Q, V] float32, hidden [B, Q, D] (after the final norm), the updated cache.
-        window_invariant: every token's logits and hidden state are bit-identical to what the same
-        token gets alone in a [B, 1] call on the same cache (`DecodeConfig.window_invariant`;
-        absorbed form only).
+        form: "expanded" (prefill over an empty cache: keys and values up-projected) or "absorbed"
+        (attention in the latent space, as cached steps run it). window_invariant: every token's
+        logits and hidden state are bit-identical to what the same token gets alone in a [B, 1]
+        call on the same cache (`DecodeConfig.window_invariant`; absorbed form only).
         """
         cos, sin = rope_angles(self.config, positions)
         x = self.embed_tokens(tokens).astype(self.dtype)

@@ -9,21 +9,19 @@ block reads their mHC collapse and is merged back, and `hc_head` collapses them 
 norm. A call processes a window of tokens `[B, Q]` against a `V4Cache` (`jaxspec.cache_v4`) and
 returns logits, the hidden state the MTP module reads, and the updated cache, like `DeepseekV3`.
 
-The MTP module (`mtp`; transformers drops it, `jaxspec.checkpoint` loads DeepSeek's `mtp.0.*`). Its
-wiring is the one DeepSeek's V4 inference code (`inference/model.py`, `MTPBlock`) and the engines
-serving V4 MTP agree on (vLLM `deepseek_v4_mtp.py` `DeepSeekV4MultiTokenPredictorLayer`, SGLang
-`deepseek_v4_nextn.py`, tokenspeed `deepseek_v4_mtp.py`; /work/notes/v4_research.md (a)):
+The MTP module (`mtp`; transformers drops it, `jaxspec.checkpoint` loads DeepSeek's `mtp.0.*`),
+wired as DeepSeek's V4 inference code (`MTPBlock`) and the engines serving V4 MTP wire it
+(docs/model-interface.md gives the sources):
 
     streams'_i = h_proj(hnorm(H_i)) + e_proj(enorm(embed(t_{i+1})))    (broadcast to the N streams)
     streams''_i = block(streams'_i)           (a sliding-window layer with its own mHC, learned MoE)
     logits_i = lm_head(norm(hc_head(streams''_i)))                    (predicts t_{i+2})
 
 where H_i are the target's residual streams after its last layer, before `hc_head` and the final
-norm (unlike V3, whose MTP reads the post-norm state): vLLM stashes exactly that tensor ("pre-hc_head
-residual for the MTP draft"). So `hidden`, what a call returns for the MTP, is the streams
-flattened, [B, Q, hc_mult * hidden_size]. Chained drafting (k > 1) feeds the MTP its own
-pre-hc_head output streams the same way (vLLM: "Return the flat pre-hc_head residual so it can be
-re-fed as the next spec step's previous_hidden_states"). The embedding and LM head are the target's.
+norm (unlike V3, whose MTP reads the post-norm state). So `hidden`, what a call returns for the
+MTP, is the streams flattened, [B, Q, hc_mult * hidden_size]; chained drafting (k > 1) feeds the
+MTP its own pre-hc_head output streams the same way. The embedding and LM head are the target's.
+`DeepseekV4` implements `models.interface.DecoderModel`.
 """
 
 from __future__ import annotations
@@ -35,10 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache_v4 import V4Cache, init_v4_cache
-from jaxspec.model_config import ModelConfig
+from jaxspec.model_config import HCA, ModelConfig
 from jaxspec.pallas_kernels import Visibility
 
 from .hyper_connections import HyperConnection, HyperHead
+from .interface import check_head_split
 from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .moe import MoE
 from .v4_attention import V4Attention
@@ -96,8 +95,8 @@ class V4MTPModule(nnx.Module):
 class DeepseekV4(nnx.Module):
     """The DeepSeek-V4 target model and, when `config.num_nextn_predict_layers > 0`, its MTP module.
 
-    DeepseekV4(config, rngs=nnx.Rngs(seed), dtype=jnp.float32), with the same calls as `DeepseekV3`
-    (`__call__`, `draft`, `init_cache`), so the decoding loop drives either. dtype: of parameters
+    DeepseekV4(config, rngs=nnx.Rngs(seed), dtype=jnp.float32), a `models.interface.DecoderModel`
+    like `DeepseekV3`, so the decoding loop drives either. dtype: of parameters
     and caches (`jnp.float8_e4m3fn`: DeepSeek's FP8 layout, see `models.layers.Linear`); the mHC
     parameters, sinks and router stay float32 as in transformers.
     """
@@ -130,6 +129,35 @@ class DeepseekV4(nnx.Module):
                              lookback=lookback, page_size=page_size, mtp=mtp, page_table=page_table, row_shards=row_shards,
                              dtype=self.dtype)
 
+    @property
+    def hidden_width(self) -> int:
+        """The hidden state's width: the hc_mult residual streams flattened, hc_mult * hidden_size."""
+        return self.config.hc_mult * self.config.hidden_size
+
+    def check_layout(self, *, head_split: int, page_table) -> None:
+        """Heads split `head_split` ways must divide num_attention_heads and o_groups (the grouped
+        output projection splits by groups); a user page table is refused (the caches' per-structure
+        tables are `jaxspec.cache_v4.init_v4_cache`'s to give)."""
+        c = self.config
+        if page_table is not None:
+            raise ValueError("page_table: a DeepSeek-V4 model's caches have one page table per structure (rings "
+                             "sized by the widest call, entry pools by the capacity), which one [B, M] layout "
+                             "cannot give; pass None (jaxspec.cache_v4.init_v4_cache takes per-structure tables)")
+        check_head_split(c, head_split)
+        if c.o_groups % head_split:
+            raise ValueError(f"the plan splits attention heads {head_split} ways; a V4 output group spans "
+                             f"several heads, so o_groups={c.o_groups} must be a multiple of {head_split}")
+
+    def prefill_attention_bytes(self, *, prompt_len: int, width: int, capacity: int, heads: int,
+                                chunked: bool) -> int:
+        """One row's float32 scores in a prefill call of `width` tokens: each token's over its
+        sliding window and the most compressed entries one query sees (CSA's top-k, or HCA's
+        count). Not checked against a compile."""
+        del prompt_len, chunked
+        c = self.config
+        keys = c.sliding_window + max(c.index_topk, capacity // dict(c.compress_rates)[HCA])
+        return width * heads * keys * 4
+
     # -- forward passes -------------------------------------------------------------------------
 
     def _streams(self, tokens: jax.Array) -> jax.Array:
@@ -149,8 +177,8 @@ class DeepseekV4(nnx.Module):
 
         tokens, positions [B, Q] int32; vis: the window's visibility -> logits [B, Q, V] float32,
         hidden [B, Q, hc_mult * D] (the residual streams before hc_head, flattened: the MTP's
-        input), the updated cache. form: accepted for `DeepseekV3`'s signature and unused (V4 has
-        no MLA forms). window_invariant: every token computed as if alone in a [B, 1] call.
+        input), the updated cache. form: the interface's attention-form hint, which V4 ignores (its
+        attention has one form). window_invariant: every token computed as if alone in a [B, 1] call.
         """
         streams = self._streams(tokens)
         for i, layer in enumerate(self.layers):

@@ -50,8 +50,8 @@ class Linear(nnx.Module):
     None. A quantized layer multiplies by its dequantized bfloat16 weight
     (`pallas_kernels.block_fp8`) without storing it: on the "pallas" backend through the
     grouped-matmul kernel as one group, which dequantizes each weight tile after loading it (XLA's
-    GPU gemm fusion takes in an FP8 convert but not the block scales' multiply: measured in the
-    sm_90a compile, XLA's dot writes a bfloat16 copy of the weight first); on "xla" as XLA's dot of
+    GPU gemm fusion takes in an FP8 convert but not the block scales' multiply, so its dot writes a
+    bfloat16 copy of the weight first); on "xla" as XLA's dot of
     the dequantized weight (bit for bit the layer a model dequantized at load computes).
     """
 

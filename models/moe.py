@@ -25,11 +25,10 @@ call, k = num_experts_per_tok, E = n_routed_experts):
   backend this is the only path, at every T: the Pallas kernel reads only the experts that have
   rows, so decode costs what it routes. On "xla" it is `jax.lax.ragged_dot`, for T * k > E.
 * "gathered" (xla backend, T * k <= E: CPU decode and verification windows): each assignment
-  gathers its expert's weights and multiplies by them; no sort. Measured on the CPU with the
-  shipped 12-layer model (`benchmarks/heldout.py` shapes, batch 1), it made a plain decode step
-  1.4x faster and a k = 3 speculative step 1.2x faster than ragged_dot, which XLA's CPU backend
-  lowers to a matmul over every expert for every token. It materializes the chosen experts'
-  weights ([T, k, D, H]), so it is never used on a GPU.
+  gathers its expert's weights and multiplies by them; no sort. Faster on the CPU than
+  ragged_dot, which XLA's CPU backend lowers to a matmul over every expert for every token
+  (docs/model-interface.md has the figures). It materializes the chosen experts' weights
+  ([T, k, D, H]), so it is never used on a GPU.
 
 XLA's GPU backend lowers `ragged_dot` to one dense matmul over all E experts (256x the routed
 flops at DeepSeek-V3's shapes): hence the Pallas kernel there (`benchmarks/moe.py` times the three).
@@ -195,9 +194,8 @@ class MoE(nnx.Module):
     def _expert_parallel(self, tokens, experts, par: Parallel, backend, path):
         """`_routed` under `par`, in chunks of at most `EP_CHUNK_TOKENS` of this device's tokens
         (one after another, `jax.lax.map`): the gathered tokens and the per-assignment outputs of
-        a chunk are what a device holds at once. Measured on a prefill of 8 rows x 4096 tokens of
-        V3.2 on 8 H200s: 3.5 GiB per reduce-scatter unchunked, 448 MiB in chunks. Decode windows
-        are far below one chunk. Every device has the same number of tokens, so all take
+        a chunk are what a device holds at once, which bounds a long prefill's collectives
+        (docs/model-interface.md has the figures). Decode windows are far below one chunk. Every device has the same number of tokens, so all take
         the same chunks and their collectives pair up."""
         num_tokens = tokens.shape[0]
         if num_tokens <= EP_CHUNK_TOKENS:

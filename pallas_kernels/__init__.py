@@ -6,9 +6,10 @@ package imports only jax.
 """
 
 from .backend import resolve_backend
+from .contracts import EMPTY_LSE, select_topk
 from .grouped_matmul import grouped_matmul, grouped_matmul_reference
-from .indexer import indexer_scores_reference, indexer_topk, indexer_topk_reference, select_topk
-from .mla_attention import EMPTY_LSE, attend_latent, mla_attention, mla_attention_reference
+from .indexer import indexer_scores_reference, indexer_topk, indexer_topk_reference
+from .mla_attention import attend_latent, mla_attention, mla_attention_reference
 from .paged import gather_rows, read_slots, slot_address, write_slots
 from .sliding_compressed_attention import sliding_compressed_attention, sliding_compressed_attention_reference
 from .sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_reference

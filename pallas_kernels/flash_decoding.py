@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .cost import array_bytes
-from .mla_attention import EMPTY_LSE
+from .contracts import EMPTY_LSE
 from .tiling import block_size, column_span, dot_nn, dot_nt, launch, load_block, num_parts
 
 # Shortest part (in slots) worth a split: below this, writing and merging a float32 partial costs

@@ -23,25 +23,7 @@ import jax.numpy as jnp
 
 from . import block_fp8
 from .backend import interpret_mode, resolve_backend
-
-
-def check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv=None) -> None:
-    """ValueError naming the argument unless lhs [M, K], rhs [G, K, N], group_sizes [G] integer, and
-    rhs_scale_inv is None with a float rhs or [G, ceil(K / 128), ceil(N / 128)] float32 with an FP8 one."""
-    if lhs.ndim != 2:
-        raise ValueError(f"lhs: must be [M, K], got shape {lhs.shape}")
-    if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
-        raise ValueError(f"rhs: must be [G, K, N] with K = lhs.shape[1] = {lhs.shape[1]}, got shape {rhs.shape}")
-    if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes: must be integer [G] with G = rhs.shape[0] = {rhs.shape[0]}, "
-                         f"got {group_sizes.dtype}{list(group_sizes.shape)}")
-    fp8 = rhs.dtype == block_fp8.FP8
-    if fp8 != (rhs_scale_inv is not None):
-        raise ValueError(f"rhs_scale_inv: must be given exactly when rhs is float8_e4m3fn (rhs is {rhs.dtype}, "
-                         f"rhs_scale_inv is {'None' if rhs_scale_inv is None else 'given'})")
-    if fp8 and (tuple(rhs_scale_inv.shape) != block_fp8.scale_shape(rhs.shape) or rhs_scale_inv.dtype != jnp.float32):
-        raise ValueError(f"rhs_scale_inv: must be float32 {list(block_fp8.scale_shape(rhs.shape))} for rhs "
-                         f"{list(rhs.shape)} in 128x128 blocks, got {rhs_scale_inv.dtype}{list(rhs_scale_inv.shape)}")
+from .contracts import check_grouped_matmul_args
 
 
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

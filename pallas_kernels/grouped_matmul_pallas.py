@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import block_fp8
-from .grouped_matmul import check_grouped_matmul_args
+from .contracts import check_grouped_matmul_args
 from .tiling import block_indices, dot_nn, launch, load_block
 
 # The one tile configuration (see the module docstring: never chosen from the row count).

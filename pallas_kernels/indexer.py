@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
+from .contracts import select_topk
 from .paged import gather_rows
 from .visibility import Visibility, visible_mask
 
@@ -33,19 +34,6 @@ def score_keys(q_idx: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.
     logits = jnp.einsum("bqhd,bsd->bqhs", q_idx.astype(jnp.float32), keys.astype(jnp.float32))
     scores = jnp.einsum("bqhs,bqh->bqs", jax.nn.relu(logits), weights.astype(jnp.float32))
     return jnp.where(mask, scores, -jnp.inf)
-
-
-def select_topk(scores: jax.Array, topk: int) -> jax.Array:
-    """scores [B, Q, S] (-inf = invisible) -> indices [B, Q, topk] int32, best first, -1 padded.
-
-    Ties go to the lower slot (`lax.top_k` is stable), so kernels and reference agree exactly.
-    """
-    k = min(topk, scores.shape[-1])
-    values, indices = jax.lax.top_k(scores, k)
-    indices = jnp.where(values > -jnp.inf, indices, -1).astype(jnp.int32)
-    if k < topk:
-        indices = jnp.pad(indices, ((0, 0), (0, 0), (0, topk - k)), constant_values=-1)
-    return indices
 
 
 def indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, *, topk: int) -> jax.Array:

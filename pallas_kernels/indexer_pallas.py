@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .cost import array_bytes
-from .indexer import select_topk
+from .contracts import select_topk
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
                      slot_rows, tile_range, visibility_operands, visible)
 from .visibility import Visibility

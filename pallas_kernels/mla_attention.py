@@ -15,12 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
+from .contracts import EMPTY_LSE
 from .paged import gather_rows
 from .visibility import Visibility, visible_mask
 
-# Log-sum-exp of a query that sees nothing: finite (no NaN or inf leaves a padding row), and
-# exp(EMPTY_LSE - m) == 0 for any real m, so a split-KV combine weights it out.
-EMPTY_LSE = -1e30
+
 
 
 def attend_latent(q_nope: jax.Array, q_rope: jax.Array, kv: jax.Array, mask: jax.Array,

@@ -31,63 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
+from .contracts import check_arguments
 from .paged import gather_rows, read_slots
 from .visibility import Visibility, query_valid
-
-
-def _check_shape(name: str, array, shape: tuple, *, integer: bool = False, boolean: bool = False):
-    """ValueError naming `name` unless `array.shape == shape` (None in `shape` = any extent)."""
-    if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
-        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} has shape {tuple(array.shape)}: must be {wanted}")
-    if integer and not jnp.issubdtype(array.dtype, jnp.integer):
-        raise ValueError(f"{name} has dtype {array.dtype}: must be an integer type")
-    if boolean and array.dtype != jnp.bool_:
-        raise ValueError(f"{name} has dtype {array.dtype}: must be bool")
-
-
-def check_arguments(q, window_kv, window_pages, positions, vis: Visibility, sinks, *, sliding_window: int,
-                    compressed_kv=None, compressed_pages=None, compressed_indices=None, compressed_count=None,
-                    extra_kv=None, extra_valid=None) -> None:
-    """Every shape and option rule of `sliding_compressed_attention`, checked from static shapes
-    (so before tracing); ValueError naming the argument otherwise."""
-    if q.ndim != 4:
-        raise ValueError(f"q has shape {tuple(q.shape)}: must be [B, Q, H, D]")
-    batch, num_queries, heads, dim = q.shape
-    _check_shape("window_kv", window_kv, (None, None, dim))
-    _check_shape("window_pages", window_pages, (batch, None), integer=True)
-    _check_shape("positions", positions, (batch, num_queries), integer=True)
-    _check_shape("vis.prefix_len", vis.prefix_len, (batch,), integer=True)
-    _check_shape("vis.query_len", vis.query_len, (batch,), integer=True)
-    if vis.tree_mask is not None:
-        _check_shape("vis.tree_mask", vis.tree_mask, (batch, num_queries, num_queries), boolean=True)
-    _check_shape("sinks", sinks, (heads,))
-    if not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window!r}: must be an int >= 1")
-    ring = window_pages.shape[1] * window_kv.shape[1]
-    if ring < sliding_window - 1 + num_queries:
-        raise ValueError(f"ring capacity R = window_pages.shape[1] * page = {ring}: must be >= sliding_window - 1 "
-                         f"+ Q = {sliding_window - 1 + num_queries} (room for a whole window and a call's tokens)")
-    if compressed_kv is None:
-        if compressed_pages is not None or compressed_indices is not None or compressed_count is not None:
-            raise ValueError("compressed_pages / compressed_indices / compressed_count given without compressed_kv")
-    else:
-        if (compressed_indices is None) == (compressed_count is None):
-            raise ValueError("with compressed_kv, give exactly one of compressed_indices (CSA) and "
-                             "compressed_count (HCA)")
-        if compressed_pages is None:
-            raise ValueError("compressed_kv needs compressed_pages [B, E // page]")
-        _check_shape("compressed_kv", compressed_kv, (None, None, dim))
-        _check_shape("compressed_pages", compressed_pages, (batch, None), integer=True)
-        if compressed_indices is not None:
-            _check_shape("compressed_indices", compressed_indices, (batch, num_queries, None), integer=True)
-        else:
-            _check_shape("compressed_count", compressed_count, (batch, num_queries), integer=True)
-    if (extra_kv is None) != (extra_valid is None):
-        raise ValueError("give extra_kv and extra_valid together")
-    if extra_kv is not None:
-        _check_shape("extra_kv", extra_kv, (batch, num_queries, None, dim))
-        _check_shape("extra_valid", extra_valid, (batch, num_queries, extra_kv.shape[2]), boolean=True)
 
 
 def ring_visible(positions: jax.Array, vis: Visibility, ring: int, *, sliding_window: int) -> jax.Array:

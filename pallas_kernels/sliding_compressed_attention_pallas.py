@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from .cost import array_bytes
 from .flash_decoding import MIN_PART_SLOTS, combine_parts, online_softmax_step, part_shapes, part_start, store_part
-from .sliding_compressed_attention import check_arguments
+from .contracts import check_arguments
 from .tiling import (block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector, num_parts,
                      slot_rows, tile_range, visible)
 from .visibility import Visibility, kv_bound

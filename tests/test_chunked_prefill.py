@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 
 from jaxspec.aot.model import reduced_depth
+from jaxspec.batch import cache_geometry, prepare
 from jaxspec.cache import pages_per_row
 from jaxspec.cache_v4 import ring_capacities
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.generation import cache_kwargs, prepare
 from jaxspec.loop import prefill
 from jaxspec.memory_plan import plan_memory
 from jaxspec.model_config import CSA, HCA, SLIDING
@@ -64,7 +64,7 @@ def test_window_invariant_chunks_write_the_whole_prompts_caches(model_name, requ
     rounding. V4's rings are 31 wide in both (see `run_prefill`). (The one-call prefill's expanded
     form agrees with these to 1e-5; the greedy tests cover it.)"""
     model = request.getfixturevalue(model_name)
-    rings = WIDTH if model.config.is_v4 else None
+    rings = WIDTH if model.config.is_v4 else None  # a paged V3 cache ignores max_window
     chunked = run_prefill(model, config(2, window_invariant=True, prefill_chunk=CHUNK), max_window=rings)
     whole = run_prefill(model, config(2, window_invariant=True, prefill_chunk=WIDTH))
     np.testing.assert_array_equal(np.asarray(chunked.last_token), np.asarray(whole.last_token))
@@ -79,8 +79,8 @@ def test_rings_are_sized_by_the_chunk(trained_v4):
     a chunk longer than it; `generate`'s caches are built for it (`ring_capacities`' rules:
     test_v4_loop; their bytes: the V4-Flash test below)."""
     for chunk, widest in [(CHUNK, CHUNK), (2, 4), (64, WIDTH)]:
-        assert cache_kwargs(trained_v4.config, WIDTH, config(3, prefill_chunk=chunk)) == {"max_window": widest,
-                                                                                          "lookback": 4}
+        geometry = cache_geometry(WIDTH, config(3, prefill_chunk=chunk), batch_size=1, capacity=64)
+        assert (geometry.max_window, geometry.lookback) == (widest, 4)
     batch = prepare(trained_v4, PROMPTS, config(3, prefill_chunk=CHUNK))
     pages = ring_capacities(trained_v4.config, batch.target_cache.capacity, CHUNK, PAGE)
     for cache in (batch.target_cache, batch.mtp_cache):

@@ -165,7 +165,7 @@ def test_cache_capacity_does_not_depend_on_the_draft_setting():
     plain run and a speculative run of the same prompts must get the same capacity, or even their
     shared prefill rounds differently. 96 + 160 = 256 slots is a page boundary, where an exactly
     sized cache gained a page for k >= 1."""
-    from jaxspec.generation import prepare
+    from jaxspec.batch import prepare
     model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0)))  # prepare reads only its config
     prompt = [[1 + i % 60 for i in range(96)]]
     settings = [dict(num_draft=k) for k in range(8)] + [dict(num_draft=3, tree="small"),

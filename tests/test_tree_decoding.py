@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxspec import generation as generate_module
+from jaxspec.batch import required_capacity
 from jaxspec.cache import PagedCache, init_cache
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
@@ -46,7 +47,7 @@ def test_greedy_tree_decoding_equals_plain(model_name, request):
     else:
         cases = {"small": config(3, tree="small"), "dynamic": config(3, tree=DYNAMIC)}
     for name, cfg in cases.items():
-        pages = -(-generate_module.required_capacity(max(map(len, PROMPTS)), cfg) // cfg.page_size)
+        pages = -(-required_capacity(max(map(len, PROMPTS)), cfg) // cfg.page_size)
         page_table = jnp.asarray(rng.permutation(len(PROMPTS) * pages).reshape(len(PROMPTS), pages), jnp.int32)
         result = generate(model, PROMPTS, cfg, page_table=page_table)
         np.testing.assert_array_equal(np.asarray(result.tokens), plain, err_msg=name)

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxspec.batch import prepare
 from jaxspec.cache import pages_per_row
 from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, init_v4_cache
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.generation import generate, prepare
+from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
 from jaxspec.model_config import CSA, SLIDING
 from jaxspec.models import DeepseekV4

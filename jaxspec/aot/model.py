@@ -28,8 +28,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxspec import sharding
+from jaxspec.batch import cache_geometry, required_capacity
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.generation import cache_kwargs, required_capacity
 from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
 from jaxspec.model_config import ModelConfig
 from jaxspec.orbax_io import abstract_model
@@ -43,23 +43,22 @@ PHASES = ("prefill", "decode")
 
 def reduced_depth(config: ModelConfig, layers: int) -> ModelConfig:
     """`config` with `layers` decoder layers at full width, keeping at least one MoE layer (the
-    dense prefix shrinks to layers - 1 when it would cover them all). DeepSeek-V4 keeps its first
-    `layers` attention and MLP kinds (V4-Flash's first 4: sliding, sliding, CSA, HCA over hash,
-    hash, hash, learned routing: every kind once)."""
+    dense prefix shrinks to layers - 1 when it would cover them all). Per-layer kinds, where the
+    config lists them, are cut to the first `layers` (V4-Flash's first 4: sliding, sliding, CSA,
+    HCA over hash, hash, hash, learned routing: every kind once)."""
     if not 1 <= layers <= config.num_hidden_layers:
         raise ValueError(f"layers={layers}: must be in [1, num_hidden_layers={config.num_hidden_layers}]")
-    kinds = ({"layer_types": config.layer_types[:layers], "mlp_layer_types": config.mlp_layer_types[:layers]}
-             if config.is_v4 else {})
+    kinds = {field: getattr(config, field)[:layers] for field in ("layer_types", "mlp_layer_types")
+             if getattr(config, field) is not None}
     return config.replace(num_hidden_layers=layers,
                           first_k_dense_replace=min(config.first_k_dense_replace, layers - 1), **kinds)
 
 
 def _abstract_caches(model, batch: int, capacity: int, decode: DecodeConfig, prompt_width: int, row_shards: int = 1):
-    """The target's and the MTP's caches as `generate` builds them (`cache_kwargs` included:
-    DeepSeek-V4's rings sized for the widest call), as shapes."""
-    rings = cache_kwargs(model.config, prompt_width, decode)
-    cache = lambda mtp: jax.eval_shape(lambda: model.init_cache(batch, capacity, page_size=decode.page_size, mtp=mtp,
-                                                                row_shards=row_shards, **rings))
+    """The target's and the MTP's caches as `generate` builds them (`jaxspec.batch.cache_geometry`),
+    as shapes."""
+    geometry = cache_geometry(prompt_width, decode, batch_size=batch, capacity=capacity, row_shards=row_shards)
+    cache = lambda mtp: jax.eval_shape(lambda: model.init_cache(batch, capacity, mtp=mtp, **geometry.kwargs()))
     return cache(False), cache(True) if decode.draft_tree is not None else None
 
 
@@ -141,7 +140,8 @@ def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: st
         return compile_gpu(_prefill_mesh, donate_argnames=("target_cache", "mtp_cache"), **prefill_args, **options)
     state = jax.eval_shape(lambda *args: _prefill_mesh(graphdef, *args, decode, mesh, plan, batch),
                            params, prompts, prompt_lens, *caches, key)
-    state = _placed(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(plan),
+    specs = state_specs(state.target_cache, state.mtp_cache, plan)
+    state = _placed(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                         is_leaf=lambda x: isinstance(x, PartitionSpec)))
     options["static_argnames"] = ("graphdef", "config", "mesh", "plan")
     return compile_gpu(_step_mesh, graphdef=graphdef, params=params, state=state, config=decode, mesh=mesh,

@@ -1,0 +1,106 @@
+"""What an op's reference and its Pallas kernels must share: argument checks, the log-sum-exp of
+a row that sees nothing, and top-k selection with its tie rule.
+
+Each op's module (`mla_attention`, `indexer`, `grouped_matmul`, `sliding_compressed_attention`)
+loads its Pallas kernels lazily, so the kernels read these from here rather than from the op's
+module: the package's imports then form no cycle.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import block_fp8
+from .visibility import Visibility
+
+# Log-sum-exp of a query that sees nothing: finite (no NaN or inf leaves a padding row), and
+# exp(EMPTY_LSE - m) == 0 for any real m, so a split-KV combine weights it out.
+EMPTY_LSE = -1e30
+
+
+def select_topk(scores: jax.Array, topk: int) -> jax.Array:
+    """scores [B, Q, S] (-inf = invisible) -> indices [B, Q, topk] int32, best first, -1 padded.
+
+    Ties go to the lower slot (`lax.top_k` is stable), so kernels and reference agree exactly.
+    """
+    k = min(topk, scores.shape[-1])
+    values, indices = jax.lax.top_k(scores, k)
+    indices = jnp.where(values > -jnp.inf, indices, -1).astype(jnp.int32)
+    if k < topk:
+        indices = jnp.pad(indices, ((0, 0), (0, 0), (0, topk - k)), constant_values=-1)
+    return indices
+
+
+def check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv=None) -> None:
+    """ValueError naming the argument unless lhs [M, K], rhs [G, K, N], group_sizes [G] integer, and
+    rhs_scale_inv is None with a float rhs or [G, ceil(K / 128), ceil(N / 128)] float32 with an FP8 one."""
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs: must be [M, K], got shape {lhs.shape}")
+    if rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"rhs: must be [G, K, N] with K = lhs.shape[1] = {lhs.shape[1]}, got shape {rhs.shape}")
+    if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes: must be integer [G] with G = rhs.shape[0] = {rhs.shape[0]}, "
+                         f"got {group_sizes.dtype}{list(group_sizes.shape)}")
+    fp8 = rhs.dtype == block_fp8.FP8
+    if fp8 != (rhs_scale_inv is not None):
+        raise ValueError(f"rhs_scale_inv: must be given exactly when rhs is float8_e4m3fn (rhs is {rhs.dtype}, "
+                         f"rhs_scale_inv is {'None' if rhs_scale_inv is None else 'given'})")
+    if fp8 and (tuple(rhs_scale_inv.shape) != block_fp8.scale_shape(rhs.shape) or rhs_scale_inv.dtype != jnp.float32):
+        raise ValueError(f"rhs_scale_inv: must be float32 {list(block_fp8.scale_shape(rhs.shape))} for rhs "
+                         f"{list(rhs.shape)} in 128x128 blocks, got {rhs_scale_inv.dtype}{list(rhs_scale_inv.shape)}")
+
+
+def _check_shape(name: str, array, shape: tuple, *, integer: bool = False, boolean: bool = False):
+    """ValueError naming `name` unless `array.shape == shape` (None in `shape` = any extent)."""
+    if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} has shape {tuple(array.shape)}: must be {wanted}")
+    if integer and not jnp.issubdtype(array.dtype, jnp.integer):
+        raise ValueError(f"{name} has dtype {array.dtype}: must be an integer type")
+    if boolean and array.dtype != jnp.bool_:
+        raise ValueError(f"{name} has dtype {array.dtype}: must be bool")
+
+
+def check_arguments(q, window_kv, window_pages, positions, vis: Visibility, sinks, *, sliding_window: int,
+                    compressed_kv=None, compressed_pages=None, compressed_indices=None, compressed_count=None,
+                    extra_kv=None, extra_valid=None) -> None:
+    """Every shape and option rule of `sliding_compressed_attention`, checked from static shapes
+    (so before tracing); ValueError naming the argument otherwise."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: must be [B, Q, H, D]")
+    batch, num_queries, heads, dim = q.shape
+    _check_shape("window_kv", window_kv, (None, None, dim))
+    _check_shape("window_pages", window_pages, (batch, None), integer=True)
+    _check_shape("positions", positions, (batch, num_queries), integer=True)
+    _check_shape("vis.prefix_len", vis.prefix_len, (batch,), integer=True)
+    _check_shape("vis.query_len", vis.query_len, (batch,), integer=True)
+    if vis.tree_mask is not None:
+        _check_shape("vis.tree_mask", vis.tree_mask, (batch, num_queries, num_queries), boolean=True)
+    _check_shape("sinks", sinks, (heads,))
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window!r}: must be an int >= 1")
+    ring = window_pages.shape[1] * window_kv.shape[1]
+    if ring < sliding_window - 1 + num_queries:
+        raise ValueError(f"ring capacity R = window_pages.shape[1] * page = {ring}: must be >= sliding_window - 1 "
+                         f"+ Q = {sliding_window - 1 + num_queries} (room for a whole window and a call's tokens)")
+    if compressed_kv is None:
+        if compressed_pages is not None or compressed_indices is not None or compressed_count is not None:
+            raise ValueError("compressed_pages / compressed_indices / compressed_count given without compressed_kv")
+    else:
+        if (compressed_indices is None) == (compressed_count is None):
+            raise ValueError("with compressed_kv, give exactly one of compressed_indices (CSA) and "
+                             "compressed_count (HCA)")
+        if compressed_pages is None:
+            raise ValueError("compressed_kv needs compressed_pages [B, E // page]")
+        _check_shape("compressed_kv", compressed_kv, (None, None, dim))
+        _check_shape("compressed_pages", compressed_pages, (batch, None), integer=True)
+        if compressed_indices is not None:
+            _check_shape("compressed_indices", compressed_indices, (batch, num_queries, None), integer=True)
+        else:
+            _check_shape("compressed_count", compressed_count, (batch, num_queries), integer=True)
+    if (extra_kv is None) != (extra_valid is None):
+        raise ValueError("give extra_kv and extra_valid together")
+    if extra_kv is not None:
+        _check_shape("extra_kv", extra_kv, (batch, num_queries, None, dim))
+        _check_shape("extra_valid", extra_valid, (batch, num_queries, extra_kv.shape[2]), boolean=True)
