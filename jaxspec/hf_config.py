@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from jaxspec.model_config import CSA, HCA, MODEL_TYPES, SLIDING, V4_FIELDS, ModelConfig, RopeScaling
+from jaxspec.model_fields import CSA, HCA, MODEL_TYPES, SLIDING, V4_FIELDS, RopeScaling
 
 # DeepSeek's own config.json gives one compression ratio per layer (`compress_ratios`); transformers
 # maps exactly these three values (`_COMPRESS_RATIO_TO_LAYER_TYPE`).
@@ -49,8 +49,9 @@ _ROPE_KEYS_HANDLED = frozenset({"type", "rope_type", "rope_theta"})
 _ROPE_REQUIRED_VALUES = {"truncate": (True,), "partial_rotary_factor": (1, 1.0)}
 
 
-def config_from_hf(source: str | os.PathLike | Mapping[str, Any], *, strict: bool = True) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face `config.json` (a path, a directory holding one, or its
+def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, Any], *, strict: bool = True):
+    """Build a `config_class` (`jaxspec.model_config.ModelConfig`, which passes itself: this module
+    does not import it, so the two modules form no import cycle) from a Hugging Face `config.json` (a path, a directory holding one, or its
     dict); `ModelConfig.from_hf` documents the forms read and `strict`."""
     if isinstance(source, Mapping):
         raw = dict(source)
@@ -66,9 +67,9 @@ def config_from_hf(source: str | os.PathLike | Mapping[str, Any], *, strict: boo
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r}: must be one of {MODEL_TYPES}")
     if model_type == "deepseek_v4":
-        return ModelConfig(**_v4_kwargs_from_hf(raw, strict))
+        return config_class(**_v4_kwargs_from_hf(raw, strict))
 
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(k for k in raw if k not in fields and k not in _IGNORED_HF_FIELDS)
     if unknown and strict:
         raise ValueError(f"config.json has unknown fields {unknown}; pass strict=False to ignore them")
@@ -95,12 +96,12 @@ def config_from_hf(source: str | os.PathLike | Mapping[str, Any], *, strict: boo
     kwargs["rope_scaling"] = _parse_rope_scaling(scaling, raw.get("max_position_embeddings"))
     if "index_topk" in raw and model_type == "deepseek_v3":
         raise ValueError("config.json index_topk is set but model_type is deepseek_v3 (expected deepseek_v32)")
-    config = ModelConfig(**kwargs)
+    config = config_class(**kwargs)
     _check_derived_fields(raw, config)
     return config
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+def config_to_hf(config) -> dict[str, Any]:
     """The `config.json` dict `config` was (or could have been) read from (for V4, in the
     form transformers 5.23 writes: `layer_types`, nested `rope_parameters`, ...)."""
     if config.is_v4:
@@ -254,7 +255,7 @@ def _v4_ropes(raw: Mapping[str, Any], kw: Mapping[str, Any], factor: float):
             scaling)
 
 
-def _v4_to_hf(config: ModelConfig) -> dict[str, Any]:
+def _v4_to_hf(config) -> dict[str, Any]:
     """A V4 ModelConfig -> the config.json transformers 5.23 writes for it (loads in `DeepseekV4Config`)."""
     out = {name: getattr(config, name) for name in _V4_HF_FIELDS if name not in ("qk_rope_head_dim", "rope_theta")}
     factor = config.qk_rope_head_dim / config.head_dim
@@ -301,7 +302,7 @@ def _parse_rope_scaling(scaling: Mapping[str, Any] | None, max_position_embeddin
     return RopeScaling(**values)
 
 
-def _check_derived_fields(raw: Mapping[str, Any], config: ModelConfig) -> None:
+def _check_derived_fields(raw: Mapping[str, Any], config) -> None:
     """Fields transformers 5 derives and writes must agree with the ones they derive from: the
     per-layer type lists must say what first_k_dense_replace and model_type say (dense MLPs first,
     then MoE; every layer indexed for V3.2), the only layouts implemented here."""

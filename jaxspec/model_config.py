@@ -11,24 +11,13 @@ import math
 import os
 from typing import Any, Mapping
 
-MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
+from jaxspec.hf_config import config_from_hf, config_to_hf
+from jaxspec.model_fields import (CSA, HCA, MODEL_TYPES, SLIDING, V4_FIELDS, V4_LAYER_TYPES, V4_MLP_LAYER_TYPES,
+                                  RopeScaling)
 
-# DeepSeek-V4's per-layer attention and MLP kinds (transformers 5.23 `configuration_deepseek_v4.py`).
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-V4_LAYER_TYPES = (SLIDING, CSA, HCA)
-V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """YaRN RoPE scaling (`rope_scaling` with `type: yarn`), as DeepSeek-V3 ships it."""
-
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+# Re-exported: the names callers know this module by.
+__all__ = ["CSA", "HCA", "MODEL_TYPES", "SLIDING", "V4_FIELDS", "V4_LAYER_TYPES", "V4_MLP_LAYER_TYPES",
+           "ModelConfig", "RopeScaling"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,21 +328,15 @@ class ModelConfig:
         checkpoints) and `rope_parameters` (written by transformers 5). With `strict`, a field that
         is neither used nor known to be irrelevant raises `ValueError`.
         """
-        from jaxspec.hf_config import config_from_hf  # deferred: that module builds ModelConfigs
-
-        return config_from_hf(source, strict=strict)
+        return config_from_hf(cls, source, strict=strict)
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict this config was (or could have been) read from (for V4, in the
         form transformers 5.23 writes: `layer_types`, nested `rope_parameters`, ...)."""
-        from jaxspec.hf_config import config_to_hf  # deferred: that module imports this one
-
         return config_to_hf(self)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
 
-V4_FIELDS = ("head_dim", "layer_types", "mlp_layer_types", "compress_rates", "compress_rope_theta", "hc_mult",
-             "hc_sinkhorn_iters", "hc_eps", "sliding_window", "o_groups", "o_lora_rank", "swiglu_limit")
 _V4_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in V4_FIELDS}
