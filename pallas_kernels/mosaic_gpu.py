@@ -19,6 +19,7 @@ deviceless compile shows the kernel's declared shared memory (`smem_bytes`) but 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 
@@ -44,6 +45,16 @@ def _interpret_module():
     return params, gpu_callbacks
 
 
+@functools.cache
+def _interpret_layout_casts() -> None:
+    """Teach the interpreter `plgpu.layout_cast`: jax 0.10.2's simulator executes the kernel's jaxpr
+    on the CPU and has no rule for it, yet a layout only says how a value is spread over a
+    warpgroup's registers, so on the CPU it is the identity. Registered once, for the CPU only."""
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu import core as mosaic_core
+    mlir.register_lowering(mosaic_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+
 def interpret_params():
     """The `interpret=` argument that makes a `plgpu.kernel` run on the CPU simulator."""
     params, _ = _interpret_module()
@@ -55,6 +66,7 @@ def interpreting():
     """Trace and run Mosaic GPU kernels interpreted on the CPU inside this context (an abstract H100
     mesh plus the simulator; see the module docstring). After an exception it resets the simulator."""
     params, gpu_callbacks = _interpret_module()
+    _interpret_layout_casts()
     device = jax.sharding.AbstractDevice(device_kind=INTERPRET_DEVICE_KIND, platform="gpu", num_cores=INTERPRET_SMS)
     mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
     try:
