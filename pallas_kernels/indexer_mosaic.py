@@ -59,15 +59,12 @@ _TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(
 _OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def check_mosaic_operands(name: str, page_size: int, *arrays: jax.Array) -> None:
-    """ValueError unless the arrays are wgmma operand types and the page size tiles TILE."""
+def check_mosaic_operands(name: str, *arrays: jax.Array) -> None:
+    """ValueError unless the arrays are wgmma operand types."""
     for array in arrays:
         if array.dtype not in _OPERAND_DTYPES:
             raise ValueError(f"{name}: dtype {array.dtype} not supported by the Mosaic GPU kernel: "
                              "must be bfloat16 or float16")
-    if page_size % 8 or (TILE % page_size and page_size % TILE):
-        raise ValueError(f"{name}: page_size={page_size} must be a multiple of 8 that divides {TILE} "
-                         f"or is a multiple of it")
 
 
 def copy_tile(cache_ref, page_table_ref, row, tile, dst, barrier, *, page_size: int):
@@ -175,7 +172,11 @@ def indexer_scores_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
     -> scores [B, Q, S] float32 (S = max_pages * page; -inf where not visible).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
-    check_mosaic_operands("indexer_scores_mosaic", key_cache.shape[1], q_idx, key_cache)
+    check_mosaic_operands("indexer_scores_mosaic", q_idx, key_cache)
+    page_size = key_cache.shape[1]
+    if page_size % 8 or (TILE % page_size and page_size % TILE):
+        raise ValueError(f"indexer_scores_mosaic: page_size={page_size} must be a multiple of 8 that divides "
+                         f"{TILE} or is a multiple of it")
     dim, key_dim = q_idx.shape[-1], key_cache.shape[-1]
     if key_dim != dim or dim % 64:
         raise ValueError(f"indexer_scores_mosaic: index_head_dim {dim} (keys {key_dim}) must match and be a "

@@ -55,6 +55,51 @@ def _interpret_layout_casts() -> None:
     mlir.register_lowering(mosaic_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
 
 
+@functools.cache
+def _interpret_transposed_wgmma_operands() -> None:
+    """Teach the interpreter wgmma operands read through `plgpu.transpose_ref`: on the GPU the
+    transpose is a bit of the wgmma instruction (how `S = Q K^T` reads a `[slots, D]` tile), but jax
+    0.10.2's simulator only reads operands through indexers. The replacement callback reads each
+    operand's indexed buffer, applies a trailing transpose, and otherwise does exactly what the
+    simulator's own wgmma does: `acc += a @ b` in the accumulator's dtype."""
+    from jax._src.pallas.mosaic.interpret import utils
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.state.types import TransposeTransform
+    import numpy as np
+
+    def split(transforms):
+        transforms = gpu_callbacks._remove_noop_transforms(transforms)
+        if transforms and isinstance(transforms[-1], TransposeTransform):
+            return jax.tree.map(int, transforms[:-1]), transforms[-1].permutation
+        return jax.tree.map(int, transforms), None
+
+    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array, acc_transforms,
+              acc_dtype, a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms,
+              source_info=None):
+        shared_memory = gpu_callbacks._get_shared_memory()
+        global_thread = shared_memory.get_global_thread_id(int(device_id), int(thread_id))
+        logging_info = utils.GPULoggingInfo(device_id=int(device_id), thread_id=int(thread_id),
+                                            grid_point_coords=tuple(int(x) for x in grid_point_coords),
+                                            source_info=source_info)
+
+        def read(key, transforms):
+            indexers, permutation = split(transforms)
+            value, _, _ = shared_memory.get_buffer_content(
+                gpu_callbacks.HostAllocationKey.from_array(key), utils.to_range(indexers), global_thread,
+                logging_info=logging_info)
+            return value if permutation is None else np.transpose(value, permutation)
+
+        a, b = read(a_allocation_key_as_array, a_transforms), read(b_allocation_key_as_array, b_transforms)
+        acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
+        acc_range = utils.to_range(split(acc_transforms)[0])
+        acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, global_thread, logging_info=logging_info)
+        shared_memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), global_thread,
+                                           logging_info=logging_info)
+        return token
+
+    gpu_callbacks.wgmma = wgmma
+
+
 def interpret_params():
     """The `interpret=` argument that makes a `plgpu.kernel` run on the CPU simulator."""
     params, _ = _interpret_module()
@@ -67,6 +112,7 @@ def interpreting():
     mesh plus the simulator; see the module docstring). After an exception it resets the simulator."""
     params, gpu_callbacks = _interpret_module()
     _interpret_layout_casts()
+    _interpret_transposed_wgmma_operands()
     device = jax.sharding.AbstractDevice(device_kind=INTERPRET_DEVICE_KIND, platform="gpu", num_cores=INTERPRET_SMS)
     mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
     try:

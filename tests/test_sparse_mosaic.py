@@ -1,6 +1,7 @@
-"""The Mosaic GPU indexer kernel (`indexer_mosaic.py`) interpreted on the CPU against the reference,
-its invariance to the window it shares a call with, bit for bit, its argument checks, the
-`backend="mosaic"` dispatch, and its compile for an H100 (sm_90a) without a GPU.
+"""The Mosaic GPU kernels of DSA, the indexer (`indexer_mosaic.py`) and sparse MLA
+(`sparse_mla_attention_mosaic.py`), interpreted on the CPU against their references; their
+invariance to the window they share a call with, bit for bit; their argument checks; the
+`backend="mosaic"` dispatch; and their compiles for an H100 (sm_90a) without a GPU.
 
 Interpret mode simulates every warpgroup, TMA copy and wgmma in Python, so the shapes are small.
 """
@@ -16,9 +17,12 @@ import pytest
 
 from jaxspec import aot
 from jaxspec.config import preset
-from jaxspec.pallas_kernels import Visibility, indexer_scores_reference, indexer_topk, indexer_topk_reference
+from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, indexer_scores_reference, indexer_topk,
+                                    indexer_topk_reference, sparse_mla_attention, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic, indexer_topk_mosaic
-from test_kernels import indexer_inputs, make_window
+from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
+from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs, make_window, random_indices,
+                          scale_for)
 
 Spec = jax.ShapeDtypeStruct
 
@@ -121,3 +125,85 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree)
     compiled = aot.compile_gpu(indexer_topk_mosaic, *args, devices=h100, static_argnames=("topk",), topk=V32.index_topk)
     assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse MLA
+# ----------------------------------------------------------------------------------------------
+
+
+def sparse_case(rng, *, batch, num_queries, heads, latent, rope, page_size, max_pages, topk):
+    """Random latent inputs over a tree window's paged cache (pages out of order, NaN in the pages no
+    row owns) and index lists of visible slots with -1 and past-the-pages slots mixed in; token
+    (0, 0) selects nothing."""
+    window = make_window(rng, batch, num_queries, page_size, max_pages, tree=True)
+    indices = random_indices(rng, window, topk)
+    indices[0, 0] = -1
+    args = (*latent_inputs(rng, window, heads, latent, rope, jnp.bfloat16), jnp.asarray(window.page_table),
+            jnp.asarray(indices))
+    return window, args
+
+
+@pytest.mark.parametrize("case", [
+    dict(num_queries=2, heads=4, latent=128, rope=64, page_size=16, max_pages=6, topk=40),
+    dict(num_queries=1, heads=64, latent=64, rope=64, page_size=64, max_pages=3, topk=128),
+], ids=["q2-192wide-page16-pad-heads", "q1-64heads-page64-two-tiles"])
+def test_sparse_mla_mosaic_matches_reference(case):
+    window, args = sparse_case(np.random.default_rng(50), batch=2, **case)
+    scale = scale_for(case["latent"], case["rope"])
+    got = sparse_mla_attention_mosaic(*args, softmax_scale=scale, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale))(*args)
+    assert got[0].dtype == jnp.bfloat16 and got[0].shape == args[0].shape
+    assert np.all(np.asarray(got[1][0, 0]) == np.float32(EMPTY_LSE))  # the token that selects nothing
+    assert_attention_close(got, want, window, jnp.bfloat16)
+
+
+def test_sparse_mla_mosaic_output_does_not_depend_on_the_window():
+    """A token's output bits are the same decoded alone (B = 1, Q = 1) and as the second token of a
+    B = 2, Q = 2 tree window (a tree node's index list is just another list)."""
+    rng = np.random.default_rng(51)
+    window, args = sparse_case(rng, batch=2, num_queries=2, heads=4, latent=64, rope=64, page_size=16,
+                               max_pages=4, topk=64)
+    q_nope, q_rope, cache, page_table, indices = args
+    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, interpret=True)
+    together = run(*args)
+    alone = run(q_nope[:1, 1:], q_rope[:1, 1:], cache, page_table[:1], indices[:1, 1:])
+    assert np.isfinite(np.asarray(alone[1])).all() and (np.asarray(alone[1]) > EMPTY_LSE).all()
+    np.testing.assert_array_equal(np.asarray(together[0][0, 1]), np.asarray(alone[0][0, 0]))
+    np.testing.assert_array_equal(np.asarray(together[1][0, 1]), np.asarray(alone[1][0, 0]))
+
+
+def test_sparse_mla_dispatches_to_mosaic():
+    window, args = sparse_case(np.random.default_rng(52), batch=1, num_queries=1, heads=4, latent=64, rope=64,
+                               page_size=16, max_pages=2, topk=16)
+    got = sparse_mla_attention(*args, softmax_scale=0.125, backend="mosaic")
+    with jax.default_matmul_precision("highest"):
+        want = sparse_mla_attention_reference(*args, softmax_scale=0.125)
+    assert_attention_close(got, want, window, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype, latent, rope, match", [
+    (jnp.float32, 64, 64, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
+    (jnp.bfloat16, 48, 64, r"Dl=48 and Dr=64 must be multiples of 64 \(Dl of 128 when wider\)"),
+    (jnp.bfloat16, 192, 64, r"Dl=192 and Dr=64 must be multiples of 64 \(Dl of 128 when wider\)"),
+])
+def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, match):
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_attention_mosaic(jnp.zeros((1, 1, 4, latent), dtype), jnp.zeros((1, 1, 4, rope), dtype),
+                                    jnp.zeros((4, 16, latent + rope), dtype), jnp.zeros((1, 4), jnp.int32),
+                                    jnp.zeros((1, 1, 8), jnp.int32), softmax_scale=0.1, interpret=True)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
+def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries):
+    """DeepSeek-V3.2: 128 heads, a 512 + 64 latent cache in 64-slot pages, top-2048, B = 32, 4096
+    slots a row. Lowering checks the kernel's shared memory against the 227 KiB a block may use (it
+    needs about 226 KiB); registers are only known once the cubin is built, on a device."""
+    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
+    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16), Spec((BATCH, num_queries, heads, rope), jnp.bfloat16),
+            Spec((BATCH * CONTEXT // 64, 64, latent + rope), jnp.bfloat16), Spec((BATCH, CONTEXT // 64), jnp.int32),
+            Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
+    compiled = aot.compile_gpu(functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale),
+                               *args, devices=h100)
+    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
