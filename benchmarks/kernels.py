@@ -1,7 +1,8 @@
 """Decode-shape benchmark of the Pallas kernels against their XLA references (GPU).
 
 For every shape (B rows x context x Q window tokens, H heads) it times, for each op, the Pallas
-(Triton) kernel, the Mosaic GPU kernel where the op has one (`mosaic` rows: the indexer's scores),
+(Triton) kernel, the Mosaic GPU kernel where the op has one (`mosaic` rows: sparse MLA and the
+indexer's scores),
 and the pure-jnp reference, and prints time, achieved HBM bandwidth (the bytes the op must
 move at least: its cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of
 a device-to-device copy measured in the same run. The indexer's top-k is timed separately on the
@@ -47,6 +48,7 @@ from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
+from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
 
 
@@ -63,8 +65,8 @@ class Dims(NamedTuple):
 
 
 DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page_size=64)
-# index_dim 64: the Mosaic indexer reads keys in 64-wide swizzled rows.
-SMOKE = Dims(heads=4, latent=32, rope=16, index_heads=4, index_dim=64, topk=32, page_size=16)
+# Widths of 64: the Mosaic kernels read 64-wide swizzled rows.
+SMOKE = Dims(heads=4, latent=64, rope=64, index_heads=4, index_dim=64, topk=32, page_size=16)
 V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
 V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
 V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
@@ -163,6 +165,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     q_bytes = rows * width * ITEM + rows * dims.latent * ITEM  # queries in, outputs out
     latent_args = (arrays["q_nope"], arrays["q_rope"], arrays["latent_cache"], arrays["page_table"])
     index_args = (arrays["q_idx"], arrays["weights"], arrays["key_cache"], arrays["page_table"], arrays["vis"])
+    interpret = jax.default_backend() != "gpu"  # the Mosaic kernels run on the CPU simulator off a GPU
     return [
         Op("mla_attention",
            jax.jit(functools.partial(mla_attention_pallas, softmax_scale=scale, **tuning)),
@@ -177,12 +180,13 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
            (*latent_args, arrays["indices"]),
            bytes=batch * queries * topk * (width * ITEM + 4) + q_bytes,
            flops=2 * rows * topk * (width + dims.latent),
-           xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk)),
+           xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk),
+           mosaic=functools.partial(sparse_mla_attention_mosaic, softmax_scale=scale, interpret=interpret)),
         Op("indexer_scores", jax.jit(indexer_scores_pallas), jax.jit(indexer_scores_reference), index_args,
            bytes=batch * context * dims.index_dim * ITEM + batch * queries * context * 4,
            flops=2 * batch * queries * dims.index_heads * context * dims.index_dim,
            xla_bytes=4 * (batch * context * dims.index_dim + batch * queries * dims.index_heads * context),
-           mosaic=functools.partial(indexer_scores_mosaic, interpret=jax.default_backend() != "gpu")),
+           mosaic=functools.partial(indexer_scores_mosaic, interpret=interpret)),
     ]
 
 
