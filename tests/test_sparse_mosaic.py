@@ -146,8 +146,8 @@ def sparse_case(rng, *, batch, num_queries, heads, latent, rope, page_size, max_
 
 @pytest.mark.parametrize("case", [
     dict(num_queries=2, heads=4, latent=128, rope=64, page_size=16, max_pages=6, topk=40),
-    dict(num_queries=1, heads=64, latent=64, rope=64, page_size=64, max_pages=3, topk=128),
-], ids=["q2-192wide-page16-pad-heads", "q1-64heads-page64-two-tiles"])
+    dict(num_queries=1, heads=64, latent=128, rope=128, page_size=64, max_pages=3, topk=128),
+], ids=["q2-192wide-page16-pad-heads", "q1-64heads-256wide-page64-two-tiles"])
 def test_sparse_mla_mosaic_matches_reference(case):
     window, args = sparse_case(np.random.default_rng(50), batch=2, **case)
     scale = scale_for(case["latent"], case["rope"])
@@ -163,7 +163,7 @@ def test_sparse_mla_mosaic_output_does_not_depend_on_the_window():
     """A token's output bits are the same decoded alone (B = 1, Q = 1) and as the second token of a
     B = 2, Q = 2 tree window (a tree node's index list is just another list)."""
     rng = np.random.default_rng(51)
-    window, args = sparse_case(rng, batch=2, num_queries=2, heads=4, latent=64, rope=64, page_size=16,
+    window, args = sparse_case(rng, batch=2, num_queries=2, heads=4, latent=128, rope=64, page_size=16,
                                max_pages=4, topk=64)
     q_nope, q_rope, cache, page_table, indices = args
     run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, interpret=True)
@@ -175,7 +175,7 @@ def test_sparse_mla_mosaic_output_does_not_depend_on_the_window():
 
 
 def test_sparse_mla_dispatches_to_mosaic():
-    window, args = sparse_case(np.random.default_rng(52), batch=1, num_queries=1, heads=4, latent=64, rope=64,
+    window, args = sparse_case(np.random.default_rng(52), batch=1, num_queries=1, heads=4, latent=128, rope=64,
                                page_size=16, max_pages=2, topk=16)
     got = sparse_mla_attention(*args, softmax_scale=0.125, backend="mosaic")
     with jax.default_matmul_precision("highest"):
@@ -184,9 +184,10 @@ def test_sparse_mla_dispatches_to_mosaic():
 
 
 @pytest.mark.parametrize("dtype, latent, rope, match", [
-    (jnp.float32, 64, 64, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
-    (jnp.bfloat16, 48, 64, r"Dl=48 and Dr=64 must be multiples of 64 \(Dl of 128 when wider\)"),
-    (jnp.bfloat16, 192, 64, r"Dl=192 and Dr=64 must be multiples of 64 \(Dl of 128 when wider\)"),
+    (jnp.float32, 128, 64, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
+    (jnp.bfloat16, 64, 64, r"Dl=64 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
+    (jnp.bfloat16, 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
+    (jnp.bfloat16, 128, 32, r"Dl=128 must be a multiple of 128 \(of 256 when wider\) and Dr=32 of 64"),
 ])
 def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, match):
     with pytest.raises(ValueError, match=match):
