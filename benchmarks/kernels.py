@@ -65,8 +65,8 @@ class Dims(NamedTuple):
 
 
 DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page_size=64)
-# Widths of 64: the Mosaic kernels read 64-wide swizzled rows.
-SMOKE = Dims(heads=4, latent=64, rope=64, index_heads=4, index_dim=64, topk=32, page_size=16)
+# Mosaic widths: 64-wide swizzled rows, and sparse MLA splits Dl over two warpgroups (Dl % 128 == 0).
+SMOKE = Dims(heads=4, latent=128, rope=64, index_heads=4, index_dim=64, topk=32, page_size=16)
 V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
 V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
 V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
