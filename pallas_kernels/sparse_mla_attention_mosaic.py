@@ -39,7 +39,7 @@ programs both compute `S`.
 
 Shared memory at DeepSeek's widths: queries, staging and swizzled tiles of 64 x 576 bf16
 (72 KiB each, the staging 1 KiB more for its padding), P (8 KiB), the tile's mask and the rescale
-(one 1 KiB-aligned buffer): 226.5 KiB of the 227 KiB a block may use, so the cross-warp reduction
+(one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use, so the cross-warp reduction
 scratch is turned off (every reduction here stays inside a warp).
 
 Constraints (ValueError): bfloat16 / float16 operands; Dl a multiple of 128 (of 2 * OUT_BLOCK when
