@@ -55,7 +55,8 @@ TILE = 64
 CHUNK_TILES = 16
 # Operand swizzle: 128-byte rows of 64 bfloat16.
 SWIZZLE = 128
-_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+# How a wgmma operand sits in SMEM: 8-row tiles of 128-byte rows, swizzled.
+SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 _OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -146,16 +147,17 @@ def _indexer_kernel(q_ref, w_ref, key_ref, page_table_ref, bound_ref, out_ref, *
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((dim, heads), q_ref.dtype, transforms=_TRANSFORMS),
+        plgpu.SMEM((dim, heads), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((heads,), jnp.float32),
-        plgpu.SMEM((2, TILE, dim), key_ref.dtype, transforms=_TRANSFORMS),
+        plgpu.SMEM((2, TILE, dim), key_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((chunk_tiles * TILE,), jnp.float32),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=copies_per_tile(page_size), num_barriers=2),
     )
 
 
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    """x zero-padded at the end of `axis` to a multiple of `multiple`."""
     pad = -x.shape[axis] % multiple
     if not pad:
         return x
@@ -199,8 +201,8 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
     chunks = pl.cdiv(num_tiles, chunk_tiles)
 
     # Queries transposed per token, heads padded with zero weights: [B * Q, Di, Hp].
-    q_t = _pad_to(jnp.swapaxes(q_idx, 2, 3), 3, 64).reshape(batch * num_queries, dim, -1).astype(key_cache.dtype)
-    w = _pad_to(weights.astype(jnp.float32), 2, 64).reshape(batch * num_queries, -1)
+    q_t = pad_to(jnp.swapaxes(q_idx, 2, 3), 3, 64).reshape(batch * num_queries, dim, -1).astype(key_cache.dtype)
+    w = pad_to(weights.astype(jnp.float32), 2, 64).reshape(batch * num_queries, -1)
     bound = kv_bound(vis, num_queries)
 
     kernel = plgpu.kernel(

@@ -55,23 +55,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .indexer_mosaic import SWIZZLE, _pad_to, check_mosaic_operands
+from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mla_attention import EMPTY_LSE
 from .mosaic_gpu import interpreting
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
 OUT_BLOCK = 128  # latent output columns per warpgroup (at most)
+# Staging rows are padded by 16 bytes so that the warpgroup's reads of a 64-column block hit 32
+# different banks (a 1152-byte row stride would put 8 rows on the same 4 banks).
+STAGING_PAD = 8
+
 
 def copy_width(width: int) -> int:
     """Elements per TMA copy of a slot's row: a box spans at most 256 per dimension; 192 divides
     DeepSeek's 576 (three copies a row), 64 every other width the kernel accepts."""
     return 192 if width % 192 == 0 else 64
-
-# Staging rows are padded by 16 bytes so that the warpgroup's reads of a 64-column block hit 32
-# different banks (a 1152-byte row stride would put 8 rows on the same 4 banks).
-STAGING_PAD = 8
-_TRANSFORMS = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 
 
 def _sparse_mla_kernel(q_ref, cache_ref, page_table_ref, indices_ref, bias_ref, out_ref, lse_ref, *,
@@ -120,7 +119,8 @@ def _sparse_mla_kernel(q_ref, cache_ref, page_table_ref, indices_ref, bias_ref, 
 
         def store(acc, denom):
             safe = jnp.where(denom > 0, denom, 1.0)
-            out_ref[token, heads, columns] = (acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])).astype(out_ref.dtype)
+            out = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
+            out_ref[token, heads, columns] = out.astype(out_ref.dtype)
 
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, out_block), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -192,10 +192,10 @@ def _sparse_mla_kernel(q_ref, cache_ref, page_table_ref, indices_ref, bias_ref, 
 
     pl.run_scoped(
         body,
-        plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=_TRANSFORMS),
+        plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((TILE, width + STAGING_PAD), cache_ref.dtype),
-        plgpu.SMEM((TILE, width), cache_ref.dtype, transforms=_TRANSFORMS),
-        plgpu.SMEM((BLOCK_M, TILE), cache_ref.dtype, transforms=_TRANSFORMS),
+        plgpu.SMEM((TILE, width), cache_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_M, TILE), cache_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((2, TILE), jnp.float32),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=TILE * (width // copy) + 1),
@@ -238,9 +238,9 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
     page_size = latent_cache.shape[1]
     capacity = page_table.shape[1] * page_size
     tokens = batch * num_queries
-    q = _pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
+    q = pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
     q = q.reshape(tokens, -1, q.shape[-1]).astype(latent_cache.dtype)
-    indices = _pad_to(indices.reshape(tokens, -1).astype(jnp.int32) + 1, 1, TILE) - 1  # pad with -1
+    indices = pad_to(indices.reshape(tokens, -1).astype(jnp.int32) + 1, 1, TILE) - 1  # pad with -1
     selected = (indices >= 0) & (indices < capacity)
     bias = jnp.where(selected, 0.0, -jnp.inf).astype(jnp.float32)
     out_block = min(latent // 2, OUT_BLOCK)  # columns per warpgroup

@@ -103,7 +103,8 @@ def test_indexer_topk_dispatches_to_mosaic():
 def test_indexer_mosaic_refuses_what_it_cannot_tile(dtype, dim, page_size, match):
     vis = Visibility(jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
     with pytest.raises(ValueError, match=match):
-        indexer_scores_mosaic(jnp.zeros((1, 1, 4, dim), dtype), jnp.zeros((1, 1, 4)), jnp.zeros((4, page_size, dim), dtype),
+        indexer_scores_mosaic(jnp.zeros((1, 1, 4, dim), dtype), jnp.zeros((1, 1, 4)),
+                              jnp.zeros((4, page_size, dim), dtype),
                               jnp.zeros((1, 4), jnp.int32), vis, interpret=True)
 
 
@@ -202,7 +203,8 @@ def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries):
     slots a row. Lowering checks the kernel's shared memory against the 227 KiB a block may use (it
     needs about 226 KiB); registers are only known once the cubin is built, on a device."""
     heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
-    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16), Spec((BATCH, num_queries, heads, rope), jnp.bfloat16),
+    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
+            Spec((BATCH, num_queries, heads, rope), jnp.bfloat16),
             Spec((BATCH * CONTEXT // 64, 64, latent + rope), jnp.bfloat16), Spec((BATCH, CONTEXT // 64), jnp.int32),
             Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
     compiled = aot.compile_gpu(functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale),
