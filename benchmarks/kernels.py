@@ -1,7 +1,9 @@
 """Decode-shape benchmark of the Pallas kernels against their XLA references (GPU).
 
 For every shape (B rows x context x Q window tokens, H heads) it times, for each op, the Pallas
-kernel and the pure-jnp reference, and prints time, achieved HBM bandwidth (the bytes the op must
+(Triton) kernel, the Mosaic GPU kernel where the op has one (`mosaic` rows: sparse MLA and the
+indexer's scores),
+and the pure-jnp reference, and prints time, achieved HBM bandwidth (the bytes the op must
 move at least: its cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of
 a device-to-device copy measured in the same run. The indexer's top-k is timed separately on the
 kernel's scores, for `lax.top_k` (what `indexer_topk_pallas` uses), `lax.approx_max_k` and a full
@@ -45,9 +47,11 @@ from jaxspec.cache_v4 import ring_capacities
 from jaxspec.model_config import CSA, HCA, ModelConfig
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
+from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
+from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
 from jaxspec.presets import preset
 
@@ -65,7 +69,8 @@ class Dims(NamedTuple):
 
 
 DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page_size=64)
-SMOKE = Dims(heads=4, latent=32, rope=16, index_heads=4, index_dim=32, topk=32, page_size=16)
+# Mosaic widths: 64-wide swizzled rows, and sparse MLA splits Dl over two warpgroups (Dl % 128 == 0).
+SMOKE = Dims(heads=4, latent=128, rope=64, index_heads=4, index_dim=64, topk=32, page_size=16)
 V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
 V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
 V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
@@ -149,7 +154,7 @@ def inputs(case: Case, dims: Dims, key):
 
 
 class Op(NamedTuple):
-    """One op at one shape: its two implementations, their operands, and the work it must do."""
+    """One op at one shape: its implementations, their operands, and the work it must do."""
 
     name: str
     pallas: object
@@ -158,6 +163,7 @@ class Op(NamedTuple):
     bytes: float  # minimal HBM traffic
     flops: float
     xla_bytes: float  # the reference's largest float32 intermediate (for the memory check)
+    mosaic: object = None  # the Mosaic GPU kernel, where the op has one (interpreted off a GPU)
 
 
 def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
@@ -169,6 +175,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     q_bytes = rows * width * ITEM + rows * dims.latent * ITEM  # queries in, outputs out
     latent_args = (arrays["q_nope"], arrays["q_rope"], arrays["latent_cache"], arrays["page_table"])
     index_args = (arrays["q_idx"], arrays["weights"], arrays["key_cache"], arrays["page_table"], arrays["vis"])
+    interpret = jax.default_backend() != "gpu"  # the Mosaic kernels run on the CPU simulator off a GPU
     return [
         Op("mla_attention",
            jax.jit(functools.partial(mla_attention_pallas, softmax_scale=scale, **tuning)),
@@ -183,11 +190,13 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
            (*latent_args, arrays["indices"]),
            bytes=batch * queries * topk * (width * ITEM + 4) + q_bytes,
            flops=2 * rows * topk * (width + dims.latent),
-           xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk)),
+           xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk),
+           mosaic=functools.partial(sparse_mla_attention_mosaic, softmax_scale=scale, interpret=interpret)),
         Op("indexer_scores", jax.jit(indexer_scores_pallas), jax.jit(indexer_scores_reference), index_args,
            bytes=batch * context * dims.index_dim * ITEM + batch * queries * context * 4,
            flops=2 * batch * queries * dims.index_heads * context * dims.index_dim,
-           xla_bytes=4 * (batch * context * dims.index_dim + batch * queries * dims.index_heads * context)),
+           xla_bytes=4 * (batch * context * dims.index_dim + batch * queries * dims.index_heads * context),
+           mosaic=functools.partial(indexer_scores_mosaic, interpret=interpret)),
     ]
 
 
@@ -398,6 +407,15 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
             row(op.name, "pallas", pallas_seconds, op.bytes, op.flops, xla_seconds, error)
+            if op.mosaic is not None:
+                mosaic_out = jax.block_until_ready(op.mosaic(*op.args))
+                mosaic_seconds = timed(op.mosaic, *op.args, iters=args.iters, warmup=args.warmup)
+                mosaic_error = None
+                if xla_seconds:
+                    with jax.default_matmul_precision("highest"):
+                        mosaic_error = max_error(mosaic_out, op.xla(*op.args))
+                row(op.name, "mosaic", mosaic_seconds, op.bytes, op.flops, xla_seconds, mosaic_error)
+                del mosaic_out
             if xla_seconds:
                 row(op.name, "xla", xla_seconds, op.bytes, op.flops)
             elif not args.no_xla and not fits:

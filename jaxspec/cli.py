@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     add_prefill_flag(aot_parser)
     aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                             help=f"parameter dtype; {FP8_HELP}")
-    aot_parser.add_argument("--backend", choices=("pallas", "xla"), default="pallas", help="attention kernels")
+    aot_parser.add_argument("--backend", choices=("pallas", "mosaic", "xla"), default="pallas",
+                            help="kernels: Triton (pallas), Mosaic GPU where an op has one (mosaic), or the references")
     aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
     aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
     aot_parser.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",

@@ -34,7 +34,9 @@ class DecodeConfig:
     eos_token_id: a row stops after emitting it; None = only the budget stops rows.
     page_size: cache slots per page.
     max_cache_len: slots per row; None sizes the cache to the prompts and the budget.
-    backend: kernel implementation, "xla" (pure-jnp references), "pallas", or "auto".
+    backend: kernel implementation, "xla" (pure-jnp references), "pallas" (Triton kernels),
+      "mosaic" (Mosaic GPU kernels where an op has one, its Triton kernel elsewhere), or "auto"
+      (`jaxspec.pallas_kernels.backend`).
     window_invariant: compute every token of a verification window as if it were alone in a
       plain [B, 1] decode step (`jaxspec.models.layers.per_position`: the window's positions run
       one after another through the token-local ops, and attention reads each token's entries in

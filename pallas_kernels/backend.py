@@ -1,5 +1,13 @@
-"""Choosing between an op's pure-jnp reference ("xla") and its Pallas kernel ("pallas"), and how
-the kernel lowers (Triton for a GPU, or interpret mode)."""
+"""Choosing an op's implementation: its pure-jnp reference ("xla"), its Pallas Triton kernel
+("pallas") or its Pallas Mosaic GPU kernel ("mosaic"), and how the kernel lowers (for a GPU, or
+interpreted on the CPU).
+
+"auto" is the reference off a GPU. On a GPU it looks the op up in `AUTO_KERNELS` by the device
+kind: an entry names the implementation measured fastest there (`benchmarks/kernels.py` on a lent
+GPU); an op with no entry takes its Triton kernel. A measurement that finds a Mosaic kernel faster
+flips one entry, nothing else. "mosaic" asks for the Mosaic GPU kernels; an op that has none
+(it is not in `MOSAIC_OPS`) runs its Triton kernel instead, so one backend name serves a whole model.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,29 @@ import contextlib
 
 import jax
 
-BACKENDS = ("auto", "xla", "pallas")
+BACKENDS = ("auto", "xla", "pallas", "mosaic")
+
+# Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...).
+MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention"})
+
+# device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}.
+# Empty until a lent GPU measures a Mosaic kernel faster than its Triton kernel: every op is then
+# on Triton ("pallas") on every GPU.
+AUTO_KERNELS: dict[str, dict[str, str]] = {}
 
 # Set by `gpu_lowering()`: the program being traced is compiled for a GPU target although the
-# process's default backend is the CPU (ahead-of-time compilation, `jaxspec.aot`).
-_gpu_lowering = False
+# process's default backend is the CPU (ahead-of-time compilation, `jaxspec.aot`); the value is the
+# target's device kind ("" when not known).
+_gpu_lowering: str | None = None
 
 
 @contextlib.contextmanager
-def gpu_lowering():
+def gpu_lowering(device_kind: str = ""):
     """Inside this context the ops lower for a GPU whatever the default backend: "auto" picks the
-    Pallas kernels and they take the Triton lowering, not interpret mode (`jaxspec.aot` traces
-    inside it)."""
+    kernels `AUTO_KERNELS` names for `device_kind` (Triton where it names none) and they take the
+    GPU lowering, not interpret mode (`jaxspec.aot` traces inside it)."""
     global _gpu_lowering
-    previous, _gpu_lowering = _gpu_lowering, True
+    previous, _gpu_lowering = _gpu_lowering, device_kind
     try:
         yield
     finally:
@@ -28,15 +45,31 @@ def gpu_lowering():
 
 
 def _lowers_for_gpu() -> bool:
-    return _gpu_lowering or jax.default_backend() == "gpu"
+    return _gpu_lowering is not None or jax.default_backend() == "gpu"
 
 
-def resolve_backend(backend: str) -> str:
-    """"auto" -> "pallas" on a GPU (or inside `gpu_lowering`), "xla" elsewhere; "xla" / "pallas" pass through."""
+def _device_kind() -> str:
+    if _gpu_lowering is not None:
+        return _gpu_lowering
+    return jax.devices()[0].device_kind
+
+
+def resolve_backend(backend: str, op: str | None = None) -> str:
+    """The implementation an op runs: "xla", "pallas" or "mosaic".
+
+    op: the op's name, so that "auto" can look it up in `AUTO_KERNELS` and "mosaic" can tell
+    whether it has a Mosaic kernel (None: an op with only a Triton kernel). "auto" -> the reference
+    off a GPU, else the table's choice ("pallas" without an entry); "mosaic" -> "pallas" for an op
+    not in `MOSAIC_OPS`; "xla" / "pallas" pass through.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")
     if backend == "auto":
-        return "pallas" if _lowers_for_gpu() else "xla"
+        if not _lowers_for_gpu():
+            return "xla"
+        backend = AUTO_KERNELS.get(_device_kind(), {}).get(op, "pallas")
+    if backend == "mosaic" and op not in MOSAIC_OPS:
+        return "pallas"
     return backend
 
 

@@ -48,12 +48,17 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
     Args:
       q_idx: [B, Q, Hi, Di] indexer queries (rotated); weights: [B, Q, Hi] per-head weights.
       key_cache: [num_pages, page_size, Di] one layer's indexer keys; page_table: [B, max_pages].
-      vis: per-token visibility; topk: slots to keep; backend: "xla", "pallas" or "auto".
+      vis: per-token visibility; topk: slots to keep; backend: "xla", "pallas", "mosaic" or "auto"
+        (`backend.resolve_backend`).
 
     Returns:
       indices [B, Q, topk] int32 row-local slots, best first; -1 where fewer than topk are visible.
     """
-    if resolve_backend(backend) == "pallas":
+    implementation = resolve_backend(backend, "indexer_topk")
+    if implementation == "mosaic":
+        from .indexer_mosaic import indexer_topk_mosaic
+        return indexer_topk_mosaic(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())
+    if implementation == "pallas":
         from .indexer_pallas import indexer_topk_pallas
         return indexer_topk_pallas(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())
     return indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, topk=topk)

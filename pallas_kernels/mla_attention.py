@@ -63,14 +63,20 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
       page_table: [B, max_pages] int32.
       vis: per-token visibility (prefix, window length, optional tree mask).
       softmax_scale: multiplies the scores before the softmax.
-      backend: "xla" (reference), "pallas" or "auto".
+      backend: "xla" (reference), "pallas" (Triton), "mosaic" (Mosaic GPU: bfloat16, Dl a multiple
+        of 128, Dr of 64, pages of a multiple of 64 slots) or "auto" (`backend.resolve_backend`).
 
     Returns:
       out [B, Q, H, Dl] in q_nope's dtype (zeros for padding tokens) and lse [B, Q, H] float32
       (`EMPTY_LSE` for padding tokens).
     """
-    if resolve_backend(backend) == "pallas":
+    implementation = resolve_backend(backend, "mla_attention")
+    if implementation == "pallas":
         from .mla_attention_pallas import mla_attention_pallas
         return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale,
+                                    interpret=interpret_mode())
+    if implementation == "mosaic":
+        from .mla_attention_mosaic import mla_attention_mosaic
+        return mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale,
                                     interpret=interpret_mode())
     return mla_attention_reference(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale)

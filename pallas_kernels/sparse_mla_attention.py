@@ -33,12 +33,18 @@ def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax
       latent_cache: [num_pages, page_size, Dl + Dr]; page_table: [B, max_pages] int32.
       indices: [B, Q, K] int32 slots to attend (row-local slot numbers); -1, and any slot past the
         row's pages, is skipped.
-      softmax_scale: multiplies the scores; backend: "xla", "pallas" or "auto".
+      softmax_scale: multiplies the scores; backend: "xla", "pallas", "mosaic" or "auto"
+        (`backend.resolve_backend`).
 
     Returns:
       out [B, Q, H, Dl] (zeros where a token selects nothing) and lse [B, Q, H] float32.
     """
-    if resolve_backend(backend) == "pallas":
+    implementation = resolve_backend(backend, "sparse_mla_attention")
+    if implementation == "mosaic":
+        from .sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
+        return sparse_mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, indices,
+                                           softmax_scale=softmax_scale, interpret=interpret_mode())
+    if implementation == "pallas":
         from .sparse_mla_attention_pallas import sparse_mla_attention_pallas
         return sparse_mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, indices,
                                            softmax_scale=softmax_scale, interpret=interpret_mode())

@@ -146,8 +146,10 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
     dump_dir: where XLA dumps the compilation (default: a temporary directory kept as long as the
     result). fail_on_spill: a kernel that spills registers fails the compile (XLA's
     `xla_gpu_fail_ptx_compilation_on_register_spilling`); over-budget shared memory always does.
-    Large sorts use XLA's sort kernel instead of CUB's (see below). The ops trace inside `gpu_lowering()`: "auto" picks the Pallas kernels and they take the
-    Triton lowering even though the process's default backend is the CPU.
+    Large sorts use XLA's sort kernel instead of CUB's (see below). The ops trace inside
+    `gpu_lowering(device kind)`: "auto" picks the kernels `backend.AUTO_KERNELS` names for the
+    target (Triton by default), and they take the GPU lowering although the process's default
+    backend is the CPU.
     """
     devices = gpu_devices() if devices is None else list(devices)
     owner = None
@@ -158,7 +160,7 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
     args = _place(args, devices)
     kwargs = {k: v if k in static else _place(v, devices) for k, v in kwargs.items()}
     start = time.perf_counter()
-    with gpu_lowering():
+    with gpu_lowering(devices[0].device_kind):
         lowered = jax.jit(fn, static_argnames=tuple(static_argnames),
                           donate_argnums=tuple(donate_argnums),
                           donate_argnames=tuple(donate_argnames)).lower(*args, **kwargs)

@@ -1,0 +1,231 @@
+"""Pallas Mosaic GPU kernel (`plgpu.kernel`: TMA, wgmma) for `indexer_topk`: DSA lightning-indexer
+scores over the paged key cache, then the reference's own top-k.
+
+Scores. `I[b, q, s] = sum_h w[b, q, h] * relu(q_idx[b, q, h] . key[s])`. Keys are contiguous within
+a page, so a tile of TILE (64) slots arrives by TMA, one copy per page it spans (one copy for
+DeepSeek's 64-slot pages), double-buffered against the tensor cores. Each tile is scored by one
+wgmma per window token,
+
+    [TILE slots, Di] (keys, SMEM)  x  [Di, Hp] (the token's queries transposed, SMEM)  ->  [TILE, Hp] float32
+
+with the slots as the wgmma's rows: the ReLU, the head weights (a column broadcast) and the sum over
+heads (a row reduction) then stay in registers, and only TILE float32 scores per token leave.
+Putting the keys on the M side needs no transposed operand: the queries are transposed once in XLA
+(`[B, Q, Di, Hp]`, small), and Mosaic GPU's CPU interpreter in jax 0.10 executes only untransposed
+wgmma operands.
+
+Grid: `(Q, slot chunks, B)`, axis 0 fastest, so the Q programs that read the same key chunk run side
+by side and the chunk comes from HBM once, the rest of its reads from L2. A token's scores are a
+function of its own queries, weights and keys only (fixed tiles, one wgmma per token and tile): they
+do not depend on B, Q or the chunking, bit for bit. Tiles wholly past a token's last visible slot
+are written as -inf without reading keys. Visibility inside the kernel is the chain bound
+(`kv_bound`); a tree's non-ancestor window slots (at most Q per token) are set to -inf afterwards by
+a scatter of B * Q * Q entries.
+
+Top-k. As in the Triton path (`indexer_pallas.py`), the scores go to `select_topk` (XLA's
+`lax.top_k`): exact, ties to the lower slot exactly as the reference. The cost is the score matrix
+`[B, Q, S]` float32 written by the kernel and read once by the top-k: 4 bytes per (token, slot)
+against the keys' 2 * Di bytes per slot read once per row, so at B = 32, Q = 1, S = 4096 it is
+0.5 MiB written + 0.5 MiB read beside 32 MiB of keys. An in-kernel selection would have to keep the
+exact tie order; that is left for when the benchmark says top-k dominates.
+
+Constraints (checked, ValueError): keys and queries bfloat16 or float16 (the wgmma operand types);
+Di a multiple of 64 (one 128-byte swizzled row per 64 features); page_size a multiple of 8 that
+divides 64 or is a multiple of it. The head count is padded to a multiple of 64 with zero weights.
+
+Interpreted on the CPU through `mosaic_gpu.interpreting` (a private JAX API, `mosaic_gpu.JAX_RANGE`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .contracts import select_topk
+from .mosaic_gpu import interpreting
+from .visibility import Visibility, kv_bound
+
+# Slots per tile: the wgmma's M (one warpgroup).
+TILE = 64
+# Tiles per program at most: the scores of a chunk wait in SMEM for one store.
+CHUNK_TILES = 16
+# Operand swizzle: 128-byte rows of 64 bfloat16.
+SWIZZLE = 128
+# How a wgmma operand sits in SMEM: 8-row tiles of 128-byte rows, swizzled.
+SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+_OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def check_mosaic_operands(name: str, *arrays: jax.Array) -> None:
+    """ValueError unless the arrays are wgmma operand types."""
+    for array in arrays:
+        if array.dtype not in _OPERAND_DTYPES:
+            raise ValueError(f"{name}: dtype {array.dtype} not supported by the Mosaic GPU kernel: "
+                             "must be bfloat16 or float16")
+
+
+def copy_tile(cache_ref, page_table_ref, row, tile, dst, barrier, *, page_size: int):
+    """TMA the cache rows of slots [tile * TILE, (tile + 1) * TILE) of sequence row `row` into `dst`
+    ([TILE, D] SMEM), one copy per page the tile spans; `barrier` completes after all of them
+    (it counts `copies_per_tile(page_size)` arrivals). Table entries past the row's pages are
+    clamped: those slots are never visible, so what they read does not matter."""
+    max_pages = page_table_ref.shape[1]
+    rows = min(page_size, TILE)
+    for piece in range(TILE // rows):
+        slot = tile * TILE + piece * rows
+        entry = jnp.minimum(jax.lax.div(slot, page_size), max_pages - 1)
+        page = page_table_ref[row, entry]
+        offset = jax.lax.rem(slot, page_size)
+        plgpu.copy_gmem_to_smem(cache_ref.at[page, pl.ds(offset, rows)], dst.at[pl.ds(piece * rows, rows)], barrier)
+
+
+def copies_per_tile(page_size: int) -> int:
+    return TILE // min(page_size, TILE)
+
+
+def _indexer_kernel(q_ref, w_ref, key_ref, page_table_ref, bound_ref, out_ref, *, page_size: int, chunk_tiles: int,
+                    num_queries: int):
+    """One (token, chunk, row) program. q_ref [B * Q, Di, Hp], w_ref [B * Q, Hp] float32,
+    key_ref [P, page, Di], page_table_ref [B, M], bound_ref [B, Q]; out_ref [B * Q, tiles * TILE]."""
+    token, chunk, row = jax.lax.axis_index("token"), jax.lax.axis_index("chunk"), jax.lax.axis_index("row")
+    dim, heads = q_ref.shape[1], q_ref.shape[2]
+    query = row * num_queries + token
+    bound = bound_ref[row, token]
+    lo = chunk * chunk_tiles
+    # Tiles holding a visible slot; the rest of the chunk is -inf.
+    seen = jnp.clip(jax.lax.div(bound + TILE - 1, TILE) - lo, 0, chunk_tiles)
+
+    def body(q_smem, w_smem, keys_smem, scores_smem, q_barrier, key_barriers):
+        plgpu.copy_gmem_to_smem(q_ref.at[query], q_smem, q_barrier)
+        plgpu.copy_gmem_to_smem(w_ref.at[query], w_smem, q_barrier)
+
+        @pl.when(seen > 0)
+        def _():
+            copy_tile(key_ref, page_table_ref, row, lo, keys_smem.at[0], key_barriers.at[0], page_size=page_size)
+
+        plgpu.barrier_wait(q_barrier)
+        weights = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA.reduce(0))
+
+        @pl.loop(0, chunk_tiles)
+        def _(step):
+            slots = (lo + step) * TILE + plgpu.broadcasted_iota(jnp.int32, (TILE,), 0,
+                                                                 layout=plgpu.Layout.WGMMA.reduce(1))
+
+            @pl.when(step < seen)
+            def _():
+                buffer = jax.lax.rem(step, 2)
+
+                # The other buffer's last reader (the previous step's wgmma) has finished: refill it.
+                @pl.when(step + 1 < seen)
+                def _():
+                    copy_tile(key_ref, page_table_ref, row, lo + step + 1, keys_smem.at[1 - buffer],
+                              key_barriers.at[1 - buffer], page_size=page_size)
+
+                plgpu.barrier_wait(key_barriers.at[buffer])
+
+                def score(acc_ref):
+                    plgpu.wgmma(acc_ref, keys_smem.at[buffer], q_smem)
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(score, plgpu.ACC((TILE, heads), jnp.float32))
+                per_head = jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(weights, (TILE, heads), [1])
+                scores = jnp.sum(per_head, axis=1)
+                scores_smem[pl.ds(step * TILE, TILE)] = jnp.where(slots < bound, scores, -jnp.inf)
+
+            @pl.when(step >= seen)
+            def _():
+                scores_smem[pl.ds(step * TILE, TILE)] = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32),
+                                                                          plgpu.Layout.WGMMA.reduce(1))
+
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(scores_smem, out_ref.at[query, pl.ds(lo * TILE, chunk_tiles * TILE)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((dim, heads), q_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((heads,), jnp.float32),
+        plgpu.SMEM((2, TILE, dim), key_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((chunk_tiles * TILE,), jnp.float32),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=copies_per_tile(page_size), num_barriers=2),
+    )
+
+
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    """x zero-padded at the end of `axis` to a multiple of `multiple`."""
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def indexer_scores_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
+                          vis: Visibility, *, interpret: bool = False) -> jax.Array:
+    """`indexer_scores_reference` as a Mosaic GPU kernel.
+
+    q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di], page_table [B, max_pages]
+    -> scores [B, Q, S] float32 (S = max_pages * page; -inf where not visible).
+    interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
+    """
+    check_mosaic_operands("indexer_scores_mosaic", q_idx, key_cache)
+    page_size = key_cache.shape[1]
+    if page_size % 8 or (TILE % page_size and page_size % TILE):
+        raise ValueError(f"indexer_scores_mosaic: page_size={page_size} must be a multiple of 8 that divides "
+                         f"{TILE} or is a multiple of it")
+    dim, key_dim = q_idx.shape[-1], key_cache.shape[-1]
+    if key_dim != dim or dim % 64:
+        raise ValueError(f"indexer_scores_mosaic: index_head_dim {dim} (keys {key_dim}) must match and be a "
+                         "multiple of 64")
+    if not interpret:
+        return _indexer_scores(q_idx, weights, key_cache, page_table, vis, interpret=False)
+    with interpreting():
+        return _indexer_scores(q_idx, weights, key_cache, page_table, vis, interpret=True)
+
+
+# `interpret` only keys the jit cache: a kernel traced for the simulator is never reused for a GPU.
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bool):
+    del interpret
+    batch, num_queries, heads, dim = q_idx.shape
+    page_size = key_cache.shape[1]
+    num_slots = page_table.shape[1] * page_size
+    num_tiles = pl.cdiv(num_slots, TILE)
+    chunk_tiles = min(CHUNK_TILES, num_tiles)
+    chunks = pl.cdiv(num_tiles, chunk_tiles)
+
+    # Queries transposed per token, heads padded with zero weights: [B * Q, Di, Hp].
+    q_t = pad_to(jnp.swapaxes(q_idx, 2, 3), 3, 64).reshape(batch * num_queries, dim, -1).astype(key_cache.dtype)
+    w = pad_to(weights.astype(jnp.float32), 2, 64).reshape(batch * num_queries, -1)
+    bound = kv_bound(vis, num_queries)
+
+    kernel = plgpu.kernel(
+        functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries),
+        out_type=jax.ShapeDtypeStruct((batch * num_queries, chunks * chunk_tiles * TILE), jnp.float32),
+        grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"))
+    scores = kernel(q_t, w, key_cache, page_table.astype(jnp.int32), bound)
+    scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]
+    if vis.tree_mask is None:
+        return scores
+    # Window slot prefix + j is visible to token q only if j is an ancestor of q.
+    window = vis.prefix_len[:, None, None] + jnp.arange(num_queries, dtype=jnp.int32)
+    hidden = jnp.where(vis.tree_mask, num_slots, window)  # out of range -> dropped
+    b, q = jnp.indices((batch, num_queries))
+    return scores.at[b[..., None], q[..., None], hidden].set(-jnp.inf, mode="drop")
+
+
+def indexer_topk_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
+                        vis: Visibility, *, topk: int, interpret: bool = False) -> jax.Array:
+    """`indexer_topk` with Mosaic GPU scores; same arguments and result as `indexer_topk_reference`.
+
+    q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di], page_table [B, max_pages]
+    -> indices [B, Q, topk] int32, best first, -1 where fewer than topk slots are visible.
+    """
+    scores = indexer_scores_mosaic(q_idx, weights, key_cache, page_table, vis, interpret=interpret)
+    return select_topk(scores, topk)

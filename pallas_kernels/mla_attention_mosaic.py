@@ -1,0 +1,361 @@
+"""Pallas Mosaic GPU kernel (`plgpu.kernel`: TMA, wgmma, mbarriers, two warpgroups) for `mla_attention`.
+
+Work layout. The Q window tokens x H heads of a sequence row fold into M = Q * H query rows (row
+m = q * H + h), padded to whole blocks of BLOCK_M = 64 (wgmma's M). A thread block owns one block
+of 64 rows, one part of the row's slots and one sequence row; grid `(row blocks, parts, B)`. It
+streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, one TMA copy of a
+[64, Dl + Dr] page slice per tile, double-buffered so the next tile lands while this one is
+multiplied. Two warpgroups share the work the way FlashMLA's consumers do: each computes the
+tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (one wgmma, K = 576) and the online softmax,
+and accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a thread):
+a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which is what serialized
+the Triton kernel's wgmma. The scores are computed twice (once per warpgroup) instead of being
+passed through shared memory; the kernel is at the ridge, so that trades 1.1x the tensor-core
+work for no extra barrier per tile.
+
+Shared memory (DeepSeek widths): query block 72 KiB + two KV tiles 144 KiB + the row's page table
+and visibility (a few KiB) = about 219 KiB of sm_90's 227 KiB; the float32 output staging (128
+KiB) reuses the KV tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`).
+
+Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
+contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
+float32 partial and its log-sum-exp, and `combine_parts` merges them.
+
+Invariant by construction: a query row's bits depend only on its own query, its visible slots and
+the capacity. The tiles start at slot 0 and the parts at fixed slots; a tile past the token's
+bound is all masked, and its online-softmax step is an exact no-op (max unchanged, rescale
+exp(0) = 1, zero probabilities); wgmma computes an output row from that row of its operands only;
+the combine is elementwise per row, in a fixed part order. So the bits do not depend on B, Q, the
+other rows of the block, or the row's span (the largest bound among the window's tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .contracts import EMPTY_LSE
+from .mosaic_gpu import interpret_params, interpreting
+from .visibility import Visibility, kv_bound
+
+BLOCK_M = 64  # query rows per thread block: wgmma's M
+BLOCK_N = 64  # cache slots per tile: a whole number of tiles per page
+STAGES = 2  # KV tiles in flight
+WARPGROUPS = 2  # each owns half of the latent output
+# Slots per split-KV part: long enough that the float32 partial a part writes and the merge reads
+# stay small next to the part's cache (576 x 2 bytes a slot against 512 x 4 bytes per query row),
+# short enough that B 32 at 4096 slots fills an H100's 132 SMs (2 row blocks x 4 parts x 32 rows).
+PART_SLOTS = 1024
+# The query row's window-visibility bits are packed 32 to an int32 word.
+WORD = 32
+SUPPORTED_DTYPES = (jnp.bfloat16,)
+# A copy into shared memory moves a multiple of 128 bytes (one per thread of the warpgroup that
+# issues it): small int32 operands are padded to a multiple of this many words.
+COPY_WORDS = 32
+
+
+def num_parts(capacity: int, part_slots: int = PART_SLOTS) -> int:
+    """Split-KV parts of a row of `capacity` slots: set by the capacity only (never B or Q)."""
+    return max(1, pl.cdiv(capacity, part_slots))
+
+
+def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
+    """ValueError, naming the argument and what is allowed, for operands the kernel cannot take."""
+    latent, rope = q_nope.shape[-1], q_rope.shape[-1]
+    for name, array in (("q_nope", q_nope), ("q_rope", q_rope), ("latent_cache", latent_cache)):
+        if jnp.dtype(array.dtype) not in map(jnp.dtype, SUPPORTED_DTYPES):
+            raise ValueError(f"{name}.dtype={array.dtype}: the Mosaic GPU mla_attention takes bfloat16 only "
+                             "(wgmma; float32 would run as TF32): use backend='pallas' or 'xla' for float32")
+    if latent % (WARPGROUPS * 64):
+        raise ValueError(f"q_nope last dim (Dl) = {latent}: must be a multiple of {WARPGROUPS * 64}")
+    if rope % 64:
+        raise ValueError(f"q_rope last dim (Dr) = {rope}: must be a multiple of 64")
+    if latent_cache.shape[-1] != latent + rope:
+        raise ValueError(f"latent_cache last dim {latent_cache.shape[-1]} != Dl + Dr = {latent} + {rope}")
+    if latent_cache.shape[1] % BLOCK_N:
+        raise ValueError(f"latent_cache page size {latent_cache.shape[1]}: must be a multiple of {BLOCK_N}")
+    if latent // WARPGROUPS > 256:
+        raise ValueError(f"q_nope last dim (Dl) = {latent}: at most {WARPGROUPS * 256} (a warpgroup's 256 columns)")
+    if part_slots < BLOCK_N or part_slots % BLOCK_N:
+        raise ValueError(f"part_slots={part_slots}: must be a positive multiple of {BLOCK_N}")
+    if page_table.ndim != 2 or page_table.shape[0] != q_nope.shape[0]:
+        raise ValueError(f"page_table shape {page_table.shape}: must be [B, max_pages] with B = {q_nope.shape[0]}")
+    if page_table.shape[1] > 256 * COPY_WORDS:
+        raise ValueError(f"page_table has {page_table.shape[1]} pages a row: at most {256 * COPY_WORDS} (one copy)")
+
+
+def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: int):
+    """Per query row (m = q * H + h, padded to rows_padded): bound [B, Mp] int32 (exclusive slot
+    bound, 0 for padding) and, for a tree, its token's ancestor bits over the window, words
+    [B, W, Mp] int32 (bit j of word k: window token 32 k + j is an ancestor). meta [B, COPY_WORDS]
+    int32 = (span: the row's largest bound, prefix_len, zeros)."""
+    batch = vis.prefix_len.shape[0]
+    pad = rows_padded - num_queries * heads
+    per_row = lambda x: jnp.pad(jnp.repeat(x, heads, axis=1), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    bound = kv_bound(vis, num_queries)
+    meta = jnp.pad(jnp.stack([jnp.max(bound, axis=1), vis.prefix_len.astype(jnp.int32)], axis=1),
+                   [(0, 0), (0, COPY_WORDS - 2)])
+    if vis.tree_mask is None:
+        return per_row(bound), None, meta
+    words = pl.cdiv(num_queries, WORD)
+    mask = jnp.pad(vis.tree_mask, [(0, 0), (0, 0), (0, words * WORD - num_queries)]).reshape(batch, num_queries, words,
+                                                                                             WORD)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD, dtype=jnp.uint32))
+    bits = jnp.sum(jnp.where(mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # distinct bits: sum = or
+    bits = jax.lax.bitcast_convert_type(bits, jnp.int32)  # [B, Q, W]
+    return per_row(bound), jnp.swapaxes(per_row(bits), 1, 2), meta
+
+
+def _scores(q_ref, kv_ref, interpret: bool):
+    """q_ref [64, K] @ kv_ref [N, K]^T -> [64, N] float32 (wgmma's layout), both in shared memory."""
+    if interpret:
+        return _dot(q_ref[...], kv_ref[...], contract=1)
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(kv_ref, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((q_ref.shape[0], kv_ref.shape[0]), jnp.float32))
+
+
+def _accumulate(acc, a, b_ref, interpret: bool):
+    """acc + a @ b_ref: acc [64, N] float32 in wgmma's layout, a [64, K] in registers, b_ref [K, N]
+    in shared memory; on a GPU wgmma accumulates in place (`pl.run_state`)."""
+    if interpret:
+        return acc + _dot(a, b_ref[...], contract=0)
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_ref))(plgpu.ACC.init(acc))
+
+
+def _dot(a, b, contract: int):
+    """The interpreter's stand-in for wgmma (jax 0.10.2's interpreter takes neither a register
+    operand nor a transposed one, nor `pl.run_state`): a [M, K] times b ([N, K] if contract is 1,
+    [K, N] if 0), products and sums in float32, as its own wgmma computes them."""
+    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _in_layout(x, layout, interpret: bool):
+    """x in the register layout `layout`; the interpreter has no layouts (nor a rule for the cast)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _union(*buffers, interpret: bool):
+    """Shared-memory buffers whose lifetimes do not overlap, in one region on a GPU. The interpreter
+    does not implement `plgpu.RefUnion` (jax 0.10.2) and has no shared-memory limit: separate buffers."""
+    return buffers if interpret else plgpu.RefUnion(*buffers)
+
+
+def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent: int, page_size: int,
+            tiles_per_part: int, softmax_scale: float, interpret: bool):
+    """One (row block, part, sequence row) thread block, run by WARPGROUPS warpgroups.
+
+    q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one), cache_ref [P, page, Dl + Dr],
+    page_table_ref [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp], then for a tree
+    bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp] float32.
+    """
+    *bits_ref, out_ref, lse_ref = refs
+    bits_ref = bits_ref[0] if bits_ref else None
+    width = q_ref.shape[-1]
+    half = latent // WARPGROUPS
+    row_block, part, seq = (jax.lax.axis_index(name) for name in ("rows", "parts", "batch"))
+    rows = pl.ds(row_block * BLOCK_M, BLOCK_M)
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def body(q_smem, table_smem, meta_smem, bound_smem, bits_smem, buffers, lse_smem, load_barriers, kv_barriers,
+             consumed_barrier, done_barrier):
+        kv_smem, out_smem = buffers
+        wg = jax.lax.axis_index("wg")
+        sources = [(q_ref.at[seq, rows], q_smem), (page_table_ref.at[seq], table_smem), (meta_ref.at[seq], meta_smem),
+                   (bound_ref.at[seq, rows], bound_smem)]
+        if bits_ref is not None:
+            sources.append((bits_ref.at[seq, :, rows], bits_smem))
+
+        @pl.when(wg == 0)
+        def _load_block():
+            for i, (src, dst) in enumerate(sources):
+                plgpu.copy_gmem_to_smem(src, dst, load_barriers.at[i])
+
+        for i in range(len(sources)):
+            plgpu.barrier_wait(load_barriers.at[i])
+        span, prefix = meta_smem[0], meta_smem[1]
+        lo = part * tiles_per_part
+        hi = jnp.minimum(lo + tiles_per_part, jax.lax.div(span + BLOCK_N - 1, BLOCK_N))
+        num_tiles = jnp.maximum(hi - lo, 0)
+
+        def issue(i):  # tile lo + i into buffer i % STAGES
+            first = (lo + i) * BLOCK_N
+            page_index = jax.lax.div(first, page_size)
+            page = table_smem[jax.lax.div(page_index, COPY_WORDS), jax.lax.rem(page_index, COPY_WORDS)]
+            plgpu.copy_gmem_to_smem(cache_ref.at[page, pl.ds(jax.lax.rem(first, page_size), BLOCK_N)],
+                                    kv_smem.at[i % STAGES], kv_barriers.at[i % STAGES])
+
+        for i in range(STAGES):
+            pl.when((wg == 0) & (i < num_tiles))(functools.partial(issue, i))
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        # A plain read whose layout cast tells the lowering to load it straight into wgmma's row layout.
+        bound = _in_layout(bound_smem[...], row_layout, interpret)
+        words = [] if bits_smem is None else [_in_layout(bits_smem[k], row_layout, interpret)
+                                               for k in range(bits_smem.shape[0])]
+
+        def visible(first_slot):
+            """[64 rows, 64 slots] bool: the row's token sees slot first_slot + column."""
+            slots = first_slot + _in_layout(jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_N), 1),
+                                            plgpu.Layout.WGMMA, interpret)
+            sees = slots < jax.lax.broadcast_in_dim(bound, (BLOCK_M, BLOCK_N), [0])
+            if not words:
+                return sees
+            window = slots - prefix  # window index of each slot, negative in the prefix
+            ancestor = window < 0
+            for k, word in enumerate(words):
+                offset = window - k * WORD
+                in_word = (offset >= 0) & (offset < WORD)
+                shifted = jax.lax.shift_right_logical(jax.lax.broadcast_in_dim(word, (BLOCK_M, BLOCK_N), [0]),
+                                                      jnp.clip(offset, 0, WORD - 1))
+                ancestor = ancestor | (in_word & ((shifted & 1) != 0))
+            return sees & ancestor
+
+        def attend(h):
+            """Warpgroup h: the whole loop, accumulating output columns [h * half, (h + 1) * half)."""
+            def step(i, carry):
+                row_max, denom, acc = carry
+                buffer = jax.lax.rem(i, STAGES)
+                plgpu.barrier_wait(kv_barriers.at[buffer])
+
+                s = _scores(q_smem, kv_smem.at[buffer], interpret) * softmax_scale
+                s = jnp.where(visible((lo + i) * BLOCK_N), s, -jnp.inf)
+                # The same online-softmax step as the Triton kernel (`flash_decoding.online_softmax_step`).
+                new_max = jnp.maximum(row_max, s.max(axis=1))
+                shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+                probs = jnp.exp(s - jax.lax.broadcast_in_dim(shift, s.shape, [0]))
+                rescale = jnp.exp(row_max - shift)
+                denom = denom * rescale + probs.sum(axis=1)
+                acc = acc * jax.lax.broadcast_in_dim(rescale, acc.shape, [0])
+
+                acc = _accumulate(acc, probs.astype(kv_smem.dtype), kv_smem.at[buffer, :, pl.ds(h * half, half)],
+                                  interpret)
+                # Both warpgroups are done with this buffer: refill it. (Each waits every phase of
+                # the barrier, as the interpreter checks; they run in step anyway, on the same tiles.)
+                plgpu.barrier_arrive(consumed_barrier)
+                plgpu.barrier_wait(consumed_barrier)
+                pl.when((wg == 0) & (i + STAGES < num_tiles))(functools.partial(issue, i + STAGES))
+
+                return new_max, denom, acc
+
+            init = (_in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret),
+                    _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret),
+                    _in_layout(jnp.zeros((BLOCK_M, half), jnp.float32), plgpu.Layout.WGMMA, interpret))
+            row_max, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
+            seen = denom > 0
+            safe_denom = jnp.where(seen, denom, 1.0)
+            # Both warpgroups must be done with the KV tiles before the output staging reuses them.
+            plgpu.barrier_arrive(done_barrier)
+            plgpu.barrier_wait(done_barrier)
+            out_smem.at[h][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
+            if h == 0:
+                lse_smem[...] = jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[h], out_ref.at[seq, part, rows, pl.ds(h * half, half)])
+            if h == 0:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, part, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        for h in range(WARPGROUPS):
+            pl.when(wg == h)(functools.partial(attend, h))
+
+    bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
+    num_loads = 4 + (bits_ref is not None)
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=swizzled),
+        plgpu.SMEM(page_table_ref.shape[1:], jnp.int32),
+        plgpu.SMEM((COPY_WORDS,), jnp.int32),
+        plgpu.SMEM((BLOCK_M,), jnp.int32),
+        bits_scratch,
+        _union(plgpu.SMEM((STAGES, BLOCK_N, width), cache_ref.dtype, transforms=swizzled),
+               plgpu.SMEM((WARPGROUPS, BLOCK_M, half), jnp.float32), interpret=interpret),
+        plgpu.SMEM((BLOCK_M,), jnp.float32),
+        plgpu.Barrier(num_barriers=num_loads),
+        plgpu.Barrier(num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=WARPGROUPS),
+        plgpu.Barrier(num_arrivals=WARPGROUPS),
+        collective_axes="wg",
+    )
+
+
+def combine_parts(out: jax.Array, lse: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """Merge split-KV parts: out [B, parts, Mp, Dl], lse [B, parts, Mp] float32 -> out [B, Mp, Dl]
+    (out_dtype), lse [B, Mp].
+
+    Elementwise per row, parts in a fixed order (a Python loop, not a reduction whose order XLA
+    may choose by shape), so a row's result does not depend on how many rows share the call.
+    Empty parts (lse == EMPTY_LSE) get weight 0; a row with only empty parts keeps output 0 and EMPTY_LSE.
+    """
+    parts = out.shape[1]
+    top = lse[:, 0]
+    for p in range(1, parts):
+        top = jnp.maximum(top, lse[:, p])
+    merged, total = jnp.zeros_like(out[:, 0]), jnp.zeros_like(top)
+    for p in range(parts):
+        weight = jnp.where(lse[:, p] > EMPTY_LSE, jnp.exp(lse[:, p] - top), 0.0)
+        merged, total = merged + weight[..., None] * out[:, p], total + weight
+    seen = total > 0
+    safe_total = jnp.where(seen, total, 1.0)
+    return (merged / safe_total[..., None]).astype(out_dtype), jnp.where(seen, top + jnp.log(safe_total), EMPTY_LSE)
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "part_slots", "interpret"))
+def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibility, *, softmax_scale: float,
+                          part_slots: int, interpret: bool):
+    batch, num_queries, heads, latent = q_nope.shape
+    num_pages, page_size, width = latent_cache.shape
+    rows = num_queries * heads
+    rows_padded = pl.cdiv(rows, BLOCK_M) * BLOCK_M
+    capacity = page_table.shape[1] * page_size
+    tiles = capacity // BLOCK_N
+    parts = num_parts(capacity, part_slots)
+    tiles_per_part = pl.cdiv(tiles, parts)
+    queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)
+    queries = jnp.pad(queries, [(0, 0), (0, rows_padded - rows), (0, 0)])
+    # The page table row as [max_pages / COPY_WORDS, COPY_WORDS] (a copy spans at most 256 elements
+    # a dimension), padded with pages that are never read.
+    table = jnp.pad(page_table.astype(jnp.int32), [(0, 0), (0, -page_table.shape[1] % COPY_WORDS)])
+    table = jnp.clip(table, 0, num_pages - 1).reshape(batch, -1, COPY_WORDS)
+    bound, bits, meta = _row_operands(vis, num_queries, heads, rows_padded)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
+                          softmax_scale=softmax_scale, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
+                  jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32)),
+        grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
+        num_threads=WARPGROUPS, thread_name="wg", interpret=interpret_params() if interpret else None)
+    operands = (queries, latent_cache, table, meta, bound) + (() if bits is None else (bits,))
+    out, lse = kernel(*operands)
+    out, lse = combine_parts(out, lse, q_nope.dtype)
+    return (out[:, :rows].reshape(batch, num_queries, heads, latent),
+            lse[:, :rows].reshape(batch, num_queries, heads))
+
+
+def mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
+                         vis: Visibility, *, softmax_scale: float, part_slots: int = PART_SLOTS,
+                         interpret: bool = False):
+    """`mla_attention` as a Mosaic GPU kernel; same arguments and results as `mla_attention_reference`.
+
+    q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] bfloat16,
+    page_table [B, max_pages] int32 -> out [B, Q, H, Dl] bfloat16, lse [B, Q, H] float32.
+    Allowed: bfloat16; Dl a multiple of 128 and at most 512, Dr a multiple of 64, a page size that
+    is a multiple of 64 (ValueError otherwise, before tracing).
+    part_slots: slots per split-KV part (a multiple of 64); the parts are ceil(capacity / part_slots).
+    interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
+    """
+    check_operands(q_nope, q_rope, latent_cache, page_table, part_slots)
+    call = functools.partial(_mla_attention_mosaic, q_nope, q_rope, latent_cache, page_table, vis,
+                             softmax_scale=softmax_scale, part_slots=part_slots, interpret=interpret)
+    if not interpret:
+        return call()
+    with interpreting():
+        return call()

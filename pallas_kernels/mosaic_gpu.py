@@ -1,0 +1,123 @@
+"""What every Pallas Mosaic GPU kernel here needs beside its body: running it interpreted on the
+CPU, and lowering it for a real GPU.
+
+Interpret mode is a private JAX API, `jax._src.pallas.mosaic_gpu.interpret`: it simulates the GPU's
+memories, warpgroups, TMA copies, barriers and wgmma on the CPU. It exists from jax 0.10.2 (this
+project's CPU CI) and is used on 0.11.x (the lent GPUs run real lowering, not this); `JAX_RANGE`
+names that range, and `interpret_params` fails with it when the module is missing. A kernel
+interprets inside an abstract mesh whose abstract device is an H100, as JAX's own
+`tests/pallas/gpu_pallas_interpret_test.py` runs them: Mosaic GPU asks the device for its kind and
+SM count while tracing, and the CPU has neither. Interpretation is not thread-safe (one
+interpreted kernel at a time per process), and an exception inside an interpreted kernel leaves
+the simulator's shared state behind, which `interpreting` clears.
+
+Off the CPU (a GPU, or `backend.gpu_lowering` for `jaxspec.aot`) a kernel takes the real Mosaic GPU
+lowering; its MLIR becomes a cubin when XLA instantiates the custom call on a device, so a
+deviceless compile shows the kernel's declared shared memory (`smem_bytes`) but not its registers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+
+# The jax versions whose private GPU interpret API this module was written against and run on.
+JAX_RANGE = ">=0.10.2,<0.12"
+
+# SMs of the abstract H100 that interpreted kernels see. Kernels here launch an explicit grid, so
+# it only sizes the simulator; a real H100 has 132.
+INTERPRET_SMS = 4
+INTERPRET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+
+# Shared memory one thread block may claim on sm_90 (227 KiB; the rest of the 228 KiB is reserved).
+SMEM_LIMIT_BYTES = 227 * 1024
+
+
+def _interpret_module():
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, params
+    except ImportError as error:
+        raise RuntimeError(
+            f"Mosaic GPU interpret mode needs jax{JAX_RANGE} (jax._src.pallas.mosaic_gpu.interpret); this is "
+            f"jax {jax.__version__}: run the Mosaic kernels on a GPU, or pick backend='pallas' or 'xla'") from error
+    return params, gpu_callbacks
+
+
+@functools.cache
+def _interpret_layout_casts() -> None:
+    """Teach the interpreter `plgpu.layout_cast`: jax 0.10.2's simulator executes the kernel's jaxpr
+    on the CPU and has no rule for it, yet a layout only says how a value is spread over a
+    warpgroup's registers, so on the CPU it is the identity. Registered once, for the CPU only."""
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu import core as mosaic_core
+    mlir.register_lowering(mosaic_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+
+@functools.cache
+def _interpret_transposed_wgmma_operands() -> None:
+    """Teach the interpreter wgmma operands read through `plgpu.transpose_ref`: on the GPU the
+    transpose is a bit of the wgmma instruction (how `S = Q K^T` reads a `[slots, D]` tile), but jax
+    0.10.2's simulator only reads operands through indexers. The replacement callback reads each
+    operand's indexed buffer, applies a trailing transpose, and otherwise does exactly what the
+    simulator's own wgmma does: `acc += a @ b` in the accumulator's dtype."""
+    from jax._src.pallas.mosaic.interpret import utils
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax._src.state.types import TransposeTransform
+    import numpy as np
+
+    def split(transforms):
+        transforms = gpu_callbacks._remove_noop_transforms(transforms)
+        if transforms and isinstance(transforms[-1], TransposeTransform):
+            return jax.tree.map(int, transforms[:-1]), transforms[-1].permutation
+        return jax.tree.map(int, transforms), None
+
+    def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array, acc_transforms,
+              acc_dtype, a_allocation_key_as_array, a_transforms, b_allocation_key_as_array, b_transforms,
+              source_info=None):
+        shared_memory = gpu_callbacks._get_shared_memory()
+        global_thread = shared_memory.get_global_thread_id(int(device_id), int(thread_id))
+        logging_info = utils.GPULoggingInfo(device_id=int(device_id), thread_id=int(thread_id),
+                                            grid_point_coords=tuple(int(x) for x in grid_point_coords),
+                                            source_info=source_info)
+
+        def read(key, transforms):
+            indexers, permutation = split(transforms)
+            value, _, _ = shared_memory.get_buffer_content(
+                gpu_callbacks.HostAllocationKey.from_array(key), utils.to_range(indexers), global_thread,
+                logging_info=logging_info)
+            return value if permutation is None else np.transpose(value, permutation)
+
+        a, b = read(a_allocation_key_as_array, a_transforms), read(b_allocation_key_as_array, b_transforms)
+        acc_key = gpu_callbacks.HostAllocationKey.from_array(acc_allocation_key_as_array)
+        acc_range = utils.to_range(split(acc_transforms)[0])
+        acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, global_thread, logging_info=logging_info)
+        shared_memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype), global_thread,
+                                           logging_info=logging_info)
+        return token
+
+    gpu_callbacks.wgmma = wgmma
+
+
+def interpret_params():
+    """The `interpret=` argument that makes a `plgpu.kernel` run on the CPU simulator."""
+    params, _ = _interpret_module()
+    return params.InterpretGPUParams()
+
+
+@contextlib.contextmanager
+def interpreting():
+    """Trace and run Mosaic GPU kernels interpreted on the CPU inside this context (an abstract H100
+    mesh plus the simulator; see the module docstring). After an exception it resets the simulator."""
+    params, gpu_callbacks = _interpret_module()
+    _interpret_layout_casts()
+    _interpret_transposed_wgmma_operands()
+    device = jax.sharding.AbstractDevice(device_kind=INTERPRET_DEVICE_KIND, platform="gpu", num_cores=INTERPRET_SMS)
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh), params.force_gpu_interpret_mode(params.InterpretGPUParams()):
+            yield
+    except BaseException:
+        gpu_callbacks.reset_gpu_interpret_mode_state()
+        raise

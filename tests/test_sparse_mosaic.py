@@ -1,0 +1,212 @@
+"""The Mosaic GPU kernels of DSA, the indexer (`indexer_mosaic.py`) and sparse MLA
+(`sparse_mla_attention_mosaic.py`), interpreted on the CPU against their references; their
+invariance to the window they share a call with, bit for bit; their argument checks; the
+`backend="mosaic"` dispatch; and their compiles for an H100 (sm_90a) without a GPU.
+
+Interpret mode simulates every warpgroup, TMA copy and wgmma in Python, so the shapes are small.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import aot
+from jaxspec.presets import preset
+from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, indexer_scores_reference, indexer_topk,
+                                    indexer_topk_reference, sparse_mla_attention, sparse_mla_attention_reference)
+from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic, indexer_topk_mosaic
+from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
+from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs, make_window, random_indices,
+                          scale_for)
+
+Spec = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("case", [
+    dict(num_queries=4, heads=4, dim=64, page_size=16, max_pages=6, topk=24, tree=False, integer=True),
+    dict(num_queries=4, heads=4, dim=64, page_size=16, max_pages=6, topk=24, tree=True, integer=True),
+    dict(num_queries=2, heads=64, dim=128, page_size=64, max_pages=3, topk=64, tree=True, integer=True),
+    dict(num_queries=3, heads=8, dim=64, page_size=32, max_pages=4, topk=40, tree=False, integer=False),
+], ids=["q4-page16-chain-int", "q4-page16-tree-int", "q2-64x128-page64-tree-int", "q3-page32-float"])
+def test_indexer_mosaic_matches_reference(case):
+    """Rows with a context ending mid-page, padding tokens, an empty row and a short one; pages out of
+    order with NaN in the pages no row owns. Integer inputs make every score exact, so scores and
+    the selection (ties to the lower slot included) must equal the reference's exactly."""
+    rng = np.random.default_rng(40)
+    topk, integer = case.pop("topk"), case.pop("integer")
+    heads, dim = case.pop("heads"), case.pop("dim")
+    window = make_window(rng, batch=4, **case)
+    args = (*indexer_inputs(rng, window, heads, dim, jnp.bfloat16, integer), jnp.asarray(window.page_table),
+            window.vis())
+    scores = np.asarray(indexer_scores_mosaic(*args, interpret=True))
+    indices = np.asarray(indexer_topk_mosaic(*args, topk=topk, interpret=True))
+    with jax.default_matmul_precision("highest"):
+        want_scores = np.asarray(jax.jit(indexer_scores_reference)(*args))
+        want_indices = np.asarray(jax.jit(functools.partial(indexer_topk_reference, topk=topk))(*args))
+    assert np.array_equal(np.isfinite(scores), np.isfinite(want_scores))  # same visibility
+    assert not np.isnan(scores).any()
+    if integer:
+        np.testing.assert_array_equal(scores, want_scores)
+        np.testing.assert_array_equal(indices, want_indices)
+        return
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
+    # Rounding may swap near-equal scores; what is selected must score the same.
+    np.testing.assert_array_equal(indices < 0, want_indices < 0)
+    picked = np.take_along_axis(want_scores, np.maximum(indices, 0), axis=2)
+    best = np.take_along_axis(want_scores, np.maximum(want_indices, 0), axis=2)
+    np.testing.assert_allclose(np.where(indices < 0, 0, picked), np.where(want_indices < 0, 0, best), rtol=1e-5)
+
+
+def test_indexer_mosaic_scores_do_not_depend_on_the_window():
+    """A token decoded alone (Q = 1), inside a chain window (Q = 4) and as a tree node scores every
+    slot it sees with the same bits (random float inputs: any change of summation order would show)."""
+    rng = np.random.default_rng(41)
+    heads, dim, page_size, max_pages, prefix = 8, 64, 16, 6, 37
+    pages = rng.permutation(max_pages + 2)[:max_pages].astype(np.int32)[None]
+    keys = jnp.asarray(rng.normal(size=(max_pages + 2, page_size, dim)), jnp.bfloat16)
+    q_window = jnp.asarray(rng.normal(size=(1, 4, heads, dim)), jnp.bfloat16)
+    w_window = jnp.asarray(rng.normal(size=(1, 4, heads)), jnp.float32)
+    token = 3  # window token 3; in the tree its ancestors are 0 and 1 (slot prefix + 2 is a sibling's)
+    run = functools.partial(indexer_scores_mosaic, key_cache=keys, page_table=jnp.asarray(pages), interpret=True)
+    one = lambda value: jnp.asarray([value], jnp.int32)
+    alone = run(q_window[:, token:token + 1], w_window[:, token:token + 1], vis=Visibility(one(prefix + token), one(1)))
+    chain = run(q_window, w_window, vis=Visibility(one(prefix), one(4)))
+    ancestors = np.tril(np.ones((4, 4), bool))
+    ancestors[3, 2] = False
+    tree = run(q_window, w_window, vis=Visibility(one(prefix), one(4), jnp.asarray(ancestors)[None]))
+    alone, chain, tree = (np.asarray(x)[0, -1 if x is alone else token] for x in (alone, chain, tree))
+    seen = prefix + token + 1
+    assert np.isfinite(alone[:seen]).all() and np.isneginf(alone[seen:]).all()
+    np.testing.assert_array_equal(chain, alone)
+    np.testing.assert_array_equal(tree[:prefix + 2], alone[:prefix + 2])
+    assert np.isneginf(tree[prefix + 2]) and tree[prefix + 3] == alone[prefix + 3]
+
+
+def test_indexer_topk_dispatches_to_mosaic():
+    rng = np.random.default_rng(42)
+    window = make_window(rng, batch=2, num_queries=2, page_size=16, max_pages=4, tree=False)
+    args = (*indexer_inputs(rng, window, 4, 64, jnp.bfloat16, True), jnp.asarray(window.page_table), window.vis())
+    got = indexer_topk(*args, topk=16, backend="mosaic")
+    np.testing.assert_array_equal(got, indexer_topk_reference(*args, topk=16))
+
+
+@pytest.mark.parametrize("dtype, dim, page_size, match", [
+    (jnp.float32, 64, 16, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
+    (jnp.bfloat16, 48, 16, r"index_head_dim 48 \(keys 48\) must match and be a multiple of 64"),
+    (jnp.bfloat16, 64, 24, r"page_size=24 must be a multiple of 8 that divides 64 or is a multiple of it"),
+])
+def test_indexer_mosaic_refuses_what_it_cannot_tile(dtype, dim, page_size, match):
+    vis = Visibility(jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        indexer_scores_mosaic(jnp.zeros((1, 1, 4, dim), dtype), jnp.zeros((1, 1, 4)),
+                              jnp.zeros((4, page_size, dim), dtype),
+                              jnp.zeros((1, 4), jnp.int32), vis, interpret=True)
+
+
+V32 = preset("deepseek-v3.2")
+BATCH, CONTEXT = 32, 4096
+
+
+@pytest.mark.parametrize("num_queries, tree", [(1, False), (4, True)], ids=["q1", "q4-tree"])
+def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree):
+    """DeepSeek-V3.2's indexer (64 heads x 128, top-2048), B = 32, 4096 slots in 64-slot pages.
+
+    The Mosaic kernel becomes one `mosaic_gpu_v2` custom call; its cubin is built when XLA loads
+    the program on a device, so this compile cannot show its registers or shared memory."""
+    heads, dim = V32.index_n_heads, V32.index_head_dim
+    vis = Visibility(Spec((BATCH,), jnp.int32), Spec((BATCH,), jnp.int32),
+                     Spec((BATCH, num_queries, num_queries), jnp.bool_) if tree else None)
+    args = (Spec((BATCH, num_queries, heads, dim), jnp.bfloat16), Spec((BATCH, num_queries, heads), jnp.float32),
+            Spec((BATCH * CONTEXT // 64, 64, dim), jnp.bfloat16), Spec((BATCH, CONTEXT // 64), jnp.int32), vis)
+    compiled = aot.compile_gpu(indexer_topk_mosaic, *args, devices=h100, static_argnames=("topk",), topk=V32.index_topk)
+    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
+    assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse MLA
+# ----------------------------------------------------------------------------------------------
+
+
+def sparse_case(rng, *, batch, num_queries, heads, latent, rope, page_size, max_pages, topk):
+    """Random latent inputs over a tree window's paged cache (pages out of order, NaN in the pages no
+    row owns) and index lists of visible slots with -1 and past-the-pages slots mixed in; token
+    (0, 0) selects nothing."""
+    window = make_window(rng, batch, num_queries, page_size, max_pages, tree=True)
+    indices = random_indices(rng, window, topk)
+    indices[0, 0] = -1
+    args = (*latent_inputs(rng, window, heads, latent, rope, jnp.bfloat16), jnp.asarray(window.page_table),
+            jnp.asarray(indices))
+    return window, args
+
+
+@pytest.mark.parametrize("case", [
+    dict(num_queries=2, heads=4, latent=128, rope=64, page_size=16, max_pages=6, topk=40),
+    dict(num_queries=1, heads=64, latent=128, rope=128, page_size=64, max_pages=3, topk=128),
+], ids=["q2-192wide-page16-pad-heads", "q1-64heads-256wide-page64-two-tiles"])
+def test_sparse_mla_mosaic_matches_reference(case):
+    window, args = sparse_case(np.random.default_rng(50), batch=2, **case)
+    scale = scale_for(case["latent"], case["rope"])
+    got = sparse_mla_attention_mosaic(*args, softmax_scale=scale, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale))(*args)
+    assert got[0].dtype == jnp.bfloat16 and got[0].shape == args[0].shape
+    assert np.all(np.asarray(got[1][0, 0]) == np.float32(EMPTY_LSE))  # the token that selects nothing
+    assert_attention_close(got, want, window, jnp.bfloat16)
+
+
+def test_sparse_mla_mosaic_output_does_not_depend_on_the_window():
+    """A token's output bits are the same decoded alone (B = 1, Q = 1) and as the second token of a
+    B = 2, Q = 2 tree window (a tree node's index list is just another list)."""
+    rng = np.random.default_rng(51)
+    window, args = sparse_case(rng, batch=2, num_queries=2, heads=4, latent=128, rope=64, page_size=16,
+                               max_pages=4, topk=64)
+    q_nope, q_rope, cache, page_table, indices = args
+    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, interpret=True)
+    together = run(*args)
+    alone = run(q_nope[:1, 1:], q_rope[:1, 1:], cache, page_table[:1], indices[:1, 1:])
+    assert np.isfinite(np.asarray(alone[1])).all() and (np.asarray(alone[1]) > EMPTY_LSE).all()
+    np.testing.assert_array_equal(np.asarray(together[0][0, 1]), np.asarray(alone[0][0, 0]))
+    np.testing.assert_array_equal(np.asarray(together[1][0, 1]), np.asarray(alone[1][0, 0]))
+
+
+def test_sparse_mla_dispatches_to_mosaic():
+    window, args = sparse_case(np.random.default_rng(52), batch=1, num_queries=1, heads=4, latent=128, rope=64,
+                               page_size=16, max_pages=2, topk=16)
+    got = sparse_mla_attention(*args, softmax_scale=0.125, backend="mosaic")
+    with jax.default_matmul_precision("highest"):
+        want = sparse_mla_attention_reference(*args, softmax_scale=0.125)
+    assert_attention_close(got, want, window, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype, latent, rope, match", [
+    (jnp.float32, 128, 64, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
+    (jnp.bfloat16, 64, 64, r"Dl=64 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
+    (jnp.bfloat16, 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
+    (jnp.bfloat16, 128, 32, r"Dl=128 must be a multiple of 128 \(of 256 when wider\) and Dr=32 of 64"),
+])
+def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, match):
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_attention_mosaic(jnp.zeros((1, 1, 4, latent), dtype), jnp.zeros((1, 1, 4, rope), dtype),
+                                    jnp.zeros((4, 16, latent + rope), dtype), jnp.zeros((1, 4), jnp.int32),
+                                    jnp.zeros((1, 1, 8), jnp.int32), softmax_scale=0.1, interpret=True)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
+def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries):
+    """DeepSeek-V3.2: 128 heads, a 512 + 64 latent cache in 64-slot pages, top-2048, B = 32, 4096
+    slots a row. Lowering checks the kernel's shared memory against the 227 KiB a block may use (it
+    needs about 226 KiB); registers are only known once the cubin is built, on a device."""
+    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
+    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
+            Spec((BATCH, num_queries, heads, rope), jnp.bfloat16),
+            Spec((BATCH * CONTEXT // 64, 64, latent + rope), jnp.bfloat16), Spec((BATCH, CONTEXT // 64), jnp.int32),
+            Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
+    compiled = aot.compile_gpu(functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale),
+                               *args, devices=h100)
+    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
