@@ -150,7 +150,7 @@ def _union(*buffers, interpret: bool):
 
 
 def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent: int, page_size: int,
-            tiles_per_part: int, softmax_scale: float, interpret: bool):
+            tiles_per_part: int, softmax_scale: float, warpgroups: int, interpret: bool):
     """One (row block, part, sequence row) thread block, run by WARPGROUPS warpgroups.
 
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one), cache_ref [P, page, Dl + Dr],
@@ -160,7 +160,7 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
     *bits_ref, out_ref, lse_ref = refs
     bits_ref = bits_ref[0] if bits_ref else None
     width = q_ref.shape[-1]
-    half = latent // WARPGROUPS
+    half = latent // warpgroups
     row_block, part, seq = (jax.lax.axis_index(name) for name in ("rows", "parts", "batch"))
     rows = pl.ds(row_block * BLOCK_M, BLOCK_M)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -264,7 +264,7 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, part, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        for h in range(WARPGROUPS):
+        for h in range(warpgroups):
             pl.when(wg == h)(functools.partial(attend, h))
 
     bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
@@ -277,12 +277,12 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
         _union(plgpu.SMEM((STAGES, BLOCK_N, width), cache_ref.dtype, transforms=swizzled),
-               plgpu.SMEM((WARPGROUPS, BLOCK_M, half), jnp.float32), interpret=interpret),
+               plgpu.SMEM((warpgroups, BLOCK_M, half), jnp.float32), interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
         plgpu.Barrier(num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=WARPGROUPS),
-        plgpu.Barrier(num_arrivals=WARPGROUPS),
+        plgpu.Barrier(num_arrivals=warpgroups),
+        plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",
     )
 
@@ -319,6 +319,10 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     tiles = capacity // BLOCK_N
     parts = num_parts(capacity, part_slots)
     tiles_per_part = pl.cdiv(tiles, parts)
+    # Interpreted, one warpgroup owns the whole output (no register limit there): jax 0.10.2's
+    # interpreter runs warpgroups as threads whose XLA executions it chains by ordered-effect
+    # tokens, so two warpgroups that wait on each other at a barrier can deadlock (seen here).
+    warpgroups = 1 if interpret else WARPGROUPS
     queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)
     queries = jnp.pad(queries, [(0, 0), (0, rows_padded - rows), (0, 0)])
     # The page table row as [max_pages / COPY_WORDS, COPY_WORDS] (a copy spans at most 256 elements
@@ -328,11 +332,11 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     bound, bits, meta = _row_operands(vis, num_queries, heads, rows_padded)
     kernel = plgpu.kernel(
         functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
-                          softmax_scale=softmax_scale, interpret=interpret),
+                          softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
                   jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32)),
         grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
-        num_threads=WARPGROUPS, thread_name="wg", interpret=interpret_params() if interpret else None)
+        num_threads=warpgroups, thread_name="wg", interpret=interpret_params() if interpret else None)
     operands = (queries, latent_cache, table, meta, bound) + (() if bits is None else (bits,))
     out, lse = kernel(*operands)
     out, lse = combine_parts(out, lse, q_nope.dtype)
