@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxspec import aot
 from jaxspec.config import preset
+from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility, mla_attention, mla_attention_reference
 from jaxspec.pallas_kernels.backend import gpu_lowering
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic, num_parts
@@ -138,3 +140,44 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries):
     assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
     # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).
     assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
+
+
+@functools.partial(nnx.jit, static_argnames=("backend",))
+def _window(model, tokens, positions, cache, prefix_len, tree_mask, backend):
+    vis = Visibility(prefix_len, jnp.full(prefix_len.shape, tokens.shape[1], jnp.int32), tree_mask)
+    return model(tokens, positions, cache, vis, form="absorbed", backend=backend, window_invariant=True)
+
+
+def test_window_invariant_model_on_the_mosaic_kernel_equals_single_steps():
+    """A one-layer V3 model (dense MLA, Dl 128, Dr 64, bf16) with window_invariant on the "mosaic"
+    backend: a chain window runs as one kernel call, a tree node as one call over its ancestors in
+    plain decoding's order (`MLA._attend_invariant_kernel`); their logits and hidden states equal
+    the same tokens decoded one per call, bit for bit. (Interpreted, node 2 also matches without
+    the reordering: the CPU's sums happen not to depend on where the masked slots sit in a tile;
+    wgmma's and the warp reductions' do, which is why the kernel path reorders.)"""
+    config = preset("tiny-v3", num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=LATENT,
+                    qk_rope_head_dim=ROPE)
+    model = DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    batch, width = 2, 70  # the window starts mid-page, in the second page
+    tokens = jnp.asarray(rng.integers(3, 250, (batch, width + 3)), jnp.int32)
+    prefix = jnp.full((batch,), width, jnp.int32)
+    cache = model.init_cache(batch, 2 * PAGE)
+    _, _, cache = _window(model, tokens[:, :width], jnp.arange(width)[None].repeat(batch, 0), cache,
+                          jnp.zeros((batch,), jnp.int32), None, "xla")
+    window = tokens[:, width:]
+    depth = jnp.asarray([0, 1, 1])
+    tree = jnp.broadcast_to(jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), (batch, 3, 3))  # parents -1, 0, 0
+    tree_logits, tree_hidden, _ = _window(model, window, width + depth[None].repeat(batch, 0), cache, prefix, tree,
+                                          "mosaic")
+    chain_logits, chain_hidden, _ = _window(model, window, width + jnp.arange(3)[None].repeat(batch, 0), cache, prefix,
+                                            None, "mosaic")
+    for path, (logits_of, hidden_of) in (([0, 1, 2], (chain_logits, chain_hidden)),
+                                         ([0, 2], (tree_logits, tree_hidden))):
+        step_cache = cache
+        for position, node in enumerate(path):
+            logits, hidden, step_cache = _window(model, window[:, node:node + 1], jnp.full((batch, 1), width + position),
+                                                 step_cache, prefix + position, None, "mosaic")
+            index = node if logits_of is tree_logits else position
+            np.testing.assert_array_equal(np.asarray(hidden_of[:, index], np.float32), np.asarray(hidden[:, 0], np.float32))
+            np.testing.assert_array_equal(np.asarray(logits_of[:, index], np.float32), np.asarray(logits[:, 0], np.float32))
