@@ -1,10 +1,11 @@
 """Decode-shape benchmark of the Pallas kernels against their XLA references (GPU).
 
 For every shape (B rows x context x Q window tokens, H heads) it times, for each op, the Pallas
-Triton kernel ("pallas"), the Mosaic GPU kernel where the op has one ("mosaic"), and the pure-jnp
-reference, with the op's roofline on a device kind `PEAKS` knows, and prints time, achieved HBM bandwidth (the bytes the op must
-move at least: its cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of
-a device-to-device copy measured in the same run. The indexer's top-k is timed separately on the
+Triton kernel ("pallas"), the Mosaic GPU kernel where the op has one ("mosaic") and the pure-jnp
+reference, and prints time, achieved HBM bandwidth (the bytes the op must move at least: its
+cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of a device-to-device
+copy measured in the same run; on a device kind `PEAKS` knows, a roofline row gives the time the
+op's bytes and flops allow. The indexer's top-k is timed separately on the
 kernel's scores, for `lax.top_k` (what `indexer_topk_pallas` uses), `lax.approx_max_k` and a full
 stable sort, with approx_max_k's recall against the exact top-k.
 

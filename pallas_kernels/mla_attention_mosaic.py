@@ -10,12 +10,14 @@ tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (one wgmma, K = 576) and the
 and accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a thread):
 a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which is what serialized
 the Triton kernel's wgmma. The scores are computed twice (once per warpgroup) instead of being
-passed through shared memory; the kernel is at the ridge, so that trades 1.1x the tensor-core
-work for no extra barrier per tile.
+passed through shared memory: 1.5x the tensor-core work of a tile (2 x 64 x 64 x 576 for the
+scores beside 64 x 64 x 512 for the output), traded for no extra barrier or shared-memory round
+trip per tile; the op sits at the ridge, so this is the first thing to measure on a GPU.
 
 Shared memory (DeepSeek widths): query block 72 KiB + two KV tiles 144 KiB + the row's page table
-and visibility (a few KiB) = about 219 KiB of sm_90's 227 KiB; the float32 output staging (128
-KiB) reuses the KV tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`).
+and visibility = 227392 bytes by Mosaic GPU's count at 4096 slots, within sm_90's 232448 (227
+KiB); the float32 output staging (128 KiB) reuses the KV tiles' memory once both warpgroups are
+done with them (`plgpu.RefUnion`).
 
 Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
 contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
@@ -151,11 +153,12 @@ def _union(*buffers, interpret: bool):
 
 def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent: int, page_size: int,
             tiles_per_part: int, softmax_scale: float, warpgroups: int, interpret: bool):
-    """One (row block, part, sequence row) thread block, run by WARPGROUPS warpgroups.
+    """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (WARPGROUPS
+    on a GPU, 1 interpreted), each owning Dl / warpgroups output columns.
 
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one), cache_ref [P, page, Dl + Dr],
-    page_table_ref [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp], then for a tree
-    bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp] float32.
+    page_table_ref [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp],
+    then for a tree bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp].
     """
     *bits_ref, out_ref, lse_ref = refs
     bits_ref = bits_ref[0] if bits_ref else None

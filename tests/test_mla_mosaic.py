@@ -129,8 +129,9 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries):
     v32 = preset("deepseek-v3.2")
     batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
     heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
-    args = (spec((batch, num_queries, heads, latent), jnp.bfloat16), spec((batch, num_queries, heads, rope), jnp.bfloat16),
-            spec((batch * pages, 64, latent + rope), jnp.bfloat16), spec((batch, pages), jnp.int32),
+    args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
+            spec((batch, num_queries, heads, rope), jnp.bfloat16), spec((batch * pages, 64, latent + rope), jnp.bfloat16),
+            spec((batch, pages), jnp.int32),
             Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
     compiled = aot.compile_gpu(mla_attention_mosaic, *args, devices=h100, static_argnames=("softmax_scale",),
                                softmax_scale=v32.softmax_scale)
@@ -176,8 +177,10 @@ def test_window_invariant_model_on_the_mosaic_kernel_equals_single_steps():
                                          ([0, 2], (tree_logits, tree_hidden))):
         step_cache = cache
         for position, node in enumerate(path):
-            logits, hidden, step_cache = _window(model, window[:, node:node + 1], jnp.full((batch, 1), width + position),
-                                                 step_cache, prefix + position, None, "mosaic")
+            logits, hidden, step_cache = _window(model, window[:, node:node + 1],
+                                                 jnp.full((batch, 1), width + position), step_cache,
+                                                 prefix + position, None, "mosaic")
             index = node if logits_of is tree_logits else position
-            np.testing.assert_array_equal(np.asarray(hidden_of[:, index], np.float32), np.asarray(hidden[:, 0], np.float32))
-            np.testing.assert_array_equal(np.asarray(logits_of[:, index], np.float32), np.asarray(logits[:, 0], np.float32))
+            as_f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+            np.testing.assert_array_equal(as_f32(hidden_of[:, index]), as_f32(hidden[:, 0]))
+            np.testing.assert_array_equal(as_f32(logits_of[:, index]), as_f32(logits[:, 0]))
