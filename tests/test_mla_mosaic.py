@@ -130,8 +130,8 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries):
     batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
     heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
     args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
-            spec((batch, num_queries, heads, rope), jnp.bfloat16), spec((batch * pages, 64, latent + rope), jnp.bfloat16),
-            spec((batch, pages), jnp.int32),
+            spec((batch, num_queries, heads, rope), jnp.bfloat16),
+            spec((batch * pages, 64, latent + rope), jnp.bfloat16), spec((batch, pages), jnp.int32),
             Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
     compiled = aot.compile_gpu(mla_attention_mosaic, *args, devices=h100, static_argnames=("softmax_scale",),
                                softmax_scale=v32.softmax_scale)
