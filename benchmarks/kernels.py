@@ -1,11 +1,11 @@
 """Decode-shape benchmark of the Pallas kernels against their XLA references (GPU).
 
 For every shape (B rows x context x Q window tokens, H heads) it times, for each op, the Pallas
-(Triton) kernel, the Mosaic GPU kernel where the op has one (`mosaic` rows: sparse MLA and the
-indexer's scores),
-and the pure-jnp reference, and prints time, achieved HBM bandwidth (the bytes the op must
-move at least: its cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of
-a device-to-device copy measured in the same run. The indexer's top-k is timed separately on the
+Triton kernel ("pallas"), the Mosaic GPU kernel where the op has one ("mosaic") and the pure-jnp
+reference, and prints time, achieved HBM bandwidth (the bytes the op must move at least: its
+cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of a device-to-device
+copy measured in the same run; on a device kind `PEAKS` knows, a roofline row gives the time the
+op's bytes and flops allow. The indexer's top-k is timed separately on the
 kernel's scores, for `lax.top_k` (what `indexer_topk_pallas` uses), `lax.approx_max_k` and a full
 stable sort, with approx_max_k's recall against the exact top-k.
 
@@ -49,6 +49,7 @@ from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_at
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
+from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
@@ -69,11 +70,15 @@ class Dims(NamedTuple):
 
 
 DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page_size=64)
-# Mosaic widths: 64-wide swizzled rows, and sparse MLA splits Dl over two warpgroups (Dl % 128 == 0).
-SMOKE = Dims(heads=4, latent=128, rope=64, index_heads=4, index_dim=64, topk=32, page_size=16)
+# The smallest widths every Mosaic GPU kernel takes: Dl a multiple of 128 (two warpgroups split it),
+# Dr and the indexer's width multiples of 64 (64-wide swizzled rows), pages of 64.
+SMOKE = Dims(heads=4, latent=128, rope=64, index_heads=4, index_dim=64, topk=32, page_size=64)
 V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
 V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
 V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
+# device kind -> (HBM bytes/s, dense bf16 tensor-core FLOP/s) from the vendor's datasheet: the
+# roofline row's time is max(bytes / bandwidth, flops / compute).
+PEAKS = {"NVIDIA H100 80GB HBM3": (3.35e12, 989e12), "NVIDIA H200": (4.8e12, 989e12)}
 # Keep inputs plus the largest intermediate under this fraction of device memory.
 MEMORY_FRACTION = 0.7
 ITEM = 2  # bf16 bytes
@@ -183,7 +188,9 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
            (*latent_args, arrays["vis"]),
            bytes=batch * context * width * ITEM + q_bytes,
            flops=2 * rows * context * (width + dims.latent),
-           xla_bytes=4 * (batch * context * width + 2 * rows * context)),
+           xla_bytes=4 * (batch * context * width + 2 * rows * context),
+           mosaic=functools.partial(mla_attention_mosaic, softmax_scale=scale,
+                                    interpret=jax.default_backend() != "gpu")),
         Op("sparse_mla",
            jax.jit(functools.partial(sparse_mla_attention_pallas, softmax_scale=scale, **tuning)),
            jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale)),
@@ -385,7 +392,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
         families.append(("(V3.2)", batch * context * (dims.latent + dims.rope + dims.index_dim) * ITEM,
                          lambda: ops(case, dims, inputs(case, dims, key), tuning)))
     if set(args.ops) & set(V4_OPS):
-        # V4's caches in pages of the V3.2 cache's size (64, init_v4_cache's default; 16 for --smoke).
+        # V4's caches in pages of the V3.2 cache's size (64, init_v4_cache's default).
         families.append(("(V4)", v4_input_bytes(case, v4, dims.page_size),
                          lambda: v4_ops(v4, v4_inputs(case, v4, dims.page_size, key))))
     for family, input_bytes, build in families:
@@ -397,25 +404,27 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-            xla_seconds = error = None
+            mosaic_out = None if op.mosaic is None else jax.block_until_ready(op.mosaic(*op.args))
+            xla_seconds = error = mosaic_error = None
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
             if not args.no_xla and fits:
                 try:
                     with jax.default_matmul_precision("highest"):
-                        error = max_error(pallas_out, op.xla(*op.args))
+                        want = op.xla(*op.args)
+                    error = max_error(pallas_out, want)
+                    mosaic_error = None if mosaic_out is None else max_error(mosaic_out, want)
+                    del want
                     xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
             row(op.name, "pallas", pallas_seconds, op.bytes, op.flops, xla_seconds, error)
             if op.mosaic is not None:
-                mosaic_out = jax.block_until_ready(op.mosaic(*op.args))
                 mosaic_seconds = timed(op.mosaic, *op.args, iters=args.iters, warmup=args.warmup)
-                mosaic_error = None
-                if xla_seconds:
-                    with jax.default_matmul_precision("highest"):
-                        mosaic_error = max_error(mosaic_out, op.xla(*op.args))
                 row(op.name, "mosaic", mosaic_seconds, op.bytes, op.flops, xla_seconds, mosaic_error)
                 del mosaic_out
+            if jax.devices()[0].device_kind in PEAKS:
+                bandwidth, compute = PEAKS[jax.devices()[0].device_kind]
+                row(op.name, "roofline", max(op.bytes / bandwidth, op.flops / compute), op.bytes, op.flops)
             if xla_seconds:
                 row(op.name, "xla", xla_seconds, op.bytes, op.flops)
             elif not args.no_xla and not fits:

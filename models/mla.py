@@ -24,8 +24,8 @@ from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.model_config import ModelConfig
-from jaxspec.pallas_kernels import (Visibility, attend_latent, gather_rows, mla_attention, read_slots, select_topk,
-                                    sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels import (Visibility, attend_latent, gather_rows, mla_attention, read_slots, resolve_backend,
+                                    select_topk, sparse_mla_attention, visible_mask, window_slots)
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
 from jaxspec.sharding import current
@@ -95,7 +95,8 @@ class MLA(nnx.Module):
         """x [B, Q, D], cos/sin [B, Q, Dr/2] -> (out [B, Q, D], cache with the window's entries written).
 
         window_invariant (absorbed form only): compute each token as if it were alone in its call
-        (`per_position` for the token-local projections, `_attend_alone` for attention), so its
+        (`per_position` for the token-local projections, `_attend_alone` for attention, or, on the
+        "mosaic" backend without DSA, the invariant kernel: `_attend_invariant_kernel`), so its
         output is bit-identical whatever the window around it; see `DecodeConfig.window_invariant`.
         """
         if form not in FORMS:
@@ -109,7 +110,9 @@ class MLA(nnx.Module):
         cache = cache.write(layer, window_slots(vis, num_queries), entry, index_key)
 
         w_uk, w_uv = self._up_projections()
-        if window_invariant:
+        if window_invariant and self.indexer is None and resolve_backend(backend, "mla_attention") == "mosaic":
+            out = self._attend_invariant_kernel(q_nope, q_rope, cache, layer, vis, w_uk, w_uv, backend)
+        elif window_invariant:
             index_queries = (None if self.indexer is None
                              else each(self.indexer.queries, x, q_latent, cos, sin))
             out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
@@ -165,8 +168,8 @@ class MLA(nnx.Module):
         (`ancestor_slots`: the prefix, then its ancestors by depth), so a tree node meets the same
         numbers at the same positions as the token decoded alone, and every reduction adds them in
         the same order. It is the pure-jnp definition of the attention ops (`attend_latent`,
-        `score_keys`, `select_topk`) whatever the backend: the Pallas kernels tile a window's
-        query rows together and are not window-invariant.
+        `score_keys`, `select_topk`) whatever the backend: the Triton kernels tile a window's
+        query rows together and are not window-invariant (the Mosaic one is: `_attend_invariant_kernel`).
         """
         c = self.config
         slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
@@ -185,6 +188,43 @@ class MLA(nnx.Module):
             return jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
 
         return per_position(alone, q_nope, q_rope, index_queries, slots)
+
+    def _attend_invariant_kernel(self, q_nope, q_rope, cache: PagedCache, layer: int, vis: Visibility, w_uk, w_uv,
+                                 backend: str) -> jax.Array:
+        """Window-invariant absorbed attention on the Mosaic GPU kernel: q_nope [B, Q, H, Dn],
+        q_rope [B, Q, H, Dr] -> [B, Q, H, Dv], bit-identical to each token computed alone.
+
+        The kernel is invariant by construction (`mla_attention_mosaic`): a query row's bits depend
+        only on its query, the slots it sees and the cache's capacity, not on B, Q or its
+        neighbours. So a chain window runs as one kernel call, as plain decoding does: token q sees
+        slots [0, prefix + q], where plain decoding stored the same entries. A tree node sees its
+        ancestors at scattered window slots, while decoded alone it met them contiguously, at other
+        places in the kernel's tiles (and a tile's sums run in a fixed order over its slots), so
+        each node gets its own call over a copy of the row laid out in plain decoding's order
+        (`ancestor_slots`, the layout `_attend_alone` reads), with the same capacity and page size.
+        The token-local query absorption and value projection run per position, as in plain decoding.
+        """
+        c = self.config
+        each = functools.partial(per_position, enabled=True)
+        q_absorbed = each(lambda q: absorb_query(q, w_uk), q_nope)
+        if vis.tree_mask is None:
+            out_latent, _ = mla_attention(q_absorbed, q_rope, cache.latent[layer], cache.page_table, vis,
+                                          softmax_scale=c.softmax_scale, backend=backend)
+        else:
+            slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
+            batch, pages = cache.page_table.shape
+            compact_table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+
+            def alone(q_absorbed, q_rope, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
+                visible = slots[:, 0]
+                kv = read_slots(cache.latent[layer], cache.page_table, visible)  # [B, S, R + Dr], in order
+                seen = jnp.sum(visible >= 0, axis=1, dtype=jnp.int32)
+                alone_vis = Visibility(jnp.maximum(seen - 1, 0), (seen > 0).astype(jnp.int32))
+                return mla_attention(q_absorbed, q_rope, kv.reshape(batch * pages, cache.page_size, -1), compact_table,
+                                     alone_vis, softmax_scale=c.softmax_scale, backend=backend)[0]
+
+            out_latent = each(alone, q_absorbed, q_rope, slots)
+        return each(lambda o: jnp.einsum("bqhr,rhv->bqhv", o, w_uv.astype(o.dtype)), out_latent)
 
     def _expanded(self, q_nope, q_rope, rows, vis, indices, w_uk, w_uv):
         """Ordinary attention over up-projected entries. rows [B, S, R + Dr] -> [B, Q, H, Dv]."""

@@ -57,7 +57,7 @@ def _device_kind() -> str:
 def resolve_backend(backend: str, op: str | None = None) -> str:
     """The implementation an op runs: "xla", "pallas" or "mosaic".
 
-    op: the op's name, so that "auto" can look it up in `AUTO_KERNELS` and "mosaic" can tell
+    backend: one of BACKENDS, as the caller asked. op: the op's name, so that "auto" can look it up in `AUTO_KERNELS` and "mosaic" can tell
     whether it has a Mosaic kernel (None: an op with only a Triton kernel). "auto" -> the reference
     off a GPU, else the table's choice ("pallas" without an entry); "mosaic" -> "pallas" for an op
     not in `MOSAIC_OPS`; "xla" / "pallas" pass through.

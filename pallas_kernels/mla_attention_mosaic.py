@@ -10,12 +10,14 @@ tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (one wgmma, K = 576) and the
 and accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a thread):
 a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which is what serialized
 the Triton kernel's wgmma. The scores are computed twice (once per warpgroup) instead of being
-passed through shared memory; the kernel is at the ridge, so that trades 1.1x the tensor-core
-work for no extra barrier per tile.
+passed through shared memory: 1.5x the tensor-core work of a tile (2 x 64 x 64 x 576 for the
+scores beside 64 x 64 x 512 for the output), traded for no extra barrier or shared-memory round
+trip per tile; the op sits at the ridge, so this is the first thing to measure on a GPU.
 
 Shared memory (DeepSeek widths): query block 72 KiB + two KV tiles 144 KiB + the row's page table
-and visibility (a few KiB) = about 219 KiB of sm_90's 227 KiB; the float32 output staging (128
-KiB) reuses the KV tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`).
+and visibility = 227392 bytes by Mosaic GPU's count at 4096 slots, within sm_90's 232448 (227
+KiB); the float32 output staging (128 KiB) reuses the KV tiles' memory once both warpgroups are
+done with them (`plgpu.RefUnion`).
 
 Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
 contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
@@ -150,17 +152,18 @@ def _union(*buffers, interpret: bool):
 
 
 def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent: int, page_size: int,
-            tiles_per_part: int, softmax_scale: float, interpret: bool):
-    """One (row block, part, sequence row) thread block, run by WARPGROUPS warpgroups.
+            tiles_per_part: int, softmax_scale: float, warpgroups: int, interpret: bool):
+    """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (WARPGROUPS
+    on a GPU, 1 interpreted), each owning Dl / warpgroups output columns.
 
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one), cache_ref [P, page, Dl + Dr],
-    page_table_ref [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp], then for a tree
-    bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp] float32.
+    page_table_ref [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp],
+    then for a tree bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp].
     """
     *bits_ref, out_ref, lse_ref = refs
     bits_ref = bits_ref[0] if bits_ref else None
     width = q_ref.shape[-1]
-    half = latent // WARPGROUPS
+    half = latent // warpgroups
     row_block, part, seq = (jax.lax.axis_index(name) for name in ("rows", "parts", "batch"))
     rows = pl.ds(row_block * BLOCK_M, BLOCK_M)
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -264,7 +267,7 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, part, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        for h in range(WARPGROUPS):
+        for h in range(warpgroups):
             pl.when(wg == h)(functools.partial(attend, h))
 
     bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
@@ -277,12 +280,12 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
         _union(plgpu.SMEM((STAGES, BLOCK_N, width), cache_ref.dtype, transforms=swizzled),
-               plgpu.SMEM((WARPGROUPS, BLOCK_M, half), jnp.float32), interpret=interpret),
+               plgpu.SMEM((warpgroups, BLOCK_M, half), jnp.float32), interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
         plgpu.Barrier(num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=WARPGROUPS),
-        plgpu.Barrier(num_arrivals=WARPGROUPS),
+        plgpu.Barrier(num_arrivals=warpgroups),
+        plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",
     )
 
@@ -319,6 +322,10 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     tiles = capacity // BLOCK_N
     parts = num_parts(capacity, part_slots)
     tiles_per_part = pl.cdiv(tiles, parts)
+    # Interpreted, one warpgroup owns the whole output (no register limit there): jax 0.10.2's
+    # interpreter runs warpgroups as threads whose XLA executions it chains by ordered-effect
+    # tokens, so two warpgroups that wait on each other at a barrier can deadlock (seen here).
+    warpgroups = 1 if interpret else WARPGROUPS
     queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)
     queries = jnp.pad(queries, [(0, 0), (0, rows_padded - rows), (0, 0)])
     # The page table row as [max_pages / COPY_WORDS, COPY_WORDS] (a copy spans at most 256 elements
@@ -328,11 +335,11 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     bound, bits, meta = _row_operands(vis, num_queries, heads, rows_padded)
     kernel = plgpu.kernel(
         functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
-                          softmax_scale=softmax_scale, interpret=interpret),
+                          softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
                   jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32)),
         grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
-        num_threads=WARPGROUPS, thread_name="wg", interpret=interpret_params() if interpret else None)
+        num_threads=warpgroups, thread_name="wg", interpret=interpret_params() if interpret else None)
     operands = (queries, latent_cache, table, meta, bound) + (() if bits is None else (bits,))
     out, lse = kernel(*operands)
     out, lse = combine_parts(out, lse, q_nope.dtype)

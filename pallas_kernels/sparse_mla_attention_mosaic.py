@@ -55,8 +55,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .contracts import EMPTY_LSE
+from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import interpreting
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M

@@ -1,0 +1,186 @@
+"""The Mosaic GPU `mla_attention` kernel: interpreted on the CPU against the reference, invariant
+bit for bit, and compiled for an H100 without a GPU.
+
+Interpret mode (`pallas_kernels/mosaic_gpu.py`) runs the kernel's TMA copies, barriers, two
+warpgroups and split-KV parts on the CPU; it is slow (seconds a call), so the shapes are small:
+Dl 128, Dr 64 (the kernel's smallest widths), a few heads, pages of 64 slots, and one case at
+DeepSeek's 512 + 64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec import aot
+from jaxspec.models import DeepseekV3
+from jaxspec.pallas_kernels import Visibility, mla_attention, mla_attention_reference
+from jaxspec.pallas_kernels.backend import gpu_lowering
+from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic, num_parts
+from jaxspec.presets import preset
+from test_kernels import assert_attention_close, latent_inputs, make_window, scale_for
+
+LATENT, ROPE, PAGE = 128, 64, 64
+
+
+def run_mosaic(args, scale, **kwargs):
+    return mla_attention_mosaic(*args, softmax_scale=scale, interpret=True, **kwargs)
+
+
+def reference(args, scale):
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(functools.partial(mla_attention_reference, softmax_scale=scale))(*args)
+
+
+@pytest.mark.parametrize("case", [
+    dict(num_queries=4, heads=4, latent=LATENT, max_pages=2, tree=False, part_slots=64),
+    dict(num_queries=4, heads=2, latent=512, max_pages=1, tree=True, part_slots=1024),
+], ids=["chain-q4-2parts", "tree-q4-deepseek-widths"])
+def test_mosaic_matches_reference(case):
+    """Rows cycle through a context ending mid-page, padding tokens, an empty row and a short row,
+    on an out-of-order page table whose unused pages are NaN; bf16 within tolerance, empty tokens
+    exactly (0, EMPTY_LSE), nothing non-finite."""
+    rng = np.random.default_rng(3)
+    window = make_window(rng, 4, case["num_queries"], PAGE, case["max_pages"], case["tree"])
+    args = (*latent_inputs(rng, window, case["heads"], case["latent"], ROPE, jnp.bfloat16),
+            jnp.asarray(window.page_table), window.vis())
+    scale = scale_for(case["latent"], ROPE)
+    got = run_mosaic(args, scale, part_slots=case["part_slots"])
+    assert got[0].dtype == jnp.bfloat16 and got[0].shape == args[0].shape and got[1].shape == args[0].shape[:3]
+    assert_attention_close(got, reference(args, scale), window, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend, kernel", [("mosaic", "name=_mla_attention_mosaic"),
+                                             ("pallas", "name=mla_attention_pallas")])
+def test_op_dispatches_by_backend(backend, kernel):
+    """`mla_attention(backend=...)` lowered for a GPU calls the Mosaic GPU or the Triton kernel."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, 1, 2, LATENT), jnp.bfloat16), spec((1, 1, 2, ROPE), jnp.bfloat16),
+            spec((2, PAGE, LATENT + ROPE), jnp.bfloat16), spec((1, 2), jnp.int32),
+            Visibility(spec((1,), jnp.int32), spec((1,), jnp.int32)))
+    with gpu_lowering():
+        jaxpr = str(jax.make_jaxpr(functools.partial(mla_attention, softmax_scale=1.0, backend=backend))(*args))
+    assert kernel in jaxpr
+
+
+def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch():
+    """Token t of a window whose prefix is P sees slots [0, P + t]. Decoded alone (Q = 1, prefix
+    P + t, B = 1), beside another row (B = 2), as token t of a chain window (Q = 4) and as a tree
+    node whose ancestors are window tokens 0..t, its output and lse are the same bits: the kernel's
+    tiles and split-KV parts are fixed by the capacity, never by B, Q or the rows that share a block."""
+    rng = np.random.default_rng(7)
+    heads, window_len, prefix = 4, 4, 100
+    cache = jnp.asarray(rng.normal(size=(4, PAGE, LATENT + ROPE)), jnp.bfloat16)
+    table = jnp.asarray([[2, 0]], jnp.int32)
+    queries = rng.normal(size=(1, window_len, heads, LATENT + ROPE))
+    q_nope, q_rope = (jnp.asarray(x, jnp.bfloat16) for x in (queries[..., :LATENT], queries[..., LATENT:]))
+    scale = scale_for(LATENT, ROPE)
+    lengths = lambda *n: jnp.asarray(n, jnp.int32)
+    run = lambda qn, qr, tbl, vis: run_mosaic((qn, qr, cache, tbl, vis), scale, part_slots=64)  # 2 parts
+
+    chain = run(q_nope, q_rope, table, Visibility(lengths(prefix), lengths(window_len)))
+    parents = [-1, 0, 1, 0]  # node 2's ancestors are window tokens 0, 1, 2: the chain's slots
+    ancestors = np.zeros((1, window_len, window_len), bool)
+    for q in range(window_len):
+        node = q
+        while node >= 0:
+            ancestors[0, q, node], node = True, parents[node]
+    tree = run(q_nope, q_rope, table, Visibility(lengths(prefix), lengths(window_len), jnp.asarray(ancestors)))
+    token = 2
+    alone = run(q_nope[:, token:token + 1], q_rope[:, token:token + 1], table,
+                Visibility(lengths(prefix + token), lengths(1)))
+    # Beside it, a row with other pages, another length and the last token's query.
+    pair = run(q_nope[[0, 0], [token, 3]][:, None], q_rope[[0, 0], [token, 3]][:, None],
+               jnp.asarray([[2, 0], [3, 1]], jnp.int32), Visibility(lengths(prefix + token, 30), lengths(1, 1)))
+    want_out, want_lse = np.asarray(alone[0][0, 0], np.float32), np.asarray(alone[1][0, 0])
+    for name, (out, lse) in {"chain": chain, "tree": tree, "pair": pair}.items():
+        row, position = (0, 0) if name == "pair" else (0, token)
+        np.testing.assert_array_equal(np.asarray(out[row, position], np.float32), want_out, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(lse[row, position]), want_lse, err_msg=name)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype=jnp.float32), r"q_nope.dtype=float32: the Mosaic GPU mla_attention takes bfloat16 only"),
+    (dict(latent=96), r"q_nope last dim \(Dl\) = 96: must be a multiple of 128"),
+    (dict(rope=32), r"q_rope last dim \(Dr\) = 32: must be a multiple of 64"),
+    (dict(page=16), r"latent_cache page size 16: must be a multiple of 64"),
+])
+def test_unsupported_operands_are_refused_before_tracing(change, message):
+    shape = dict(dtype=jnp.bfloat16, latent=LATENT, rope=ROPE, page=PAGE) | change
+    q_nope = jnp.zeros((1, 1, 2, shape["latent"]), shape["dtype"])
+    q_rope = jnp.zeros((1, 1, 2, shape["rope"]), shape["dtype"])
+    cache = jnp.zeros((2, shape["page"], shape["latent"] + shape["rope"]), shape["dtype"])
+    vis = Visibility(jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
+    with pytest.raises(ValueError, match=message):
+        mla_attention_mosaic(q_nope, q_rope, cache, jnp.zeros((1, 2), jnp.int32), vis, softmax_scale=1.0)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_compiles_for_h100_at_deepseek_widths(h100, num_queries):
+    """B 32, 128 heads, 512 + 64, a 4096-slot context: the real Mosaic GPU lowering (TMA boxes,
+    wgmma shapes, and Mosaic's own check that the declared shared memory fits the 227 KiB a block
+    may claim on sm_90, which raises otherwise) and XLA's compile of the program around it. The
+    kernel is one Mosaic custom call; its cubin is built only when a GPU loads it."""
+    v32 = preset("deepseek-v3.2")
+    batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
+    heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
+    args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
+            spec((batch, num_queries, heads, rope), jnp.bfloat16),
+            spec((batch * pages, 64, latent + rope), jnp.bfloat16), spec((batch, pages), jnp.int32),
+            Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
+    compiled = aot.compile_gpu(mla_attention_mosaic, *args, devices=h100, static_argnames=("softmax_scale",),
+                               softmax_scale=v32.softmax_scale)
+    hlo = compiled.as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu') == 1
+    memory, rows = aot.memory(compiled), batch * num_queries * heads
+    assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
+    # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).
+    assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
+
+
+@functools.partial(nnx.jit, static_argnames=("backend",))
+def _window(model, tokens, positions, cache, prefix_len, tree_mask, backend):
+    vis = Visibility(prefix_len, jnp.full(prefix_len.shape, tokens.shape[1], jnp.int32), tree_mask)
+    return model(tokens, positions, cache, vis, form="absorbed", backend=backend, window_invariant=True)
+
+
+def test_window_invariant_model_on_the_mosaic_kernel_equals_single_steps():
+    """A one-layer V3 model (dense MLA, Dl 128, Dr 64, bf16) with window_invariant on the "mosaic"
+    backend: a chain window runs as one kernel call, a tree node as one call over its ancestors in
+    plain decoding's order (`MLA._attend_invariant_kernel`); their logits and hidden states equal
+    the same tokens decoded one per call, bit for bit. (Interpreted, node 2 also matches without
+    the reordering: the CPU's sums happen not to depend on where the masked slots sit in a tile;
+    wgmma's and the warp reductions' do, which is why the kernel path reorders.)"""
+    config = preset("tiny-v3", num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=LATENT,
+                    qk_rope_head_dim=ROPE)
+    model = DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    batch, width = 2, 70  # the window starts mid-page, in the second page
+    tokens = jnp.asarray(rng.integers(3, 250, (batch, width + 3)), jnp.int32)
+    prefix = jnp.full((batch,), width, jnp.int32)
+    cache = model.init_cache(batch, 2 * PAGE)
+    _, _, cache = _window(model, tokens[:, :width], jnp.arange(width)[None].repeat(batch, 0), cache,
+                          jnp.zeros((batch,), jnp.int32), None, "xla")
+    window = tokens[:, width:]
+    depth = jnp.asarray([0, 1, 1])
+    tree = jnp.broadcast_to(jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), (batch, 3, 3))  # parents -1, 0, 0
+    tree_logits, tree_hidden, _ = _window(model, window, width + depth[None].repeat(batch, 0), cache, prefix, tree,
+                                          "mosaic")
+    chain_logits, chain_hidden, _ = _window(model, window, width + jnp.arange(3)[None].repeat(batch, 0), cache, prefix,
+                                            None, "mosaic")
+    for path, (logits_of, hidden_of) in (([0, 1, 2], (chain_logits, chain_hidden)),
+                                         ([0, 2], (tree_logits, tree_hidden))):
+        step_cache = cache
+        for position, node in enumerate(path):
+            logits, hidden, step_cache = _window(model, window[:, node:node + 1],
+                                                 jnp.full((batch, 1), width + position), step_cache,
+                                                 prefix + position, None, "mosaic")
+            index = node if logits_of is tree_logits else position
+            as_f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+            np.testing.assert_array_equal(as_f32(hidden_of[:, index]), as_f32(hidden[:, 0]))
+            np.testing.assert_array_equal(as_f32(logits_of[:, index]), as_f32(logits[:, 0]))
