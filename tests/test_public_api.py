@@ -8,6 +8,7 @@ breaks an example or moves a page fails a test. README.md stays short enough to 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import inspect
 import os
@@ -17,6 +18,7 @@ import runpy
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import jaxspec
@@ -193,3 +195,37 @@ def test_every_docs_page_is_in_the_index():
     index = {path for path, _ in links(os.path.join(DOCS, "README.md"))}
     missing = [page_id(p) for p in PAGES[1:] if page_id(p) not in index and not p.endswith("README.md")]
     assert not missing, f"docs/README.md does not list {missing}"
+
+
+# "name [dims]" in a docstring: a field and its documented shape (dims are names or small expressions).
+DOCUMENTED_SHAPE = re.compile(r"\b([a-z_][a-z0-9_]*) \[([A-Za-z0-9_ ,+\-]*)\]")
+
+
+def documented_shapes(cls) -> dict[str, str]:
+    """field -> the shape its class docstring gives it, for the fields the class has."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return {name: dims for name, dims in DOCUMENTED_SHAPE.findall(inspect.getdoc(cls)) if name in fields}
+
+
+def test_result_and_state_docstrings_give_the_shapes_they_hold():
+    """Every shape that GenerateResult's and DecodeState's docstrings state is the shape a real run
+    holds, dimension by dimension (B rows, D the draft depth, N window nodes, T the token buffer,
+    V the vocabulary, H the hidden width)."""
+    from flax import nnx
+
+    config = jaxspec.preset("tiny")
+    model = jaxspec.DeepseekV3(config, rngs=nnx.Rngs(0))
+    decode = jaxspec.DecodeConfig(num_draft=3, max_new_tokens=6)
+    prompts = [[3, 5, 7], [11, 13]]
+    sizes = dict(B=len(prompts), D=decode.num_draft, N=decode.num_draft + 1, V=config.vocab_size,
+                 H=config.hidden_size, max_new_tokens=decode.max_new_tokens)
+    sizes["T"] = decode.max_new_tokens + sizes["D"] + 1
+    results = {jaxspec.GenerateResult: jaxspec.generate(model, prompts, decode),
+               jaxspec.DecodeState: jaxspec.init_state(model, prompts, decode)}
+    for cls, value in results.items():
+        shapes = documented_shapes(cls)
+        assert len(shapes) >= 3, f"{cls.__name__}'s docstring states too few shapes to check: {shapes}"
+        for name, dims in shapes.items():
+            want = tuple(eval(dim, {}, sizes) for dim in dims.split(",") if dim.strip())
+            assert np.shape(getattr(value, name)) == want, (
+                f"{cls.__name__}.{name}: documented [{dims}] = {want}, holds {np.shape(getattr(value, name))}")
