@@ -47,7 +47,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 
-from projection import load_calibration, target_peaks
+from projection import load_calibration, note, target_peaks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
@@ -221,7 +221,7 @@ def part_suite(report: Report, clock: Clock, args) -> None:
             result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, f"--junitxml={xml}",
                           *[os.path.join("tests", m) for m in chunk]], clock, child_env(args.smoke))
             outcomes = junit_outcomes(xml) if os.path.exists(xml) else {}
-        progress(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        note(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s")
         if result["timed_out"]:
             continue  # nothing recorded: the next run repeats the chunk
         for module in chunk:
@@ -246,7 +246,7 @@ def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
             result = run([a.replace("{json}", rows_path) for a in (smoke_argv if args.smoke else argv)], clock,
                          child_env(args.smoke))
             rows = json.load(open(rows_path)) if os.path.exists(rows_path) else None
-        progress(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        note(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
         if not result["timed_out"]:
             report.record(unit, {**result, "json": rows}, ok=result["returncode"] == 0 and rows is not None)
 
@@ -256,7 +256,7 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
         if report.has(f"mainjob/{unit}") or clock.expired(30) or (args.smoke and smoke_argv is None):
             continue
         result = run(smoke_argv if args.smoke else argv, clock, child_env(args.smoke))
-        progress(f"mainjob {unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        note(f"mainjob {unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
         found = {key: re.search(pattern, result["output"]) for key, pattern in
                  (("tokens_per_s", r"decode .*?: ([\d,.]+) tokens/s"), ("mean_accepted", r"mean accepted length ([\d.]+)"),
                   ("compile_s", r"compile\s+([\d.]+) s"))}
@@ -276,7 +276,7 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
             load_calibration(report.path)
             argv += ["--calibration", report.path]
         except ValueError as unusable:  # a benchmark's byte count over its real traffic, say: say so, go on
-            progress(f"e2e: calibrated column left out: {unusable}")
+            note(f"e2e: calibrated column left out: {unusable}")
     with tempfile.TemporaryDirectory() as scratch:
         points_path = os.path.join(scratch, "e2e.json")
         left = clock.left()
@@ -287,7 +287,7 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
         result = run([*argv, "--json", points_path], clock, env)
         measured = json.load(open(points_path)) if os.path.exists(points_path) else {}
-    progress(f"e2e: {len(measured)} of {len(missing)} points in {result['seconds']:.0f} s, exit {result['returncode']}")
+    note(f"e2e: {len(measured)} of {len(missing)} points in {result['seconds']:.0f} s, exit {result['returncode']}")
     for key, point in measured.items():
         report.record(f"e2e/B={point['batch']},k={point['drafts']}", point, ok=True)
     if result["returncode"] not in (0, None) or result["timed_out"]:
@@ -425,10 +425,6 @@ def markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def progress(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
-
-
 def parse_parts(text: str) -> list[str]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -464,7 +460,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     report.data["runs"].append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                 "device": device, "parts": args.parts, "smoke": args.smoke})
-    progress(f"device {device}; parts {','.join(args.parts)}; report {report.path}")
+    note(f"device {device}; parts {','.join(args.parts)}; report {report.path}")
     for part in PARTS:  # in PARTS' order: the calibration exists before the e2e part uses it
         if part not in args.parts:
             continue

@@ -44,6 +44,7 @@ import numpy as np
 
 from jaxspec import progress
 from jaxspec.cache_v4 import ring_capacities
+from jaxspec.memory_plan import device_memory
 from jaxspec.model_config import CSA, HCA, ModelConfig
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
@@ -122,11 +123,6 @@ def write_rows(path: str, copy_bw: float, rows: list[dict]) -> None:
     """--json: the device, the copy bandwidth and every timed row (`benchmarks/gpu_report.py` reads it)."""
     with open(path, "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "copy_bytes_per_s": copy_bw, "rows": rows}, f, indent=1)
-
-
-def device_memory() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
 
 
 class Case(NamedTuple):

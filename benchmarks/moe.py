@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import MEMORY_FRACTION, copy_bandwidth, device_memory, gpu_or_smoke, timed, write_rows
+from kernels import MEMORY_FRACTION, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec import progress
+from jaxspec.memory_plan import device_memory
 from jaxspec.models.moe import MoE, route
 from jaxspec.presets import preset
 
