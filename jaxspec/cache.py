@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
@@ -19,18 +20,29 @@ from jaxspec.pallas_kernels.paged import read_slots, write_slots
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """latent: per layer [num_pages, page_size, kv_lora_rank + qk_rope_head_dim];
-    index_keys: per layer [num_pages, page_size, index_head_dim] (empty tuple without DSA);
-    page_table: [B, max_pages_per_row] int32; lengths: [B] int32 committed tokens per row."""
+    """latent: [L, num_pages, page_size, kv_lora_rank + qk_rope_head_dim], the L layers' page pools
+    stacked; index_keys: [L, num_pages, page_size, index_head_dim] (None without DSA);
+    page_table: [B, max_pages_per_row] int32, the same for every layer; lengths: [B] int32
+    committed tokens per row.
 
-    latent: tuple[jax.Array, ...]
-    index_keys: tuple[jax.Array, ...]
+    Why one stacked array per structure: the decoder runs its layers as a `jax.lax.scan`
+    (`models.stack`) with the cache in the carry, and a layer addresses its pages by offsetting the
+    page table (`layer_pages`), so the kernels read the carry itself: slicing layer l out
+    (`latent[l]`) would copy its pages for every kernel call, and a per-layer tuple cannot be
+    indexed by the scan's traced layer index."""
+
+    latent: jax.Array
+    index_keys: jax.Array | None
     page_table: jax.Array
     lengths: jax.Array
 
     @property
+    def num_layers(self) -> int:
+        return self.latent.shape[0]
+
+    @property
     def page_size(self) -> int:
-        return self.latent[0].shape[1]
+        return self.latent.shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -49,19 +61,28 @@ class PagedCache:
         return self.replace(lengths=lengths)
 
     def partition_specs(self, rows):
-        """A `PartitionSpec` per leaf: every page pool split by pages like `rows`, the spec of an
-        array whose leading axis is rows (each device holds its own rows' pages, `init_cache(row_shards=)`),
-        the page table and lengths by rows."""
-        return jax.tree.map(lambda _: rows, self)
+        """A `PartitionSpec` per leaf: every page pool split by pages (its axis 1, after the layers)
+        like `rows`, the spec of an array whose leading axis is rows (each device holds its own rows'
+        pages, `init_cache(row_shards=)`), the page table and lengths by rows."""
+        pools = PartitionSpec(None, *rows)
+        return PagedCache(latent=pools, index_keys=None if self.index_keys is None else pools,
+                          page_table=rows, lengths=rows)
 
-    def write(self, layer: int, slots: jax.Array, latent: jax.Array, index_key: jax.Array | None = None):
+    def layer_pages(self, pool: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s view of a stacked pool [L, P, page, D] (`latent` or `index_keys`) as the
+        kernels take it: (the pool flattened to [L * P, page, D], a free reshape, and this layer's
+        page table [B, M], the shared one offset by layer * P). layer: an int or a traced int32."""
+        num_layers, num_pages = pool.shape[:2]
+        return pool.reshape(num_layers * num_pages, *pool.shape[2:]), self.page_table + layer * num_pages
+
+    def write(self, layer, slots: jax.Array, latent: jax.Array, index_key: jax.Array | None = None):
         """Write one layer's window entries: slots [B, Q] (-1 = skip), latent [B, Q, Dc], index_key [B, Q, Di]."""
-        latents = list(self.latent)
-        latents[layer] = write_slots(latents[layer], self.page_table, slots, latent)
-        keys = list(self.index_keys)
-        if index_key is not None:
-            keys[layer] = write_slots(keys[layer], self.page_table, slots, index_key)
-        return self.replace(latent=tuple(latents), index_keys=tuple(keys))
+        def written(pool, values):
+            flat, table = self.layer_pages(pool, layer)
+            return write_slots(flat, table, slots, values).reshape(pool.shape)
+
+        keys = self.index_keys if index_key is None else written(self.index_keys, index_key)
+        return self.replace(latent=written(self.latent, latent), index_keys=keys)
 
     def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "PagedCache":
         """Copy every layer's entries (latents and indexer keys) from src_slots to dst_slots, both
@@ -69,11 +90,12 @@ class PagedCache:
         destination may be another pair's source (compacting a tree path in place)."""
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
 
-        def moved(layer_cache):
-            return write_slots(layer_cache, self.page_table, dst_slots,
-                               read_slots(layer_cache, self.page_table, src_slots))
+        def moved(layer_pool):
+            return write_slots(layer_pool, self.page_table, dst_slots,
+                               read_slots(layer_pool, self.page_table, src_slots))
 
-        return self.replace(latent=tuple(map(moved, self.latent)), index_keys=tuple(map(moved, self.index_keys)))
+        keys = None if self.index_keys is None else jax.vmap(moved)(self.index_keys)
+        return self.replace(latent=jax.vmap(moved)(self.latent), index_keys=keys)
 
 
 def pages_per_row(capacity: int, page_size: int) -> int:
@@ -112,9 +134,8 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     range(num_pages)) to lay them out otherwise. row_shards > 1 lays the cache out for a mesh
     that splits the rows into that many blocks (`jaxspec.sharding`): the page pool is split the same
     way, each block's rows own the block's pages, and the page table numbers pages within the block
-    (every device's page table addresses its own pages only). Returns a `PagedCache`: latent, L
-    arrays [num_pages, page_size, latent_dim]; index_keys, L arrays [num_pages, page_size,
-    index_dim] (an empty tuple when index_dim = 0); page_table [batch_size, M]; lengths [batch_size] = 0.
+    (every device's page table addresses its own pages only). Returns a `PagedCache`: latent
+    [L, num_pages, page_size, latent_dim]; index_keys [L, num_pages, page_size, index_dim] (None when index_dim = 0); page_table [batch_size, M]; lengths [batch_size] = 0.
     """
     check_geometry(batch_size, capacity, row_shards, page_table)
     num_row_pages = pages_per_row(capacity, page_size)
@@ -123,7 +144,7 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
         page_table = row_page_table(batch_size, num_row_pages, row_shards)
     elif page_table.shape != (batch_size, num_row_pages):
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
-    latent = tuple(jnp.zeros((num_pages, page_size, latent_dim), dtype) for _ in range(num_layers))
-    keys = tuple(jnp.zeros((num_pages, page_size, index_dim), dtype) for _ in range(num_layers)) if index_dim else ()
+    latent = jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype)
+    keys = jnp.zeros((num_layers, num_pages, page_size, index_dim), dtype) if index_dim else None
     return PagedCache(latent=latent, index_keys=keys, page_table=jnp.asarray(page_table, jnp.int32),
                       lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -65,6 +65,11 @@ class DecodeConfig:
       window does (each call re-closes the blocks that ended before it from the projection
       rings). Greedy output equals the one-call prefill's up to rounding (token for token on the
       tests' models); the chunks use the cached ("absorbed") attention form.
+    unroll_layers: run the target's decoder layers as a python loop (one copy of a layer per
+      layer in the compiled program) instead of one `jax.lax.scan` per stack of identical layers
+      (`jaxspec.models.stack`). The same parameters and the same tokens; the scan compiles in a
+      time that barely depends on depth, the unrolled program in one that grows with it. A switch
+      for debugging and per-layer inspection of the compiled program.
     """
 
     num_draft: int = 3
@@ -80,6 +85,7 @@ class DecodeConfig:
     relaxed: tuple[int, float] | None = None
     window_invariant: bool = False
     prefill_chunk: int | None = None
+    unroll_layers: bool = False
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -94,6 +100,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.backend={self.backend!r}: must be one of {BACKENDS}")
         if not isinstance(self.window_invariant, bool):
             raise ValueError(f"DecodeConfig.window_invariant={self.window_invariant!r}: must be True or False")
+        if not isinstance(self.unroll_layers, bool):
+            raise ValueError(f"DecodeConfig.unroll_layers={self.unroll_layers!r}: must be True or False")
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
                                                or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "

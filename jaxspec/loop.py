@@ -164,7 +164,7 @@ def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_
     positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
     vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=prompt_lens)
     logits, hidden, target_cache = model(prompts, positions, target_cache, vis, form="expanded",
-                                         backend=config.backend)
+                                         backend=config.backend, unroll_layers=config.unroll_layers)
     last = prompt_lens - 1
     last_logits = _row_gather(logits, last)
     first_token = _first_token(last_logits, rng_key, config)
@@ -218,7 +218,7 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
         logits, hidden, target_cache = model(
             jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1), positions, target_cache,
             _chunk_visibility(start, prompt_lens, chunk), form="absorbed", backend=config.backend,
-            window_invariant=config.window_invariant)
+            window_invariant=config.window_invariant, unroll_layers=config.unroll_layers)
         if drafting:
             _, _, mtp_cache = model.draft(jax.lax.dynamic_slice_in_dim(tokens, start + 1, chunk, axis=1), hidden,
                                           positions, mtp_cache, _chunk_visibility(start, last, chunk),
@@ -331,7 +331,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
                      tree_mask=window.tree_mask)
     logits, hidden, target_cache = model(window.tokens, n[:, None] + window.depths, state.target_cache, vis,
                                          form="absorbed", backend=config.backend,
-                                         window_invariant=config.window_invariant)
+                                         window_invariant=config.window_invariant, unroll_layers=config.unroll_layers)
 
     # 3. accept
     result = accept(window, logits, config, keys, sampling)

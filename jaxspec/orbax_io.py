@@ -3,12 +3,18 @@
 A saved model is a directory:
 
     config.json    ModelConfig.to_hf() (plus `torch_dtype`, the storage dtype, for information)
-    params/        an orbax (OCDBT) checkpoint of a flat dict {"layers.0.self_attn.o_proj.weight": array, ...}
+    params/        an orbax (OCDBT) checkpoint of a flat dict {"moe_layers.self_attn.o_proj.weight": array, ...}
 
 The params are keyed by their dotted NNX path (the same names as `nnx.state(model, nnx.Param)`),
 flat so the files carry no integer-keyed pytree structure and any tool that reads an orbax
-checkpoint sees the Hugging Face-like parameter names. Arrays may be stored in a narrower dtype
+checkpoint sees the Hugging Face-like parameter names. The decoder layers are stacked
+(`models.stack`): `moe_layers.self_attn.o_proj.weight` is [n, in, out], row r being layer
+`start + r` of its run (`jaxspec.models.layer_runs`). Arrays may be stored in a narrower dtype
 (bfloat16 halves the size) and are cast back to the model's parameter dtypes on restore.
+
+Saves from before the layers were stacked hold one array per layer (`layers.{i}.<path>`):
+`restore_model` stacks them as it reads them (each layer's array read once, onto its devices),
+and `jaxspec convert OLD NEW` rewrites such a save in today's layout.
 
     save_model(model, "ckpt/", dtype=jnp.bfloat16)
     model = restore_model("ckpt/")                    # float32 parameters
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +33,12 @@ from flax import nnx
 
 from jaxspec import sharding
 from jaxspec.model_config import ModelConfig
-from jaxspec.models import DeepseekV3, model_class
+from jaxspec.models import DeepseekV3, layer_runs, model_class
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
+# A parameter of one layer as saves wrote it before the layers were stacked.
+_PER_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def _param_name(path) -> str:
@@ -104,12 +113,16 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         placement = param_placement(abstract_state, mesh, plan)
 
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = dict(checkpointer.metadata(params_path).item_metadata)
-        problems = [f"missing {name} {tuple(expected[name].shape)}" for name in sorted(expected.keys() - stored.keys())]
-        problems += [f"unexpected {name} {tuple(stored[name].shape)}" for name in sorted(stored.keys() - expected.keys())]
-        problems += [f"{name}: checkpoint {tuple(stored[name].shape)} != model {tuple(expected[name].shape)}"
-                     for name in sorted(expected.keys() & stored.keys())
-                     if tuple(stored[name].shape) != tuple(expected[name].shape)]
+        stored = {name: (tuple(meta.shape), meta.dtype)
+                  for name, meta in checkpointer.metadata(params_path).item_metadata.items()}
+        sources = _per_layer_sources(config, stored)
+        available = {name: shape for name, (shape, _) in stored.items() if not _PER_LAYER.fullmatch(name)}
+        available.update({name: (len(rows), *stored[rows[0]][0]) for name, rows in sources.items()})
+        problems = [f"missing {name} {tuple(expected[name].shape)}" for name in sorted(expected.keys() - available.keys())]
+        problems += [f"unexpected {name} {available[name]}" for name in sorted(available.keys() - expected.keys())]
+        problems += [f"{name}: checkpoint {available[name]} != model {tuple(expected[name].shape)}"
+                     for name in sorted(expected.keys() & available.keys())
+                     if available[name] != tuple(expected[name].shape)]
         if jnp.dtype(dtype) == jnp.float8_e4m3fn and not any(name.endswith("_scale_inv") for name in stored):
             raise ValueError(f"dtype=float8_e4m3fn restores FP8 weights with their scales, but {params_path} was saved "
                              "without them (from a float model): restore it with dtype=bfloat16, or convert the "
@@ -117,11 +130,42 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         if problems:
             raise ValueError(f"checkpoint {params_path} does not match its config.json ({len(problems)} problem(s)):\n  "
                              + "\n  ".join(problems))
-        target = {name: jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=placement[name])
-                  for name, meta in stored.items()}
+        row_of = {row: name for name, rows in sources.items() for row in rows}
+        target = {name: jax.ShapeDtypeStruct(shape, dtype_,
+                                             sharding=_row_sharding(placement[row_of[name]]) if name in row_of
+                                             else placement[name])
+                  for name, (shape, dtype_) in stored.items()}
         restored = checkpointer.restore(params_path, target)
+    for name, rows in sources.items():
+        restored[name] = jax.jit(lambda *r: jnp.stack(r), out_shardings=placement[name])(*(restored.pop(row) for row in rows))
 
     state = nnx.from_flat_state({
         path: variable.replace(restored[_param_name(path)].astype(variable.get_value().dtype))
         for path, variable in nnx.to_flat_state(abstract_state)})
     return nnx.merge(graphdef, state)
+
+
+def _per_layer_sources(config: ModelConfig, stored: dict) -> dict[str, list[str]]:
+    """For a save written before the layers were stacked (names `layers.{i}.<path>`): each stacked
+    parameter's name -> the per-layer names of its rows, in order. {} for a save in today's layout."""
+    per_layer = {}
+    for name in stored:
+        if match := _PER_LAYER.fullmatch(name):
+            per_layer.setdefault(int(match[1]), set()).add(match[2])
+    sources: dict[str, list[str]] = {}
+    for run in layer_runs(config):
+        for layer in range(run.start, run.stop):
+            prefix, _ = run.locate(layer)
+            for rest in sorted(per_layer.pop(layer, ())):
+                sources.setdefault(prefix + rest, []).append(f"layers.{layer}.{rest}")
+    if per_layer:
+        raise ValueError(f"the save holds layers {sorted(per_layer)} that the config's {config.num_hidden_layers} "
+                         "decoder layers do not have")
+    return sources
+
+
+def _row_sharding(stacked: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """The sharding of one row of a stacked parameter placed as `stacked` (its layers axis dropped)."""
+    if isinstance(stacked, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[1:]))
+    return stacked

@@ -1,6 +1,7 @@
 """DeepSeek-V3 / V3.2 / V4 model code (Flax NNX), installed as `jaxspec.models`."""
 
 from .deepseek import DecoderLayer, DeepseekV3, MTPModule
+from .deepseek import layer_runs as _v3_layer_runs
 from .deepseek_v4 import DeepseekV4
 from .mla import MLA
 from .moe import MoE, route
@@ -11,4 +12,10 @@ def model_class(config) -> type:
     return DeepseekV4 if config.is_v4 else DeepseekV3
 
 
-__all__ = ["DecoderLayer", "DeepseekV3", "DeepseekV4", "MLA", "MTPModule", "MoE", "model_class", "route"]
+def layer_runs(config) -> tuple:
+    """Where the decoder layers of a `ModelConfig`'s model are: its `models.stack.LayerRun`s, in
+    layer order (a layer's parameters are row r of the stack `run.locate(layer)` names)."""
+    return () if config.is_v4 else _v3_layer_runs(config)
+
+
+__all__ = ["DecoderLayer", "DeepseekV3", "DeepseekV4", "MLA", "MTPModule", "MoE", "layer_runs", "model_class", "route"]

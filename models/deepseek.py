@@ -15,6 +15,11 @@ drafting (k > 1) feeds the MTP its own output after `shared_head_norm`: the stat
 trains and serves these weights uses (docs/model-interface.md gives the sources;
 `tests/test_hf_parity.py` pins both against transformers' MTP layer). The embedding and LM head are
 the target's (shared, as DeepSeek specifies). `DeepseekV3` implements `models.interface.DecoderModel`.
+
+The decoder layers are two stacks (`models.stack`): `dense_layers`, the first
+`first_k_dense_replace` layers (a SwiGLU MLP), and `moe_layers`, the rest (MoE), each run as one
+`jax.lax.scan` over parameters stacked [n, ...] (`layer_runs` says which layers each holds;
+`layer(i)` gives layer i on its own). The caches stack all layers' pools [L, ...] in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits,
 from .mla import MLA
 from .moe import MoE
 from .rope import rope_angles
+from .stack import LayerRun, layer_slice, run_layers, stack_layers
+
+
+def layer_runs(config: ModelConfig) -> tuple[LayerRun, ...]:
+    """The stacks of a V3 / V3.2 decoder, in layer order: `dense_layers` (the first
+    first_k_dense_replace layers) and `moe_layers` (the rest), an empty one left out."""
+    dense = min(config.first_k_dense_replace, config.num_hidden_layers)
+    runs = (LayerRun("dense_layers", 0, 1, dense), LayerRun("moe_layers", dense, 1, config.num_hidden_layers - dense))
+    return tuple(run for run in runs if run.repeats)
 
 
 class DecoderLayer(nnx.Module):
@@ -46,7 +60,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(config, rngs=rngs, dtype=dtype) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype))
 
-    def __call__(self, x, cos, sin, cache: PagedCache, cache_layer: int, vis: Visibility, *, form, backend,
+    def __call__(self, x, cos, sin, cache: PagedCache, cache_layer, vis: Visibility, *, form, backend,
                  window_invariant: bool = False):
         each = functools.partial(per_position, enabled=window_invariant)
         attn, cache = self.self_attn(each(self.input_layernorm, x), cos, sin, cache, cache_layer, vis,
@@ -90,8 +104,9 @@ class DeepseekV3(nnx.Module):
         self.config = config
         self.dtype = compute_dtype(dtype)
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, rngs=rngs, dtype=self.dtype)
-        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, dtype=dtype)
-                                for i in range(config.num_hidden_layers)])
+        for run in layer_runs(config):
+            setattr(self, run.name, stack_layers(
+                lambda rngs, start=run.start: DecoderLayer(config, start, rngs=rngs, dtype=dtype), run.repeats, rngs))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=self.dtype,
                               names=("embed", "vocab"))
@@ -133,6 +148,20 @@ class DeepseekV3(nnx.Module):
             return width * heads * capacity * f32
         return prompt_len * heads * capacity * f32 + capacity * heads * (c.qk_nope_head_dim + c.v_head_dim) * f32
 
+    # -- layers ---------------------------------------------------------------------------------
+
+    @property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """Where each decoder layer's parameters are: `layer_runs(config)`."""
+        return layer_runs(self.config)
+
+    def layer(self, index: int) -> DecoderLayer:
+        """Decoder layer `index` on its own (its rows of the stacked parameters), for inspection."""
+        if not 0 <= index < self.config.num_hidden_layers:
+            raise ValueError(f"index={index}: must be in [0, num_hidden_layers={self.config.num_hidden_layers})")
+        run = next(run for run in self.layer_runs if run.start <= index < run.stop)
+        return layer_slice(getattr(self, run.name), index - run.start)
+
     # -- forward passes -------------------------------------------------------------------------
 
     def _head(self, norm: RMSNorm, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -140,8 +169,8 @@ class DeepseekV3(nnx.Module):
         return head_logits(norm, self.lm_head, x)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: PagedCache, vis: Visibility, *,
-                 form: str = "absorbed", backend: str = "auto",
-                 window_invariant: bool = False) -> tuple[jax.Array, jax.Array, PagedCache]:
+                 form: str = "absorbed", backend: str = "auto", window_invariant: bool = False,
+                 unroll_layers: bool = False) -> tuple[jax.Array, jax.Array, PagedCache]:
         """Target forward over a window.
 
         tokens, positions [B, Q] int32; vis: the window's visibility (`jaxspec.pallas_kernels.Visibility`)
@@ -149,12 +178,18 @@ class DeepseekV3(nnx.Module):
         form: "expanded" (prefill over an empty cache: keys and values up-projected) or "absorbed"
         (attention in the latent space, as cached steps run it). window_invariant: every token's
         logits and hidden state are bit-identical to what the same token gets alone in a [B, 1]
-        call on the same cache (`DecodeConfig.window_invariant`; absorbed form only).
+        call on the same cache (`DecodeConfig.window_invariant`; absorbed form only). unroll_layers:
+        run the layer stacks as python loops instead of scans (the same parameters and results; a
+        debugging switch, `DecodeConfig.unroll_layers`).
         """
         cos, sin = rope_angles(self.config, positions)
         x = self.embed_tokens(tokens).astype(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, cache, i, vis, form=form, backend=backend, window_invariant=window_invariant)
+        for run in self.layer_runs:
+            def body(layer, row, carry, start=run.start):
+                x, cache = carry
+                return layer(x, cos, sin, cache, start + row, vis, form=form, backend=backend,
+                             window_invariant=window_invariant)
+            x, cache = run_layers(getattr(self, run.name), body, (x, cache), unroll=unroll_layers)
         logits, hidden = per_position(functools.partial(self._head, self.norm), x, enabled=window_invariant)
         return logits, hidden, cache
 

@@ -171,8 +171,8 @@ class DeepseekV4(nnx.Module):
         return per_position(head, streams, enabled=window_invariant)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: V4Cache, vis: Visibility, *,
-                 form: str = "absorbed", backend: str = "auto",
-                 window_invariant: bool = False) -> tuple[jax.Array, jax.Array, V4Cache]:
+                 form: str = "absorbed", backend: str = "auto", window_invariant: bool = False,
+                 unroll_layers: bool = False) -> tuple[jax.Array, jax.Array, V4Cache]:
         """Target forward over a window.
 
         tokens, positions [B, Q] int32; vis: the window's visibility -> logits [B, Q, V] float32,

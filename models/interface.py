@@ -91,12 +91,13 @@ class DecoderModel(Protocol):
     mtp: Any  # the draft (MTP) module, or None: the model cannot draft
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: DecodeCache, vis: Visibility, *,
-                 form: str = "absorbed", backend: str = "auto",
-                 window_invariant: bool = False) -> tuple[jax.Array, jax.Array, DecodeCache]:
+                 form: str = "absorbed", backend: str = "auto", window_invariant: bool = False,
+                 unroll_layers: bool = False) -> tuple[jax.Array, jax.Array, DecodeCache]:
         """Target call: tokens, positions [B, Q] int32 -> logits [B, Q, V] float32, hidden [B, Q, H]
         (what `draft` reads, H = `hidden_width`), the updated cache. form: "expanded" (a prefill
         over an empty cache) or "absorbed"; window_invariant: every token's outputs equal a
-        [B, 1] call's bit for bit."""
+        [B, 1] call's bit for bit; unroll_layers: the layers as a python loop rather than a
+        scan (a family without layer stacks ignores it)."""
 
     def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: DecodeCache,
               vis: Visibility, *, form: str = "absorbed",

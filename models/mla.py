@@ -89,10 +89,11 @@ class MLA(nnx.Module):
         w = self.kv_b_proj.dense_weight().reshape(c.kv_lora_rank, -1, c.qk_nope_head_dim + c.v_head_dim)
         return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: PagedCache, layer: int,
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: PagedCache, layer,
                  vis: Visibility, *, form: str, backend: str,
                  window_invariant: bool = False) -> tuple[jax.Array, PagedCache]:
         """x [B, Q, D], cos/sin [B, Q, Dr/2] -> (out [B, Q, D], cache with the window's entries written).
+        layer: this layer's index in the cache's stacked pools (an int, or the scan's traced int32).
 
         window_invariant (absorbed form only): compute each token as if it were alone in its call
         (`per_position` for the token-local projections, `_attend_alone` for attention, or, on the
@@ -119,20 +120,20 @@ class MLA(nnx.Module):
         else:
             indices = None
             if self.indexer is not None:
-                indices = self.indexer.select(x, q_latent, cos, sin, cache.index_keys[layer], cache.page_table, vis,
+                indices = self.indexer.select(x, q_latent, cos, sin, *cache.layer_pages(cache.index_keys, layer), vis,
                                               backend=backend)
-            latent_cache = cache.latent[layer]
+            latent_cache, page_table = cache.layer_pages(cache.latent, layer)
             if form == "absorbed":
                 q_absorbed = absorb_query(q_nope, w_uk)
                 if indices is None:
-                    out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, vis,
+                    out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, page_table, vis,
                                                   softmax_scale=c.softmax_scale, backend=backend)
                 else:
-                    out_latent, _ = sparse_mla_attention(q_absorbed, q_rope, latent_cache, cache.page_table, indices,
+                    out_latent, _ = sparse_mla_attention(q_absorbed, q_rope, latent_cache, page_table, indices,
                                                          softmax_scale=c.softmax_scale, backend=backend)
                 out = jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
             else:
-                out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, cache.page_table), vis, indices,
+                out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, page_table), vis, indices,
                                      w_uk, w_uv)
         out = each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,))), out)
         par = current()
@@ -159,7 +160,7 @@ class MLA(nnx.Module):
         index_key = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
         return q_latent, q[..., :c.qk_nope_head_dim], q_rope, jnp.concatenate([latent, k_rope], axis=-1), index_key
 
-    def _attend_alone(self, q_nope, q_rope, index_queries, cache: PagedCache, layer: int, vis: Visibility,
+    def _attend_alone(self, q_nope, q_rope, index_queries, cache: PagedCache, layer, vis: Visibility,
                       w_uk, w_uv) -> jax.Array:
         """Absorbed attention, each window token on its own: q_nope [B, Q, H, Dn], q_rope [B, Q, H, Dr],
         index_queries (q_idx [B, Q, Hi, Di], weights [B, Q, Hi]) or None -> [B, Q, H, Dv].
@@ -173,13 +174,14 @@ class MLA(nnx.Module):
         """
         c = self.config
         slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
+        latent_cache, page_table = cache.layer_pages(cache.latent, layer)
 
         def alone(q_nope, q_rope, index_queries, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
             visible = slots[:, 0]
-            kv = read_slots(cache.latent[layer], cache.page_table, visible)  # [B, S, R + Dr]
+            kv = read_slots(latent_cache, page_table, visible)  # [B, S, R + Dr]
             mask = visible >= 0
             if index_queries is not None:
-                keys = read_slots(cache.index_keys[layer], cache.page_table, visible)
+                keys = read_slots(*cache.layer_pages(cache.index_keys, layer), visible)
                 chosen = select_topk(score_keys(*index_queries, keys, mask[:, None]), c.index_topk)[:, 0]  # [B, K]
                 kv = jnp.take_along_axis(kv, jnp.maximum(chosen, 0)[..., None], axis=1)
                 mask = chosen >= 0
@@ -189,7 +191,7 @@ class MLA(nnx.Module):
 
         return per_position(alone, q_nope, q_rope, index_queries, slots)
 
-    def _attend_invariant_kernel(self, q_nope, q_rope, cache: PagedCache, layer: int, vis: Visibility, w_uk, w_uv,
+    def _attend_invariant_kernel(self, q_nope, q_rope, cache: PagedCache, layer, vis: Visibility, w_uk, w_uv,
                                  backend: str) -> jax.Array:
         """Window-invariant absorbed attention on the Mosaic GPU kernel: q_nope [B, Q, H, Dn],
         q_rope [B, Q, H, Dr] -> [B, Q, H, Dv], bit-identical to each token computed alone.
@@ -207,8 +209,9 @@ class MLA(nnx.Module):
         c = self.config
         each = functools.partial(per_position, enabled=True)
         q_absorbed = each(lambda q: absorb_query(q, w_uk), q_nope)
+        latent_cache, page_table = cache.layer_pages(cache.latent, layer)
         if vis.tree_mask is None:
-            out_latent, _ = mla_attention(q_absorbed, q_rope, cache.latent[layer], cache.page_table, vis,
+            out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, page_table, vis,
                                           softmax_scale=c.softmax_scale, backend=backend)
         else:
             slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
@@ -217,7 +220,7 @@ class MLA(nnx.Module):
 
             def alone(q_absorbed, q_rope, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
                 visible = slots[:, 0]
-                kv = read_slots(cache.latent[layer], cache.page_table, visible)  # [B, S, R + Dr], in order
+                kv = read_slots(latent_cache, page_table, visible)  # [B, S, R + Dr], in order
                 seen = jnp.sum(visible >= 0, axis=1, dtype=jnp.int32)
                 alone_vis = Visibility(jnp.maximum(seen - 1, 0), (seen > 0).astype(jnp.int32))
                 return mla_attention(q_absorbed, q_rope, kv.reshape(batch * pages, cache.page_size, -1), compact_table,

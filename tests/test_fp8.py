@@ -125,7 +125,7 @@ def test_fp8_model_equals_its_dequantized_twin_bit_for_bit(fp8_model_and_twin, b
     """The FP8 model and the same weights dequantized to bfloat16: prefill and a decode step give
     identical logits and hidden states (pallas: interpret mode)."""
     model, twin = fp8_model_and_twin
-    assert model.dtype == jnp.bfloat16 and model.layers[1].mlp.experts_up_proj.dtype == FP8
+    assert model.dtype == jnp.bfloat16 and model.layer(1).mlp.experts_up_proj.dtype == FP8
     assert model.lm_head.weight_scale_inv is None and model.mtp.eh_proj.weight_scale_inv is None
     for got, want in zip(prefill_then_decode(model, backend), prefill_then_decode(twin, backend)):
         assert np.isfinite(np.asarray(got, np.float32)).all()

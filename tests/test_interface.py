@@ -187,7 +187,8 @@ class ToyModel(nnx.Module):
         rows = jnp.arange(tokens.shape[0])[:, None]
         return cache.replace(tokens=cache.tokens.at[rows, slots].set(tokens, mode="drop"))
 
-    def __call__(self, tokens, positions, cache, vis, *, form="absorbed", backend="auto", window_invariant=False):
+    def __call__(self, tokens, positions, cache, vis, *, form="absorbed", backend="auto", window_invariant=False,
+                 unroll_layers=False):
         batch, width = tokens.shape
         q = jnp.arange(width)
         if vis.tree_mask is None:

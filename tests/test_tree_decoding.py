@@ -164,7 +164,8 @@ def visible_entries(cache: PagedCache, lengths: np.ndarray) -> list[np.ndarray]:
     """Every layer's latents, then indexer keys, at each row's slots [0, lengths[b]) (zeros past)."""
     slots = jnp.arange(cache.capacity)[None, :]
     slots = jnp.where(slots < jnp.asarray(lengths)[:, None], slots, -1)
-    return [np.asarray(read_slots(layer, cache.page_table, slots)) for layer in cache.latent + cache.index_keys]
+    return [np.asarray(read_slots(layer, cache.page_table, slots)) for pool in jax.tree.leaves((cache.latent, cache.index_keys))
+            for layer in pool]
 
 
 def recomputed_caches(model, sequences: list[list[int]], capacity: int) -> tuple[PagedCache, PagedCache]:

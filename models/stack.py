@@ -1,0 +1,105 @@
+"""Runs of identical decoder layers: parameters stacked `[n, ...]` and run as one `jax.lax.scan`.
+
+XLA compiles an unrolled layer loop once per layer, so a 61-layer decode step takes minutes to
+compile; a scan's body is compiled once, whatever the depth (MaxText's `scan_layers` does the same
+for DeepSeek). A run is `repeats` copies of a unit of `period` layers (V3: period 1, the dense
+prefix and the MoE layers; V4: the repeating pattern of its layer kinds). Its parameters are one
+module built under `nnx.vmap`, every array carrying a leading axis named `layers` (`LAYERS`, which
+`jaxspec.sharding` never splits), so a unit's r-th copy is row r of each.
+
+    stack = stack_layers(lambda rngs: DecoderLayer(config, 3, rngs=rngs), count, rngs)
+    carry = run_layers(stack, lambda layer, r, carry: layer(...), carry)       # one lax.scan
+    carry = run_layers(stack, ..., carry, unroll=True)                          # a python loop
+    layer = layer_slice(stack, 5)                                               # row 5, for inspection
+
+Unrolling indexes the same stacked parameters (nothing to convert): a switch for debugging and
+per-layer inspection, as MaxText keeps one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# The logical name of the stacked axis (`jaxspec.sharding` maps it to no mesh axis).
+LAYERS = "layers"
+
+Carry = TypeVar("Carry")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Layers [start, start + period * repeats) held by the model attribute `name`: a stack of
+    `repeats` units of `period` layers (period 1: the unit is the layer itself; period p > 1: the
+    unit is an `nnx.List` of p layers)."""
+
+    name: str
+    start: int
+    period: int
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def locate(self, layer: int) -> tuple[str, int]:
+        """Decoder layer `layer` (in [start, stop)) -> (the parameter path prefix of its unit's
+        module, e.g. "moe_layers." or "layer_groups.1.0.", the row of the stacked axis)."""
+        if not self.start <= layer < self.stop:
+            raise ValueError(f"layer={layer}: run {self.name!r} holds layers [{self.start}, {self.stop})")
+        offset = layer - self.start
+        sub = "" if self.period == 1 else f"{offset % self.period}."
+        return f"{self.name}.{sub}", offset // self.period
+
+
+def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], repeats: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`repeats` modules `make(rngs)`, each drawn from its own split of `rngs`, as one module whose
+    every parameter is stacked [repeats, ...] on an axis named `LAYERS`."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: a stack needs at least one layer")
+
+    @nnx.split_rngs(splits=repeats)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return build(rngs)
+
+
+def stack_depth(stack: nnx.Module) -> int:
+    """The number of units in `stack` (the leading size of its parameters)."""
+    return jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+
+def layer_slice(stack: nnx.Module, row) -> nnx.Module:
+    """Unit `row` of `stack` as a module of its own (row: an int or a traced int32 scalar); its
+    parameters are slices of the stack's (copies, outside a trace)."""
+    graphdef, state = nnx.split(stack)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[row], state))
+
+
+def run_layers(stack: nnx.Module, body: Callable[[nnx.Module, jax.Array, Carry], Carry], carry: Carry, *,
+               unroll: bool = False) -> Carry:
+    """carry = body(unit_r, r, carry) for r = 0 .. repeats - 1, in order; r is an int32 scalar.
+
+    As one `jax.lax.scan` over the stacked parameters (compiled once, whatever the depth), or with
+    `unroll` as a python loop over `layer_slice`s (one copy of the body per unit in the program).
+    The carry should hold what the units update (the residual stream, the caches): a cache in the
+    carry is updated in place, never copied, so a donated cache stays aliased through the scan.
+    """
+    graphdef, state = nnx.split(stack)
+    depth = stack_depth(stack)
+    if unroll:
+        for r in range(depth):
+            carry = body(nnx.merge(graphdef, jax.tree.map(lambda a: a[r], state)), jnp.int32(r), carry)
+        return carry
+
+    def step(carry, xs):
+        r, unit = xs
+        return body(nnx.merge(graphdef, unit), r, carry), None
+
+    return jax.lax.scan(step, carry, (jnp.arange(depth, dtype=jnp.int32), state))[0]
