@@ -2,7 +2,9 @@
 
 A mesh has the axes `MESH_AXES = ("data", "model")` (`make_mesh(data, model)`). Every `nnx.Param`
 of `jaxspec.models` carries logical axis names (`models.layers.param`: `vocab`, `embed`, `q_lora`,
-`kv_lora`, `heads`, `mlp`, `experts`, `expert_mlp`, `index_heads`, None = never sharded), and one
+`kv_lora`, `heads`, `mlp`, `experts`, `expert_mlp`, `index_heads`, None = never sharded; `layers`, the
+stacked axis of a run of decoder layers, `models.stack`, which every plan replicates: each device
+runs every layer), and one
 rule table per plan (`RULES`) maps those names to mesh axes, through flax's own logical-axis
 machinery (`nnx.logical_axis_rules` + `nnx.get_partition_spec`). Plans (`PLANS`):
 
@@ -55,7 +57,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "model")
 PLANS = ("dp", "tp")
 DEFAULT_PLAN = "dp"
-LOGICAL_AXES = ("vocab", "embed", "q_lora", "kv_lora", "heads", "mlp", "experts", "expert_mlp", "index_heads")
+LOGICAL_AXES = ("layers", "vocab", "embed", "q_lora", "kv_lora", "heads", "mlp", "experts", "expert_mlp",
+                "index_heads")
 
 _REPLICATED = {name: None for name in LOGICAL_AXES}
 # Logical name -> mesh axes, per plan. Every name is listed (None = replicated): flax leaves a name
