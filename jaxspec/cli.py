@@ -4,7 +4,7 @@
 
     jaxspec aot --target h100|h200 [--devices N] (--preset NAME | --config config.json)
                 --batch B --context C [--mtp K | --tree SPEC] [--phase prefill|decode] [--layers L]
-                [--prefill-chunk C]
+                [--prefill-chunk C] [--unroll-layers]
 
 `aot` compiles the model's prefill or one decode step for an NVIDIA GPU target without a GPU
 (`jaxspec.aot`) and prints per-device memory, flops and bytes (XLA ops plus the Pallas kernels'),
@@ -88,7 +88,8 @@ def aot(args: argparse.Namespace) -> None:
     config = preset(args.preset) if args.config is None else ModelConfig.from_hf(args.config)
     if args.layers is not None:
         config = reduced_depth(config, args.layers)
-    decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend, prefill_chunk=args.prefill_chunk)
+    decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend, prefill_chunk=args.prefill_chunk,
+                          unroll_layers=args.unroll_layers)
     memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
     devices = instrument.gpu_devices(args.target, args.devices, hosts=args.hosts, **memory)
     with progress.elapsed(f"compiling the {args.phase} for {args.devices} x {args.target}"):
@@ -99,7 +100,8 @@ def aot(args: argparse.Namespace) -> None:
     mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
              f"{drafting}, batch {args.batch}, context {args.context}"
-             f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}, backend {args.backend}; "
+             f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}, backend {args.backend}"
+             f"{', layers unrolled' if args.unroll_layers else ''}; "
              f"{args.devices} x {devices[0].device_kind}{f' on {args.hosts} hosts' if args.hosts > 1 else ''}{mesh}")
     print(instrument.report(compiled, title))
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                             help="kernels: Triton (pallas), Mosaic GPU where an op has one (mosaic), or the references")
     aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
     aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
+    aot_parser.add_argument("--unroll-layers", action="store_true",
+                            help="compile the decoder layers unrolled instead of as scans (DecodeConfig.unroll_layers)")
     aot_parser.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
                             help="compile generate's sharded programs for a DATA x MODEL mesh of the --devices "
                                  "(jaxspec.sharding; default: one device, nothing sharded)")

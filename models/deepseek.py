@@ -182,6 +182,9 @@ class DeepseekV3(nnx.Module):
         run the layer stacks as python loops instead of scans (the same parameters and results; a
         debugging switch, `DecodeConfig.unroll_layers`).
         """
+        if cache.num_layers != self.config.num_hidden_layers:
+            raise ValueError(f"cache: holds {cache.num_layers} layers, the model has {self.config.num_hidden_layers} "
+                             "(build it with this model's init_cache)")
         cos, sin = rope_angles(self.config, positions)
         x = self.embed_tokens(tokens).astype(self.dtype)
         for run in self.layer_runs:

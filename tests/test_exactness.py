@@ -43,12 +43,15 @@ def shipped_front(dtype) -> DeepseekV3:
     layer it has) with its own embedding, final norm and head, in `dtype`. Window invariance is a
     property of each layer's ops at their shapes: a layer that maps the same inputs to the same
     bits in a window and alone does so whatever follows it, and the other ten layers repeat the
-    second. Two layers compile in a fraction of twelve's time."""
+    second. Two layers compile in a fraction of twelve's time. A stacked parameter keeps its first
+    rows (the stacks' first layers)."""
     full = restore_model(DEFAULT_CHECKPOINT, dtype=dtype)
     front = nnx.eval_shape(lambda: DeepseekV3(reduced_depth(full.config, 2), rngs=nnx.Rngs(0), dtype=dtype))
     graph, state = nnx.split(front)
     values = dict(nnx.to_flat_state(nnx.state(full)))
-    return nnx.merge(graph, nnx.from_flat_state({path: values[path] for path, _ in nnx.to_flat_state(state)}))
+    return nnx.merge(graph, nnx.from_flat_state({path: values[path].replace(values[path][...][:v.shape[0]])
+                                                 if values[path].shape != v.shape else values[path]
+                                                 for path, v in nnx.to_flat_state(state)}))
 
 
 @functools.lru_cache(maxsize=None)
