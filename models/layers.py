@@ -13,6 +13,8 @@ from flax import nnx
 from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
 from jaxspec.pallas_kernels.block_fp8 import FP8, dequantize, quantize
 
+from .stack import StackRow, in_place
+
 
 def compute_dtype(dtype):
     """The dtype of activations, caches and unquantized parameters of a model built with `dtype`:
@@ -69,11 +71,19 @@ class Linear(nnx.Module):
         return dequantize(self.weight[...], self.weight_scale_inv[...])
 
     def __call__(self, x: jax.Array, *, backend: str = "auto") -> jax.Array:
-        """x [..., in] -> [..., out]. backend: how a quantized layer multiplies (class docstring)."""
-        if self.weight_scale_inv is not None and resolve_backend(backend) == "pallas":
+        """x [..., in] -> [..., out]. backend: how a quantized layer multiplies (class docstring).
+
+        A layer of a stack (`models.stack`: its weight a `StackRow`) multiplies on the GPU backends
+        through the grouped-matmul kernel too, as one group read in place, when its weight has x's
+        16-bit dtype: XLA's gemms would read the row only after copying it out of the stack."""
+        weight = self.weight.get_value()
+        stacked = isinstance(weight, StackRow) and weight.dtype == x.dtype and jnp.dtype(x.dtype).itemsize == 2
+        if (self.weight_scale_inv is not None or stacked) and resolve_backend(backend) == "pallas":
             rows = x.reshape(-1, x.shape[-1])
-            y = grouped_matmul(rows, self.weight[...][None], jnp.full((1,), rows.shape[0], jnp.int32),
-                               self.weight_scale_inv[...][None], backend="pallas").reshape(*x.shape[:-1], -1)
+            stack, row = in_place(weight)
+            scales = None if self.weight_scale_inv is None else in_place(self.weight_scale_inv.get_value())[0][:, None]
+            y = grouped_matmul(rows, stack[:, None], jnp.full((1,), rows.shape[0], jnp.int32), scales, rhs_row=row,
+                               backend="pallas").reshape(*x.shape[:-1], -1)
         else:
             y = x @ self.dense_weight().astype(x.dtype)
         if self.bias is not None:

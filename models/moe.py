@@ -64,6 +64,7 @@ from jaxspec.pallas_kernels.block_fp8 import dequantize
 from jaxspec.sharding import Parallel, current
 
 from .layers import MLP, param, swiglu, weight_params
+from .stack import in_place
 
 
 def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None, *,
@@ -206,10 +207,13 @@ class MoE(nnx.Module):
         out = jax.lax.map(lambda chunk: self._routed(*chunk, par, backend, path), (split(tokens), split(experts)))
         return out.reshape(chunks * EP_CHUNK_TOKENS, *out.shape[2:])[:num_tokens]
 
-    def _stack(self, proj: str) -> tuple[jax.Array, jax.Array | None]:
-        """experts_{proj} [E, in, out] and its FP8 block scales [E, ceil(in / 128), ceil(out / 128)] (or None)."""
+    def _stack(self, proj: str) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """experts_{proj} and its FP8 block scales (or None) as stacks of layers, with this layer's
+        row: ([n, E, in, out], [n, E, ceil(in / 128), ceil(out / 128)] or None, row); n = 1 outside
+        a layer stack (`models.stack.in_place`: the experts are read where they lie, never sliced)."""
+        stack, row = in_place(getattr(self, f"experts_{proj}").get_value())
         scale_inv = getattr(self, f"experts_{proj}_scale_inv")
-        return getattr(self, f"experts_{proj}")[...], None if scale_inv is None else scale_inv[...]
+        return stack, None if scale_inv is None else in_place(scale_inv.get_value())[0], row
 
     def _first_expert(self, par: Parallel) -> tuple[jax.Array, int]:
         """Under expert parallelism: the global index of this device's first expert, and how many it holds."""
@@ -225,8 +229,10 @@ class MoE(nnx.Module):
             mine = (experts >= first) & (experts < first + held)
             experts = jnp.clip(experts - first, 0, held - 1)
         def w(proj):  # each assignment's expert matrix [T, k, in, out]; FP8 gathered, then dequantized
-            stack, scale_inv = self._stack(proj)
-            chosen = stack[experts] if scale_inv is None else dequantize(stack[experts], scale_inv[experts])
+            stack, scale_inv, row = self._stack(proj)
+            chosen = stack[row, experts]
+            if scale_inv is not None:
+                chosen = dequantize(chosen, scale_inv[row, experts])
             return chosen.astype(tokens.dtype)
 
         gate = jnp.einsum("td,tkdh->tkh", tokens, w("gate_proj"))
@@ -254,9 +260,9 @@ class MoE(nnx.Module):
         sorted_in = tokens[run // topk]
         dtype = tokens.dtype
         def matmul(lhs, proj):  # an FP8 stack goes to the op as it is, with its scales
-            stack, scale_inv = self._stack(proj)
+            stack, scale_inv, row = self._stack(proj)
             return grouped_matmul(lhs, stack if scale_inv is not None else stack.astype(dtype), group_sizes,
-                                  scale_inv, backend=backend)
+                                  scale_inv, rhs_row=row, backend=backend)
 
         hidden = swiglu(matmul(sorted_in, "gate_proj"), matmul(sorted_in, "up_proj"), self.config.swiglu_limit)
         down = matmul(hidden, "down_proj")

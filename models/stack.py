@@ -14,6 +14,16 @@ module built under `nnx.vmap`, every array carrying a leading axis named `layers
 
 Unrolling indexes the same stacked parameters (nothing to convert): a switch for debugging and
 per-layer inspection, as MaxText keeps one.
+
+Inside `run_layers` a unit's parameters are `StackRow`s: the whole stack and the row, not a slice.
+Why: XLA's GPU compiler copies a dynamic slice of a loop's operand before a gemm or a custom call
+reads it (measured on the deviceless H100 compile of V3.2: a 7 GiB temporary for one layer's routed
+experts, and one layer's dense weights in every call), so a scan that sliced its parameters would
+read every weight twice and hold a layer's experts twice. Indexing a `StackRow` (`param[...]`)
+still reads the row that way, which is right for small parameters and for the pure-jnp references;
+the ops that read most of the bytes (`pallas_kernels.grouped_matmul`, for the routed experts and,
+on the GPU backends, for `models.layers.Linear`) take the stack and the row (`in_place`) and read
+the row where it lies.
 """
 
 from __future__ import annotations
@@ -56,6 +66,40 @@ class LayerRun:
         return f"{self.name}.{sub}", offset // self.period
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackRow:
+    """Row `row` (an int32 scalar, traced inside a scan) of a stacked parameter `stack` [n, ...]:
+    the value a layer's parameter holds inside `run_layers`. It reads like the row itself (`shape`,
+    `dtype`, `param[...]`); `in_place` gives ops that can address the stack the stack and the row."""
+
+    stack: jax.Array
+    row: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.stack.ndim - 1
+
+    def __getitem__(self, index):
+        return jax.lax.dynamic_index_in_dim(self.stack, self.row, axis=0, keepdims=False)[index]
+
+
+def in_place(value) -> tuple[jax.Array, jax.Array]:
+    """A parameter's value -> (a stack [n, ...], the row of it that is the value): a `StackRow`'s
+    own, or (value[None], 0) for a plain array (a layer outside any stack, such as the MTP block)."""
+    if isinstance(value, StackRow):
+        return value.stack, value.row
+    return value[None], jnp.zeros((), jnp.int32)
+
+
 def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], repeats: int, rngs: nnx.Rngs) -> nnx.Module:
     """`repeats` modules `make(rngs)`, each drawn from its own split of `rngs`, as one module whose
     every parameter is stacked [repeats, ...] on an axis named `LAYERS`."""
@@ -93,13 +137,16 @@ def run_layers(stack: nnx.Module, body: Callable[[nnx.Module, jax.Array, Carry],
     """
     graphdef, state = nnx.split(stack)
     depth = stack_depth(stack)
+
+    def unit(r: jax.Array) -> nnx.Module:  # the unit's parameters as `StackRow`s of the whole stacks
+        return nnx.merge(graphdef, jax.tree.map(lambda a: StackRow(a, r), state))
+
     if unroll:
         for r in range(depth):
-            carry = body(nnx.merge(graphdef, jax.tree.map(lambda a: a[r], state)), jnp.int32(r), carry)
+            carry = body(unit(jnp.int32(r)), jnp.int32(r), carry)
         return carry
 
-    def step(carry, xs):
-        r, unit = xs
-        return body(nnx.merge(graphdef, unit), r, carry), None
+    def step(carry, r):
+        return body(unit(r), r, carry), None
 
-    return jax.lax.scan(step, carry, (jnp.arange(depth, dtype=jnp.int32), state))[0]
+    return jax.lax.scan(step, carry, jnp.arange(depth, dtype=jnp.int32))[0]

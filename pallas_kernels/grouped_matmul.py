@@ -37,20 +37,33 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale_inv: jax.Array | None = None,
-                   *, backend: str = "auto") -> jax.Array:
+                   *, rhs_row: jax.Array | None = None, backend: str = "auto") -> jax.Array:
     """Multiply each group of rows by its group's matrix.
 
     Args:
       lhs: [M, K] rows sorted by group; rhs: [G, K, N] one matrix per group, float or float8_e4m3fn.
       group_sizes: [G] integer rows per group, summing to at most M (rows past the sum are zero).
       rhs_scale_inv: None, or with an FP8 rhs its float32 block scales [G, ceil(K / 128), ceil(N / 128)].
+      rhs_row: None, or an int32 scalar r in [0, n): rhs is then a stack [n, G, K, N] (and
+        rhs_scale_inv [n, G, ...]) of which the groups' matrices are row r, as a layer inside a
+        scan holds its weights (`models.stack.StackRow`). The kernel reads row r where it lies in
+        the stack: slicing it out first would make XLA copy it (all of a layer's experts).
       backend: "xla" (`jax.lax.ragged_dot`), "pallas" or "auto".
 
     Returns:
       [M, N] in the promoted dtype of lhs and rhs (lhs's dtype for an FP8 rhs, whose values are bfloat16).
     """
-    check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
+    if rhs_row is not None:
+        if rhs.ndim != 4 or (rhs_scale_inv is not None and rhs_scale_inv.ndim != 4):
+            raise ValueError(f"rhs: with rhs_row, must be a stack [n, G, K, N] (and rhs_scale_inv [n, G, ...]), "
+                             f"got shape {rhs.shape}")
+        if resolve_backend(backend) != "pallas":  # the reference reads the row as a plain value
+            row = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, rhs_row, keepdims=False)
+            return grouped_matmul(lhs, row(rhs), group_sizes, row(rhs_scale_inv), backend="xla")
+        check_grouped_matmul_args(lhs, rhs[0], group_sizes, None if rhs_scale_inv is None else rhs_scale_inv[0])
+    else:
+        check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     if resolve_backend(backend) == "pallas":
         from .grouped_matmul_pallas import grouped_matmul_pallas
-        return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, interpret=interpret_mode())
+        return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, interpret=interpret_mode())
     return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale_inv)

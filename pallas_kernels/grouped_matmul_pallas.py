@@ -72,16 +72,19 @@ def num_work_items(num_rows: int, num_groups: int) -> int:
     return num_rows // BLOCK_M + min(num_groups, num_rows)
 
 
-def work_items(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def work_items(group_sizes: jax.Array, num_rows: int, groups_with_rows: int | None = None
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """group_sizes [G] -> (group [W], first row [W], end row [W]) int32 of the row tiles, in group
     order; items past the real tile count (and anything `group_sizes` summing past num_rows would
-    put out of bounds) have first row == end row: no rows."""
+    put out of bounds) have first row == end row: no rows. groups_with_rows: the most groups that
+    can have rows (default G; a stack's row r: the G of one row), which sizes W."""
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     num_groups = sizes.shape[0]
+    groups_with_rows = num_groups if groups_with_rows is None else groups_with_rows
     row_end = jnp.cumsum(sizes)
     tiles = (sizes + BLOCK_M - 1) // BLOCK_M
     tile_end = jnp.cumsum(tiles)
-    item = jnp.arange(num_work_items(num_rows, num_groups), dtype=jnp.int32)
+    item = jnp.arange(num_work_items(num_rows, groups_with_rows), dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(tile_end, item, side="right"), num_groups - 1).astype(jnp.int32)
     first_tile = tile_end[group] - tiles[group]
     start = row_end[group] - sizes[group] + (item - first_tile) * BLOCK_M
@@ -162,8 +165,9 @@ def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: 
 
 
 def grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv=None) -> pl.CostEstimate:
-    """The launch's cost from the static shapes (what it counts: the module docstring)."""
-    (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape
+    """The launch's cost from the static shapes (what it counts: the module docstring). rhs:
+    [G, K, N], the groups one call multiplies by (one row of a stack)."""
+    (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape[-3:]
     table_bytes = 3 * 4 * num_work_items(num_rows, num_groups)
     per_group = depth * width * rhs.dtype.itemsize
     if rhs_scale_inv is not None:
@@ -176,24 +180,36 @@ def grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv=None) -> pl.CostEstim
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                          rhs_scale_inv: jax.Array | None = None, *, interpret: bool | None = None) -> jax.Array:
+                          rhs_scale_inv: jax.Array | None = None, rhs_row: jax.Array | None = None, *,
+                          interpret: bool | None = None) -> jax.Array:
     """`grouped_matmul_reference` as a Pallas kernel.
 
     lhs [M, K] sorted by group, rhs [G, K, N] (float, or float8_e4m3fn with rhs_scale_inv
     [G, ceil(K / 128), ceil(N / 128)] float32), group_sizes [G] (sum <= M) -> [M, N] in the
     promoted dtype (lhs's for FP8), float32 accumulation; rows past sum(group_sizes) are zero.
-    interpret None = interpret mode off a GPU.
+    rhs_row: None, or r with rhs a stack [n, G, K, N] (rhs_scale_inv [n, G, ...]) whose row r
+    holds the groups: the kernel sees the stack as n * G groups, of which groups r * G .. r * G +
+    G - 1 have rows (group_sizes placed there, zeros elsewhere), so it reads only row r, where it
+    lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
     """
+    num_groups = group_sizes.shape[0]
+    if rhs_row is not None:  # the stack as n * G groups, all but row r's empty
+        rhs = rhs.reshape(-1, *rhs.shape[2:])
+        rhs_scale_inv = None if rhs_scale_inv is None else rhs_scale_inv.reshape(-1, *rhs_scale_inv.shape[2:])
+        group_sizes = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape[:1], group_sizes.dtype), group_sizes,
+                                                   (rhs_row * num_groups,))
     check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
-    (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape
+    (num_rows, depth), (stacked_groups, _, width) = lhs.shape, rhs.shape
     out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
-    group, start, end = work_items(group_sizes, num_rows)
+    group, start, end = work_items(group_sizes, num_rows, num_groups)
     column_blocks = pl.cdiv(width, BLOCK_N)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width)
+    cost = grouped_matmul_cost(lhs, rhs[:num_groups], out_dtype,
+                               None if rhs_scale_inv is None else rhs_scale_inv[:num_groups])
     out = launch(kernel, out_shape=jax.ShapeDtypeStruct((num_rows + BLOCK_M, column_blocks * BLOCK_N), out_dtype),
                  grid=(group.shape[0], column_blocks), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                 name="grouped_matmul", interpret=interpret, cost=grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv))(
-        lhs, rhs.reshape(num_groups * depth, width), group, start, end,
+                 name="grouped_matmul", interpret=interpret, cost=cost)(
+        lhs, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
     # No program writes the rows past sum(group_sizes): they are defined as zero.
     covered = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes, 0))
