@@ -125,10 +125,11 @@ def test_collectives_of_a_two_device_program(h100):
 
 @pytest.mark.slow
 def test_reduced_depth_v32_decode_step_aliases_its_caches(h100):
-    """Real widths, 2 layers (one dense, one MoE) plus the MTP block, MTP chain k = 3, B = 32,
-    4096 tokens of context: the compiled step updates its caches in place (donated, aliased), and
-    its temporaries hold activations, not expert weights."""
-    config = reduced_depth(V32, 2)
+    """Real widths, 3 layers (one dense, then a stack of two MoE layers run as a scan) plus the MTP
+    block, MTP chain k = 3, B = 32, 4096 tokens of context: the compiled step updates its stacked
+    caches in place (donated, aliased, through the scan), and its temporaries hold activations, not
+    expert weights (a scan that sliced a layer's experts out of the stack would copy all of them)."""
+    config = V32.replace(num_hidden_layers=3, first_k_dense_replace=1)
     compiled = compile_model(config, DecodeConfig(num_draft=3, backend="pallas"), phase="decode", batch=BATCH,
                              context=CONTEXT, devices=h100)
     mem = aot.memory(compiled)
