@@ -11,8 +11,9 @@ GIB = 2 ** 30
 
 
 def report(compiled: GpuCompiled, title: str) -> str:
-    """Per-device memory, flops and bytes (XLA ops plus the Pallas kernels' own), collectives,
-    each Pallas kernel's launch resources (identical launches counted once, with how many) and
+    """Per-device memory, flops and bytes (XLA ops plus the Pallas kernels' own, loops' bodies
+    counted as often as they run: `program_cost`), collectives (as often as they run), each Pallas
+    kernel's launch resources (identical launches counted once, with how many) and
     the compile time, as text."""
     mem, cost = memory(compiled), program_cost(compiled)
     lines = [title, f"compile time {compiled.compile_seconds:.1f} s",
@@ -21,6 +22,9 @@ def report(compiled: GpuCompiled, title: str) -> str:
              f"flops {cost.flops:.3e} (XLA ops {cost.xla_flops:.3e}, Pallas kernels {cost.kernel_flops:.3e})",
              f"bytes accessed {cost.bytes_accessed:.3e} (XLA ops {cost.xla_bytes:.3e}, "
              f"Pallas kernels {cost.kernel_bytes:.3e})"]
+    if cost.loops_counted_once:
+        lines.append(f"{cost.loops_counted_once} while loop(s) of a trip count XLA does not know: each body counted "
+                     "once (the flops and bytes above are per iteration of them)")
     if cost.rematerialized:
         lines.append(f"rematerialized: {cost.rematerialized} instructions recomputed to fit the device's memory "
                      "(counted above; gpu_devices(device_memory=) costs the program without them)")
@@ -31,8 +35,8 @@ def report(compiled: GpuCompiled, title: str) -> str:
         totals = Counter()
         counts = Counter()
         for c in found:
-            totals[c.op] += c.bytes
-            counts[c.op] += 1
+            totals[c.op] += c.bytes * c.runs
+            counts[c.op] += c.runs
         lines.append("collectives: " + ", ".join(f"{counts[op]} x {op} ({totals[op] / GIB:.3f} GiB)" for op in sorted(counts)))
     else:
         lines.append("collectives: none")
