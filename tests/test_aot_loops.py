@@ -13,6 +13,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxspec import aot
+from jaxspec.aot import hlo_loops
 from jaxspec.aot.analysis import _cost_analysis
 from jaxspec.pallas_kernels.tiling import launch
 
@@ -93,12 +94,18 @@ def _scale_and_shift(x):
                   name="scale_and_shift", interpret=False, cost=KERNEL_COST)(x)
 
 
-@pytest.mark.parametrize("layers, chunks", [(5, 1), (3, 4)])
-def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, chunks):
+@pytest.mark.parametrize("layers, inner", [(5, None), (3, "map"), (3, "cond")])
+def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, inner):
+    """The kernel in a scan's body, in a lax.map (4 trips) inside it, or in a branch of a lax.cond
+    inside it (a branch counts as often as its conditional)."""
+    chunks = 4 if inner == "map" else 1
+
     def body(x, _):
-        if chunks == 1:
-            return _scale_and_shift(x), None
-        return jax.lax.map(lambda i: _scale_and_shift(x + i), jnp.arange(chunks, dtype=jnp.float32)).sum(0), None
+        if inner == "map":
+            return jax.lax.map(lambda i: _scale_and_shift(x + i), jnp.arange(chunks, dtype=jnp.float32)).sum(0), None
+        if inner == "cond":
+            return jax.lax.cond(x[0, 0] > 0, _scale_and_shift, jnp.negative, x), None
+        return _scale_and_shift(x), None
 
     compiled = aot.compile_gpu(lambda x: jax.lax.scan(body, x, length=layers)[0], Spec(BLOCK, jnp.float32),
                                devices=h100)
@@ -123,3 +130,34 @@ def test_a_loop_of_unknown_trip_count_counts_once_and_says_so(h100):
     assert [call.runs for call in aot.pallas_calls(compiled)] == [1]
     assert cost.kernel_flops == KERNEL_COST.flops
     assert "per iteration" in aot.report(compiled, "doubling")
+
+
+HLO = """HloModule m
+
+%body (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  ROOT %t = (s32[]) tuple(%p), control-predecessors={%p}
+}
+
+%cond (p: (s32[])) -> pred[] {
+  %p = (s32[]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[])) -> (s32[]) {
+  %a = (s32[]) parameter(0)
+  ROOT %w = (s32[]) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+}
+"""
+
+
+def test_the_loop_parser_reads_trip_counts_and_refuses_what_it_cannot_read():
+    module = hlo_loops.parse_module(HLO)
+    (loop,) = module.loops
+    assert (loop.computation, loop.body, loop.condition, loop.trip_count) == ("main", "body", "cond", 7)
+    assert hlo_loops.executions(module) == {"body": 7, "cond": 1, "main": 1}
+    assert "ENTRY %body" in hlo_loops.module_with_entry(module, "body")
+    with pytest.raises(RuntimeError, match="calls 'nowhere', which the module does not define"):
+        hlo_loops.parse_module(HLO.replace("body=%body", "body=%nowhere"))
+    with pytest.raises(RuntimeError, match="without an ENTRY"):
+        hlo_loops.parse_module(HLO.replace("ENTRY ", ""))
