@@ -116,6 +116,7 @@ def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, inner):
     assert cost.kernel_bytes == layers * chunks * KERNEL_COST.bytes_accessed
     assert not cost.uncounted
     assert aot.op_class_costs(compiled)["xla"][0] == cost.flops  # an unnamed kernel is an "xla" op
+    assert f"scale_and_shift {layers * chunks}" in aot.report(compiled, "scan")
 
 
 def test_a_loop_of_unknown_trip_count_counts_once_and_says_so(h100):

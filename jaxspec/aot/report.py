@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .analysis import collectives, kernel_launches, kernel_name, memory, program_cost
+from .analysis import collectives, kernel_launches, kernel_name, memory, pallas_calls, program_cost
 from .compile import GpuCompiled
 
 GIB = 2 ** 30
@@ -13,8 +13,9 @@ GIB = 2 ** 30
 def report(compiled: GpuCompiled, title: str) -> str:
     """Per-device memory, flops and bytes (XLA ops plus the Pallas kernels' own, loops' bodies
     counted as often as they run: `program_cost`), collectives (as often as they run), each Pallas
-    kernel's launch resources (identical launches counted once, with how many) and
-    the compile time, as text."""
+    kernel's launch resources (identical launch sites counted once, with how many; a site in a
+    loop's body launches once per trip, and how many times each kernel runs is listed when loops
+    make that differ) and the compile time, as text."""
     mem, cost = memory(compiled), program_cost(compiled)
     lines = [title, f"compile time {compiled.compile_seconds:.1f} s",
              f"memory per device: arguments {mem.argument / GIB:.2f} GiB, outputs {mem.output / GIB:.2f} GiB, "
@@ -43,8 +44,15 @@ def report(compiled: GpuCompiled, title: str) -> str:
     launches = Counter((kernel_name(k.name), k.grid, k.threads, k.shared_memory, k.registers, k.spill_stores,
                         k.spill_loads)
                        for k in kernel_launches(compiled))
-    lines.append(f"{'Pallas kernel':<24}{'launches':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}{'spills':>8}")
+    lines.append(f"{'Pallas kernel':<24}{'sites':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}{'spills':>8}")
     for (name, grid, threads, smem, registers, stores, loads), n in sorted(launches.items()):
         lines.append(f"{name:<24}{n:>9}  {'x'.join(map(str, grid)):<16}{threads[0] * threads[1] * threads[2]:>8}"
                      f"{smem:>9}{registers:>6}{stores + loads:>8}")
+    runs, sites = Counter(), Counter()
+    for call in pallas_calls(compiled):
+        runs[kernel_name(call.name)] += call.runs
+        sites[kernel_name(call.name)] += 1
+    if runs != sites:
+        lines.append("Pallas kernel runs per execution (loops' bodies as often as they run): "
+                     + ", ".join(f"{name} {n}" for name, n in sorted(runs.items())))
     return "\n".join(lines)
