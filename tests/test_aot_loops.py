@@ -81,6 +81,21 @@ def test_a_scanned_program_costs_what_its_unrolled_twin_costs(h100, looped, flat
     assert _close(jax.jit(looped).lower(*args).compile().cost_analysis()["flops"] * trips, expected.flops)
 
 
+def test_a_collective_in_a_scan_counts_once_per_trip(h100):
+    """Layers whose contraction is split over two devices reduce their partial sums in the loop's
+    body: as many bytes of collectives per step as the unrolled twin's, however XLA splits them."""
+    mesh = jax.sharding.Mesh(aot.gpu_devices("h100", 2), ("model",))
+    split = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    layers = 4
+    args = (Spec((layers, WIDTH, WIDTH), jnp.float32, sharding=split(None, "model", None)),
+            Spec((8, WIDTH), jnp.float32, sharding=split(None, "model")))
+    loop, twin = (aot.compile_gpu(fn, *args, devices=mesh.devices.tolist()) for fn in (scanned, unrolled))
+    found = aot.collectives(loop)
+    assert max(c.runs for c in found) == layers
+    assert sum(c.bytes * c.runs for c in found) == sum(c.bytes * c.runs for c in aot.collectives(twin))
+    assert _close(aot.program_cost(loop).flops, aot.program_cost(twin).flops)
+
+
 BLOCK = (16, 128)
 KERNEL_COST = pl.CostEstimate(flops=2 * BLOCK[0] * BLOCK[1], transcendentals=0, bytes_accessed=2 * 4 * BLOCK[0] * BLOCK[1])
 
