@@ -92,10 +92,10 @@ def _parsed(text: str) -> tuple[HloModuleText, dict[str, int]]:
     return module, executions(module)
 
 
-def _instructions(compiled):
-    """(line, runs) for each instruction of the optimized HLO, in module order: runs is how many
-    times the computation holding it runs in one execution of the program."""
-    module, runs = _parsed(_optimized_hlo(compiled))
+def _instructions(text: str):
+    """(line, runs) for each instruction of an optimized HLO module's text, in module order: runs
+    is how many times the computation holding it runs in one execution of the program."""
+    module, runs = _parsed(text)
     for name, lines in module.computations.items():
         for line in lines[1:-1]:
             yield line, runs[name]
@@ -103,8 +103,12 @@ def _instructions(compiled):
 
 def pallas_calls(compiled) -> list[PallasCall]:
     """The Pallas (Triton) kernel launches of a compiled program, in HLO order."""
+    return _pallas_calls(_optimized_hlo(compiled))
+
+
+def _pallas_calls(text: str) -> list[PallasCall]:
     calls = []
-    for line, runs in _instructions(compiled):
+    for line, runs in _instructions(text):
         if "custom-call(" not in line or not any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
             continue
         line = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
@@ -169,7 +173,7 @@ def _module_from_text(text: str):
     return parse(text)
 
 
-def _xla_cost(compiled) -> dict[str, float]:
+def _xla_cost(compiled, text: str) -> dict[str, float]:
     """XLA's cost of the optimized module with each loop of known trip count n counted n times.
 
     XLA's analysis of the module counts each body once, nested loops' bodies included, and gives
@@ -179,7 +183,7 @@ def _xla_cost(compiled) -> dict[str, float]:
     body's own cost holds the inner body once, as the module's does. (Costing the module once more
     with each body removed and taking differences would need a rewritten module per loop as well.)
     """
-    module, runs = _parsed(_optimized_hlo(compiled))
+    module, runs = _parsed(text)
     totals = _cost_analysis(compiled.runtime_executable().hlo_modules()[0])
     bodies = {}
     for loop in module.loops:
@@ -195,15 +199,16 @@ def _xla_cost(compiled) -> dict[str, float]:
 def program_cost(compiled) -> ProgramCost:
     """XLA's HLO cost analysis of the optimized module plus the Pallas kernels' own costs, each
     loop's body counted as many times as it runs where XLA knows its trip count."""
-    analysis = _xla_cost(compiled)
+    text = _optimized_hlo(compiled)
+    analysis = _xla_cost(compiled, text)
     targets = Counter()
-    for line, runs in _instructions(compiled):
+    for line, runs in _instructions(text):
         if (target := re.search(r'custom-call\(.*?custom_call_target="([^"]+)"', line)) is not None:
             targets[target.group(1)] += runs
     # XLA marks each custom call's flops and bytes "unknown" by adding -1 (per run, once loops are
     # counted): take those back out.
     unknown = sum(targets.values())
-    calls = pallas_calls(compiled)
+    calls = _pallas_calls(text)
     stated = [c for c in calls if c.flops is not None]
     uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS}
     if len(stated) < len(calls):
@@ -212,13 +217,12 @@ def program_cost(compiled) -> ProgramCost:
     kernel_bytes = sum(c.bytes_accessed * c.runs for c in stated)
     xla_flops = analysis["flops"] + unknown
     xla_bytes = analysis["bytes accessed"] + unknown
-    module, _ = _parsed(_optimized_hlo(compiled))
+    module, _ = _parsed(text)
     return ProgramCost(flops=xla_flops + kernel_flops,
                        transcendentals=analysis["transcendentals"] + sum(c.transcendentals * c.runs for c in stated),
                        bytes_accessed=xla_bytes + kernel_bytes, xla_flops=xla_flops, xla_bytes=xla_bytes,
                        kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, uncounted=uncounted,
-                       rematerialized=sum(1 for name in _INSTRUCTION_NAME.findall(_optimized_hlo(compiled))
-                                          if _REMAT.search(name)),
+                       rematerialized=sum(1 for name in _INSTRUCTION_NAME.findall(text) if _REMAT.search(name)),
                        loops_counted_once=sum(1 for loop in module.loops if loop.trip_count is None))
 
 
@@ -286,7 +290,7 @@ class Collective:
 def collectives(compiled) -> list[Collective]:
     """Every collective in the optimized HLO (async `-start` halves; `-done` halves skipped)."""
     found = []
-    for line, runs in _instructions(compiled):
+    for line, runs in _instructions(_optimized_hlo(compiled)):
         instruction = _INSTRUCTION.match(line)
         if instruction is None:
             continue
