@@ -129,7 +129,7 @@ def compiled_cost(compiled) -> DepthCost:
     split by op class), for projecting a program compiled directly (or on a real GPU)."""
     cost = aot.program_cost(compiled)
     return DepthCost(flops=cost.flops, bytes_accessed=cost.bytes_accessed, compile_seconds=0.0,
-                     collective_bytes=sum(c.bytes for c in aot.collectives(compiled)),
+                     collective_bytes=sum(c.bytes * c.runs for c in aot.collectives(compiled)),
                      by_class=aot.op_class_costs(compiled))
 
 

@@ -3,7 +3,9 @@
   * `memory`: XLA's buffer assignment per device (arguments, outputs, temporaries, aliased bytes);
   * `program_cost`: XLA's HLO cost analysis of the optimized module (run through the CPU client:
     the GPU path's `cost_analysis()` returns None without a GPU) plus the Pallas kernels' own
-    stated costs, which XLA counts as nothing (`jaxspec.pallas_kernels.cost`);
+    stated costs, which XLA counts as nothing (`jaxspec.pallas_kernels.cost`), with every while
+    loop's body counted as many times as it runs where XLA knows its trip count (`hlo_loops`;
+    XLA's analysis counts a body once) and once where it does not (`ProgramCost.loops_counted_once`);
   * `kernel_launches`: each Pallas kernel's grid, threads and shared memory from the dumped thunk
     sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
     dumped PTX;
@@ -16,6 +18,7 @@ small and fails loudly (an unreadable dump raises instead of reporting zeros).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import importlib.util
 import math
@@ -31,6 +34,7 @@ import jax
 from jaxspec.pallas_kernels.cost import read_cost_metadata
 
 from .compile import GpuCompiled
+from .hlo_loops import HloModuleText, executions, module_with_entry, parse_module
 
 # Custom-call targets of a Pallas kernel lowered through Triton: jaxlib <= 0.10.2 (metadata in
 # `serialized_metadata`) and later (metadata inside the zlib-compressed `opaque` kernel proto).
@@ -64,24 +68,47 @@ def _attribute(line: str, name: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PallasCall:
-    """One Pallas kernel launch in the optimized HLO: its name, result shape text, and stated cost
-    (None when the kernel states none)."""
+    """One Pallas kernel launch in the optimized HLO: its name, result shape text, stated cost of
+    one launch (None when the kernel states none), and how many times it runs in one execution of
+    the program (`runs`: the product of the known trip counts of the loops around it)."""
 
     name: str
     result: str
     flops: int | None
     transcendentals: int | None
     bytes_accessed: int | None
+    runs: int = 1
 
 
 def _optimized_hlo(compiled) -> str:
     return compiled.as_text()
 
 
+@functools.lru_cache(maxsize=2)
+def _parsed(text: str) -> tuple[HloModuleText, dict[str, int]]:
+    """The optimized module's computations and how many times each runs (parsed once per program:
+    `program_cost`, `pallas_calls` and `collectives` all need them)."""
+    module = parse_module(text)
+    return module, executions(module)
+
+
+def _instructions(text: str):
+    """(line, runs) for each instruction of an optimized HLO module's text, in module order: runs
+    is how many times the computation holding it runs in one execution of the program."""
+    module, runs = _parsed(text)
+    for name, lines in module.computations.items():
+        for line in lines[1:-1]:
+            yield line, runs[name]
+
+
 def pallas_calls(compiled) -> list[PallasCall]:
     """The Pallas (Triton) kernel launches of a compiled program, in HLO order."""
+    return _pallas_calls(_optimized_hlo(compiled))
+
+
+def _pallas_calls(text: str) -> list[PallasCall]:
     calls = []
-    for line in _optimized_hlo(compiled).splitlines():
+    for line, runs in _instructions(text):
         if "custom-call(" not in line or not any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
             continue
         line = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
@@ -96,15 +123,18 @@ def pallas_calls(compiled) -> list[PallasCall]:
         cost = None if metadata is None else read_cost_metadata(metadata)
         calls.append(PallasCall(name=_attribute(line, "name") or "?", result=match.group(2) if match else "",
                                 flops=cost and cost.flops, transcendentals=cost and cost.transcendentals,
-                                bytes_accessed=cost and cost.bytes_accessed))
+                                bytes_accessed=cost and cost.bytes_accessed, runs=runs))
     return calls
 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramCost:
-    """Flops and bytes of one execution of a compiled program (a while loop's body counted once,
-    as XLA's analysis counts it). `xla_*`: XLA's HLO cost analysis; `kernel_*`: the Pallas
-    kernels' stated costs; `uncounted`: custom calls nobody states a cost for (target -> count);
+    """Flops and bytes of one execution of a compiled program, every while loop's body counted as
+    many times as it runs where XLA knows the loop's trip count (a `lax.scan` over layers: every
+    layer). `loops_counted_once`: while loops whose trip count XLA does not know (a
+    `lax.while_loop` on data), whose bodies are counted once: the totals are then per iteration
+    of those loops. `xla_*`: XLA's HLO cost analysis; `kernel_*`: the Pallas kernels' stated
+    costs; `uncounted`: custom calls nobody states a cost for (target -> runs);
     `rematerialized`: instructions XLA recomputed to fit the device's memory (named `*.remat*`),
     whose flops and bytes are in the totals (see `gpu_devices(device_memory=)`)."""
 
@@ -117,33 +147,83 @@ class ProgramCost:
     kernel_bytes: float
     uncounted: dict[str, int]
     rematerialized: int
+    loops_counted_once: int = 0
 
 
-def program_cost(compiled) -> ProgramCost:
-    """XLA's HLO cost analysis of the optimized module plus the Pallas kernels' own costs."""
+_COSTS = ("flops", "transcendentals", "bytes accessed")
+
+
+def _cost_analysis(hlo_module) -> dict[str, float]:
+    """XLA's HLO cost analysis of `hlo_module` (an optimized module: a loop's body counted once)."""
     # Private but the only route: the public `cost_analysis()` of a deviceless GPU compile is None.
     from jax._src.lib import _jax
 
-    executable = compiled.runtime_executable()
-    analysis = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, executable.hlo_modules()[0])
+    analysis = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, hlo_module)
+    return {key: analysis.get(key, 0.0) for key in _COSTS}
+
+
+def _module_from_text(text: str):
+    """An HloModule parsed by XLA's own HLO parser (`jaxlib._hlo`, which `xla_client.hlo` names)."""
+    from jax._src.lib import xla_client
+
+    parse = getattr(getattr(xla_client, "hlo", None), "hlo_module_from_text", None)
+    if parse is None:
+        raise RuntimeError(f"jaxlib {jax.__version__}: xla_client.hlo.hlo_module_from_text is gone, so program_cost "
+                           "cannot cost a loop's body; jaxspec.aot.analysis needs another route to it")
+    return parse(text)
+
+
+def _xla_cost(compiled, text: str) -> dict[str, float]:
+    """XLA's cost of the optimized module with each loop of known trip count n counted n times.
+
+    XLA's analysis of the module counts each body once, nested loops' bodies included, and gives
+    module totals only. So each such body is costed alone, as the ENTRY of a module holding it and
+    what it calls, and added n - 1 more times per run of the computation holding the loop. Nested
+    loops come out right: an inner body's runs already include the outer trip count, and the outer
+    body's own cost holds the inner body once, as the module's does. (Costing the module once more
+    with each body removed and taking differences would need a rewritten module per loop as well.)
+    """
+    module, runs = _parsed(text)
+    totals = _cost_analysis(compiled.runtime_executable().hlo_modules()[0])
+    bodies = {}
+    for loop in module.loops:
+        if loop.trip_count is None or loop.trip_count == 1:
+            continue
+        if loop.body not in bodies:
+            bodies[loop.body] = _cost_analysis(_module_from_text(module_with_entry(module, loop.body)))
+        for key in _COSTS:
+            totals[key] += (loop.trip_count - 1) * runs[loop.computation] * bodies[loop.body][key]
+    return totals
+
+
+def program_cost(compiled) -> ProgramCost:
+    """XLA's HLO cost analysis of the optimized module plus the Pallas kernels' own costs, each
+    loop's body counted as many times as it runs where XLA knows its trip count."""
     text = _optimized_hlo(compiled)
-    targets = Counter(re.findall(r'custom-call\(.*?custom_call_target="([^"]+)"', text))
-    # XLA marks each custom call's flops and bytes "unknown" by adding -1: take those back out.
+    analysis = _xla_cost(compiled, text)
+    targets = Counter()
+    for line, runs in _instructions(text):
+        if (target := re.search(r'custom-call\(.*?custom_call_target="([^"]+)"', line)) is not None:
+            targets[target.group(1)] += runs
+    # XLA marks each custom call's flops and bytes "unknown" by adding -1 (per run, once loops are
+    # counted): take those back out.
     unknown = sum(targets.values())
-    calls = pallas_calls(compiled)
+    calls = _pallas_calls(text)
     stated = [c for c in calls if c.flops is not None]
     uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS}
     if len(stated) < len(calls):
-        uncounted["pallas kernels without a stated cost"] = len(calls) - len(stated)
-    kernel_flops = sum(c.flops for c in stated)
-    kernel_bytes = sum(c.bytes_accessed for c in stated)
-    xla_flops = analysis.get("flops", 0.0) + unknown
-    xla_bytes = analysis.get("bytes accessed", 0.0) + unknown
+        uncounted["pallas kernels without a stated cost"] = sum(c.runs for c in calls if c.flops is None)
+    kernel_flops = sum(c.flops * c.runs for c in stated)
+    kernel_bytes = sum(c.bytes_accessed * c.runs for c in stated)
+    xla_flops = analysis["flops"] + unknown
+    xla_bytes = analysis["bytes accessed"] + unknown
+    module, _ = _parsed(text)
     return ProgramCost(flops=xla_flops + kernel_flops,
-                       transcendentals=analysis.get("transcendentals", 0.0) + sum(c.transcendentals for c in stated),
+                       transcendentals=analysis["transcendentals"] + sum(c.transcendentals * c.runs for c in stated),
                        bytes_accessed=xla_bytes + kernel_bytes, xla_flops=xla_flops, xla_bytes=xla_bytes,
                        kernel_flops=kernel_flops, kernel_bytes=kernel_bytes, uncounted=uncounted,
-                       rematerialized=sum(1 for name in _INSTRUCTION_NAME.findall(text) if _REMAT.search(name)))
+                       rematerialized=sum(1 for name in _INSTRUCTION_NAME.findall(text) if _REMAT.search(name)),
+                       loops_counted_once=sum(1 for loop in module.loops if loop.trip_count is None))
 
 
 # The op classes a program's cost splits into (`op_class_costs`), by the Pallas kernel that runs
@@ -166,8 +246,8 @@ def op_class_costs(compiled) -> dict[str, tuple[float, float]]:
     for call in pallas_calls(compiled):
         if call.flops is not None:
             part = split[KERNEL_CLASSES.get(kernel_name(call.name), "xla")]
-            part[0] += call.flops
-            part[1] += call.bytes_accessed
+            part[0] += call.flops * call.runs
+            part[1] += call.bytes_accessed * call.runs
     return {name: (flops, nbytes) for name, (flops, nbytes) in split.items()}
 
 
@@ -198,23 +278,29 @@ def memory(compiled) -> Memory:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective of the optimized HLO: op (e.g. "all-reduce"), bytes of its result, HLO name."""
+    """One collective of the optimized HLO: op (e.g. "all-reduce"), bytes of its result, HLO name,
+    and how many times it runs in one execution of the program (as `PallasCall.runs`)."""
 
     op: str
     bytes: int
     name: str
+    runs: int = 1
 
 
 def collectives(compiled) -> list[Collective]:
     """Every collective in the optimized HLO (async `-start` halves; `-done` halves skipped)."""
     found = []
-    for name, result, op in _INSTRUCTION.findall(_optimized_hlo(compiled)):
+    for line, runs in _instructions(_optimized_hlo(compiled)):
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
+            continue
+        name, result, op = instruction.groups()
         base = op.removesuffix("-start")
         if base in _COLLECTIVES:
             # An async start returns (operands, results[, scratch]): count its largest part.
             size = (max(shape_bytes(part) for part in re.findall(r"[a-z0-9]+\[[0-9,]*\]", result))
                     if op.endswith("-start") else shape_bytes(result))
-            found.append(Collective(base, size, name))
+            found.append(Collective(base, size, name, runs))
     return found
 
 

@@ -171,7 +171,8 @@ def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: 
     """The cost of `compile_model(config, ...)` at full depth from three full-width compiles:
     A = one MoE layer, D = one dense + one MoE layer, M = two MoE layers (the MTP block, the
     embedding, the LM head and everything outside the layers are in each). Layers of a kind
-    compile to the same ops, so with d dense and m MoE layers
+    compile to the same ops (unrolled or in a `lax.scan`: `program_cost` counts a loop's body as
+    many times as it runs), so with d dense and m MoE layers
 
         cost = A + d (D - A) + (m - 1) (M - A).
 
@@ -198,7 +199,7 @@ def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: 
                                "device's memory; pass devices from gpu_devices(..., device_memory=) with room for "
                                "the program")
         classes = op_class_costs(compiled)
-        costs.append((cost.flops, cost.bytes_accessed, sum(c.bytes for c in collectives(compiled)),
+        costs.append((cost.flops, cost.bytes_accessed, sum(c.bytes * c.runs for c in collectives(compiled)),
                       *(value for name in OP_CLASSES for value in classes[name])))
         seconds += compiled.compile_seconds
         if on_compile is not None:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .analysis import collectives, kernel_launches, kernel_name, memory, program_cost
+from .analysis import collectives, kernel_launches, kernel_name, memory, pallas_calls, program_cost
 from .compile import GpuCompiled
 
 GIB = 2 ** 30
 
 
 def report(compiled: GpuCompiled, title: str) -> str:
-    """Per-device memory, flops and bytes (XLA ops plus the Pallas kernels' own), collectives,
-    each Pallas kernel's launch resources (identical launches counted once, with how many) and
-    the compile time, as text."""
+    """Per-device memory, flops and bytes (XLA ops plus the Pallas kernels' own, loops' bodies
+    counted as often as they run: `program_cost`), collectives (as often as they run), each Pallas
+    kernel's launch resources (identical launch sites counted once, with how many; a site in a
+    loop's body launches once per trip, and how many times each kernel runs is listed when loops
+    make that differ) and the compile time, as text."""
     mem, cost = memory(compiled), program_cost(compiled)
     lines = [title, f"compile time {compiled.compile_seconds:.1f} s",
              f"memory per device: arguments {mem.argument / GIB:.2f} GiB, outputs {mem.output / GIB:.2f} GiB, "
@@ -21,6 +23,9 @@ def report(compiled: GpuCompiled, title: str) -> str:
              f"flops {cost.flops:.3e} (XLA ops {cost.xla_flops:.3e}, Pallas kernels {cost.kernel_flops:.3e})",
              f"bytes accessed {cost.bytes_accessed:.3e} (XLA ops {cost.xla_bytes:.3e}, "
              f"Pallas kernels {cost.kernel_bytes:.3e})"]
+    if cost.loops_counted_once:
+        lines.append(f"{cost.loops_counted_once} while loop(s) of a trip count XLA does not know: each body counted "
+                     "once (the flops and bytes above are per iteration of them)")
     if cost.rematerialized:
         lines.append(f"rematerialized: {cost.rematerialized} instructions recomputed to fit the device's memory "
                      "(counted above; gpu_devices(device_memory=) costs the program without them)")
@@ -31,16 +36,23 @@ def report(compiled: GpuCompiled, title: str) -> str:
         totals = Counter()
         counts = Counter()
         for c in found:
-            totals[c.op] += c.bytes
-            counts[c.op] += 1
+            totals[c.op] += c.bytes * c.runs
+            counts[c.op] += c.runs
         lines.append("collectives: " + ", ".join(f"{counts[op]} x {op} ({totals[op] / GIB:.3f} GiB)" for op in sorted(counts)))
     else:
         lines.append("collectives: none")
     launches = Counter((kernel_name(k.name), k.grid, k.threads, k.shared_memory, k.registers, k.spill_stores,
                         k.spill_loads)
                        for k in kernel_launches(compiled))
-    lines.append(f"{'Pallas kernel':<24}{'launches':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}{'spills':>8}")
+    lines.append(f"{'Pallas kernel':<24}{'sites':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}{'spills':>8}")
     for (name, grid, threads, smem, registers, stores, loads), n in sorted(launches.items()):
         lines.append(f"{name:<24}{n:>9}  {'x'.join(map(str, grid)):<16}{threads[0] * threads[1] * threads[2]:>8}"
                      f"{smem:>9}{registers:>6}{stores + loads:>8}")
+    runs, sites = Counter(), Counter()
+    for call in pallas_calls(compiled):
+        runs[kernel_name(call.name)] += call.runs
+        sites[kernel_name(call.name)] += 1
+    if runs != sites:
+        lines.append("Pallas kernel runs per execution (loops' bodies as often as they run): "
+                     + ", ".join(f"{name} {n}" for name, n in sorted(runs.items())))
     return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""`jaxspec.aot.program_cost` counts a while loop's body as many times as it runs: programs that
+loop over layers (`lax.scan`, a `lax.map` inside one) cost what their unrolled twins cost, XLA's
+own ops and the Pallas kernels' stated costs alike, compiled for an H100 on this host.
+
+The compiles need JAX's CUDA plugin and `JAX_PLATFORMS=cpu` (the `h100` fixture skips without).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from jaxspec import aot
+from jaxspec.aot import hlo_loops
+from jaxspec.aot.analysis import _cost_analysis
+from jaxspec.pallas_kernels.tiling import launch
+
+Spec = jax.ShapeDtypeStruct
+# One token's layers, as in a decode step: each layer reads its weights once. (Wider activations
+# make the programs differ: a scan copies its carry and the weight slice a matmul takes, real
+# traffic an unrolled program does not have.)
+WIDTH, CHUNKS = 1024, 4
+
+
+def scanned(w, x):
+    """x [1, WIDTH] through layers tanh(x @ w[i]), w [L, WIDTH, WIDTH], as a lax.scan."""
+    return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)[0]
+
+
+def unrolled(w, x):
+    for i in range(w.shape[0]):
+        x = jnp.tanh(x @ w[i])
+    return x
+
+
+def _join(parts):
+    """[CHUNKS, 1, WIDTH / CHUNKS] column blocks -> [1, WIDTH]."""
+    return parts.transpose(1, 0, 2).reshape(1, WIDTH)
+
+
+def scanned_map(scales, blocks, x):
+    """Layers tanh((x @ W) * scales[i]), scales [L, WIDTH], with x @ W a lax.map over W's column
+    blocks [CHUNKS, WIDTH, WIDTH / CHUNKS], as a lax.scan."""
+    layer = lambda x, scale: (jnp.tanh(_join(jax.lax.map(lambda block: x @ block, blocks)) * scale), None)
+    return jax.lax.scan(layer, x, scales)[0]
+
+
+def unrolled_map(scales, blocks, x):
+    for i in range(scales.shape[0]):
+        x = jnp.tanh(_join(jnp.stack([x @ block for block in blocks])) * scales[i])
+    return x
+
+
+def _args(looped, layers: int):
+    if looped is scanned:
+        return Spec((layers, WIDTH, WIDTH), jnp.float32), Spec((1, WIDTH), jnp.float32)
+    return (Spec((layers, WIDTH), jnp.float32), Spec((CHUNKS, WIDTH, WIDTH // CHUNKS), jnp.float32),
+            Spec((1, WIDTH), jnp.float32))
+
+
+def _close(a, b, rtol=0.01):
+    return abs(a - b) <= rtol * abs(b)
+
+
+@pytest.mark.parametrize("looped, flat", [(scanned, unrolled), (scanned_map, unrolled_map)], ids=["scan", "scan-of-map"])
+@pytest.mark.parametrize("layers", [1, 4, 16])
+def test_a_scanned_program_costs_what_its_unrolled_twin_costs(h100, looped, flat, layers):
+    args = _args(looped, layers)
+    loop, twin = (aot.compile_gpu(fn, *args, devices=h100) for fn in (looped, flat))
+    cost, expected = aot.program_cost(loop), aot.program_cost(twin)
+    assert cost.loops_counted_once == expected.loops_counted_once == 0
+    assert _close(cost.flops, expected.flops) and _close(cost.bytes_accessed, expected.bytes_accessed)
+    assert _close(cost.transcendentals, expected.transcendentals)
+    # XLA alone counts a body once: the scan's layers as one, the map's blocks as one (the count
+    # program_cost corrects; should XLA ever count trips itself, this fails first).
+    trips = layers * (CHUNKS if looped is scanned_map else 1)
+    xla = _cost_analysis(loop.runtime_executable().hlo_modules()[0])
+    assert _close(xla["flops"] * trips, expected.flops)
+    assert _close(jax.jit(looped).lower(*args).compile().cost_analysis()["flops"] * trips, expected.flops)
+
+
+def test_a_collective_in_a_scan_counts_once_per_trip(h100):
+    """Layers whose contraction is split over two devices reduce their partial sums in the loop's
+    body: as many bytes of collectives per step as the unrolled twin's, however XLA splits them."""
+    mesh = jax.sharding.Mesh(aot.gpu_devices("h100", 2), ("model",))
+    split = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    layers = 4
+    args = (Spec((layers, WIDTH, WIDTH), jnp.float32, sharding=split(None, "model", None)),
+            Spec((8, WIDTH), jnp.float32, sharding=split(None, "model")))
+    loop, twin = (aot.compile_gpu(fn, *args, devices=mesh.devices.tolist()) for fn in (scanned, unrolled))
+    found = aot.collectives(loop)
+    assert max(c.runs for c in found) == layers
+    assert sum(c.bytes * c.runs for c in found) == sum(c.bytes * c.runs for c in aot.collectives(twin))
+    assert _close(aot.program_cost(loop).flops, aot.program_cost(twin).flops)
+
+
+BLOCK = (16, 128)
+KERNEL_COST = pl.CostEstimate(flops=2 * BLOCK[0] * BLOCK[1], transcendentals=0, bytes_accessed=2 * 4 * BLOCK[0] * BLOCK[1])
+
+
+def _scale_and_shift(x):
+    """A one-block Pallas kernel, 2 x + 1, stating its cost (2 flops per element)."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+    return launch(kernel, out_shape=Spec(BLOCK, jnp.float32), grid=(1,), num_warps=4, num_stages=1,
+                  name="scale_and_shift", interpret=False, cost=KERNEL_COST)(x)
+
+
+@pytest.mark.parametrize("layers, inner", [(5, None), (3, "map"), (3, "cond")])
+def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, inner):
+    """The kernel in a scan's body, in a lax.map (4 trips) inside it, or in a branch of a lax.cond
+    inside it (a branch counts as often as its conditional)."""
+    chunks = 4 if inner == "map" else 1
+
+    def body(x, _):
+        if inner == "map":
+            return jax.lax.map(lambda i: _scale_and_shift(x + i), jnp.arange(chunks, dtype=jnp.float32)).sum(0), None
+        if inner == "cond":
+            return jax.lax.cond(x[0, 0] > 0, _scale_and_shift, jnp.negative, x), None
+        return _scale_and_shift(x), None
+
+    compiled = aot.compile_gpu(lambda x: jax.lax.scan(body, x, length=layers)[0], Spec(BLOCK, jnp.float32),
+                               devices=h100)
+    (call,) = aot.pallas_calls(compiled)
+    assert (call.flops, call.runs) == (KERNEL_COST.flops, layers * chunks)
+    cost = aot.program_cost(compiled)
+    assert cost.kernel_flops == layers * chunks * KERNEL_COST.flops
+    assert cost.kernel_bytes == layers * chunks * KERNEL_COST.bytes_accessed
+    assert not cost.uncounted
+    assert aot.op_class_costs(compiled)["xla"][0] == cost.flops  # an unnamed kernel is an "xla" op
+    assert f"scale_and_shift {layers * chunks}" in aot.report(compiled, "scan")
+
+
+def test_a_loop_of_unknown_trip_count_counts_once_and_says_so(h100):
+    """A `lax.while_loop` on data: XLA cannot know its trips, its body (holding a kernel) counts
+    once, and the cost says one loop was counted so."""
+    def doubling(x):
+        return jax.lax.while_loop(lambda x: x.sum() < 1e6, _scale_and_shift, x)
+
+    compiled = aot.compile_gpu(doubling, Spec(BLOCK, jnp.float32), devices=h100)
+    cost = aot.program_cost(compiled)
+    assert cost.loops_counted_once == 1
+    assert [call.runs for call in aot.pallas_calls(compiled)] == [1]
+    assert cost.kernel_flops == KERNEL_COST.flops
+    assert "per iteration" in aot.report(compiled, "doubling")
+
+
+HLO = """HloModule m
+
+%body (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  ROOT %t = (s32[]) tuple(%p), control-predecessors={%p}
+}
+
+%cond (p: (s32[])) -> pred[] {
+  %p = (s32[]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[])) -> (s32[]) {
+  %a = (s32[]) parameter(0)
+  ROOT %w = (s32[]) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+}
+"""
+
+
+def test_the_loop_parser_reads_trip_counts_and_refuses_what_it_cannot_read():
+    module = hlo_loops.parse_module(HLO)
+    (loop,) = module.loops
+    assert (loop.computation, loop.body, loop.condition, loop.trip_count) == ("main", "body", "cond", 7)
+    assert hlo_loops.executions(module) == {"body": 7, "cond": 1, "main": 1}
+    assert "ENTRY %body" in hlo_loops.module_with_entry(module, "body")
+    with pytest.raises(RuntimeError, match="calls 'nowhere', which the module does not define"):
+        hlo_loops.parse_module(HLO.replace("body=%body", "body=%nowhere"))
+    with pytest.raises(RuntimeError, match="without an ENTRY"):
+        hlo_loops.parse_module(HLO.replace("ENTRY ", ""))
