@@ -496,7 +496,7 @@ def load_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sha
     onto `mesh`, split as `plan` says, when one is given (see `load_hf_checkpoint`, `restore_model`)."""
     if is_orbax_checkpoint(directory):
         start = time.perf_counter()
-        model = restore_model(directory, dtype=dtype, mesh=mesh, plan=plan)
+        model = restore_model(directory, dtype=dtype, mesh=mesh, plan=plan, log=log)
         log(f"restored {os.fspath(directory)} (orbax) in {time.perf_counter() - start:.1f} s")
         return model
     return load_hf_checkpoint(directory, dtype=dtype, mesh=mesh, plan=plan, log=log)

@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxspec import sharding
+from jaxspec import progress, sharding
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3, layer_runs, model_class
 from jaxspec.models.stack import row_sharding
@@ -87,7 +88,7 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
 
 
 def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
-                  plan: str = sharding.DEFAULT_PLAN) -> DeepseekV3:
+                  plan: str = sharding.DEFAULT_PLAN, log: Callable[[str], None] = progress.write) -> DeepseekV3:
     """Build the model `directory/config.json` describes and load its parameters.
 
     The model is built abstractly (`nnx.eval_shape`, no random init), then every parameter is read
@@ -98,6 +99,9 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
     mesh: a `jaxspec.sharding` mesh to restore onto, each parameter split as `plan` says: orbax reads each device's slice straight into it, so no
     device (and, on several hosts, no process) ever holds more than its own shards. None: the
     whole model on this process's first device.
+
+    A save in the per-layer layout of older versions (`layers.{i}.<path>`) is restacked as it is
+    read, and `log` (default: stderr) says so, naming `jaxspec convert`, which rewrites it once.
     """
     directory = os.path.abspath(os.fspath(directory))
     config_path = os.path.join(directory, CONFIG_FILE)
@@ -117,6 +121,10 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         stored = {name: (tuple(meta.shape), meta.dtype)
                   for name, meta in checkpointer.metadata(params_path).item_metadata.items()}
         sources = _per_layer_sources(config, stored)
+        if sources:
+            log(f"{directory} holds one array per decoder layer (saved before the layers were stacked): "
+                f"stacking them as they are read; `jaxspec convert {directory} NEW` rewrites it in today's "
+                "layout, which restores without this step")
         available = {name: shape for name, (shape, _) in stored.items() if not _PER_LAYER.fullmatch(name)}
         available.update({name: (len(rows), *stored[rows[0]][0]) for name, rows in sources.items()})
         problems = [f"missing {name} {tuple(expected[name].shape)}" for name in sorted(expected.keys() - available.keys())]
