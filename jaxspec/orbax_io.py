@@ -49,7 +49,7 @@ def _param_name(path) -> str:
 
 def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State, dict[str, nnx.Variable]]:
     """The model's structure without allocating it (`nnx.eval_shape`, no random init): graphdef,
-    abstract state, and each abstract parameter by dotted path (`layers.0.self_attn.o_proj.weight`)."""
+    abstract state, and each abstract parameter by dotted path (`moe_layers.self_attn.o_proj.weight`)."""
     abstract = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)
     return graphdef, state, {_param_name(path): variable for path, variable in nnx.to_flat_state(state)}
