@@ -125,7 +125,8 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
             log(f"{directory} holds one array per decoder layer (saved before the layers were stacked): "
                 f"stacking them as they are read; `jaxspec convert {directory} NEW` rewrites it in today's "
                 "layout, which restores without this step")
-        available = {name: shape for name, (shape, _) in stored.items() if not _PER_LAYER.fullmatch(name)}
+        row_of = {row: name for name, rows in sources.items() for row in rows}
+        available = {name: shape for name, (shape, _) in stored.items() if name not in row_of}
         available.update({name: (len(rows), *stored[rows[0]][0]) for name, rows in sources.items()})
         problems = [f"missing {name} {tuple(expected[name].shape)}" for name in sorted(expected.keys() - available.keys())]
         problems += [f"unexpected {name} {available[name]}" for name in sorted(available.keys() - expected.keys())]
@@ -139,7 +140,6 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         if problems:
             raise ValueError(f"checkpoint {params_path} does not match its config.json ({len(problems)} problem(s)):\n  "
                              + "\n  ".join(problems))
-        row_of = {row: name for name, rows in sources.items() for row in rows}
         target = {name: jax.ShapeDtypeStruct(shape, dtype_,
                                              sharding=row_sharding(placement[row_of[name]]) if name in row_of
                                              else placement[name])
@@ -156,13 +156,18 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
 
 def _per_layer_sources(config: ModelConfig, stored: dict) -> dict[str, list[str]]:
     """For a save written before the layers were stacked (names `layers.{i}.<path>`): each stacked
-    parameter's name -> the per-layer names of its rows, in order. {} for a save in today's layout."""
+    parameter's name -> the per-layer names of its rows, in order. {} for a save in today's layout,
+    and for a model without layer stacks (`layer_runs` empty: DeepSeek-V4's `layers.{i}.` names are
+    its own)."""
+    runs = layer_runs(config)
+    if not runs:
+        return {}
     per_layer = {}
     for name in stored:
         if match := _PER_LAYER.fullmatch(name):
             per_layer.setdefault(int(match[1]), set()).add(match[2])
     sources: dict[str, list[str]] = {}
-    for run in layer_runs(config):
+    for run in runs:
         for layer in range(run.start, run.stop):
             prefix, _ = run.locate(layer)
             for rest in sorted(per_layer.pop(layer, ())):
