@@ -76,6 +76,24 @@ def stack_depth(stack: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(stack))[0].shape[0]
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def write_row(stacked: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """`stacked` with its entry at the leading indices `index` (int32 [k]: a layer row, or a layer
+    row and an expert) set to `value` (stacked.shape[k:]), written in place: `stacked` is donated,
+    so filling a stack row by row (the checkpoint loaders) never holds two copies of it. Its
+    sharding is kept (the leading axes are never split, or only the written row's block is touched)."""
+    start = tuple(index) + (0,) * value.ndim
+    return jax.lax.dynamic_update_slice(stacked, value.reshape((1,) * index.shape[0] + value.shape), start)
+
+
+def row_sharding(stacked: jax.sharding.Sharding, rows: int = 1) -> jax.sharding.Sharding:
+    """The sharding of one entry of a stacked array placed as `stacked`, its `rows` leading axes
+    dropped (a `NamedSharding`'s spec loses them; any other sharding is returned as is)."""
+    if isinstance(stacked, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[rows:]))
+    return stacked
+
+
 def layer_slice(stack: nnx.Module, row) -> nnx.Module:
     """Unit `row` of `stack` as a module of its own (row: an int or a traced int32 scalar); its
     parameters are slices of the stack's (copies, outside a trace)."""
@@ -104,21 +122,3 @@ def run_layers(stack: nnx.Module, body: Callable[[nnx.Module, jax.Array, Carry],
         return body(nnx.merge(graphdef, unit), r, carry), None
 
     return jax.lax.scan(step, carry, (jnp.arange(depth, dtype=jnp.int32), state))[0]
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def write_row(stacked: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
-    """`stacked` with its entry at the leading indices `index` (int32 [k]: a layer row, or a layer
-    row and an expert) set to `value` (stacked.shape[k:]), written in place: `stacked` is donated,
-    so filling a stack row by row (the checkpoint loaders) never holds two copies of it. Its
-    sharding is kept (the leading axes are never split, or only the written row's block is touched)."""
-    start = tuple(index) + (0,) * value.ndim
-    return jax.lax.dynamic_update_slice(stacked, value.reshape((1,) * index.shape[0] + value.shape), start)
-
-
-def row_sharding(stacked: jax.sharding.Sharding, rows: int = 1) -> jax.sharding.Sharding:
-    """The sharding of one entry of a stacked array placed as `stacked`, its `rows` leading axes
-    dropped (a `NamedSharding`'s spec loses them; any other sharding is returned as is)."""
-    if isinstance(stacked, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[rows:]))
-    return stacked
