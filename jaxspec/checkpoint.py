@@ -51,12 +51,11 @@ FP8 experts it keeps).
 
 Everything is checked from the shard headers before any tensor is read: missing, unexpected and
 mis-shaped tensors raise one `ValueError` listing them by the checkpoint's own names, so a load
-never half-succeeds. Then shards
-are read one after the other, each tensor read, moved to the device and converted there (FP8
-dequantized, transposed, cast) before the next is touched: memory beyond the model itself stays
-at a few copies of the largest tensor, far below one shard (a layer's tensors, and each expert's,
-are written into their row of the stacked parameter in place, through a donated buffer:
-`models.stack.write_row`). Progress goes to `log` (default:
+never half-succeeds. Then shards are read one after the other, each tensor read, moved to the
+device and converted there (FP8 dequantized, transposed, cast) before the next is touched: memory
+beyond the model itself stays at a few copies of the largest tensor, far below one shard (a
+layer's tensors, and each expert's, are written into their row of the stacked parameter in place,
+through a donated buffer: `models.stack.write_row`). Progress goes to `log` (default:
 stderr), a line per shard, and to a bar of shards on stderr when it is a terminal (`jaxspec.progress`).
 """
 
