@@ -149,13 +149,17 @@ def _at_context(state, context: int):
 def _random_caches(state, key):
     """`state` with random entries in every cache page (the latents and indexer keys of both
     caches): attention reads real-looking data, not the zeros `init_cache` wrote."""
+    def drawn(pool, key):  # a stacked pool [L, ...], drawn a layer at a time: float32 for one layer only
+        if pool is None:
+            return None
+        return jax.lax.map(lambda k: jax.random.normal(k, pool.shape[1:], jnp.float32).astype(pool.dtype),
+                           jax.random.split(key, pool.shape[0]))
+
     def fill(cache, key):
         if cache is None:
             return None
-        arrays = list(cache.latent) + list(cache.index_keys)
-        keys = jax.random.split(key, len(arrays))
-        drawn = [jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype) for k, a in zip(keys, arrays)]
-        return cache.replace(latent=tuple(drawn[:len(cache.latent)]), index_keys=tuple(drawn[len(cache.latent):]))
+        latent_key, index_key = jax.random.split(key)
+        return cache.replace(latent=drawn(cache.latent, latent_key), index_keys=drawn(cache.index_keys, index_key))
 
     target_key, mtp_key = jax.random.split(key)
     return state.replace(target_cache=fill(state.target_cache, target_key), mtp_cache=fill(state.mtp_cache, mtp_key))

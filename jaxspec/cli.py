@@ -14,7 +14,9 @@ the collectives, each Pallas kernel's launch resources and the compile time.
 dequantized, or kept with --dtype fp8; progress on stderr), writes DST with
 `jaxspec.orbax_io.save_model` (config.json plus an orbax params/ directory) and copies SRC's
 tokenizer files, so that DST runs on its own: `examples/generate.py --checkpoint DST --dtype
-bfloat16` restores it much faster than SRC converts.
+bfloat16` restores it much faster than SRC converts. SRC may also be an orbax directory
+(`jaxspec.checkpoint.load_model`): `jaxspec convert OLD NEW` rewrites a save from before the
+decoder layers were stacked (one array per layer) in today's stacked layout.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 import jax.numpy as jnp
 
 from jaxspec import progress
-from jaxspec.checkpoint import load_hf_checkpoint
+from jaxspec.checkpoint import load_model
 from jaxspec.flags import add_prefill_flag, checkpoint_dir
 from jaxspec.orbax_io import save_model
 from jaxspec.platforms import use_cpu_without_nvidia_driver
@@ -46,11 +48,12 @@ def _log(line: str) -> None:
 
 
 def convert(src: str, dst: str, *, dtype=jnp.bfloat16) -> None:
-    """Convert the Hugging Face checkpoint `src` into the orbax directory `dst` (parameters in `dtype`)."""
+    """Convert the Hugging Face checkpoint, or orbax save, `src` into the orbax directory `dst`
+    (parameters in `dtype`, layers stacked as the model holds them)."""
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: SRC and DST are the same directory ({src}); choose a new DST")
     start = time.perf_counter()
-    model = load_hf_checkpoint(src, dtype=dtype, log=_log)
+    model = load_model(src, dtype=dtype, log=_log)
     loaded = time.perf_counter()
     with progress.elapsed(f"writing {dst}"):
         save_model(model, dst)
@@ -110,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxspec", description="jaxspec tools")
     commands = parser.add_subparsers(dest="command", required=True)
     convert_parser = commands.add_parser(
-        "convert", help="Hugging Face checkpoint directory -> orbax directory (fast to restore)",
+        "convert", help="Hugging Face checkpoint directory (or older orbax save) -> orbax directory (fast to restore)",
         description="Convert a Hugging Face DeepSeek-V3/V3.2/V4 checkpoint (safetensors, FP8 or not) "
-                    "into an orbax directory that restores quickly.")
+                    "into an orbax directory that restores quickly, or rewrite an orbax save from before "
+                    "the decoder layers were stacked in today's layout.")
     convert_parser.add_argument("src", type=checkpoint_dir,
-                                help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+                                help="Hugging Face checkpoint directory (config.json + *.safetensors), or an "
+                                     "orbax directory (config.json + params/)")
     convert_parser.add_argument("dst", help="output directory (config.json + params/ + tokenizer files)")
     convert_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                                 help=f"parameter dtype (default: bfloat16); {FP8_HELP}")

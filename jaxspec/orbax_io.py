@@ -25,15 +25,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxspec import sharding
+from jaxspec import progress, sharding
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3, layer_runs, model_class
+from jaxspec.models.stack import row_sharding
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -47,7 +49,7 @@ def _param_name(path) -> str:
 
 def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State, dict[str, nnx.Variable]]:
     """The model's structure without allocating it (`nnx.eval_shape`, no random init): graphdef,
-    abstract state, and each abstract parameter by dotted path (`layers.0.self_attn.o_proj.weight`)."""
+    abstract state, and each abstract parameter by dotted path (`moe_layers.self_attn.o_proj.weight`)."""
     abstract = nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)
     return graphdef, state, {_param_name(path): variable for path, variable in nnx.to_flat_state(state)}
@@ -86,7 +88,7 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
 
 
 def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
-                  plan: str = sharding.DEFAULT_PLAN) -> DeepseekV3:
+                  plan: str = sharding.DEFAULT_PLAN, log: Callable[[str], None] = progress.write) -> DeepseekV3:
     """Build the model `directory/config.json` describes and load its parameters.
 
     The model is built abstractly (`nnx.eval_shape`, no random init), then every parameter is read
@@ -97,6 +99,9 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
     mesh: a `jaxspec.sharding` mesh to restore onto, each parameter split as `plan` says: orbax reads each device's slice straight into it, so no
     device (and, on several hosts, no process) ever holds more than its own shards. None: the
     whole model on this process's first device.
+
+    A save in the per-layer layout of older versions (`layers.{i}.<path>`) is restacked as it is
+    read, and `log` (default: stderr) says so, naming `jaxspec convert`, which rewrites it once.
     """
     directory = os.path.abspath(os.fspath(directory))
     config_path = os.path.join(directory, CONFIG_FILE)
@@ -116,7 +121,12 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         stored = {name: (tuple(meta.shape), meta.dtype)
                   for name, meta in checkpointer.metadata(params_path).item_metadata.items()}
         sources = _per_layer_sources(config, stored)
-        available = {name: shape for name, (shape, _) in stored.items() if not _PER_LAYER.fullmatch(name)}
+        if sources:
+            log(f"{directory} holds one array per decoder layer (saved before the layers were stacked): "
+                f"stacking them as they are read; `jaxspec convert {directory} NEW` rewrites it in today's "
+                "layout, which restores without this step")
+        row_of = {row: name for name, rows in sources.items() for row in rows}
+        available = {name: shape for name, (shape, _) in stored.items() if name not in row_of}
         available.update({name: (len(rows), *stored[rows[0]][0]) for name, rows in sources.items()})
         problems = [f"missing {name} {tuple(expected[name].shape)}" for name in sorted(expected.keys() - available.keys())]
         problems += [f"unexpected {name} {available[name]}" for name in sorted(available.keys() - expected.keys())]
@@ -130,9 +140,8 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         if problems:
             raise ValueError(f"checkpoint {params_path} does not match its config.json ({len(problems)} problem(s)):\n  "
                              + "\n  ".join(problems))
-        row_of = {row: name for name, rows in sources.items() for row in rows}
         target = {name: jax.ShapeDtypeStruct(shape, dtype_,
-                                             sharding=_row_sharding(placement[row_of[name]]) if name in row_of
+                                             sharding=row_sharding(placement[row_of[name]]) if name in row_of
                                              else placement[name])
                   for name, (shape, dtype_) in stored.items()}
         restored = checkpointer.restore(params_path, target)
@@ -147,13 +156,18 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
 
 def _per_layer_sources(config: ModelConfig, stored: dict) -> dict[str, list[str]]:
     """For a save written before the layers were stacked (names `layers.{i}.<path>`): each stacked
-    parameter's name -> the per-layer names of its rows, in order. {} for a save in today's layout."""
+    parameter's name -> the per-layer names of its rows, in order. {} for a save in today's layout,
+    and for a model without layer stacks (`layer_runs` empty: DeepSeek-V4's `layers.{i}.` names are
+    its own)."""
+    runs = layer_runs(config)
+    if not runs:
+        return {}
     per_layer = {}
     for name in stored:
         if match := _PER_LAYER.fullmatch(name):
             per_layer.setdefault(int(match[1]), set()).add(match[2])
     sources: dict[str, list[str]] = {}
-    for run in layer_runs(config):
+    for run in runs:
         for layer in range(run.start, run.stop):
             prefix, _ = run.locate(layer)
             for rest in sorted(per_layer.pop(layer, ())):
@@ -163,9 +177,3 @@ def _per_layer_sources(config: ModelConfig, stored: dict) -> dict[str, list[str]
                          "decoder layers do not have")
     return sources
 
-
-def _row_sharding(stacked: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """The sharding of one row of a stacked parameter placed as `stacked` (its layers axis dropped)."""
-    if isinstance(stacked, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[1:]))
-    return stacked

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from jaxspec.models.rope import apply_rope, rope_angles
+from jaxspec.models.stack import run_layers
 from jaxspec.pallas_kernels import Visibility, indexer_scores_reference, visible_mask
 
 
@@ -116,10 +117,16 @@ def indexer_kl_loss(model, tokens: jax.Array) -> jax.Array:
     cos, sin = rope_angles(model.config, positions)
     cache = model.init_cache(batch, length, page_size=length)
     x = model.embed_tokens(tokens).astype(model.dtype)
-    layer_losses = []
-    for i, layer in enumerate(model.layers):
-        layer_losses.append(_attention_kl(layer.self_attn, layer.input_layernorm(x), cos, sin, vis))
-        x, cache = layer(x, cos, sin, cache, i, vis, form="expanded", backend="xla")
+    # Each layer's loss goes into its entry of one array carried through the stacks' scans.
+    kls = jnp.zeros((model.config.num_hidden_layers,), jnp.float32)
+    for run in model.layer_runs:
+        def body(layer, row, carry, start=run.start):
+            x, cache, kls = carry
+            kls = kls.at[start + row].set(_attention_kl(layer.self_attn, layer.input_layernorm(x), cos, sin, vis))
+            x, cache = layer(x, cos, sin, cache, start + row, vis, form="expanded", backend="xla")
+            return x, cache, kls
+        x, cache, kls = run_layers(getattr(model, run.name), body, (x, cache, kls))
+    layer_losses = [kls]
     if model.mtp is not None:
         mtp = model.mtp
         hidden = model.norm(x)[:, :-1]
@@ -127,8 +134,8 @@ def indexer_kl_loss(model, tokens: jax.Array) -> jax.Array:
         mtp_in = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden)], axis=-1))
         mtp_vis = vis._replace(query_len=vis.query_len - 1)
         layer_losses.append(_attention_kl(mtp.block.self_attn, mtp.block.input_layernorm(mtp_in),
-                                          cos[:, :-1], sin[:, :-1], mtp_vis))
-    return jnp.mean(jnp.stack(layer_losses))
+                                          cos[:, :-1], sin[:, :-1], mtp_vis)[None])
+    return jnp.mean(jnp.concatenate(layer_losses))
 
 
 def train(model, batches: Iterator[np.ndarray], *, steps: int, learning_rate: float = 3e-3,

@@ -25,7 +25,8 @@ from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
-from jaxspec.train import indexer_kl_loss, losses
+from jaxspec.models.rope import rope_angles
+from jaxspec.train import _attention_kl, indexer_kl_loss, losses, train
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "checkpoints",
                           "tiny-stdlib")
@@ -107,11 +108,64 @@ def _tiny_batch(length: int = 24) -> jax.Array:
 
 
 def test_indexer_kl_loss_reaches_only_the_indexer():
+    """The gradient is zero outside the indexers and reaches every layer's indexer: each row of the
+    stacked ones (through the scan) and the MTP block's."""
     model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
     grads = nnx.jit(nnx.grad(indexer_kl_loss))(model, _tiny_batch())
-    norms = {".".join(map(str, path)): float(jnp.abs(g.get_value()).sum()) for path, g in nnx.to_flat_state(grads)}
-    assert all(norm == 0 for name, norm in norms.items() if ".indexer." not in name)
-    assert all(norms[f"{prefix}.self_attn.indexer.wq_b.weight"] > 0 for prefix in ("layers.0", "layers.1", "mtp.block"))
+    grads = {".".join(map(str, path)): np.abs(np.asarray(g.get_value())) for path, g in nnx.to_flat_state(grads)}
+    assert all(g.sum() == 0 for name, g in grads.items() if ".indexer." not in name)
+    for prefix in ("dense_layers", "moe_layers"):
+        rows = grads[f"{prefix}.self_attn.indexer.wq_b.weight"]
+        assert (rows.reshape(rows.shape[0], -1).sum(axis=1) > 0).all(), prefix
+    assert grads["mtp.block.self_attn.indexer.wq_b.weight"].sum() > 0
+
+
+def test_indexer_kl_loss_is_the_mean_over_layers_one_by_one():
+    """The loss the stacks' scans give equals the same loss written out layer by layer (each layer
+    on its own, `model.layer(i)`), as it was computed before the layers were stacked."""
+    model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
+    tokens = _tiny_batch()
+
+    @nnx.jit
+    def layer_by_layer(model, tokens):
+        batch, length = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=jnp.full((batch,), length, jnp.int32))
+        cos, sin = rope_angles(model.config, positions)
+        cache = model.init_cache(batch, length, page_size=length)
+        x, kls = model.embed_tokens(tokens).astype(model.dtype), []
+        for i in range(model.config.num_hidden_layers):
+            layer = model.layer(i)
+            kls.append(_attention_kl(layer.self_attn, layer.input_layernorm(x), cos, sin, vis))
+            x, cache = layer(x, cos, sin, cache, i, vis, form="expanded", backend="xla")
+        mtp = model.mtp
+        mtp_in = mtp.eh_proj(jnp.concatenate([mtp.enorm(model.embed_tokens(tokens[:, 1:]).astype(model.dtype)),
+                                              mtp.hnorm(model.norm(x)[:, :-1])], axis=-1))
+        kls.append(_attention_kl(mtp.block.self_attn, mtp.block.input_layernorm(mtp_in), cos[:, :-1], sin[:, :-1],
+                                 vis._replace(query_len=vis.query_len - 1)))
+        return jnp.mean(jnp.stack(kls))
+
+    np.testing.assert_array_equal(np.asarray(nnx.jit(indexer_kl_loss)(model, tokens)),
+                                  np.asarray(layer_by_layer(model, tokens)))
+
+
+def test_a_training_step_changes_every_layers_rows():
+    """One AdamW step past warmup (`jaxspec.train.train`, the indexer loss on) moves every row of
+    every stacked parameter (the router's score-correction bias, which no loss reaches, excepted):
+    the scans' gradients reach each layer's weights."""
+    model = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
+    stacks = tuple(f"{run.name}." for run in model.layer_runs)
+    before = {name: np.asarray(value) for name, value in _flat_params(model).items()
+              if name.startswith(stacks) and not name.endswith("e_score_correction_bias")}
+    train(model, iter([np.asarray(_tiny_batch(16))] * 2), steps=2, warmup=1, indexer_kl_weight=1.0)
+    for name, value in _flat_params(model).items():
+        if name in before:
+            changed = (np.asarray(value) != before[name]).reshape(value.shape[0], -1).any(axis=1)
+            assert changed.all(), (name, changed)
+
+
+def _flat_params(model) -> dict[str, jax.Array]:
+    return {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 @nnx.jit

@@ -1,4 +1,6 @@
-"""`jaxspec.orbax_io`: save/restore round trips exactly, and a checkpoint that does not fit its config fails clearly."""
+"""`jaxspec.orbax_io`: save/restore round trips exactly, a save in the older per-layer layout
+restores to the same model and `jaxspec convert` rewrites it, and a checkpoint that does not fit its
+config fails clearly."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from jaxspec import cli
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3
 from jaxspec.orbax_io import restore_model, save_model
@@ -64,7 +68,44 @@ def test_mismatched_shapes_raise_listing_them(model, tmp_path):
         restore_model(tmp_path / "ckpt")
     message = str(error.value)
     assert "embed_tokens.embedding: checkpoint (258, 64) != model (258, 32)" in message
-    assert "missing layers.2." in message
+    # Three layers: the MoE stack holds two rows where the save has one.
+    assert "moe_layers.self_attn.o_proj.weight: checkpoint (1, 64, 64) != model (2, 64, 32)" in message
+
+
+def _dotted(module) -> dict[str, jax.Array]:
+    return {".".join(map(str, path)): value for path, value in _params(module).items()}
+
+
+def test_per_layer_save_restores_stacked_and_converts(model, tmp_path):
+    """A save as written before the layers were stacked (one array per layer, `layers.{i}.<path>`,
+    each layer's from `model.layer(i)`) restores to the same parameters, says which command rewrites
+    it, and `jaxspec convert OLD NEW` writes today's stacked names, which restore the same again."""
+    stacks = tuple(f"{run.name}." for run in model.layer_runs)
+    old = {name: value for name, value in _dotted(model).items() if not name.startswith(stacks)}
+    for layer in range(model.config.num_hidden_layers):
+        old.update({f"layers.{layer}.{name}": value for name, value in _dotted(model.layer(layer)).items()})
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(model.config.to_hf()))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "old" / "params", old)
+
+    lines = []
+    restored = restore_model(tmp_path / "old", log=lines.append)
+    want, got = _params(model), _params(restored)
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want[path]), err_msg=str(path))
+    assert any(f"jaxspec convert {tmp_path / 'old'} NEW" in line for line in lines), lines
+
+    assert cli.main(["convert", str(tmp_path / "old"), str(tmp_path / "new"), "--dtype", "float32"]) == 0
+    with ocp.StandardCheckpointer() as checkpointer:
+        names = set(checkpointer.metadata(tmp_path / "new" / "params").item_metadata.keys())
+    assert names == set(_dotted(model))
+    lines.clear()
+    converted = _params(restore_model(tmp_path / "new", log=lines.append))
+    assert not lines
+    for path in want:
+        np.testing.assert_array_equal(np.asarray(converted[path]), np.asarray(want[path]), err_msg=str(path))
 
 
 def test_not_a_checkpoint(tmp_path):

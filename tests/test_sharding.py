@@ -37,12 +37,13 @@ def test_every_parameter_is_named(abstract_state):
 
 def test_plan_rules(abstract_state):
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sharding.param_specs(abstract_state, "dp"))}
-    assert flat["layers.1.mlp.experts_gate_proj"] == PartitionSpec(("data", "model"), None, None)
-    assert flat["layers.1.self_attn.q_b_proj.weight"] == PartitionSpec(None, None)
-    assert flat["layers.1.mlp.gate_weight"] == PartitionSpec(None, None)  # the router: every device routes
+    # Stacked layers: the leading `layers` axis is never split.
+    assert flat["moe_layers.mlp.experts_gate_proj"] == PartitionSpec(None, ("data", "model"), None, None)
+    assert flat["moe_layers.self_attn.q_b_proj.weight"] == PartitionSpec(None, None, None)
+    assert flat["moe_layers.mlp.gate_weight"] == PartitionSpec(None, None, None)  # the router: every device routes
     tp = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sharding.param_specs(abstract_state, "tp"))}
-    assert tp["layers.1.self_attn.q_b_proj.weight"] == PartitionSpec(None, "model")
-    assert tp["layers.1.self_attn.o_proj.weight"] == PartitionSpec("model", None)
+    assert tp["moe_layers.self_attn.q_b_proj.weight"] == PartitionSpec(None, None, "model")
+    assert tp["dense_layers.self_attn.o_proj.weight"] == PartitionSpec(None, "model", None)
     assert tp["mtp.block.mlp.experts_down_proj"] == PartitionSpec(("data", "model"), None, None)
 
 
