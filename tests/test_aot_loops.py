@@ -177,3 +177,30 @@ def test_the_loop_parser_reads_trip_counts_and_refuses_what_it_cannot_read():
         hlo_loops.parse_module(HLO.replace("body=%body", "body=%nowhere"))
     with pytest.raises(RuntimeError, match="without an ENTRY"):
         hlo_loops.parse_module(HLO.replace("ENTRY ", ""))
+
+
+def test_a_scatter_counts_the_rows_it_touches(h100):
+    """A paged cache's write: 8 rows scattered into a donated [4096, 64, 128] pool, once and inside
+    a 6-layer scan over a stacked pool. XLA's analysis counts the whole pool read and written per
+    scatter; program_cost counts the rows (indices, updates read and written) plus what else runs,
+    far below one pool, and the scan's six writes six times one write."""
+    pages, rows, width = 4096, 8, 128
+    update_bytes = rows * 64 * width * 2
+
+    def write(pool, index, values):  # pool [P, 64, W] bf16, index [8] int32, values [8, 64, W]
+        return pool.at[index].set(values)
+
+    def write_stacked(pool, index, values):  # pool [6, P, 64, W]: each layer writes its own rows
+        flat = pool.reshape(-1, *pool.shape[2:])
+        def layer(flat, l):
+            return flat.at[index + l * pages].set(values), None
+        return jax.lax.scan(layer, flat, jnp.arange(6))[0].reshape(pool.shape)
+
+    args = (Spec((rows,), jnp.int32), Spec((rows, 64, width), jnp.bfloat16))
+    one = aot.program_cost(aot.compile_gpu(write, Spec((pages, 64, width), jnp.bfloat16), *args, devices=h100,
+                                           donate_argnums=(0,)))
+    six = aot.program_cost(aot.compile_gpu(write_stacked, Spec((6, pages, 64, width), jnp.bfloat16), *args,
+                                           devices=h100, donate_argnums=(0,)))
+    pool_bytes = pages * 64 * width * 2
+    assert 2 * update_bytes <= one.bytes_accessed < 4 * update_bytes < pool_bytes / 100
+    assert six.bytes_accessed == pytest.approx(6 * one.bytes_accessed, rel=0.05)
