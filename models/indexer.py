@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility, indexer_topk
-from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, quantize_act, rotate
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, fp8_index_queries, rotate
 
 from .layers import LayerNorm, Linear, compute_dtype
 from .rope import apply_rope
@@ -58,9 +58,7 @@ class Indexer(nnx.Module):
         q_idx = self._rotate(self.wq_b(q_latent).reshape(batch, num_queries, heads, head_dim), cos, sin)
         if not fp8:
             return q_idx, self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
-        q_fp8, q_scale = quantize_act(rotate(q_idx), pow2_scales=True)  # q_scale [B, Q, Hi, 1]: Di <= 128
-        weights = self.weights_proj(x.astype(jnp.float32)) * heads ** -0.5 * q_scale[..., 0] * head_dim ** -0.5
-        return q_fp8, weights
+        return fp8_index_queries(q_idx, self.weights_proj(x.astype(jnp.float32)))
 
     def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
                page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:

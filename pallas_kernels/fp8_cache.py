@@ -6,7 +6,8 @@ Two kinds of paged pool hold FP8 entries, both an `Fp8Pool`:
   e4m3, one float32 scale per 128 of them (4), and the Dr = 64 RoPE values in bfloat16, 656 bytes
   a token. The scales follow vLLM's `concat_and_cache_ds_mla_kernel` (csrc/cache_kernels.cu), the
   writer of the cache FlashMLA reads: s = max(amax / 448, FLT_MIN) per 128-value tile, not rounded
-  to a power of two (`quantize_latent`).
+  to a power of two (`quantize_latent`; the division is amax * f32(1 / 448), as XLA computes any
+  division by a constant, so a scale may sit one float32 ulp from vLLM's IEEE quotient).
 * the DSA indexer keys: Hadamard-rotated (`rotate`), then e4m3 with one float32 scale per 128 values
   by DeepSeek's `act_quant` (DeepSeek-V3.2-Exp `inference/kernel.py`): amax clamped to >= 1e-4,
   s = amax * (1 / 448), rounded up to a power of two where the config sets `scale_fmt` ("ue8m0"
@@ -123,9 +124,10 @@ def _to_e4m3(blocks: jax.Array, scales: jax.Array) -> jax.Array:
 
 def quantize_latent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """FlashMLA's latent quantization (vLLM `concat_and_cache_ds_mla_kernel`): x [..., Dq] ->
-    (e4m3 [..., Dq], scales [..., Dq / block] float32), s = max(amax / 448, FLT_MIN) per block."""
+    (e4m3 [..., Dq], scales [..., Dq / block] float32), s = max(amax * f32(1 / 448), FLT_MIN) per
+    block (XLA rewrites amax / 448 into that product; written so, it says what runs)."""
     blocks = _blocks(x)
-    scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1) / E4M3_MAX, jnp.finfo(jnp.float32).tiny)
+    scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / E4M3_MAX), jnp.finfo(jnp.float32).tiny)
     return _to_e4m3(blocks, scales), scales
 
 
@@ -143,6 +145,17 @@ def quantize_act(x: jax.Array, *, pow2_scales: bool = True) -> tuple[jax.Array, 
     return _to_e4m3(blocks, scales), scales
 
 
+def fp8_index_queries(q_idx: jax.Array, raw_weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The query side of DeepSeek's FP8 indexer (V3.2-Exp `inference/model.py`, `Indexer.forward`):
+    q_idx [B, Q, Hi, Di] (after its RoPE), raw_weights [B, Q, Hi] float32 (`weights_proj(x)`) ->
+    (rotated e4m3 queries [B, Q, Hi, Di], weights [B, Q, Hi] = raw * Hi**-0.5 * q_scale * Di**-0.5,
+    multiplied in that order). Di <= 128, so each head has one scale, which `fp8_index` folds into
+    its weight."""
+    heads, dim = q_idx.shape[-2:]
+    q_fp8, q_scale = quantize_act(rotate(q_idx), pow2_scales=True)
+    return q_fp8, raw_weights * heads ** -0.5 * q_scale[..., 0] * dim ** -0.5
+
+
 def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
     """values [..., Dq] e4m3, scales [..., Dq / block] -> [..., Dq] float32 (values * their block's scale)."""
     blocks = values.astype(jnp.float32).reshape(*scales.shape, -1)
@@ -150,9 +163,12 @@ def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def entries(pool: Fp8Pool) -> jax.Array:
-    """A pool (or gathered rows of one: any leading shape) -> its entries [..., Dq + Dr] float32."""
-    latent = dequantize(pool.values, pool.scales)
-    return latent if pool.rope is None else jnp.concatenate([latent, pool.rope.astype(jnp.float32)], axis=-1)
+    """A pool (or gathered rows of one: any leading shape) -> its entries [..., Dq + Dr] bfloat16:
+    each value times its scale, rounded to bfloat16, as FlashMLA dequantizes in registers before
+    its bfloat16 tensor-core products (the Triton kernels do the same, so every reader sees the
+    same entries), then the RoPE part."""
+    latent = dequantize(pool.values, pool.scales).astype(ROPE_DTYPE)
+    return latent if pool.rope is None else jnp.concatenate([latent, pool.rope], axis=-1)
 
 
 def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -192,7 +208,7 @@ def gather_parts(cache, page_table: jax.Array):
 
 def as_entries(rows) -> jax.Array:
     """Gathered rows (`read_parts` / `gather_parts`) -> entries [..., D]: an FP8 pool's dequantized
-    (float32), a plain pool's as they are."""
+    (`entries`, bfloat16), a plain pool's as they are."""
     return entries(rows) if isinstance(rows, Fp8Pool) else rows
 
 
