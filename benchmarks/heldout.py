@@ -3,6 +3,7 @@
     python benchmarks/heldout.py                                  # examples/checkpoints/tiny-stdlib
     python benchmarks/heldout.py --prompts-per-file 4 --max-new-tokens 256 --repeats 5
     python benchmarks/heldout.py --dtype bfloat16 --window-invariant   # every row equal to k = 0's in bfloat16 too
+    python benchmarks/heldout.py --cache-dtype fp8                # caches as DeepSeek serves V3.2 (docs/fp8-caches.md)
 
 The prompts are byte windows of the files `examples/train_tiny.py` held out of training (listed in
 the checkpoint's `training.json`), starting at evenly spaced line starts. Every prompt is decoded
@@ -50,7 +51,7 @@ from flax import nnx
 
 from jaxspec import progress
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.flags import TREE_HELP, checkpoint_dir, tree_spec
+from jaxspec.flags import TREE_HELP, add_cache_dtype_flag, checkpoint_dir, tree_spec
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 from jaxspec.platforms import use_cpu_without_nvidia_driver
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' and caches' dtype")
     parser.add_argument("--window-invariant", action="store_true",
                         help="DecodeConfig(window_invariant=True): every token computed as if alone in its call")
+    add_cache_dtype_flag(parser)
     args = parser.parse_args(argv)
     use_cpu_without_nvidia_driver()
 
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     print(f"model      {args.checkpoint}: {c.model_type}, {c.num_hidden_layers} layers + MTP, hidden {c.hidden_size}, "
           f"{c.n_routed_experts} routed experts, index_topk {c.index_topk}")
     print(f"held out   {', '.join(files)} ({jax.default_backend()}, {jax.device_count()} device(s)), "
-          f"{args.dtype}, window_invariant={args.window_invariant}")
+          f"{args.dtype}, window_invariant={args.window_invariant}, caches {args.cache_dtype or args.dtype}")
 
     windows = np.concatenate([np.frombuffer(t[:len(t) // 256 * 256], np.uint8).reshape(-1, 256) for t in texts])
     target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32))
@@ -161,7 +163,8 @@ def main(argv=None) -> int:
           f"batch 1, best of {args.repeats}\n")
     print(f"{'draft':>5}  {'accepted length':>15}  {'acceptance per position':<26}  {'tokens/s':>9}  {'speedup':>7}  "
           f"rows identical to k = 0")
-    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant)
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant,
+                        cache_dtype=args.cache_dtype)
     drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     reference, base_rate, lossless = None, None, True
