@@ -13,7 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.pallas_kernels.fp8_cache import INDEX_RULE, LATENT_RULE, Fp8Pool, check_cache_dtype, init_pool, write_entries
+from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, Fp8Pool, check_cache_dtype, init_pool,
+                                              write_entries)
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
 

@@ -10,8 +10,8 @@ An orthogonal rotation of both sides leaves every dot product unchanged, so with
 cache it is omitted. With an FP8 key cache (`cache_dtype="fp8"`) selection is DeepSeek's
 (V3.2-Exp `inference/model.py`, `Indexer.forward`): keys and queries rotated
 (`fp8_cache.rotate`), quantized per 128 values with power-of-two scales (`fp8_cache.quantize_act`;
-V3.2's config sets `scale_fmt` "ue8m0"), the weights `weights_proj(x) * Hi^-0.5 * q_scale * Di^-0.5`
-in that order, and the scores taken from the FP8 values (`indexer.score_keys`).
+V3.2's config sets `scale_fmt` "ue8m0"), the query scales folded into the weights
+(`fp8_cache.fp8_index_queries`), and the scores taken from the FP8 values (`indexer.score_keys`).
 """
 
 from __future__ import annotations

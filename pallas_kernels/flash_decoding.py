@@ -188,8 +188,9 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     the same slots (a sequence row's Q*H rows, or one token's H heads); `num_slots` is the most
     slots a group's loop can visit (it sets the number of parts).
     The kernel is called as `kernel(q_nope_ref [groups*rows, Dl], q_rope_ref [groups*rows, Dr],
-    cache_ref [P*page, Dl+Dr] (an `Fp8Pool` of refs for an FP8 cache), page_table_ref, *operand refs, out_ref, lse_ref, dims=, rows=,
-    rows_padded=, page_size=, num_pages=, block_m=, block_n=, parts=, **params)` on the grid
+    cache_ref [P*page, Dl+Dr] (an `Fp8Pool` of refs for an FP8 cache), page_table_ref, *operand
+    refs, out_ref, lse_ref, dims=, rows=, rows_padded=, page_size=, num_pages=, block_m=,
+    block_n=, parts=, **params)` on the grid
     (row blocks, parts, groups). Returns out [groups, rows, Dl] in q_nope's dtype, lse [groups, rows].
 
     Default blocks: 64 query rows x 32 slots for 2-byte inputs; 32 x 16 for float32, whose query
