@@ -38,6 +38,7 @@ verifying k + 1 tokens costs about as much as one token, as on a GPU decoding a 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -87,18 +88,21 @@ def held_out_prompts(checkpoint: str, per_file: int = 3, length: int = 96) -> li
     return [p for name in held_out_files(checkpoint) for p in line_start_prompts(read_stdlib(name), per_file, length)]
 
 
-@nnx.jit
-def teacher_forced(model, tokens):
+@functools.partial(nnx.jit, static_argnames=("cache_dtype",))
+def teacher_forced(model, tokens, cache_dtype=None):
     """tokens [B, L] -> (target nats/byte, MTP nats/byte, MTP top-1 == target's top-1 for the token
-    after next), the MTP fed the true next token and the target's hidden state as in decoding."""
+    after next), the MTP fed the true next token and the target's hidden state as in decoding;
+    caches in `cache_dtype` (`DecodeConfig.cache_dtype`)."""
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=jnp.full((batch,), length, jnp.int32))
-    logits, hidden, _ = model(tokens, positions, model.init_cache(batch, length, page_size=length), vis,
+    logits, hidden, _ = model(tokens, positions, model.init_cache(batch, length, page_size=length,
+                                                                  cache_dtype=cache_dtype), vis,
                               form="expanded", backend="xla")
     mtp_vis = vis._replace(query_len=vis.query_len - 1)
     mtp_logits, _, _ = model.draft(tokens[:, 1:], hidden[:, :-1], positions[:, :-1],
-                                   model.init_cache(batch, length, page_size=length, mtp=True), mtp_vis,
+                                   model.init_cache(batch, length, page_size=length, mtp=True,
+                                                    cache_dtype=cache_dtype), mtp_vis,
                                    form="expanded", backend="xla")
     nll = lambda lg, t: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(lg), t[..., None], axis=-1))
     agree = jnp.mean(jnp.argmax(mtp_logits[:, :-1], -1) == jnp.argmax(logits[:, 1:-1], -1))
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
           f"{args.dtype}, window_invariant={args.window_invariant}, caches {args.cache_dtype or args.dtype}")
 
     windows = np.concatenate([np.frombuffer(t[:len(t) // 256 * 256], np.uint8).reshape(-1, 256) for t in texts])
-    target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32))
+    target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32), args.cache_dtype)
     print(f"teacher-forced  target {float(target_nll):.3f} nats/byte, MTP (byte after next) {float(mtp_nll):.3f} "
           f"nats/byte, MTP top-1 == target top-1 {float(agree):.1%}")
 

@@ -75,15 +75,21 @@ def load_latent(cache_ref, rows, readable, dims: LatentDims):
 
     Unreadable slots read as zeros, so stale or uninitialised cache memory never meets a zero
     probability (0 * NaN would poison the row). FP8 entries are dequantized here, in registers:
-    each latent column is multiplied by its block's scale (loaded per column: a tile's scales
-    are a few bytes a slot, served from L1) and rounded to bfloat16 (`fp8_cache.entries`), and no
-    dequantized copy of the cache exists.
+    each latent column is multiplied by its block's scale and rounded to bfloat16
+    (`fp8_cache.entries`), and no dequantized copy of the cache exists. The scales are loaded one
+    [BN, 1] column per block and spread over their columns by selects (4 at DeepSeek's widths):
+    loading a scale per latent column instead would stage a [BN, Dl] float32 tile per pipeline
+    stage in shared memory (docs/fp8-caches.md gives the compiled sizes).
     """
     latent_cols, latent_valid = column_span(0, dims.latent, dims.latent_block)
     if isinstance(cache_ref, Fp8Pool):
-        block = cache_ref.values.shape[1] // cache_ref.scales.shape[1]
+        num_blocks = cache_ref.scales.shape[1]
+        block_of_column = jax.lax.div(latent_cols, cache_ref.values.shape[1] // num_blocks)[None, :]
         values = load_block(cache_ref.values, rows, latent_cols, readable, latent_valid).astype(jnp.float32)
-        scales = load_block(cache_ref.scales, rows, jax.lax.div(latent_cols, block), readable, latent_valid)
+        scales = jnp.zeros_like(values)
+        for block in range(num_blocks):
+            scale = load_block(cache_ref.scales, rows, jnp.full((1,), block, jnp.int32), readable)  # [BN, 1]
+            scales = jnp.where(block_of_column == block, scale, scales)
         rope_cols, rope_valid = column_span(0, dims.rope, dims.rope_block)
         rope_key = load_block(cache_ref.rope, rows, rope_cols, readable, rope_valid)
         # Rounded to bfloat16 as `fp8_cache.entries` defines the entry, whatever the compute dtype.
