@@ -3,6 +3,7 @@
     python benchmarks/heldout.py                                  # examples/checkpoints/tiny-stdlib
     python benchmarks/heldout.py --prompts-per-file 4 --max-new-tokens 256 --repeats 5
     python benchmarks/heldout.py --dtype bfloat16 --window-invariant   # every row equal to k = 0's in bfloat16 too
+    python benchmarks/heldout.py --cache-dtype fp8                # caches as DeepSeek serves V3.2 (docs/fp8-caches.md)
 
 The prompts are byte windows of the files `examples/train_tiny.py` held out of training (listed in
 the checkpoint's `training.json`), starting at evenly spaced line starts. Every prompt is decoded
@@ -37,6 +38,7 @@ verifying k + 1 tokens costs about as much as one token, as on a GPU decoding a 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -50,7 +52,7 @@ from flax import nnx
 
 from jaxspec import progress
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.flags import TREE_HELP, checkpoint_dir, tree_spec
+from jaxspec.flags import TREE_HELP, add_cache_dtype_flag, checkpoint_dir, tree_spec
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 from jaxspec.platforms import use_cpu_without_nvidia_driver
@@ -86,18 +88,21 @@ def held_out_prompts(checkpoint: str, per_file: int = 3, length: int = 96) -> li
     return [p for name in held_out_files(checkpoint) for p in line_start_prompts(read_stdlib(name), per_file, length)]
 
 
-@nnx.jit
-def teacher_forced(model, tokens):
+@functools.partial(nnx.jit, static_argnames=("cache_dtype",))
+def teacher_forced(model, tokens, cache_dtype=None):
     """tokens [B, L] -> (target nats/byte, MTP nats/byte, MTP top-1 == target's top-1 for the token
-    after next), the MTP fed the true next token and the target's hidden state as in decoding."""
+    after next), the MTP fed the true next token and the target's hidden state as in decoding;
+    caches in `cache_dtype` (`DecodeConfig.cache_dtype`)."""
     batch, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=jnp.full((batch,), length, jnp.int32))
-    logits, hidden, _ = model(tokens, positions, model.init_cache(batch, length, page_size=length), vis,
+    logits, hidden, _ = model(tokens, positions, model.init_cache(batch, length, page_size=length,
+                                                                  cache_dtype=cache_dtype), vis,
                               form="expanded", backend="xla")
     mtp_vis = vis._replace(query_len=vis.query_len - 1)
     mtp_logits, _, _ = model.draft(tokens[:, 1:], hidden[:, :-1], positions[:, :-1],
-                                   model.init_cache(batch, length, page_size=length, mtp=True), mtp_vis,
+                                   model.init_cache(batch, length, page_size=length, mtp=True,
+                                                    cache_dtype=cache_dtype), mtp_vis,
                                    form="expanded", backend="xla")
     nll = lambda lg, t: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(lg), t[..., None], axis=-1))
     agree = jnp.mean(jnp.argmax(mtp_logits[:, :-1], -1) == jnp.argmax(logits[:, 1:-1], -1))
@@ -139,6 +144,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' and caches' dtype")
     parser.add_argument("--window-invariant", action="store_true",
                         help="DecodeConfig(window_invariant=True): every token computed as if alone in its call")
+    add_cache_dtype_flag(parser)
     args = parser.parse_args(argv)
     use_cpu_without_nvidia_driver()
 
@@ -149,10 +155,10 @@ def main(argv=None) -> int:
     print(f"model      {args.checkpoint}: {c.model_type}, {c.num_hidden_layers} layers + MTP, hidden {c.hidden_size}, "
           f"{c.n_routed_experts} routed experts, index_topk {c.index_topk}")
     print(f"held out   {', '.join(files)} ({jax.default_backend()}, {jax.device_count()} device(s)), "
-          f"{args.dtype}, window_invariant={args.window_invariant}")
+          f"{args.dtype}, window_invariant={args.window_invariant}, caches {args.cache_dtype or args.dtype}")
 
     windows = np.concatenate([np.frombuffer(t[:len(t) // 256 * 256], np.uint8).reshape(-1, 256) for t in texts])
-    target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32))
+    target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32), args.cache_dtype)
     print(f"teacher-forced  target {float(target_nll):.3f} nats/byte, MTP (byte after next) {float(mtp_nll):.3f} "
           f"nats/byte, MTP top-1 == target top-1 {float(agree):.1%}")
 
@@ -161,7 +167,8 @@ def main(argv=None) -> int:
           f"batch 1, best of {args.repeats}\n")
     print(f"{'draft':>5}  {'accepted length':>15}  {'acceptance per position':<26}  {'tokens/s':>9}  {'speedup':>7}  "
           f"rows identical to k = 0")
-    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant)
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant,
+                        cache_dtype=args.cache_dtype)
     drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     reference, base_rate, lossless = None, None, True

@@ -4,6 +4,7 @@ the compiled step's own flops and bytes (`jaxspec.aot`) and a roofline.
     JAX_PLATFORMS=cpu python benchmarks/projection.py                         # the whole grid
     JAX_PLATFORMS=cpu python benchmarks/projection.py --batches 32 --contexts 4096 --drafts 0 3
     JAX_PLATFORMS=cpu python benchmarks/projection.py --devices 8 --dtype fp8 --batches 32 --contexts 4096
+    JAX_PLATFORMS=cpu python benchmarks/projection.py --batches 32 --contexts 32768 --drafts 3 --cache-dtype fp8
 
 What is measured: for each batch B, context C and draft length k (0 = plain decoding, else an MTP
 chain of k), the decode step `jaxspec.loop._step` is compiled for sm_90a (one device, backend
@@ -67,6 +68,7 @@ import jax.numpy as jnp
 from jaxspec import aot, progress
 from jaxspec.aot.model import DepthCost, compile_model, depth_cost, reduced_depth
 from jaxspec.decode_config import DecodeConfig
+from jaxspec.flags import add_cache_dtype_flag
 from jaxspec.presets import preset
 
 PUBLISHED_ACCEPTANCE = 0.875
@@ -186,6 +188,7 @@ def main() -> None:
                         help="GPUs of one node the model is sharded over (jaxspec.sharding, default plan; "
                              "default 1: one GPU holding everything)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weights (fp8: DeepSeek's, kept)")
+    add_cache_dtype_flag(parser)
     parser.add_argument("--calibration", metavar="JSON", default=None,
                         help="scale each op class by its measured fraction of the roofline (gpu_report.py's report.json)")
     args = parser.parse_args()
@@ -207,7 +210,7 @@ def main() -> None:
     full = preset("deepseek-v3.2")
     print("PROJECTION (roofline of the compiled step's flops and bytes; not a measurement)")
     print(f"  calibration: {calibration.describe()}")
-    print(f"  {args.dtype} weights, " + (f"{args.devices} GPUs of one node (mesh 1x{args.devices}, plan dp; flops, bytes "
+    print(f"  {args.dtype} weights, {args.cache_dtype or 'bf16'} caches, " + (f"{args.devices} GPUs of one node (mesh 1x{args.devices}, plan dp; flops, bytes "
                                          f"and collectives per GPU; collectives at NVLink {NVLINK_BYTES_PER_S / 1e9:.0f} "
                                          "GB/s per direction, not overlapped)" if args.devices > 1 else "one GPU"))
     for target, (bandwidth, flops) in peaks.items():
@@ -222,7 +225,8 @@ def main() -> None:
         for drafts in sorted(args.drafts):
             point = f"B={batch} ctx={context} k={drafts}"
             try:
-                cost = depth_cost(full, DecodeConfig(num_draft=drafts, backend="pallas"), phase="decode", batch=batch,
+                decode = DecodeConfig(num_draft=drafts, backend="pallas", cache_dtype=args.cache_dtype)
+                cost = depth_cost(full, decode, phase="decode", batch=batch,
                                   context=context, devices=devices, dtype=DTYPES[args.dtype], **sharded,
                                   on_compile=lambda name, seconds: note(f"{point}: {name} compiled in {seconds:.0f} s"))
             except jax.errors.JaxRuntimeError as failed:  # a point XLA cannot compile: say so, go on

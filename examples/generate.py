@@ -46,8 +46,8 @@ from jaxspec import distributed, progress, sharding
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
-from jaxspec.flags import (TREE_HELP, add_model_flags, add_prefill_flag, checkpoint_dir, positive_int, relaxed_spec,
-                           tree_spec)
+from jaxspec.flags import (TREE_HELP, add_cache_dtype_flag, add_model_flags, add_prefill_flag, checkpoint_dir,
+                           positive_int, relaxed_spec, tree_spec)
 from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
 from jaxspec.models import DeepseekV3, model_class
@@ -96,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_flags(parser, default_preset="tiny")
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
     add_prefill_flag(parser)
+    add_cache_dtype_flag(parser)
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled programs in DIR (JAX's persistent compilation cache): a later run "
                              "with the same model and settings loads them instead of compiling (the XLA compile "
@@ -245,13 +246,14 @@ def main(argv=None) -> None:
     eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
     config = DecodeConfig(**draft_options(args), max_new_tokens=args.max_new_tokens,
                           eos_token_id=eos_token_id, page_size=args.page_size, backend=args.backend,
-                          prefill_chunk=args.prefill_chunk)
+                          prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype)
     mconf = model.config
     print(f"model     {args.checkpoint or (args.preset if args.random else 'tiny-stdlib')} ({mconf.model_type}, {mconf.num_hidden_layers} layers"
           f"{', MTP' if model.mtp is not None else ''}), {weights}")
     print(f"decoding  batch {args.batch}, {describe_decoding(args)}, up to {args.max_new_tokens} new tokens per row, "
           f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}"
-          f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}")
+          f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}"
+          f"{f', {args.cache_dtype} caches' if args.cache_dtype else ''}")
 
     prompt_ids = [encode(p, tokenizer, args) for p in prompts]
     memory = plan_memory(mconf, config, batch=args.batch, prompt_len=max(map(len, prompt_ids)), mesh=mesh,

@@ -69,7 +69,7 @@ def cache_geometry(prompt_width: int, config: DecodeConfig, *, batch_size: int, 
     prefill's calls are chains)."""
     return CacheGeometry(batch_size=batch_size, capacity=capacity, page_size=config.page_size,
                          max_window=widest_call(prompt_width, config), lookback=config.window_size,
-                         row_shards=row_shards)
+                         row_shards=row_shards, cache_dtype=config.cache_dtype)
 
 
 # -- checks and padding ---------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, Fp8Pool, check_cache_dtype, init_pool,
+                                              write_entries)
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
 
@@ -29,20 +31,22 @@ class PagedCache:
     (`models.stack`) with the cache in the carry, and a layer addresses its pages by offsetting the
     page table (`layer_pages`), so the kernels read the carry itself: slicing layer l out
     (`latent[l]`) would copy its pages for every kernel call, and a per-layer tuple cannot be
-    indexed by the scan's traced layer index."""
+    indexed by the scan's traced layer index. With FP8 caches (`init_cache(cache_dtype="fp8")`)
+    latent and index_keys are `Fp8Pool`s whose every part is stacked the same way, [L, P, page, ...]
+    (`jaxspec.pallas_kernels.fp8_cache`)."""
 
-    latent: jax.Array
-    index_keys: jax.Array | None
+    latent: jax.Array | Fp8Pool
+    index_keys: jax.Array | Fp8Pool | None
     page_table: jax.Array
     lengths: jax.Array
 
     @property
     def num_layers(self) -> int:
-        return self.latent.shape[0]
+        return jax.tree.leaves(self.latent)[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.latent.shape[2]
+        return jax.tree.leaves(self.latent)[0].shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -64,22 +68,24 @@ class PagedCache:
         """A `PartitionSpec` per leaf: every page pool split by pages (its axis 1, after the layers)
         like `rows`, the spec of an array whose leading axis is rows (each device holds its own rows'
         pages, `init_cache(row_shards=)`), the page table and lengths by rows."""
-        pools = PartitionSpec(None, *rows)
-        return PagedCache(latent=pools, index_keys=None if self.index_keys is None else pools,
-                          page_table=rows, lengths=rows)
+        pools = lambda pool: jax.tree.map(lambda _: PartitionSpec(None, *rows), pool)
+        return PagedCache(latent=pools(self.latent), index_keys=pools(self.index_keys), page_table=rows, lengths=rows)
 
-    def layer_pages(self, pool: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
-        """Layer `layer`'s view of a stacked pool [L, P, page, D] (`latent` or `index_keys`) as the
-        kernels take it: (the pool flattened to [L * P, page, D], a free reshape, and this layer's
-        page table [B, M], the shared one offset by layer * P). layer: an int or a traced int32."""
-        num_layers, num_pages = pool.shape[:2]
-        return pool.reshape(num_layers * num_pages, *pool.shape[2:]), self.page_table + layer * num_pages
+    def layer_pages(self, pool, layer):
+        """Layer `layer`'s view of a stacked pool [L, P, page, D] (`latent` or `index_keys`, a plain
+        array or an `Fp8Pool`) as the kernels take it: (the pool flattened to [L * P, page, D], each
+        part a free reshape, and this layer's page table [B, M], the shared one offset by layer * P).
+        layer: an int or a traced int32."""
+        num_layers, num_pages = jax.tree.leaves(pool)[0].shape[:2]
+        flat = jax.tree.map(lambda a: a.reshape(num_layers * num_pages, *a.shape[2:]), pool)
+        return flat, self.page_table + layer * num_pages
 
     def write(self, layer, slots: jax.Array, latent: jax.Array, index_key: jax.Array | None = None):
-        """Write one layer's window entries: slots [B, Q] (-1 = skip), latent [B, Q, Dc], index_key [B, Q, Di]."""
+        """Write one layer's window entries: slots [B, Q] (-1 = skip), latent [B, Q, Dc], index_key
+        [B, Q, Di] (an FP8 pool quantizes them per token: `fp8_cache.write_entries`)."""
         def written(pool, values):
             flat, table = self.layer_pages(pool, layer)
-            return write_slots(flat, table, slots, values).reshape(pool.shape)
+            return jax.tree.map(lambda new, old: new.reshape(old.shape), write_entries(flat, table, slots, values), pool)
 
         keys = self.index_keys if index_key is None else written(self.index_keys, index_key)
         return self.replace(latent=written(self.latent, latent), index_keys=keys)
@@ -87,15 +93,16 @@ class PagedCache:
     def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "PagedCache":
         """Copy every layer's entries (latents and indexer keys) from src_slots to dst_slots, both
         [B, L] int32 (-1 = skip the pair). All sources are read before anything is written, so a
-        destination may be another pair's source (compacting a tree path in place)."""
+        destination may be another pair's source (compacting a tree path in place). FP8 entries
+        move as their stored bytes (every part of the pool), never requantized."""
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
 
         def moved(layer_pool):
             return write_slots(layer_pool, self.page_table, dst_slots,
                                read_slots(layer_pool, self.page_table, src_slots))
 
-        keys = None if self.index_keys is None else jax.vmap(moved)(self.index_keys)
-        return self.replace(latent=jax.vmap(moved)(self.latent), index_keys=keys)
+        each_layer = lambda pool: jax.tree.map(jax.vmap(moved), pool)
+        return self.replace(latent=each_layer(self.latent), index_keys=each_layer(self.index_keys))
 
 
 def pages_per_row(capacity: int, page_size: int) -> int:
@@ -123,7 +130,7 @@ def row_page_table(batch_size: int, num_row_pages: int, row_shards: int = 1) -> 
 
 def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: int, index_dim: int = 0,
                page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None,
-               row_shards: int = 1) -> PagedCache:
+               row_shards: int = 1, rope_dim: int = 0, cache_dtype: str | None = None) -> PagedCache:
     """An empty cache giving each of `batch_size` rows room for `capacity` slots.
 
     num_layers: layers with a cache (the target's, or 1 for the MTP module); latent_dim: width of
@@ -135,16 +142,29 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     that splits the rows into that many blocks (`jaxspec.sharding`): the page pool is split the same
     way, each block's rows own the block's pages, and the page table numbers pages within the block
     (every device's page table addresses its own pages only). Returns a `PagedCache`: latent
-    [L, num_pages, page_size, latent_dim]; index_keys [L, num_pages, page_size, index_dim] (None when index_dim = 0); page_table [batch_size, M]; lengths [batch_size] = 0.
+    [L, num_pages, page_size, latent_dim]; index_keys [L, num_pages, page_size, index_dim] (None
+    when index_dim = 0); page_table [batch_size, M]; lengths [batch_size] = 0.
+    rope_dim: the trailing RoPE width of a latent entry (qk_rope_head_dim; read only with FP8).
+    cache_dtype: None stores entries in `dtype`; "fp8" stores the latent as an `Fp8Pool` in
+    FlashMLA's token (its last rope_dim values, the RoPE key, in bfloat16; the rest in e4m3 with
+    float32 scales) and the indexer keys as e4m3 with power-of-two scales (`fp8_cache`), each
+    part stacked [L, num_pages, page_size, ...].
     """
     check_geometry(batch_size, capacity, row_shards, page_table)
+    check_cache_dtype(cache_dtype)
     num_row_pages = pages_per_row(capacity, page_size)
     num_pages = batch_size * num_row_pages
     if page_table is None:
         page_table = row_page_table(batch_size, num_row_pages, row_shards)
     elif page_table.shape != (batch_size, num_row_pages):
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
-    latent = jnp.zeros((num_layers, num_pages, page_size, latent_dim), dtype)
-    keys = jnp.zeros((num_layers, num_pages, page_size, index_dim), dtype) if index_dim else None
+    if cache_dtype == "fp8":
+        latent = init_pool(num_pages, page_size, latent_dim - rope_dim, rope_dim, rule=LATENT_RULE)
+        keys = init_pool(num_pages, page_size, index_dim, rule=INDEX_RULE) if index_dim else None
+    else:
+        latent = jnp.zeros((num_pages, page_size, latent_dim), dtype)
+        keys = jnp.zeros((num_pages, page_size, index_dim), dtype) if index_dim else None
+    stacked = lambda pool: jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype), pool)
+    latent, keys = stacked(latent), stacked(keys)
     return PagedCache(latent=latent, index_keys=keys, page_table=jnp.asarray(page_table, jnp.int32),
                       lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -4,7 +4,7 @@
 
     jaxspec aot --target h100|h200 [--devices N] (--preset NAME | --config config.json)
                 --batch B --context C [--mtp K | --tree SPEC] [--phase prefill|decode] [--layers L]
-                [--prefill-chunk C] [--unroll-layers]
+                [--prefill-chunk C] [--cache-dtype fp8] [--unroll-layers]
 
 `aot` compiles the model's prefill or one decode step for an NVIDIA GPU target without a GPU
 (`jaxspec.aot`) and prints per-device memory, flops and bytes (XLA ops plus the Pallas kernels'),
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxspec import progress
 from jaxspec.checkpoint import load_model
-from jaxspec.flags import add_prefill_flag, checkpoint_dir
+from jaxspec.flags import add_cache_dtype_flag, add_prefill_flag, checkpoint_dir
 from jaxspec.orbax_io import save_model
 from jaxspec.platforms import use_cpu_without_nvidia_driver
 
@@ -92,7 +92,7 @@ def aot(args: argparse.Namespace) -> None:
     if args.layers is not None:
         config = reduced_depth(config, args.layers)
     decode = DecodeConfig(num_draft=args.mtp, tree=args.tree, backend=args.backend, prefill_chunk=args.prefill_chunk,
-                          unroll_layers=args.unroll_layers)
+                          cache_dtype=args.cache_dtype, unroll_layers=args.unroll_layers)
     memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
     devices = instrument.gpu_devices(args.target, args.devices, hosts=args.hosts, **memory)
     with progress.elapsed(f"compiling the {args.phase} for {args.devices} x {args.target}"):
@@ -103,7 +103,8 @@ def aot(args: argparse.Namespace) -> None:
     mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
              f"{drafting}, batch {args.batch}, context {args.context}"
-             f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}, backend {args.backend}"
+             f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}"
+             f"{f', {args.cache_dtype} caches' if args.cache_dtype else ''}, backend {args.backend}"
              f"{', layers unrolled' if args.unroll_layers else ''}; "
              f"{args.devices} x {devices[0].device_kind}{f' on {args.hosts} hosts' if args.hosts > 1 else ''}{mesh}")
     print(instrument.report(compiled, title))
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     aot_parser.add_argument("--phase", choices=("prefill", "decode"), default="decode")
     aot_parser.add_argument("--layers", type=int, help="decoder layers (reduced depth, full width; default: all)")
     add_prefill_flag(aot_parser)
+    add_cache_dtype_flag(aot_parser)
     aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                             help=f"parameter dtype; {FP8_HELP}")
     aot_parser.add_argument("--backend", choices=("pallas", "mosaic", "xla"), default="pallas",

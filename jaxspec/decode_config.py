@@ -8,6 +8,7 @@ import functools
 import math
 
 from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.pallas_kernels.fp8_cache import CACHE_DTYPES
 from jaxspec.trees import DynamicTreeSpec, StaticTree, chain_tree, parse_tree
 
 MAX_DRAFT_TOKENS = 7
@@ -57,6 +58,12 @@ class DecodeConfig:
       and the MTP's calls are not window-invariant): its caches and the first token are then the
       same, bit for bit, for every chunk size, on caches of one geometry (V4's attention reduces
       over its whole ring, which `generate` sizes by the widest call, so by the chunk).
+    cache_dtype: None (default) stores the caches in the model's compute dtype; "fp8" stores them as
+      DeepSeek serves V3.2: each MLA latent in FlashMLA's FP8 token (656 bytes at DeepSeek's
+      widths), the DSA indexer keys Hadamard-rotated in e4m3 with per-128 power-of-two scales, and
+      the indexer scores from FP8 queries and keys (docs/fp8-caches.md). Quantization is per token,
+      so the exactness guarantees above hold unchanged. Not on backend "mosaic" (its kernels read
+      compute-dtype caches) nor for DeepSeek-V4 models (ValueError).
     prefill_chunk: None (default) runs the whole padded prompt [B, P] through the target and the
       MTP module in one call each. C >= 1 runs it in ceil(P / C) calls of min(C, P) tokens inside
       one `jax.lax.fori_loop` (`jaxspec.loop.prefill`), so the prefill's activations and
@@ -86,6 +93,7 @@ class DecodeConfig:
     window_invariant: bool = False
     prefill_chunk: int | None = None
     unroll_layers: bool = False
+    cache_dtype: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -106,6 +114,12 @@ class DecodeConfig:
                                                or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
                              "integer >= 1 (tokens per prefill call)")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"DecodeConfig.cache_dtype={self.cache_dtype!r}: must be one of {CACHE_DTYPES} "
+                             "(None: the model's compute dtype)")
+        if self.cache_dtype == "fp8" and self.backend == "mosaic":
+            raise ValueError("DecodeConfig.cache_dtype='fp8' with backend='mosaic': the Mosaic GPU kernels read "
+                             "compute-dtype caches only; use backend 'pallas', 'xla' or 'auto'")
         self._check_tree()
         self._check_sampling()
 

@@ -65,6 +65,14 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default_preset: str) -> 
                         help="attention kernels: xla (pure-jnp references), pallas, or auto (pallas on GPU)")
 
 
+def add_cache_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """--cache-dtype: `DecodeConfig.cache_dtype` (None when absent: the model's compute dtype)."""
+    parser.add_argument("--cache-dtype", choices=("fp8",),
+                        help="store the caches as DeepSeek serves V3.2: the MLA latent in FlashMLA's FP8 token "
+                             "(656 bytes at DeepSeek's widths), the indexer keys rotated and in FP8 (default: the "
+                             "model's compute dtype; not with --backend mosaic)")
+
+
 def add_prefill_flag(parser: argparse.ArgumentParser) -> None:
     """--prefill-chunk: `DecodeConfig.prefill_chunk` (None when absent: the one-call prefill)."""
     parser.add_argument("--prefill-chunk", type=positive_int, metavar="C",

@@ -33,6 +33,7 @@ from flax import nnx
 from jaxspec.cache import PagedCache, init_cache
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility
+from jaxspec.pallas_kernels.fp8_cache import check_fp8_widths
 
 from .interface import check_head_split
 from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
@@ -116,16 +117,22 @@ class DeepseekV3(nnx.Module):
 
     def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
                    page_table: jax.Array | None = None, row_shards: int = 1, max_window: int | None = None,
-                   lookback: int | None = None) -> PagedCache:
+                   lookback: int | None = None, cache_dtype: str | None = None) -> PagedCache:
         """An empty cache for the target (or, with `mtp=True`, for the one-layer MTP module);
         row_shards: laid out for a mesh splitting the rows into that many blocks (`jaxspec.cache.init_cache`).
         max_window and lookback are unused: a paged cache holds every slot up to its capacity, so
-        the widest call does not size it."""
+        the widest call does not size it. cache_dtype: None (the compute dtype) or "fp8" (the
+        latent in FlashMLA's FP8 token, indexer keys rotated and in FP8: `jaxspec.pallas_kernels.fp8_cache`;
+        ValueError where the widths do not fit, `check_fp8_widths`)."""
         del max_window, lookback
         c = self.config
+        index_dim = c.index_head_dim if c.is_v32 else 0
+        if cache_dtype == "fp8":
+            check_fp8_widths(kv_lora_rank=c.kv_lora_rank, index_head_dim=index_dim)
         return init_cache(num_layers=1 if mtp else c.num_hidden_layers, batch_size=batch_size, capacity=capacity,
-                          latent_dim=c.latent_dim, index_dim=c.index_head_dim if c.is_v32 else 0,
-                          page_size=page_size, dtype=self.dtype, page_table=page_table, row_shards=row_shards)
+                          latent_dim=c.latent_dim, index_dim=index_dim, page_size=page_size, dtype=self.dtype,
+                          page_table=page_table, row_shards=row_shards, rope_dim=c.qk_rope_head_dim,
+                          cache_dtype=cache_dtype)
 
     @property
     def hidden_width(self) -> int:

@@ -6,8 +6,12 @@
   score(s) = sum_h weights[h] * relu(q_idx[h] . key[s]);  indices = top-`index_topk` visible slots
 
 DeepSeek's release also applies a Hadamard rotation to q_idx and key before quantizing them to FP8.
-An orthogonal rotation of both sides leaves every dot product unchanged, so in bf16/fp32 it is
-omitted here; it only matters for FP8 indexer caches.
+An orthogonal rotation of both sides leaves every dot product unchanged, so with a compute-dtype key
+cache it is omitted. With an FP8 key cache (`cache_dtype="fp8"`) selection is DeepSeek's
+(V3.2-Exp `inference/model.py`, `Indexer.forward`): keys and queries rotated
+(`fp8_cache.rotate`), quantized per 128 values with power-of-two scales (`fp8_cache.quantize_act`;
+V3.2's config sets `scale_fmt` "ue8m0"), the query scales folded into the weights
+(`fp8_cache.fp8_index_queries`), and the scores taken from the FP8 values (`indexer.score_keys`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from flax import nnx
 
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility, indexer_topk
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, fp8_index_queries, rotate
 
 from .layers import LayerNorm, Linear, compute_dtype
 from .rope import apply_rope
@@ -38,22 +43,26 @@ class Indexer(nnx.Module):
         rope_dim = self.config.qk_rope_head_dim
         return jnp.concatenate([apply_rope(x[..., :rope_dim], cos, sin, interleaved=False), x[..., rope_dim:]], axis=-1)
 
-    def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """x [B, Q, D] -> the window's indexer keys [B, Q, Di] (to be written to the cache)."""
-        return self._rotate(self.k_norm(self.wk(x)), cos, sin)
+    def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, fp8: bool = False) -> jax.Array:
+        """x [B, Q, D] -> the window's indexer keys [B, Q, Di] (to be written to the cache;
+        fp8: Hadamard-rotated for an FP8 key cache, which quantizes them as it stores them)."""
+        keys = self._rotate(self.k_norm(self.wk(x)), cos, sin)
+        return rotate(keys) if fp8 else keys
 
-    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array):
+    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, *, fp8: bool = False):
         """The token-local part of selection: x [B, Q, D], q_latent [B, Q, q_lora_rank]
-        -> (q_idx [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32, scaled)."""
+        -> (q_idx [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32, scaled). fp8 (an FP8 key
+        cache): q_idx Hadamard-rotated and quantized to e4m3, its scale folded into the weights."""
         batch, num_queries, _ = x.shape
         heads, head_dim = self.config.index_n_heads, self.config.index_head_dim
         q_idx = self._rotate(self.wq_b(q_latent).reshape(batch, num_queries, heads, head_dim), cos, sin)
-        weights = self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
-        return q_idx, weights
+        if not fp8:
+            return q_idx, self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
+        return fp8_index_queries(q_idx, self.weights_proj(x.astype(jnp.float32)))
 
     def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
                page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:
         """x [B, Q, D], q_latent [B, Q, q_lora_rank], key_cache holding the window's keys
-        -> indices [B, Q, index_topk] int32 (-1 padded)."""
-        q_idx, weights = self.queries(x, q_latent, cos, sin)
+        -> indices [B, Q, index_topk] int32 (-1 padded). An FP8 key cache selects as DeepSeek's release does."""
+        q_idx, weights = self.queries(x, q_latent, cos, sin, fp8=isinstance(key_cache, Fp8Pool))
         return indexer_topk(q_idx, weights, key_cache, page_table, vis, topk=self.config.index_topk, backend=backend)

@@ -30,7 +30,8 @@ class CacheGeometry:
     tokens Q of any call (a prefill chunk, the verification window, a drafting call), which a
     bounded structure (a ring) must leave room for; lookback: the widest tree call, whose
     committed positions the next call may revisit (at most max_window); row_shards: the cache is
-    laid out for a mesh splitting the rows into that many blocks, each numbering its own pages.
+    laid out for a mesh splitting the rows into that many blocks, each numbering its own pages;
+    cache_dtype: None (entries in the model's compute dtype) or "fp8" (`DecodeConfig.cache_dtype`).
     """
 
     batch_size: int
@@ -39,11 +40,12 @@ class CacheGeometry:
     max_window: int | None = None
     lookback: int | None = None
     row_shards: int = 1
+    cache_dtype: str | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `DecoderModel.init_cache` after its first two."""
         return dict(page_size=self.page_size, max_window=self.max_window, lookback=self.lookback,
-                    row_shards=self.row_shards)
+                    row_shards=self.row_shards, cache_dtype=self.cache_dtype)
 
 
 @runtime_checkable
@@ -112,9 +114,10 @@ class DecoderModel(Protocol):
 
     def init_cache(self, batch_size: int, capacity: int, *, page_size: int = 64, mtp: bool = False,
                    page_table=None, row_shards: int = 1, max_window: int | None = None,
-                   lookback: int | None = None) -> DecodeCache:
+                   lookback: int | None = None, cache_dtype: str | None = None) -> DecodeCache:
         """An empty cache for the target (mtp=True: for the draft module) of the `CacheGeometry`
-        these arguments give; page_table: an optional user page layout, where the family has one."""
+        these arguments give; page_table: an optional user page layout, where the family has one;
+        cache_dtype: None or "fp8" (ValueError naming it where the family or its widths cannot)."""
 
     def check_layout(self, *, head_split: int, page_table) -> None:
         """Raise ValueError (naming the argument) when this model cannot run with its attention

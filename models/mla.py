@@ -24,8 +24,9 @@ from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.model_config import ModelConfig
-from jaxspec.pallas_kernels import (Visibility, attend_latent, gather_rows, mla_attention, read_slots, resolve_backend,
-                                    select_topk, sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels import (Visibility, attend_latent, mla_attention, read_slots, resolve_backend, select_topk,
+                                    sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, as_entries, check_kernel_reads, gather_parts, read_parts
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
 from jaxspec.sharding import current
@@ -99,6 +100,9 @@ class MLA(nnx.Module):
         (`per_position` for the token-local projections, `_attend_alone` for attention, or, on the
         "mosaic" backend without DSA, the invariant kernel: `_attend_invariant_kernel`), so its
         output is bit-identical whatever the window around it; see `DecodeConfig.window_invariant`.
+
+        FP8 caches (`Fp8Pool` entries in `cache`) are read as such: the latent and the indexer keys
+        are quantized as they are written, the indexer keys and queries rotated first (`Indexer`).
         """
         if form not in FORMS:
             raise ValueError(f"form={form!r}: must be one of {FORMS}")
@@ -107,7 +111,10 @@ class MLA(nnx.Module):
         c = self.config
         batch, num_queries, _ = x.shape
         each = functools.partial(per_position, enabled=window_invariant)
-        q_latent, q_nope, q_rope, entry, index_key = each(self._project, x, cos, sin)
+        fp8_index = self.indexer is not None and isinstance(cache.index_keys, Fp8Pool)
+        check_kernel_reads(cache.latent, resolve_backend(backend, "mla_attention"), "mla_attention")
+        q_latent, q_nope, q_rope, entry, index_key = each(functools.partial(self._project, fp8_index=fp8_index),
+                                                          x, cos, sin)
         cache = cache.write(layer, window_slots(vis, num_queries), entry, index_key)
 
         w_uk, w_uv = self._up_projections()
@@ -115,7 +122,7 @@ class MLA(nnx.Module):
             out = self._attend_invariant_kernel(q_nope, q_rope, cache, layer, vis, w_uk, w_uv, backend)
         elif window_invariant:
             index_queries = (None if self.indexer is None
-                             else each(self.indexer.queries, x, q_latent, cos, sin))
+                             else each(functools.partial(self.indexer.queries, fp8=fp8_index), x, q_latent, cos, sin))
             out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
         else:
             indices = None
@@ -133,18 +140,18 @@ class MLA(nnx.Module):
                                                          softmax_scale=c.softmax_scale, backend=backend)
                 out = jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
             else:
-                out = self._expanded(q_nope, q_rope, gather_rows(latent_cache, page_table), vis, indices,
-                                     w_uk, w_uv)
+                out = self._expanded(q_nope, q_rope, as_entries(gather_parts(latent_cache, page_table)), vis,
+                                     indices, w_uk, w_uv)
         out = each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,))), out)
         par = current()
         if par is not None and par.head_axes:  # tensor parallel: each device projected its heads' share
             out = jax.lax.psum(out, par.head_axes)
         return out, cache
 
-    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, fp8_index: bool = False):
         """The token-local part: x [B, Q, D] -> q_latent [B, Q, q_lora_rank] (None without q_lora_rank),
         q_nope [B, Q, H, Dn], rotated q_rope [B, Q, H, Dr], the cache entry [B, Q, R + Dr] and the
-        indexer key [B, Q, Di] (None without DSA)."""
+        indexer key [B, Q, Di] (None without DSA; Hadamard-rotated for an FP8 key cache)."""
         c = self.config
         batch, num_queries, _ = x.shape
         if c.q_lora_rank is None:
@@ -157,7 +164,7 @@ class MLA(nnx.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
         k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleaved=True)
-        index_key = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
+        index_key = self.indexer.keys(x, cos, sin, fp8=fp8_index) if self.indexer is not None else None
         return q_latent, q[..., :c.qk_nope_head_dim], q_rope, jnp.concatenate([latent, k_rope], axis=-1), index_key
 
     def _attend_alone(self, q_nope, q_rope, index_queries, cache: PagedCache, layer, vis: Visibility,
@@ -178,10 +185,10 @@ class MLA(nnx.Module):
 
         def alone(q_nope, q_rope, index_queries, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
             visible = slots[:, 0]
-            kv = read_slots(latent_cache, page_table, visible)  # [B, S, R + Dr]
+            kv = as_entries(read_parts(latent_cache, page_table, visible))  # [B, S, R + Dr]
             mask = visible >= 0
             if index_queries is not None:
-                keys = read_slots(*cache.layer_pages(cache.index_keys, layer), visible)
+                keys = read_parts(*cache.layer_pages(cache.index_keys, layer), visible)
                 chosen = select_topk(score_keys(*index_queries, keys, mask[:, None]), c.index_topk)[:, 0]  # [B, K]
                 kv = jnp.take_along_axis(kv, jnp.maximum(chosen, 0)[..., None], axis=1)
                 mask = chosen >= 0

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 
 from .cost import array_bytes
 from .contracts import EMPTY_LSE
+from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
 from .tiling import block_size, column_span, dot_nn, dot_nt, launch, load_block, num_parts
 
 # Shortest part (in slots) worth a split: below this, writing and merging a float32 partial costs
@@ -46,12 +47,15 @@ class LatentDims(NamedTuple):
     dtype: jnp.dtype
 
 
-def latent_dims(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array) -> LatentDims:
-    """Check the operand shapes of an MLA kernel and return its `LatentDims`."""
+def latent_dims(q_nope: jax.Array, q_rope: jax.Array, latent_cache) -> LatentDims:
+    """Check the operand shapes of an MLA kernel and return its `LatentDims`. An FP8 cache
+    (`Fp8Pool`) is dequantized in registers to the dtype its bfloat16 RoPE part and the queries
+    promote to (bfloat16 for bfloat16 queries, as FlashMLA feeds its tensor cores)."""
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
     if latent_cache.shape[-1] != latent + rope:
         raise ValueError(f"latent_cache last dim {latent_cache.shape[-1]} != Dl + Dr = {latent} + {rope}")
-    dtype = jnp.promote_types(q_nope.dtype, latent_cache.dtype)
+    stored = latent_cache.rope.dtype if isinstance(latent_cache, Fp8Pool) else latent_cache.dtype
+    dtype = jnp.promote_types(q_nope.dtype, stored)
     return LatentDims(latent, rope, block_size(latent), block_size(rope), dtype)
 
 
@@ -66,12 +70,31 @@ def load_queries(q_nope_ref, q_rope_ref, rows, valid, dims: LatentDims):
 
 
 def load_latent(cache_ref, rows, readable, dims: LatentDims):
-    """cache_ref [P * page, Dl + Dr]; rows [BN] -> (latent [BN, Dl block], rope key [BN, Dr block]).
+    """cache_ref [P * page, Dl + Dr] (or an `Fp8Pool` of refs [P * page, ...]); rows [BN]
+    -> (latent [BN, Dl block], rope key [BN, Dr block]).
 
     Unreadable slots read as zeros, so stale or uninitialised cache memory never meets a zero
-    probability (0 * NaN would poison the row).
+    probability (0 * NaN would poison the row). FP8 entries are dequantized here, in registers:
+    each latent column is multiplied by its block's scale and rounded to bfloat16
+    (`fp8_cache.entries`), and no dequantized copy of the cache exists. The scales are loaded one
+    [BN, 1] column per block and spread over their columns by selects (4 at DeepSeek's widths):
+    loading a scale per latent column instead would stage a [BN, Dl] float32 tile per pipeline
+    stage in shared memory (docs/fp8-caches.md gives the compiled sizes).
     """
     latent_cols, latent_valid = column_span(0, dims.latent, dims.latent_block)
+    if isinstance(cache_ref, Fp8Pool):
+        num_blocks = cache_ref.scales.shape[1]
+        block_of_column = jax.lax.div(latent_cols, cache_ref.values.shape[1] // num_blocks)[None, :]
+        values = load_block(cache_ref.values, rows, latent_cols, readable, latent_valid).astype(jnp.float32)
+        scales = jnp.zeros_like(values)
+        for block in range(num_blocks):
+            scale = load_block(cache_ref.scales, rows, jnp.full((1,), block, jnp.int32), readable)  # [BN, 1]
+            scales = jnp.where(block_of_column == block, scale, scales)
+        rope_cols, rope_valid = column_span(0, dims.rope, dims.rope_block)
+        rope_key = load_block(cache_ref.rope, rows, rope_cols, readable, rope_valid)
+        # Rounded to bfloat16 as `fp8_cache.entries` defines the entry, whatever the compute dtype.
+        latent = (values * scales).astype(rope_key.dtype)
+        return latent.astype(dims.dtype), rope_key.astype(dims.dtype)
     rope_cols, rope_valid = column_span(dims.latent, dims.rope, dims.rope_block)
     latent = load_block(cache_ref, rows, latent_cols, readable, latent_valid)
     rope_key = load_block(cache_ref, rows, rope_cols, readable, rope_valid)
@@ -171,15 +194,16 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     the same slots (a sequence row's Q*H rows, or one token's H heads); `num_slots` is the most
     slots a group's loop can visit (it sets the number of parts).
     The kernel is called as `kernel(q_nope_ref [groups*rows, Dl], q_rope_ref [groups*rows, Dr],
-    cache_ref [P*page, Dl+Dr], page_table_ref, *operand refs, out_ref, lse_ref, dims=, rows=,
-    rows_padded=, page_size=, num_pages=, block_m=, block_n=, parts=, **params)` on the grid
+    cache_ref [P*page, Dl+Dr] (an `Fp8Pool` of refs for an FP8 cache), page_table_ref, *operand
+    refs, out_ref, lse_ref, dims=, rows=, rows_padded=, page_size=, num_pages=, block_m=,
+    block_n=, parts=, **params)` on the grid
     (row blocks, parts, groups). Returns out [groups, rows, Dl] in q_nope's dtype, lse [groups, rows].
 
     Default blocks: 64 query rows x 32 slots for 2-byte inputs; 32 x 16 for float32, whose query
     block and double-buffered cache tiles would otherwise outgrow shared memory.
     """
     dims = latent_dims(q_nope, q_rope, latent_cache)
-    num_pages, page_size, width = latent_cache.shape
+    num_pages, page_size, _ = latent_cache.shape
     rows = q_nope.size // (groups * dims.latent)
     narrow = jnp.dtype(dims.dtype).itemsize <= 2
     block_m = block_m or block_size(rows, 64 if narrow else 32)
@@ -196,12 +220,12 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     cost = pl.CostEstimate(
         flops=2 * groups * rows * num_slots * (2 * dims.latent + dims.rope),
         transcendentals=groups * rows * num_slots,
-        bytes_accessed=groups * num_slots * width * latent_cache.dtype.itemsize
+        bytes_accessed=groups * num_slots * cache_token_bytes(latent_cache)
         + array_bytes(q_nope, q_rope, page_table, *operands, *out_shape))
     out, lse = launch(kernel, out_shape=out_shape, grid=(row_blocks, parts, groups),
                       num_warps=num_warps or default_warps(block_m), num_stages=num_stages, name=name,
                       interpret=interpret, cost=cost)(
         q_nope.reshape(groups * rows, dims.latent), q_rope.reshape(groups * rows, dims.rope),
-        latent_cache.reshape(num_pages * page_size, width), page_table.astype(jnp.int32), *operands)
+        flat_pool(latent_cache), page_table.astype(jnp.int32), *operands)
     out, lse = combine_parts(out, lse, groups, parts, rows_padded, rows, q_nope.dtype)
     return out[..., :dims.latent], lse

@@ -5,6 +5,11 @@
 for every slot s that token (b, q) sees; the `topk` best slots feed sparse MLA. The query and key
 rotations, the weight scaling (`index_n_heads**-0.5 * index_head_dim**-0.5`) and the key cache
 writes belong to the model; this op only scores and selects.
+
+With FP8 indexer keys (an `fp8_cache.Fp8Pool`: e4m3 keys, one float32 scale each) the queries are
+e4m3 too and the weights carry their scales; the score is DeepSeek's `fp8_index`
+(V3.2-Exp `inference/kernel.py`): float32 dots of the e4m3 values, ReLU, times the weights, summed
+over heads, times the key's scale.
 """
 
 from __future__ import annotations
@@ -14,25 +19,30 @@ import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
 from .contracts import select_topk
-from .paged import gather_rows
+from .fp8_cache import Fp8Pool, check_kernel_reads, gather_parts
 from .visibility import Visibility, visible_mask
 
 
 def indexer_scores_reference(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array,
                              page_table: jax.Array, vis: Visibility) -> jax.Array:
-    """q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] -> scores [B, Q, S] float32.
+    """q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] (or an FP8 pool of it)
+    -> scores [B, Q, S] float32.
 
     S = max_pages * page_size; invisible slots score -inf. Computed in float32.
     """
-    keys = gather_rows(key_cache, page_table)  # [B, S, Di]
+    keys = gather_parts(key_cache, page_table)  # [B, S, Di]
     return score_keys(q_idx, weights, keys, visible_mask(vis, q_idx.shape[1], keys.shape[1]))
 
 
-def score_keys(q_idx: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array) -> jax.Array:
-    """The score itself, over gathered keys: q_idx [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, S, Di],
+def score_keys(q_idx: jax.Array, weights: jax.Array, keys, mask: jax.Array) -> jax.Array:
+    """The score itself, over gathered keys: q_idx [B, Q, Hi, Di], weights [B, Q, Hi], keys [B, S, Di]
+    (or an `Fp8Pool` of e4m3 keys [B, S, Di] and their scales [B, S, 1], scored as `fp8_index`),
     mask [B, Q, S] bool -> scores [B, Q, S] float32, -inf where mask is False."""
-    logits = jnp.einsum("bqhd,bsd->bqhs", q_idx.astype(jnp.float32), keys.astype(jnp.float32))
+    values = keys.values if isinstance(keys, Fp8Pool) else keys
+    logits = jnp.einsum("bqhd,bsd->bqhs", q_idx.astype(jnp.float32), values.astype(jnp.float32))
     scores = jnp.einsum("bqhs,bqh->bqs", jax.nn.relu(logits), weights.astype(jnp.float32))
+    if isinstance(keys, Fp8Pool):
+        scores = scores * keys.scales[:, None, :, 0]
     return jnp.where(mask, scores, -jnp.inf)
 
 
@@ -47,7 +57,9 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
 
     Args:
       q_idx: [B, Q, Hi, Di] indexer queries (rotated); weights: [B, Q, Hi] per-head weights.
-      key_cache: [num_pages, page_size, Di] one layer's indexer keys; page_table: [B, max_pages].
+      key_cache: [num_pages, page_size, Di] one layer's indexer keys, or an `fp8_cache.Fp8Pool` of
+        them (then q_idx is e4m3 and weights carry the query scales: `models.indexer`; not on
+        "mosaic"); page_table: [B, max_pages].
       vis: per-token visibility; topk: slots to keep; backend: "xla", "pallas", "mosaic" or "auto"
         (`backend.resolve_backend`).
 
@@ -55,6 +67,7 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
       indices [B, Q, topk] int32 row-local slots, best first; -1 where fewer than topk are visible.
     """
     implementation = resolve_backend(backend, "indexer_topk")
+    check_kernel_reads(key_cache, implementation, "indexer_topk")
     if implementation == "mosaic":
         from .indexer_mosaic import indexer_topk_mosaic
         return indexer_topk_mosaic(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())

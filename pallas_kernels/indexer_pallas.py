@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 
 from .cost import array_bytes
 from .contracts import select_topk
+from .fp8_cache import Fp8Pool, cache_token_bytes
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
                      slot_rows, tile_range, visibility_operands, visible)
 from .visibility import Visibility
@@ -48,14 +49,17 @@ def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, bound_ref, span
                     block_n: int, queries_padded: int, chunks: int):
     """One (token block, slot chunk, sequence row) program.
 
-    q_ref [B * Q * Hi, Di], weights_ref [B * Q * Hi], key_ref [P * page, Di], page_table_ref
+    q_ref [B * Q * Hi, Di], weights_ref [B * Q * Hi], key_ref [P * page, Di] (FP8 keys: an
+    `Fp8Pool` of e4m3 values [P * page, Di] and scales [P * page]), page_table_ref
     [B, max_pages], bound_ref [B, Q], span_ref [B], then for a tree prefix_ref [B] and
     ancestor_ref [B * Q, Q]; output scores_ref [B * Qp, S padded to block_n] float32.
     """
     *tree_refs, scores_ref = refs
     prefix_ref, ancestor_ref = tree_refs or (None, None)
     token_block, chunk, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dim = key_ref.shape[1]
+    fp8 = isinstance(key_ref, Fp8Pool)
+    key_values_ref = key_ref.values if fp8 else key_ref
+    dim = key_values_ref.shape[1]
 
     # Query rows: token-major, each token's heads padded to `heads_block` (zero rows score 0).
     row = jnp.arange(block_q * heads_block, dtype=jnp.int32)
@@ -77,11 +81,15 @@ def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, bound_ref, span
     def score_tile(t, carry):
         slots = t * block_n + jnp.arange(block_n, dtype=jnp.int32)
         cache_rows = slot_rows(page_table_ref, seq, slots, page_size, num_pages)
-        keys = load_block(key_ref, cache_rows, columns, slots < span, column_valid)
-        dtype = jnp.promote_types(queries.dtype, keys.dtype)
+        keys = load_block(key_values_ref, cache_rows, columns, slots < span, column_valid)
+        # e4m3 operands go to the tensor cores as bfloat16, which holds every e4m3 value exactly:
+        # the products are exact and accumulate in float32, as DeepSeek's fp8_index does.
+        dtype = jnp.bfloat16 if fp8 else jnp.promote_types(queries.dtype, keys.dtype)
         logits = dot_nt(queries.astype(dtype), keys.astype(dtype))  # [block_q * heads_block, block_n]
         per_head = jnp.maximum(logits, 0.0) * weights[:, None]
         scores = jnp.sum(per_head.reshape(block_q, heads_block, block_n), axis=1)
+        if fp8:  # the key's scale multiplies the head sum (`indexer.score_keys`)
+            scores = scores * load_vector(key_ref.scales, cache_rows, slots < span)[None, :]
         sees = visible(slots, bounds, seq, tokens, prefix_ref, ancestor_ref)
         scores_ref[out_rows, pl.ds(t * block_n, block_n)] = jnp.where(sees, scores, -jnp.inf)
         return carry
@@ -100,7 +108,8 @@ def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
                           num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
     """`indexer_scores_reference` as a Pallas kernel.
 
-    q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di], page_table [B, max_pages]
+    q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] (or an `Fp8Pool` of FP8 keys,
+    q_idx then e4m3), page_table [B, max_pages]
     -> scores [B, Q, S] float32 (S = max_pages * page; -inf where not visible).
 
     Tuning (static): block_n slots per key tile (power of two >= 16), tiles_per_program (default:
@@ -129,13 +138,21 @@ def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
     # logit is a Di-long dot, then ReLU, weight and sum.
     cost = pl.CostEstimate(
         flops=batch * num_queries * heads * num_slots * (2 * dim + 3), transcendentals=0,
-        bytes_accessed=batch * num_slots * dim * key_cache.dtype.itemsize
+        bytes_accessed=batch * num_slots * cache_token_bytes(key_cache)
         + array_bytes(q_idx, weights, page_table, *vis_operands, out_shape))
     scores = launch(kernel, out_shape=out_shape, grid=(token_blocks, chunks, batch), num_warps=num_warps,
                     num_stages=num_stages, name="indexer_scores", interpret=interpret, cost=cost)(
-        q_idx.reshape(-1, dim), weights.reshape(-1), key_cache.reshape(num_pages * page_size, dim),
-        page_table.astype(jnp.int32), *vis_operands)
+        q_idx.reshape(-1, dim), weights.reshape(-1), _flat_keys(key_cache), page_table.astype(jnp.int32), *vis_operands)
     return scores.reshape(batch, queries_padded, -1)[:, :num_queries, :num_slots]
+
+
+def _flat_keys(key_cache):
+    """The key pool as the kernel reads it: [P * page, Di], or an `Fp8Pool` of values [P * page, Di]
+    and scales [P * page] (one per key: a vector load, where a [.., 1] column would not lower)."""
+    num_pages, page_size, dim = key_cache.shape
+    if isinstance(key_cache, Fp8Pool):
+        return Fp8Pool(key_cache.values.reshape(-1, dim), key_cache.scales.reshape(-1), None, key_cache.rule)
+    return key_cache.reshape(num_pages * page_size, dim)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret"))

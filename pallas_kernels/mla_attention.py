@@ -16,10 +16,8 @@ import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
 from .contracts import EMPTY_LSE
-from .paged import gather_rows
+from .fp8_cache import as_entries, check_kernel_reads, gather_parts
 from .visibility import Visibility, visible_mask
-
-
 
 
 def attend_latent(q_nope: jax.Array, q_rope: jax.Array, kv: jax.Array, mask: jax.Array,
@@ -47,7 +45,7 @@ def attend_latent(q_nope: jax.Array, q_rope: jax.Array, kv: jax.Array, mask: jax
 def mla_attention_reference(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
                             page_table: jax.Array, vis: Visibility, *, softmax_scale: float):
     """The definition of `mla_attention` (pure jnp). Same arguments and results."""
-    kv = gather_rows(latent_cache, page_table)[:, None]  # [B, 1, S, Dl + Dr]
+    kv = as_entries(gather_parts(latent_cache, page_table))[:, None]  # [B, 1, S, Dl + Dr]
     mask = visible_mask(vis, q_nope.shape[1], kv.shape[2])
     return attend_latent(q_nope, q_rope, kv, mask, softmax_scale)
 
@@ -59,7 +57,9 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
     Args:
       q_nope: [B, Q, H, Dl] queries with the key up-projection absorbed (Dl = kv_lora_rank).
       q_rope: [B, Q, H, Dr] rotated RoPE part of the queries.
-      latent_cache: [num_pages, page_size, Dl + Dr] one layer's cache (window already written).
+      latent_cache: [num_pages, page_size, Dl + Dr] one layer's cache (window already written), or
+        an `fp8_cache.Fp8Pool` of that shape (FlashMLA's FP8 token), dequantized as it is read
+        ("xla" and "pallas"; "mosaic" refuses it).
       page_table: [B, max_pages] int32.
       vis: per-token visibility (prefix, window length, optional tree mask).
       softmax_scale: multiplies the scores before the softmax.
@@ -71,6 +71,7 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
       (`EMPTY_LSE` for padding tokens).
     """
     implementation = resolve_backend(backend, "mla_attention")
+    check_kernel_reads(latent_cache, implementation, "mla_attention")
     if implementation == "pallas":
         from .mla_attention_pallas import mla_attention_pallas
         return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale,

@@ -83,7 +83,8 @@ def load_block(ref, rows, columns, row_valid=None, column_valid=None):
     if not masks:
         return ref[index]
     mask = masks[0] if len(masks) == 1 else masks[0] & masks[1]
-    return plgpu.load(ref.at[index], mask=mask, other=0)
+    # A float fill: Triton casts the fill to the ref's type, and has no integer -> float8 cast.
+    return plgpu.load(ref.at[index], mask=mask, other=0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0)
 
 
 def load_vector(ref, index, valid):

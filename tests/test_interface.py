@@ -170,7 +170,9 @@ class ToyModel(nnx.Module):
     hidden_width = 8
 
     def init_cache(self, batch_size, capacity, *, page_size=64, mtp=False, page_table=None, row_shards=1,
-                   max_window=None, lookback=None):
+                   max_window=None, lookback=None, cache_dtype=None):
+        if cache_dtype is not None:
+            raise ValueError(f"cache_dtype={cache_dtype!r}: the toy stores tokens, not activations")
         return ToyCache(jnp.zeros((batch_size, capacity), jnp.int32), jnp.zeros((batch_size,), jnp.int32))
 
     def check_layout(self, *, head_split, page_table):

@@ -1,0 +1,280 @@
+"""FP8 caches as DeepSeek serves V3.2: the layout, its quantizers and the Hadamard rotation.
+
+Two kinds of paged pool hold FP8 entries, both an `Fp8Pool`:
+
+* the MLA latent, FlashMLA's sparse FP8 decode token: the kv_lora_rank (Dq = 512) latent values in
+  e4m3, one float32 scale per 128 of them (4), and the Dr = 64 RoPE values in bfloat16, 656 bytes
+  a token. The scales follow vLLM's `concat_and_cache_ds_mla_kernel` (csrc/cache_kernels.cu), the
+  writer of the cache FlashMLA reads: s = max(amax / 448, FLT_MIN) per 128-value tile, not rounded
+  to a power of two (`quantize_latent`; the division is amax * f32(1 / 448), as XLA computes any
+  division by a constant, so a scale may sit one float32 ulp from vLLM's IEEE quotient).
+* the DSA indexer keys: Hadamard-rotated (`rotate`), then e4m3 with one float32 scale per 128 values
+  by DeepSeek's `act_quant` (DeepSeek-V3.2-Exp `inference/kernel.py`): amax clamped to >= 1e-4,
+  s = amax * (1 / 448), rounded up to a power of two where the config sets `scale_fmt` ("ue8m0"
+  in V3.2's), y = e4m3(clamp(x / s, -448, 448)) (`quantize_act`). The indexer queries are rotated
+  and quantized the same way; the scores then come from the FP8 values (`indexer.score_keys`).
+
+A pool keeps the three parts of a token as three arrays with the token's bytes (values
+[P, page, Dq] e4m3, scales [P, page, Dq / block] float32, rope [P, page, Dr] bfloat16), not one
+[P, page, 656] uint8 array: the Triton kernels would have to rebuild each float32 scale from four
+loaded bytes, and Pallas' Triton lowering bitcasts only between types of one width (jax 0.10).
+`pack_flashmla` / `unpack_flashmla` convert to and from FlashMLA's packed token, byte for byte.
+
+Widths. A quantization block is 128 values, or the whole width where it is narrower (the small
+test models: kv_lora_rank 48 is one block of 48). `check_fp8_widths` says which models fit.
+
+Quantization is per token, so an entry's bytes never depend on the window that wrote it: greedy
+speculation stays equal to plain greedy with FP8 caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .paged import gather_rows, read_slots, write_slots
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+# Values per float32 scale (FlashMLA's tile, DeepSeek's act_quant block).
+SCALE_BLOCK = 128
+# The latent's RoPE part stays in bfloat16 (FlashMLA's token).
+ROPE_DTYPE = jnp.bfloat16
+# Scale rules (`Fp8Pool.rule`): FlashMLA's latent tiles, DeepSeek's act_quant with power-of-two scales.
+LATENT_RULE, INDEX_RULE = "flashmla", "act_quant_ue8m0"
+CACHE_DTYPES = (None, "fp8")
+
+
+def scale_block(width: int) -> int:
+    """Values per scale for a quantized part `width` wide: 128, or the width where it is narrower."""
+    return min(SCALE_BLOCK, width)
+
+
+def check_cache_dtype(cache_dtype) -> None:
+    """ValueError unless `cache_dtype` is one of CACHE_DTYPES (None: the compute dtype)."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype={cache_dtype!r}: must be one of {CACHE_DTYPES} (None: the compute dtype)")
+
+
+def check_fp8_widths(*, kv_lora_rank: int, index_head_dim: int = 0) -> None:
+    """ValueError unless FP8 caches fit these widths: kv_lora_rank must be <= 128 or a multiple of
+    128 (whole scale blocks); index_head_dim (0: no indexer) must be a power of two (the Hadamard
+    transform) and <= 128 (DeepSeek's `fp8_index` takes one query scale per head and one key scale
+    per slot)."""
+    if kv_lora_rank > SCALE_BLOCK and kv_lora_rank % SCALE_BLOCK:
+        raise ValueError(f"cache_dtype='fp8': kv_lora_rank={kv_lora_rank} must be <= {SCALE_BLOCK} or a multiple "
+                         f"of {SCALE_BLOCK} (one float32 scale per {SCALE_BLOCK} latent values)")
+    if index_head_dim and (index_head_dim & (index_head_dim - 1) or index_head_dim > SCALE_BLOCK):
+        raise ValueError(f"cache_dtype='fp8': index_head_dim={index_head_dim} must be a power of two (the Hadamard "
+                         f"rotation) and <= {SCALE_BLOCK} (one scale per indexer key)")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "rope"], meta_fields=["rule"])
+@dataclasses.dataclass(frozen=True)
+class Fp8Pool:
+    """One layer's paged pool of FP8 entries (or, inside a kernel, the refs of one).
+
+    values: [P, page, Dq] float8_e4m3fn; scales: [P, page, Dq / block] float32 (block =
+    `scale_block(Dq)`); rope: [P, page, Dr] bfloat16, or None (indexer keys); rule: how `write`
+    picks the scales (LATENT_RULE or INDEX_RULE). An entry reads as
+    `concat[values * scales (per block), rope]`, [Dq + Dr] (`dequantize`).
+    """
+
+    values: jax.Array
+    scales: jax.Array
+    rope: jax.Array | None
+    rule: str = LATENT_RULE
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[P, page, Dq + Dr]: the shape of the dequantized pool (what a compute-dtype pool has)."""
+        rope = 0 if self.rope is None else self.rope.shape[-1]
+        return (*self.values.shape[:-1], self.values.shape[-1] + rope)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one slot takes: 656 for DeepSeek's latent (512 + 4 * 4 + 64 * 2), 132 for its keys."""
+        return sum(a.shape[-1] * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+
+def init_pool(num_pages: int, page_size: int, quant_dim: int, rope_dim: int = 0, *, rule: str = LATENT_RULE) -> Fp8Pool:
+    """An all-zero pool of [num_pages, page_size] slots: quant_dim values in e4m3 (and their scales),
+    rope_dim values in bfloat16 (0: no rope part, `rope` is None)."""
+    slots = (num_pages, page_size)
+    return Fp8Pool(values=jnp.zeros((*slots, quant_dim), E4M3),
+                   scales=jnp.zeros((*slots, quant_dim // scale_block(quant_dim)), jnp.float32),
+                   rope=jnp.zeros((*slots, rope_dim), ROPE_DTYPE) if rope_dim else None, rule=rule)
+
+
+def _blocks(x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., D / block, block] float32."""
+    width = x.shape[-1]
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], width // scale_block(width), scale_block(width))
+
+
+def _to_e4m3(blocks: jax.Array, scales: jax.Array) -> jax.Array:
+    """blocks [..., N, block] / scales [..., N], clamped to +-448, rounded to nearest even -> [..., N * block] e4m3."""
+    y = jnp.clip(blocks / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return y.reshape(*y.shape[:-2], -1)
+
+
+def quantize_latent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """FlashMLA's latent quantization (vLLM `concat_and_cache_ds_mla_kernel`): x [..., Dq] ->
+    (e4m3 [..., Dq], scales [..., Dq / block] float32), s = max(amax * f32(1 / 448), FLT_MIN) per
+    block (XLA rewrites amax / 448 into that product; written so, it says what runs)."""
+    blocks = _blocks(x)
+    scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / E4M3_MAX), jnp.finfo(jnp.float32).tiny)
+    return _to_e4m3(blocks, scales), scales
+
+
+def quantize_act(x: jax.Array, *, pow2_scales: bool = True) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek's `act_quant` (V3.2-Exp `inference/kernel.py`): x [..., D] -> (e4m3 [..., D],
+    scales [..., D / block] float32). amax = max(max|x|, 1e-4) per block, s = amax * f32(1 / 448);
+    pow2_scales (`scale_fmt` set, "ue8m0"): s = 2 ** ceil(log2(s)), which the kernel takes from the
+    float's bits (exponent, plus one if any mantissa bit is set); `jnp.frexp` gives the same."""
+    blocks = _blocks(x)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)
+    scales = amax * jnp.float32(1 / E4M3_MAX)
+    if pow2_scales:
+        mantissa, exponent = jnp.frexp(scales)  # scales = mantissa * 2**exponent, mantissa in [0.5, 1)
+        scales = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    return _to_e4m3(blocks, scales), scales
+
+
+def fp8_index_queries(q_idx: jax.Array, raw_weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The query side of DeepSeek's FP8 indexer (V3.2-Exp `inference/model.py`, `Indexer.forward`):
+    q_idx [B, Q, Hi, Di] (after its RoPE), raw_weights [B, Q, Hi] float32 (`weights_proj(x)`) ->
+    (rotated e4m3 queries [B, Q, Hi, Di], weights [B, Q, Hi] = raw * Hi**-0.5 * q_scale * Di**-0.5,
+    multiplied in that order). Di <= 128, so each head has one scale, which `fp8_index` folds into
+    its weight."""
+    heads, dim = q_idx.shape[-2:]
+    q_fp8, q_scale = quantize_act(rotate(q_idx), pow2_scales=True)
+    return q_fp8, raw_weights * heads ** -0.5 * q_scale[..., 0] * dim ** -0.5
+
+
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """values [..., Dq] e4m3, scales [..., Dq / block] -> [..., Dq] float32 (values * their block's scale)."""
+    blocks = values.astype(jnp.float32).reshape(*scales.shape, -1)
+    return (blocks * scales[..., None]).reshape(values.shape)
+
+
+def entries(pool: Fp8Pool) -> jax.Array:
+    """A pool (or gathered rows of one: any leading shape) -> its entries [..., Dq + Dr] bfloat16:
+    each value times its scale, rounded to bfloat16, as FlashMLA dequantizes in registers before
+    its bfloat16 tensor-core products (the Triton kernels do the same, so every reader sees the
+    same entries), then the RoPE part."""
+    latent = dequantize(pool.values, pool.scales).astype(ROPE_DTYPE)
+    return latent if pool.rope is None else jnp.concatenate([latent, pool.rope], axis=-1)
+
+
+def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Entries [..., Dq + Dr] -> the parts a pool stores: (e4m3 [..., Dq], scales, rope [..., Dr] or None)."""
+    if rule == LATENT_RULE:
+        quantized, scales = quantize_latent(values[..., :quant_dim])
+    elif rule == INDEX_RULE:
+        quantized, scales = quantize_act(values[..., :quant_dim], pow2_scales=True)
+    else:
+        raise ValueError(f"Fp8Pool.rule={rule!r}: must be {LATENT_RULE!r} or {INDEX_RULE!r}")
+    rope = values[..., quant_dim:].astype(ROPE_DTYPE) if values.shape[-1] > quant_dim else None
+    return quantized, scales, rope
+
+
+# -- paged access: plain arrays and FP8 pools alike --------------------------------------------------
+
+def write_entries(cache, page_table: jax.Array, slots: jax.Array, values: jax.Array):
+    """`paged.write_slots` for a plain pool [P, page, D] or an `Fp8Pool`, which quantizes
+    values [B, Q, Dq + Dr] per token by its rule first."""
+    if not isinstance(cache, Fp8Pool):
+        return write_slots(cache, page_table, slots, values)
+    parts = quantize_entries(values, cache.rule, cache.values.shape[-1])
+    return jax.tree.map(lambda pool, part: write_slots(pool, page_table, slots, part), cache,
+                        Fp8Pool(*parts, rule=cache.rule))
+
+
+def read_parts(cache, page_table: jax.Array, slots: jax.Array):
+    """`paged.read_slots` of every part: [B, ..., D] for a plain pool, an `Fp8Pool` of [B, ...] rows
+    for an FP8 one (zeros where a slot is invalid)."""
+    return jax.tree.map(lambda pool: read_slots(pool, page_table, slots), cache)
+
+
+def gather_parts(cache, page_table: jax.Array):
+    """`paged.gather_rows` of every part: [B, S, D] for a plain pool, an `Fp8Pool` of [B, S, ...]."""
+    return jax.tree.map(lambda pool: gather_rows(pool, page_table), cache)
+
+
+def as_entries(rows) -> jax.Array:
+    """Gathered rows (`read_parts` / `gather_parts`) -> entries [..., D]: an FP8 pool's dequantized
+    (`entries`, bfloat16), a plain pool's as they are."""
+    return entries(rows) if isinstance(rows, Fp8Pool) else rows
+
+
+def check_kernel_reads(cache, implementation: str, op: str) -> None:
+    """ValueError when `implementation` ("xla", "pallas" or "mosaic") of `op` cannot read `cache`:
+    the Mosaic GPU kernels read compute-dtype pools only."""
+    if isinstance(cache, Fp8Pool) and implementation == "mosaic":
+        raise ValueError(f"{op}: backend 'mosaic' cannot read FP8 caches (cache_dtype='fp8'); use backend "
+                         "'pallas' or 'xla'")
+
+
+def cache_token_bytes(cache) -> int:
+    """Bytes a slot of `cache` (a plain pool [P, page, D] or an `Fp8Pool`) takes."""
+    return cache.token_bytes if isinstance(cache, Fp8Pool) else cache.shape[-1] * cache.dtype.itemsize
+
+
+def flat_pool(cache):
+    """A pool [P, page, ...] as its kernels read it: every part [P * page, ...]."""
+    return jax.tree.map(lambda pool: pool.reshape(pool.shape[0] * pool.shape[1], -1), cache)
+
+
+# -- FlashMLA's packed token ---------------------------------------------------------------------------
+
+def pack_flashmla(pool: Fp8Pool) -> jax.Array:
+    """A latent pool -> [P, page, Dq + 4 * Dq / block + 2 * Dr] uint8, FlashMLA's token byte for
+    byte (656 bytes at DeepSeek's widths): the e4m3 values, the float32 scales, the bfloat16 RoPE
+    values, each little-endian as the GPU stores them."""
+    as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape[:-1], -1)
+    return jnp.concatenate([as_bytes(pool.values), as_bytes(pool.scales), as_bytes(pool.rope)], axis=-1)
+
+
+def unpack_flashmla(packed: jax.Array, quant_dim: int, rope_dim: int) -> Fp8Pool:
+    """The inverse of `pack_flashmla`: [P, page, bytes] uint8 -> the latent pool of those widths."""
+    num_scales = quant_dim // scale_block(quant_dim)
+    expected = quant_dim + 4 * num_scales + 2 * rope_dim
+    if packed.shape[-1] != expected:
+        raise ValueError(f"packed token of {packed.shape[-1]} bytes: expected {expected} for quant_dim={quant_dim}, "
+                         f"rope_dim={rope_dim}")
+    lead = packed.shape[:-1]
+    values = jax.lax.bitcast_convert_type(packed[..., :quant_dim], E4M3)
+    scales = jax.lax.bitcast_convert_type(
+        packed[..., quant_dim:quant_dim + 4 * num_scales].reshape(*lead, num_scales, 4), jnp.float32)
+    rope = jax.lax.bitcast_convert_type(packed[..., quant_dim + 4 * num_scales:].reshape(*lead, rope_dim, 2),
+                                        ROPE_DTYPE)
+    return Fp8Pool(values=values, scales=scales, rope=rope, rule=LATENT_RULE)
+
+
+# -- the indexer's rotation ------------------------------------------------------------------------------
+
+@functools.cache
+def hadamard_matrix(dim: int) -> np.ndarray:
+    """The Sylvester Hadamard matrix H_dim [dim, dim] of +-1 (dim a power of two), float32: the
+    matrix `fast_hadamard_transform.hadamard_transform` multiplies by."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"dim={dim}: the Hadamard transform needs a power of two")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rotate(x: jax.Array) -> jax.Array:
+    """DeepSeek's `rotate_activation`: x [..., D] -> x @ H_D * D**-0.5 in float32, returned in x's
+    dtype (bfloat16 in, bfloat16 out, as `hadamard_transform(x, scale=D ** -0.5)` does). Orthogonal:
+    unquantized dot products are unchanged; it spreads outliers before the FP8 quantization."""
+    dim = x.shape[-1]
+    h = jnp.asarray(hadamard_matrix(dim))
+    rotated = jnp.einsum("...d,de->...e", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
+    return (rotated * dim ** -0.5).astype(x.dtype)
