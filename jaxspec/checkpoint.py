@@ -10,11 +10,14 @@ weight is transposed from the checkpoint's [out, in] to our [in, out]:
 
     model.embed_tokens.weight                       -> embed_tokens.embedding
     lm_head.weight, model.norm.weight               -> lm_head.weight, norm.weight
-    model.layers.{i}.<path>  (i < num_hidden_layers) -> layers.{i}.<path>, except
+    model.layers.{i}.<path>  (i < num_hidden_layers) -> row r of <run>.<path>, where the decoder's
+        layer stacks hold layer i (`jaxspec.models.layer_runs(config)`, `LayerRun.locate(i)`: layer
+        i < first_k_dense_replace is row i of `dense_layers.`, any other row i - first_k_dense_replace
+        of `moe_layers.`), except
         mlp.gate.weight, mlp.gate.e_score_correction_bias -> mlp.gate_weight, mlp.e_score_correction_bias
-        mlp.experts.{e}.{gate,up,down}_proj.weight  -> row e of mlp.experts_{gate,up,down}_proj [E, in, out]
+        mlp.experts.{e}.{gate,up,down}_proj.weight  -> [r, e] of mlp.experts_{gate,up,down}_proj [n, E, in, out]
         mlp.experts.gate_up_proj [E, 2I, D], mlp.experts.down_proj [E, D, I]
-                                                    -> the same, from transformers' fused form
+                                                    -> row r of the same, from transformers' fused form
     model.layers.{N}.<path>  (N = num_hidden_layers, the MTP layer):
         enorm, hnorm, eh_proj, shared_head.norm     -> mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.shared_head_norm
         embed_tokens, shared_head.head              -> none: DeepSeek shares them with the target, so
@@ -47,18 +50,19 @@ dequantized into a float dtype; an FP8-layout model cannot keep them and refuses
 FP8 experts it keeps).
 
 Everything is checked from the shard headers before any tensor is read: missing, unexpected and
-mis-shaped tensors raise one `ValueError` listing them, so a load never half-succeeds. Then shards
+mis-shaped tensors raise one `ValueError` listing them by the checkpoint's own names, so a load
+never half-succeeds. Then shards
 are read one after the other, each tensor read, moved to the device and converted there (FP8
 dequantized, transposed, cast) before the next is touched: memory beyond the model itself stays
-at a few copies of the largest tensor, far below one shard (per-expert tensors are written into
-their stacked parameter in place, through a donated buffer). Progress goes to `log` (default:
+at a few copies of the largest tensor, far below one shard (a layer's tensors, and each expert's,
+are written into their row of the stacked parameter in place, through a donated buffer:
+`models.stack.write_row`). Progress goes to `log` (default:
 stderr), a line per shard, and to a bar of shards on stderr when it is a terminal (`jaxspec.progress`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -73,7 +77,8 @@ from flax import nnx
 from jaxspec import checkpoint_v4, fp8, progress, sharding, shards
 from jaxspec.mesh_loading import load_onto_mesh
 from jaxspec.model_config import ModelConfig
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, layer_runs
+from jaxspec.models.stack import LayerRun, write_row
 from jaxspec.orbax_io import PARAMS_DIR, abstract_model, param_placement, restore_model
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -133,18 +138,25 @@ class _Write:
 
     param: str
     convert: Callable[[Array], Array]
-    expert: int | None = None  # row of a stacked expert parameter; None = the whole parameter
+    expert: int | None = None  # the expert of a per-expert tensor; None = all of the parameter's experts
     shared: bool = False       # a duplicate of a target parameter: shape-checked, never read
     fp8: bool = False          # kept FP8: the tensor's scale fills `param + "_scale_inv"` the same way
+    layer: int | None = None   # the row of a layer stack (`models.stack`); None = an unstacked parameter
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The leading indices of `param` this tensor fills: (), (layer row,), (expert,) or (row, expert)."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
-def _block_writes(prefix: str, rest: str) -> list[_Write]:
-    """A decoder block's tensor `rest` (relative to its layer) -> writes under parameter path `prefix`."""
+def _block_writes(prefix: str, rest: str, layer: int | None = None) -> list[_Write]:
+    """A decoder block's tensor `rest` (relative to its layer) -> writes under parameter path
+    `prefix`, into row `layer` of a layer stack (None: the block is not stacked, the MTP's)."""
     if match := _EXPERT.fullmatch(rest):
-        return [_Write(f"{prefix}mlp.experts_{match[2]}", _transposed, expert=int(match[1]))]
+        return [_Write(f"{prefix}mlp.experts_{match[2]}", _transposed, expert=int(match[1]), layer=layer)]
     if rest in _FUSED:
-        return [_Write(prefix + param, convert) for param, convert in _FUSED[rest]]
-    return [_Write(prefix + _ROUTER.get(rest, rest), _transposed)]
+        return [_Write(prefix + param, convert, layer=layer) for param, convert in _FUSED[rest]]
+    return [_Write(prefix + _ROUTER.get(rest, rest), _transposed, layer=layer)]
 
 
 def _v4_block_writes(prefix: str, rest: str) -> list[_Write]:
@@ -183,7 +195,9 @@ def _writes(name: str, config: ModelConfig) -> list[_Write]:
         return []
     layer, rest = int(match[1]), match[2]
     if layer < config.num_hidden_layers:
-        return _block_writes(f"layers.{layer}.", rest)
+        run = next(run for run in layer_runs(config) if run.start <= layer < run.stop)
+        prefix, row = run.locate(layer)
+        return _block_writes(prefix, rest, row)
     if layer == config.num_hidden_layers and config.num_nextn_predict_layers > 0:
         if rest in _MTP_OWN:
             return [_Write(_MTP_OWN[rest], _transposed)]
@@ -233,7 +247,7 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
     """Match every checkpoint tensor (from its header) to the parameters `expected` by path.
     origin: the checkpoint's own name of a renamed tensor (V4), shown beside it in the report."""
     plan = _Plan()
-    filled: dict[str, list[int | None]] = {}
+    filled: dict[str, list[tuple[int | None, int | None]]] = {}  # param -> the (layer row, expert) of each part
 
     def label(name: str) -> str:
         own = (origin or {}).get(name)
@@ -256,9 +270,9 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
         # Counted before the checks below, so a bad tensor is reported once, not also as missing.
         for w in writes:
             if not w.shared:
-                filled.setdefault(w.param, []).append(w.expert)
+                filled.setdefault(w.param, []).append((w.layer, w.expert))
             if w.fp8:
-                filled.setdefault(w.param + fp8.SCALE_SUFFIX, []).append(w.expert)
+                filled.setdefault(w.param + fp8.SCALE_SUFFIX, []).append((w.layer, w.expert))
         if any(w.fp8 for w in writes) and info.dtype not in fp8.FP8_DTYPES:
             why = ("MXFP4 (int8) has no lossless FP8 form: load with dtype=bfloat16" if info.dtype in fp8.FP4_DTYPES
                    else "FP8 with a scale in DeepSeek's layout (jaxspec.fp8), as a float8_e4m3fn model keeps it")
@@ -280,14 +294,14 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
         shape = fp8.logical_shape(info.shape, info.dtype)
         for w in writes:
             param = expected[w.param]
-            want = param.shape if w.expert is None else param.shape[1:]
+            want = param.shape[len(w.index):]
             got = _converted_shape(w, shape)
-            if got != tuple(want) or (w.expert is not None and w.expert >= param.shape[0]):
-                row = f" row {w.expert} of" if w.expert is not None else ""
+            if got != tuple(want) or any(i >= n for i, n in zip(w.index, param.shape)):
+                row = f" {list(w.index)} of" if w.index else ""
                 bad.append(f"{label(name)} {list(shape)} does not fit{row} {w.param} {list(param.shape)}")
             elif w.fp8:
                 scale_param = expected[w.param + fp8.SCALE_SUFFIX]
-                scale_want = scale_param.shape if w.expert is None else scale_param.shape[1:]
+                scale_want = scale_param.shape[len(w.index):]
                 scale_got = _converted_shape(w, tensors[name + fp8.SCALE_SUFFIX].shape)
                 if scale_got != tuple(scale_want):
                     bad.append(f"{label(name + fp8.SCALE_SUFFIX)} {list(tensors[name + fp8.SCALE_SUFFIX].shape)} does not fit "
@@ -297,27 +311,53 @@ def _plan(tensors: Mapping[str, shards.TensorInfo], expected: Mapping[str, jax.S
             continue
         plan.loads.append((name, writes))
 
+    runs = layer_runs(config)
     for param, spec in sorted(expected.items()):
-        parts = filled.get(param, [])
-        if not parts:
-            plan.missing.append(f"{param} {list(spec.shape)}")
-        elif parts != [None]:
-            rows = sorted(e for e in parts if e is not None)
-            if None in parts or len(rows) != len(set(rows)):
-                plan.unexpected.append(f"{param} is given more than once (fused and per-expert, or twice)")
-            elif len(rows) != spec.shape[0]:
-                absent = sorted(set(range(spec.shape[0])) - set(rows))
-                plan.missing.append(f"{param}: experts {absent[:10]}{' ...' if len(absent) > 10 else ''} "
-                                    f"of {spec.shape[0]}")
+        by_row: dict[int | None, list[int | None]] = {}
+        for row, expert in filled.get(param, []):
+            by_row.setdefault(row, []).append(expert)
+        stack = _stack_of(param, runs)
+        for row in [None] if stack is None else range(spec.shape[0]):
+            # Named as the checkpoint names the row's tensor (a stack's row is one layer's).
+            where = param if row is None else f"{_checkpoint_name(stack[1](row), param.removeprefix(stack[0]))} " \
+                                              f"(row {row} of {param})"
+            experts = by_row.get(row, [])
+            if not experts:
+                plan.missing.append(f"{where} {list(spec.shape)}")
+            elif experts != [None]:
+                rows = sorted(e for e in experts if e is not None)
+                count = spec.shape[0 if row is None else 1]
+                if None in experts or len(rows) != len(set(rows)):
+                    plan.unexpected.append(f"{where} is given more than once (fused and per-expert, or twice)")
+                elif len(rows) != count:
+                    absent = sorted(set(range(count)) - set(rows))
+                    plan.missing.append(f"{where}: experts {absent[:10]}{' ...' if len(absent) > 10 else ''} "
+                                        f"of {count}")
     return plan
 
 
+def _stack_of(param: str, runs: tuple[LayerRun, ...]) -> tuple[str, Callable[[int], int]] | None:
+    """For a parameter of a layer stack: (its unit's path prefix, row -> the decoder layer that row
+    holds); None for a parameter outside the stacks."""
+    for run in runs:
+        for offset in range(run.period):
+            prefix = run.locate(run.start + offset)[0]
+            if param.startswith(prefix):
+                return prefix, lambda row, run=run, offset=offset: run.start + row * run.period + offset
+    return None
+
+
+def _checkpoint_name(layer: int, rest: str) -> str:
+    """The checkpoint's name of decoder layer `layer`'s block parameter `rest` (experts as `{e}`),
+    for the error report: the inverse of `_block_writes`."""
+    base = rest.removesuffix(fp8.SCALE_SUFFIX)
+    if base.startswith("mlp.experts_"):
+        base = f"mlp.experts.{{e}}.{base.removeprefix('mlp.experts_')}.weight"
+    base = {param: name for name, param in _ROUTER.items()}.get(base, base)
+    return f"model.layers.{layer}.{base}{fp8.SCALE_SUFFIX if rest.endswith(fp8.SCALE_SUFFIX) else ''}"
+
+
 # -- reading --------------------------------------------------------------------------------------
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_row(stacked: jax.Array, row_value: jax.Array, row: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, row_value, row, 0)
-
 
 def _read(name: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int],
           keep_fp8: bool) -> tuple[jax.Array, jax.Array | None]:
@@ -334,16 +374,17 @@ def _read(name: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int,
 
 
 def _store(values: dict[str, jax.Array], param: str, spec: jax.ShapeDtypeStruct, value: jax.Array,
-           expert: int | None) -> None:
-    """Put a converted tensor into `values[param]`: the whole parameter, or row `expert` of its stack."""
+           index: tuple[int, ...]) -> None:
+    """Put a converted tensor into `values[param]`: the whole parameter (index ()), or its entry at
+    the leading indices `index` (`_Write.index`), written in place."""
     value = value.astype(spec.dtype)
-    if expert is None:
+    if not index:
         values[param] = value
         return
     stacked = values.get(param)
     if stacked is None:
         stacked = jnp.zeros(spec.shape, spec.dtype)
-    values[param] = _set_row(stacked, value, expert)
+    values[param] = write_row(stacked, value, jnp.asarray(index, jnp.int32))
 
 
 def _check_fp8_layout(directory: str, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int]) -> None:
@@ -424,10 +465,10 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.float32, mesh:
             for w in writes:
                 if w.shared:
                     continue
-                _store(values, w.param, specs[w.param], w.convert(array), w.expert)
+                _store(values, w.param, specs[w.param], w.convert(array), w.index)
                 if w.fp8:
                     scale_param = w.param + fp8.SCALE_SUFFIX
-                    _store(values, scale_param, specs[scale_param], w.convert(scale_inv), w.expert)
+                    _store(values, scale_param, specs[scale_param], w.convert(scale_inv), w.index)
             del array, scale_inv
         seconds = time.perf_counter() - shard_start
         log(f"[{index}/{len(files)}] {os.path.basename(path)}: {len(by_file[path])} tensors, "

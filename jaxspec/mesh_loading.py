@@ -11,7 +11,9 @@ and converted (transposed, FP8 dequantized or kept, cast) on the host. So
   * a process of a multi-host run reads only the tensors its own devices hold;
   * the host holds one parameter's block at a time (a replicated parameter is read once and handed
     to each of this process's devices; a tensor that fills two parameters, transformers' fused
-    `gate_up_proj`, is read for each).
+    `gate_up_proj`, is read for each). A stacked parameter (`models.stack`, layers first, that axis
+    never split) is built one layer row at a time, each row written in place into the placed stack
+    (`models.stack.write_row`), so the host holds one layer's block, never the whole stack's.
 
 Conversion runs on the host here, where the one-device loader converts on the device, because a
 block must arrive on its device already in its final layout.
@@ -23,9 +25,11 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import fp8, progress, shards
+from jaxspec.models.stack import row_sharding, write_row
 
 
 def _host_tensor(name: str, write, tensors: Mapping[str, shards.TensorInfo], block: tuple[int, int],
@@ -48,7 +52,7 @@ def load_onto_mesh(loads: Sequence[tuple[str, list]], tensors: Mapping[str, shar
     """Every parameter named in `loads` ((checkpoint tensor, its `checkpoint._Write`s) pairs, as
     `checkpoint._plan` made them) as a global array laid out by `placement[param]`, keyed by param
     path. specs: each parameter's shape and dtype. Progress goes to `log` every 10% of parameters."""
-    # param -> the (tensor, write, is_scale) parts that fill it; rows of a stack keyed by expert.
+    # param -> the (tensor, write, is_scale) parts that fill it.
     parts: dict[str, list[tuple[str, object, bool]]] = {}
     for name, writes in loads:
         for w in writes:
@@ -62,24 +66,43 @@ def load_onto_mesh(loads: Sequence[tuple[str, list]], tensors: Mapping[str, shar
     report_every = max(1, len(parts) // 10)
     for count, (param, sources) in enumerate(progress.bar(parts.items(), "loading parameters", unit="param"), 1):
         spec = specs[param]
-        stacked = sources[0][1].expert is not None
-        by_row = {w.expert: (name, w, scale) for name, w, scale in sources} if stacked else None
-        whole: dict[str, np.ndarray] = {}  # a replicated parameter: read once for all local devices
-
-        def block_of(index: tuple[slice, ...], param=param, spec=spec, sources=sources, by_row=by_row, whole=whole):
-            if by_row is None:
-                if "value" not in whole:
-                    name, w, scale = sources[0]
-                    whole["value"] = _host_tensor(name, w, tensors, block, scale, spec.dtype)
-                return whole["value"][index]
-            rows = range(spec.shape[0])[index[0]]
-            stack = np.stack([_host_tensor(*by_row[row][:2], tensors, block, by_row[row][2], spec.dtype)
-                              for row in rows])
-            return stack[(slice(None), *index[1:])]
-
-        values[param] = jax.make_array_from_callback(spec.shape, placement[param], block_of)
+        if sources[0][1].layer is None:
+            values[param] = _unit(sources, spec.shape, spec.dtype, placement[param], tensors, block)
+        else:
+            unit_sharding = row_sharding(placement[param])
+            stack = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=placement[param])()
+            for row in range(spec.shape[0]):
+                value = _unit([s for s in sources if s[1].layer == row], spec.shape[1:], spec.dtype, unit_sharding,
+                              tensors, block)
+                stack = write_row(stack, value, np.array([row], np.int32))
+            values[param] = stack
         done_bytes += sum(s.data.nbytes for s in values[param].addressable_shards)
         if count % report_every == 0 or count == len(parts):
             log(f"[{count}/{len(parts)} parameters] {done_bytes / 2**30:.2f} GiB onto this process's devices "
                 f"in {time.perf_counter() - start:.1f} s")
     return values
+
+
+def _unit(sources: Sequence[tuple[str, object, bool]], shape: tuple[int, ...], dtype,
+          sharding: jax.sharding.Sharding, tensors: Mapping[str, shards.TensorInfo],
+          block: tuple[int, int]) -> jax.Array:
+    """One parameter, or one layer row of a stacked one, of `shape` laid out by `sharding`, from its
+    (tensor, write, is_scale) `sources`: one whole tensor, or one per expert (leading axis)."""
+    if sources[0][1].expert is None:
+        whole: dict[str, np.ndarray] = {}  # replicated: read once for all local devices
+
+        def block_of(index: tuple[slice, ...]) -> np.ndarray:
+            if "value" not in whole:
+                name, w, scale = sources[0]
+                whole["value"] = _host_tensor(name, w, tensors, block, scale, dtype)
+            return whole["value"][index]
+    else:
+        by_expert = {w.expert: (name, w, scale) for name, w, scale in sources}
+
+        def block_of(index: tuple[slice, ...]) -> np.ndarray:
+            experts = range(shape[0])[index[0]]
+            stack = np.stack([_host_tensor(*by_expert[e][:2], tensors, block, by_expert[e][2], dtype)
+                              for e in experts])
+            return stack[(slice(None), *index[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, block_of)

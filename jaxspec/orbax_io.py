@@ -34,6 +34,7 @@ from flax import nnx
 from jaxspec import sharding
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3, layer_runs, model_class
+from jaxspec.models.stack import row_sharding
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
@@ -132,7 +133,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
                              + "\n  ".join(problems))
         row_of = {row: name for name, rows in sources.items() for row in rows}
         target = {name: jax.ShapeDtypeStruct(shape, dtype_,
-                                             sharding=_row_sharding(placement[row_of[name]]) if name in row_of
+                                             sharding=row_sharding(placement[row_of[name]]) if name in row_of
                                              else placement[name])
                   for name, (shape, dtype_) in stored.items()}
         restored = checkpointer.restore(params_path, target)
@@ -163,9 +164,3 @@ def _per_layer_sources(config: ModelConfig, stored: dict) -> dict[str, list[str]
                          "decoder layers do not have")
     return sources
 
-
-def _row_sharding(stacked: jax.sharding.Sharding) -> jax.sharding.Sharding:
-    """The sharding of one row of a stacked parameter placed as `stacked` (its layers axis dropped)."""
-    if isinstance(stacked, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[1:]))
-    return stacked

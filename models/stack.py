@@ -19,6 +19,7 @@ per-layer inspection, as MaxText keeps one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, TypeVar
 
 import jax
@@ -103,3 +104,21 @@ def run_layers(stack: nnx.Module, body: Callable[[nnx.Module, jax.Array, Carry],
         return body(nnx.merge(graphdef, unit), r, carry), None
 
     return jax.lax.scan(step, carry, (jnp.arange(depth, dtype=jnp.int32), state))[0]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_row(stacked: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """`stacked` with its entry at the leading indices `index` (int32 [k]: a layer row, or a layer
+    row and an expert) set to `value` (stacked.shape[k:]), written in place: `stacked` is donated,
+    so filling a stack row by row (the checkpoint loaders) never holds two copies of it. Its
+    sharding is kept (the leading axes are never split, or only the written row's block is touched)."""
+    start = tuple(index) + (0,) * value.ndim
+    return jax.lax.dynamic_update_slice(stacked, value.reshape((1,) * index.shape[0] + value.shape), start)
+
+
+def row_sharding(stacked: jax.sharding.Sharding, rows: int = 1) -> jax.sharding.Sharding:
+    """The sharding of one entry of a stacked array placed as `stacked`, its `rows` leading axes
+    dropped (a `NamedSharding`'s spec loses them; any other sharding is returned as is)."""
+    if isinstance(stacked, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(stacked.mesh, jax.sharding.PartitionSpec(*stacked.spec[rows:]))
+    return stacked

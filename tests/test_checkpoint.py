@@ -56,8 +56,14 @@ def hf_tensors(model: DeepseekV3, *, fused: bool = False) -> dict[str, np.ndarra
     model's weights stay FP8 beside their `_scale_inv`."""
     mtp = f"model.layers.{model.config.num_hidden_layers}."
     out = {}
+    for layer in range(model.config.num_hidden_layers):  # each layer on its own: its rows of the stacks
+        for name, value in params_of(model.layer(layer)).items():
+            out.update(_block_names(f"model.layers.{layer}.", name, value, fused))
+    stacks = tuple(f"{run.name}." for run in model.layer_runs)
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, value = ".".join(map(str, path)), np.asarray(variable.get_value())
+        if name.startswith(stacks):
+            continue
         if name == "embed_tokens.embedding":
             out["model.embed_tokens.weight"] = value
             if model.mtp is not None:
@@ -68,9 +74,6 @@ def hf_tensors(model: DeepseekV3, *, fused: bool = False) -> dict[str, np.ndarra
                 out[mtp + "shared_head.head.weight"] = value.T
         elif name == "norm.weight":
             out["model.norm.weight"] = value
-        elif name.startswith("layers."):
-            _, layer, rest = name.split(".", 2)
-            out.update(_block_names(f"model.layers.{layer}.", rest, value, fused))
         elif name.startswith("mtp.block."):
             out.update(_block_names(mtp, name.removeprefix("mtp.block."), value, fused))
         else:
@@ -230,8 +233,10 @@ def test_missing_unexpected_misshaped_are_listed(model, tmp_path):
         t["model.layers.1.self_attn.o_proj.weight"] = np.zeros((5, 64), np.float32)
     message = _load_error(model, tmp_path, edit)
     assert "2 missing, 1 unexpected, 1 mis-shaped" in message
-    assert "missing: layers.0.self_attn.q_a_proj.weight [64, 32]" in message
-    assert "missing: layers.1.mlp.experts_up_proj: experts [3] of 8" in message
+    assert ("missing: model.layers.0.self_attn.q_a_proj.weight (row 0 of dense_layers.self_attn.q_a_proj.weight) "
+            "[1, 64, 32]") in message
+    assert ("missing: model.layers.1.mlp.experts.{e}.up_proj.weight (row 0 of moe_layers.mlp.experts_up_proj): "
+            "experts [3] of 8") in message
     assert "unexpected: model.layers.0.self_attn.extra.weight [2, 3] F32" in message
     assert "mis-shaped: model.layers.1.self_attn.o_proj.weight [5, 64] does not fit" in message
 
@@ -241,7 +246,8 @@ def test_experts_given_twice_and_layers_beyond_mtp_are_errors(model, tmp_path):
         t["model.layers.1.mlp.experts.gate_up_proj"] = np.zeros((8, 64, 64), np.float32)
         t["model.layers.3.input_layernorm.weight"] = np.ones((64,), np.float32)
     message = _load_error(model, tmp_path, edit)
-    assert "layers.1.mlp.experts_gate_proj is given more than once" in message
+    assert ("model.layers.1.mlp.experts.{e}.gate_proj.weight (row 0 of moe_layers.mlp.experts_gate_proj) "
+            "is given more than once") in message
     assert "unexpected: model.layers.3.input_layernorm.weight" in message
 
 
@@ -304,8 +310,8 @@ def test_fp8_checkpoint_equals_float_checkpoint(model, tmp_path):
     write_checkpoint(tmp_path / "float", released_config(model.config), float_tensors)
     from_fp8 = load_hf_checkpoint(tmp_path / "fp8", log=quiet)
     assert_same_params(from_fp8, load_hf_checkpoint(tmp_path / "float", log=quiet))
-    q_a = np.asarray(from_fp8.layers[0].self_attn.q_a_proj.weight[...])
-    np.testing.assert_allclose(q_a, np.asarray(model.layers[0].self_attn.q_a_proj.weight[...]), rtol=2 ** -3,
+    q_a = np.asarray(from_fp8.layer(0).self_attn.q_a_proj.weight[...])
+    np.testing.assert_allclose(q_a, np.asarray(model.layer(0).self_attn.q_a_proj.weight[...]), rtol=2 ** -3,
                                atol=1e-3)
 
 

@@ -1,7 +1,7 @@
 """Loading onto a mesh: on 8 virtual CPU devices (a subprocess, so the rest of the suite keeps one
 device), a Hugging Face checkpoint (`load_hf_checkpoint(..., mesh=)`, `jaxspec.mesh_loading`) and an
 orbax save (`restore_model(..., mesh=)`; `save_model` of a sharded model) load into the default plan's shards (routed experts split
-8 ways, the rest whole) with exactly the values of a one-device load: FP8 kept or dequantized,
+8 ways, the rest whole, a stacked parameter's layers axis never split) with exactly the values of a one-device load: FP8 kept or dequantized,
 per-expert or transformers' fused experts; and each expert's tensors are read once, not once per
 device."""
 
@@ -51,7 +51,9 @@ for directory, dtype in [("fp8", ml_dtypes.float8_e4m3fn), ("fp8", jnp.bfloat16)
         name, value = ".".join(map(str, path)), variable.get_value()
         assert value.dtype == whole[name].dtype and (np.asarray(value) == whole[name]).all(), (directory, name)
         blocks = {s.data.shape for s in value.addressable_shards}
-        expected = (value.shape[0] // 8, *value.shape[1:]) if ".experts_" in name else value.shape
+        experts = name.startswith("moe_layers.") + 0  # the experts axis: after the layers axis, never split
+        expected = value.shape if ".experts_" not in name else (
+            *value.shape[:experts], value.shape[experts] // 8, *value.shape[experts + 1:])
         assert blocks == {expected}, (directory, name, blocks)
 # orbax saves a sharded model as it restores one: each device writes its block.
 save_model(split, root / "resaved")
