@@ -20,6 +20,15 @@ def layer_rows(path: str, config) -> tuple[list[int], str]:
     return [], path
 
 
+def per_layer_names(paths, config) -> list[str]:
+    """The names `unstacked` gives the parameters `paths`."""
+    names = []
+    for path in paths:
+        layers, rest = layer_rows(path, config)
+        names += [f"layers.{layer}.{rest}" for layer in layers] if layers else [path]
+    return names
+
+
 def unstacked(params: dict, config) -> dict:
     """{path: value} -> each stacked parameter's rows as `layers.{i}.<path in the block>`, the rest as given."""
     out = {}
