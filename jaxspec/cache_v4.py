@@ -184,7 +184,7 @@ class V4Cache:
         moved: a tree call writes none (they are closed from the moved rings)."""
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
         changes = {}
-        for name in {ring for rings in RINGS.values() for ring in rings}:
+        for name in dict.fromkeys(ring for rings in RINGS.values() for ring in rings):
             if getattr(self, name) is None:
                 continue
             pages = self.page_table[POOL_TABLE[name]]

@@ -27,8 +27,8 @@ The decoder layers run as scans over stacked parameters (`models.stack`), one sc
 repeating pattern: `layer_groups[k]` holds the k-th run, `repeats` copies of a unit of one layer or
 of two (an `nnx.List`), stacked [repeats, ...]. Layers differ by attention kind (sliding, CSA, HCA:
 different modules and caches) and MoE routing (hash or learned), and V4 alternates its kinds, so
-runs of one kind would be one layer long; the pattern is what repeats: V4-Flash is [S] x 2,
-[C/hash] x 1, [H, C] x 20, V4-Pro [H] x 2, [C/hash] x 1, [H, C] x 29 (`layer_runs`: the fewest runs
+runs of one kind would be one layer long; the pattern is what repeats: V4-Flash is [S/hash] x 2,
+[C/hash] x 1, [H, C] x 20, V4-Pro [H/hash] x 2, [C/hash] x 1, [H, C] x 29 (`layer_runs`: the fewest runs
 of units of one or two layers, `models.stack.repeating_runs`). Three scan bodies then compile,
 whatever the depth. `layer(i)` gives layer i on its own; `unroll_layers=True` runs the same
 stacks as python loops.

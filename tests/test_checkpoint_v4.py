@@ -379,7 +379,8 @@ def test_fp8_experts_load_fp8_resident(released_v4, tmp_path):
     loaded = load_hf_checkpoint(tmp_path / "base", dtype=jnp.float8_e4m3fn, log=lambda line: None)
     got = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param))}
     kept = {path: value for path, value in got.items() if value.dtype == ml_dtypes.float8_e4m3fn}
-    assert set(deepseek_tensors({p: params[p] for p in kept}, model.config)) == set(scales)  # DeepSeek's FP8 list, no more
+    # DeepSeek's FP8 list, no more:
+    assert set(deepseek_tensors({p: params[p] for p in kept}, model.config)) == set(scales)
     for path, value in from_deepseek(kept, base, model.config).items():
         np.testing.assert_array_equal(got[path].view(np.uint8), value.view(np.uint8), err_msg=path)
     scale_params = {path: got[path + fp8.SCALE_SUFFIX] for path in kept}

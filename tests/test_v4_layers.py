@@ -24,7 +24,8 @@ from layer_names import unstacked
 from trained_models import FIXTURES
 
 # Six layers: a sliding + CSA unit once (hash-routed), then HCA + CSA twice (a scan of two steps).
-SIX = dict(num_hidden_layers=6, layer_types=(SLIDING, CSA, HCA, CSA, HCA, CSA), mlp_layer_types=("hash_moe",) * 2 + ("moe",) * 4)
+SIX = dict(num_hidden_layers=6, layer_types=(SLIDING, CSA, HCA, CSA, HCA, CSA),
+           mlp_layer_types=("hash_moe",) * 2 + ("moe",) * 4)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,8 @@ def test_repeating_runs_on_hand_made_lists(units, want):
 
 def test_layer_i_is_its_rows_of_the_stacks(six_layers):
     model = six_layers
-    per_layer = unstacked({".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))},
-                          model.config)
+    params = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    per_layer = unstacked(params, model.config)
     for i in range(6):
         layer = model.layer(i)
         assert layer.self_attn.kind == model.config.layer_types[i]
