@@ -5,15 +5,15 @@ A V4 layer keeps no per-slot history beyond its sliding window; what it keeps is
 
   window         every layer: the K=V entries [head_dim] (after kv_norm and RoPE) of the last
                  slots, slot s at ring index `s % R` of the row's "window" pages;
-  state          CSA / HCA: the compressor's per-token projections, `kv` and `gate + position_bias`
+  csa_state, hca_state   the compressor's per-token projections, `kv` and `gate + position_bias`
                  side by side ([2 * coff * head_dim] float32, coff = 2 for CSA's two series Ca/Cb,
                  1 for HCA), slot s at ring index `s % Rc` of the row's "csa_state" / "hca_state"
                  pages: what transformers calls the compressor's buffer and overlap, held per
                  position so it is a function of the committed tokens;
-  entries        CSA / HCA: compressed entry j [head_dim] at slot j of the "csa_entries" /
+  csa_entries, hca_entries   compressed entry j [head_dim] at slot j of the "csa_entries" /
                  "hca_entries" pages (entry j pools the tokens ending at `(j + 1) * m - 1`);
-  index_state, index_entries   CSA only: the lightning indexer's own compressor, the same two
-                 structures at width index_head_dim (sharing the CSA page tables).
+  csa_index_state, csa_index_entries   CSA only: the lightning indexer's own compressor, the same
+                 two structures at width index_head_dim (sharing the CSA page tables).
 
 Ring capacities leave room for a whole call (W = `max_window`, the largest Q of any call: the
 prefill chunk, k + 1, or a tree's size), so a call never overwrites a slot that one of its own
@@ -32,26 +32,42 @@ erased: whatever a rejected draft wrote (a ring
 slot, an entry closed by a draft) is either out of every later query's view or rewritten by the
 call that processes that position again before anyone reads it (`models.v4_attention`).
 
-All arrays are paged `[num_pages, page_size, width]` with per-row page tables in `page_table`
-(a dict by structure name), laid out as `jaxspec.cache.init_cache` lays out its pages (row after
-row, or per row shard), so `jaxspec.sharding` can split them by rows.
+All pools of one structure are stacked over the layers that have it, `[n, num_pages, page_size,
+width]`: `window` over every layer, the CSA structures over the CSA layers, the HCA ones over the HCA
+layers, a layer's row being its rank among the layers of its kind (`row`). Why stacked: the decoder
+runs its layers as `jax.lax.scan`s (`models.stack`) with the cache in the carry, so a layer's index
+may be traced, and a per-layer tuple cannot be indexed by it. A layer addresses its pages as
+`jaxspec.cache.PagedCache.layer_pages` does: the stack flattened to `[n * P, page, width]` (a free
+reshape) with the row's page table offset by `row * P`, so reads and writes touch the carry in place
+(slicing a layer out would copy its pages at every call). Pages are laid out per row as
+`jaxspec.cache.init_cache` lays out its pages (row after row, or per row shard), so
+`jaxspec.sharding` splits every pool by rows on its page axis (axis 1, after the stacked one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxspec.cache import check_geometry, pages_per_row, row_page_table
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
-# Page-table names per structure, by layer type.
-STATE_TABLE = {CSA: "csa_state", HCA: "hca_state"}
-ENTRY_TABLE = {CSA: "csa_entries", HCA: "hca_entries"}
+# The pools by layer kind (a field of `V4Cache` each), and the page table each pool's rows use.
+STATE = {CSA: "csa_state", HCA: "hca_state"}
+ENTRIES = {CSA: "csa_entries", HCA: "hca_entries"}
+INDEX_STATE, INDEX_ENTRIES = "csa_index_state", "csa_index_entries"
+POOL_TABLE = {"window": "window", "csa_state": "csa_state", "hca_state": "hca_state", "csa_entries": "csa_entries",
+              "hca_entries": "hca_entries", INDEX_STATE: "csa_state", INDEX_ENTRIES: "csa_entries"}
+# The layer kinds that hold each pool.
+POOL_KINDS = {"window": (SLIDING, CSA, HCA), "csa_state": (CSA,), "csa_entries": (CSA,), INDEX_STATE: (CSA,),
+              INDEX_ENTRIES: (CSA,), "hca_state": (HCA,), "hca_entries": (HCA,)}
+# The rings a tree's accepted path is moved in, per layer kind (entries are closed from them).
+RINGS = {SLIDING: ("window",), CSA: ("window", "csa_state", INDEX_STATE), HCA: ("window", "hca_state")}
 
 
 def ring_slots(slots: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
@@ -60,23 +76,37 @@ def ring_slots(slots: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
     return jnp.where(slots >= 0, slots % ring, -1)
 
 
+def kind_rows(layer_types: tuple[str, ...]) -> tuple[int, ...]:
+    """Each layer's row in the stacks of its kind: its rank among the layers of that kind."""
+    seen = {SLIDING: 0, CSA: 0, HCA: 0}
+    rows = []
+    for kind in layer_types:
+        rows.append(seen[kind])
+        seen[kind] += 1
+    return tuple(rows)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class V4Cache:
-    """Per layer (tuples of length num_layers; None where a layer has no such structure):
-    window [Pw, page, head_dim]; state [Ps, page, 2 * coff * head_dim] float32; entries
-    [Pe, page, head_dim]; index_state [Ps, page, 4 * index_head_dim] float32; index_entries
-    [Pe, page, index_head_dim]. page_table: {"window": [B, R / page], "csa_state" / "hca_state":
-    [B, Rc / page], "csa_entries" / "hca_entries": [B, E / page]} int32 (only the kinds present);
-    lengths [B] int32 committed tokens per row; capacity: the positions a row can hold,
-    max_window: the most tokens of one call, lookback: the slots before a call whose blocks it
-    re-closes, layer_types: each layer's attention kind (static)."""
+    """Pools stacked over the layers of their kind (None where no layer has that kind):
+    window [L, Pw, page, head_dim]; csa_state [n_csa, Ps, page, 4 * head_dim] float32;
+    csa_entries [n_csa, Pe, page, head_dim]; csa_index_state [n_csa, Ps, page, 4 * index_head_dim]
+    float32; csa_index_entries [n_csa, Pe, page, index_head_dim]; hca_state [n_hca, Ps', page,
+    2 * head_dim] float32; hca_entries [n_hca, Pe', page, head_dim]. page_table: {"window":
+    [B, R / page], "csa_state" / "hca_state": [B, Rc / page], "csa_entries" / "hca_entries":
+    [B, E / page]} int32 (only the kinds present; shared by a structure's layers); lengths [B] int32
+    committed tokens per row; capacity: the positions a row can hold, max_window: the most tokens
+    of one call, lookback: the slots before a call whose blocks it re-closes, layer_types: each
+    layer's attention kind (static)."""
 
-    window: tuple
-    state: tuple
-    entries: tuple
-    index_state: tuple
-    index_entries: tuple
+    window: jax.Array
+    csa_state: jax.Array | None
+    csa_entries: jax.Array | None
+    csa_index_state: jax.Array | None
+    csa_index_entries: jax.Array | None
+    hca_state: jax.Array | None
+    hca_entries: jax.Array | None
     page_table: dict
     lengths: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
@@ -85,8 +115,12 @@ class V4Cache:
     layer_types: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
+    def num_layers(self) -> int:
+        return self.window.shape[0]
+
+    @property
     def page_size(self) -> int:
-        return self.window[0].shape[1]
+        return self.window.shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -100,46 +134,71 @@ class V4Cache:
         return self.replace(lengths=lengths)
 
     def partition_specs(self, rows):
-        """A `PartitionSpec` per leaf: every ring, compressor state and entry pool (each layer's)
-        split by pages like `rows`, the spec of an array whose leading axis is rows; the per-structure
-        page tables and lengths by rows. None stays None (a structure a layer lacks)."""
-        return jax.tree.map(lambda _: rows, self)
+        """A `PartitionSpec` per leaf: every pool split by pages (its axis 1, after the stacked
+        layers) like `rows`, the spec of an array whose leading axis is rows; the per-structure page
+        tables and lengths by rows. None stays None (a kind no layer has)."""
+        pools = PartitionSpec(None, *rows)
+        return self.replace(**{name: None if getattr(self, name) is None else pools for name in POOL_TABLE},
+                            page_table={name: rows for name in self.page_table}, lengths=rows)
 
-    def set_layer(self, name: str, layer: int, value: jax.Array) -> "V4Cache":
-        """This cache with `name[layer]` (name: "window", "state", ...) replaced by `value`."""
-        arrays = list(getattr(self, name))
-        arrays[layer] = value
-        return self.replace(**{name: tuple(arrays)})
+    def row(self, name: str, layer) -> jax.Array | int:
+        """Layer `layer`'s row in pool `name`: the layer itself for "window", else its rank among the
+        layers of its kind. layer: an int, or a traced int32 (a scan's layer index)."""
+        if name == "window":
+            return layer
+        if isinstance(layer, int):
+            if self.layer_types[layer] not in POOL_KINDS[name]:
+                raise ValueError(f"layer={layer}: a {self.layer_types[layer]} layer has no {name}")
+            return kind_rows(self.layer_types)[layer]
+        return jnp.asarray(kind_rows(self.layer_types), jnp.int32)[layer]
 
-    def write_ring(self, name: str, table: str, layer: int, slots: jax.Array, values: jax.Array) -> "V4Cache":
-        """Write values [B, Q, W] at ring slots [B, Q] (-1 = skip) of ring `name[layer]` (pages `table`)."""
-        pages = self.page_table[table]
-        ring = getattr(self, name)[layer]
-        return self.set_layer(name, layer, write_slots(ring, pages, ring_slots(slots, pages, self.page_size), values))
+    def layer_pages(self, name: str, layer) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s view of pool `name` as the kernels take it: (the stack flattened to
+        [n * P, page, width], and this layer's page table [B, M], the structure's offset by row * P)."""
+        pool = getattr(self, name)
+        num_rows, num_pages = pool.shape[:2]
+        flat = pool.reshape(num_rows * num_pages, *pool.shape[2:])
+        return flat, self.page_table[POOL_TABLE[name]] + self.row(name, layer) * num_pages
 
-    def read_ring(self, name: str, table: str, layer: int, slots: jax.Array) -> jax.Array:
-        """Ring `name[layer]` at slots [B, ...] (-1 = none: zeros) -> [B, ..., W]."""
-        pages = self.page_table[table]
-        return read_slots(getattr(self, name)[layer], pages, ring_slots(slots, pages, self.page_size))
+    def write_pages(self, name: str, layer, slots: jax.Array, values: jax.Array) -> "V4Cache":
+        """Write values [B, Q, W] at page slots [B, Q] (-1 = skip) of layer `layer`'s pool `name`."""
+        flat, pages = self.layer_pages(name, layer)
+        pool = getattr(self, name)
+        return self.replace(**{name: write_slots(flat, pages, slots, values).reshape(pool.shape)})
 
-    def move(self, src_slots: jax.Array, dst_slots: jax.Array, layers: Sequence[int] | None = None) -> "V4Cache":
-        """Copy every ring's entries (window, compressor and indexer projections; of every layer, or
-        of `layers`) from src_slots to dst_slots, both [B, L] int32 (-1 = skip the pair): a tree's
-        accepted path made contiguous. All sources are read before anything is written. Compressed
-        entries are not moved: a tree call writes none (they are closed from the moved rings)."""
+    def write_ring(self, name: str, layer, slots: jax.Array, values: jax.Array) -> "V4Cache":
+        """Write values [B, Q, W] at ring slots [B, Q] (-1 = skip) of layer `layer`'s ring `name`."""
+        return self.write_pages(name, layer, self._ring(name, slots), values)
+
+    def read_ring(self, name: str, layer, slots: jax.Array) -> jax.Array:
+        """Layer `layer`'s ring `name` at slots [B, ...] (-1 = none: zeros) -> [B, ..., W]."""
+        return read_slots(*self.layer_pages(name, layer), self._ring(name, slots))
+
+    def _ring(self, name: str, slots: jax.Array) -> jax.Array:
+        return ring_slots(slots, self.page_table[POOL_TABLE[name]], self.page_size)
+
+    def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "V4Cache":
+        """Copy every layer's ring entries (window, compressor and indexer projections) from
+        src_slots to dst_slots, both [B, L] int32 (-1 = skip the pair): a tree's accepted path made
+        contiguous. All sources are read before anything is written. Compressed entries are not
+        moved: a tree call writes none (they are closed from the moved rings)."""
+        dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
+        changes = {}
+        for name in dict.fromkeys(ring for rings in RINGS.values() for ring in rings):
+            if getattr(self, name) is None:
+                continue
+            pages = self.page_table[POOL_TABLE[name]]
+            src, dst = self._ring(name, src_slots), self._ring(name, dst_slots)
+            changes[name] = jax.vmap(lambda pool: write_slots(pool, pages, dst, read_slots(pool, pages, src)))(
+                getattr(self, name))
+        return self.replace(**changes)
+
+    def move_layer(self, src_slots: jax.Array, dst_slots: jax.Array, layer, kind: str) -> "V4Cache":
+        """`move` for one layer of attention kind `kind` (layer: an int or a traced int32)."""
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
         cache = self
-        for layer, kind in enumerate(self.layer_types):
-            if layers is not None and layer not in layers:
-                continue
-            rings = [("window", "window")]
-            if kind != SLIDING:
-                rings.append(("state", STATE_TABLE[kind]))
-            if kind == CSA:
-                rings.append(("index_state", STATE_TABLE[kind]))
-            for name, table in rings:
-                values = self.read_ring(name, table, layer, src_slots)
-                cache = cache.write_ring(name, table, layer, dst_slots, values)
+        for name in RINGS[kind]:
+            cache = cache.write_ring(name, layer, dst_slots, self.read_ring(name, layer, src_slots))
         return cache
 
 
@@ -188,8 +247,7 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
         raise ValueError(f"page_table: must be a mapping from structure name to a [batch_size, M] table "
                          f"(got {type(page_table).__name__})")
     counts = ring_capacities(config, capacity, max_window, page_size)
-    needed = {"window"} | {STATE_TABLE[k] for k in layer_types if k != SLIDING} | {
-        ENTRY_TABLE[k] for k in layer_types if k != SLIDING}
+    needed = {"window"} | {STATE[k] for k in layer_types if k != SLIDING} | {ENTRIES[k] for k in layer_types if k != SLIDING}
     tables = {}
     for name in sorted(needed):
         given = (page_table or {}).get(name)
@@ -203,19 +261,16 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     if unknown:
         raise ValueError(f"page_table has {unknown}: this cache's structures are {sorted(needed)}")
 
-    def pool(table: str, width: int, pool_dtype) -> jax.Array:
-        return jnp.zeros((batch_size * counts[table], page_size, width), pool_dtype)
+    def stack(name: str, width: int, pool_dtype) -> jax.Array | None:
+        count = sum(kind in POOL_KINDS[name] for kind in layer_types)
+        table = POOL_TABLE[name]
+        return jnp.zeros((count, batch_size * counts[table], page_size, width), pool_dtype) if count else None
 
     d, di = config.head_dim, config.index_head_dim
-    window, state, entries, index_state, index_entries = [], [], [], [], []
-    for kind in layer_types:
-        window.append(pool("window", d, dtype))
-        coff = 2 if kind == CSA else 1
-        state.append(None if kind == SLIDING else pool(STATE_TABLE[kind], 2 * coff * d, jnp.float32))
-        entries.append(None if kind == SLIDING else pool(ENTRY_TABLE[kind], d, dtype))
-        index_state.append(pool("csa_state", 4 * di, jnp.float32) if kind == CSA else None)
-        index_entries.append(pool("csa_entries", di, dtype) if kind == CSA else None)
-    return V4Cache(window=tuple(window), state=tuple(state), entries=tuple(entries), index_state=tuple(index_state),
-                   index_entries=tuple(index_entries), page_table=tables,
-                   lengths=jnp.zeros((batch_size,), jnp.int32), capacity=capacity,
+    return V4Cache(window=stack("window", d, dtype),
+                   csa_state=stack("csa_state", 4 * d, jnp.float32), csa_entries=stack("csa_entries", d, dtype),
+                   csa_index_state=stack(INDEX_STATE, 4 * di, jnp.float32),
+                   csa_index_entries=stack(INDEX_ENTRIES, di, dtype),
+                   hca_state=stack("hca_state", 2 * d, jnp.float32), hca_entries=stack("hca_entries", d, dtype),
+                   page_table=tables, lengths=jnp.zeros((batch_size,), jnp.int32), capacity=capacity,
                    max_window=max_window, lookback=lookback, layer_types=tuple(layer_types))

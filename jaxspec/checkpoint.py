@@ -31,9 +31,10 @@ DeepSeek-V4 directories (`model_type` "deepseek_v4") hold DeepSeek's own names (
 
     model.embed_tokens.weight, lm_head.weight, model.norm.weight -> as for V3
     model.hc_head.<p>                               -> hc_head.<p>
-    model.layers.{i}.<path>                         -> layers.{i}.<path>: `.weight`s as for V3 (2-D
-        transposed, experts stacked, router renamed), mlp.gate.tid2eid -> mlp.tid2eid, and the raw
-        parameters (sinks, position_bias, attn_hc.*, ffn_hc.*) as stored
+    model.layers.{i}.<path>                         -> row r of <run>.<path> (the layer's stack, as
+        for V3; V4's runs are `layer_groups.{k}.` or, for a two-layer unit, `layer_groups.{k}.{j}.`):
+        `.weight`s as for V3 (2-D transposed, experts stacked, router renamed), mlp.gate.tid2eid
+        -> mlp.tid2eid, and the raw parameters (sinks, position_bias, attn_hc.*, ffn_hc.*) as stored
     mtp.0.{enorm, hnorm, e_proj, h_proj, norm}.weight, mtp.0.hc_head.<p>
                                                     -> mtp.<same>; the rest of mtp.0. -> mtp.block.<path>
     (no embedding or head under mtp.0.: V4's MTP uses the target's)
@@ -158,15 +159,15 @@ def _block_writes(prefix: str, rest: str, layer: int | None = None) -> list[_Wri
     return [_Write(prefix + _ROUTER.get(rest, rest), _transposed, layer=layer)]
 
 
-def _v4_block_writes(prefix: str, rest: str) -> list[_Write]:
-    """A V4 block's tensor (transformers' name `rest`) -> writes under `prefix`: Linear weights, norms
-    and the MoE as V3's; the hash table and the raw parameters (sinks, position_bias, attn_hc.*,
-    ffn_hc.*) as stored."""
+def _v4_block_writes(prefix: str, rest: str, layer: int | None = None) -> list[_Write]:
+    """A V4 block's tensor (transformers' name `rest`) -> writes under `prefix` (into row `layer` of
+    a layer stack; None: the MTP's block): Linear weights, norms and the MoE as V3's; the hash table
+    and the raw parameters (sinks, position_bias, attn_hc.*, ffn_hc.*) as stored."""
     if rest == "mlp.gate.tid2eid":
-        return [_Write(prefix + "mlp.tid2eid", _as_is)]
+        return [_Write(prefix + "mlp.tid2eid", _as_is, layer=layer)]
     if rest.endswith(".weight") or rest in _ROUTER:
-        return _block_writes(prefix, rest)
-    return [_Write(prefix + rest, _as_is)]
+        return _block_writes(prefix, rest, layer)
+    return [_Write(prefix + rest, _as_is, layer=layer)]
 
 
 def _v4_writes(name: str, config: ModelConfig) -> list[_Write]:
@@ -175,7 +176,11 @@ def _v4_writes(name: str, config: ModelConfig) -> list[_Write]:
         return [_Write(name.removeprefix("model."), _as_is)]
     if match := _LAYER.fullmatch(name):
         layer = int(match[1])
-        return _v4_block_writes(f"layers.{layer}.", match[2]) if layer < config.num_hidden_layers else []
+        if layer >= config.num_hidden_layers:
+            return []
+        run = next(run for run in layer_runs(config) if run.start <= layer < run.stop)
+        prefix, row = run.locate(layer)
+        return _v4_block_writes(prefix, match[2], row)
     if (match := _V4_MTP.fullmatch(name)) and int(match[1]) < min(config.num_nextn_predict_layers, 1):
         if match[2] in _V4_MTP_OWN:
             return [_Write("mtp." + match[2], _transposed if match[2].endswith(".weight") else _as_is)]

@@ -3,6 +3,7 @@
 from .deepseek import DecoderLayer, DeepseekV3, MTPModule
 from .deepseek import layer_runs as _v3_layer_runs
 from .deepseek_v4 import DeepseekV4
+from .deepseek_v4 import layer_runs as _v4_layer_runs
 from .mla import MLA
 from .moe import MoE, route
 
@@ -15,7 +16,7 @@ def model_class(config) -> type:
 def layer_runs(config) -> tuple:
     """Where the decoder layers of a `ModelConfig`'s model are: its `models.stack.LayerRun`s, in
     layer order (a layer's parameters are row r of the stack `run.locate(layer)` names)."""
-    return () if config.is_v4 else _v3_layer_runs(config)
+    return _v4_layer_runs(config) if config.is_v4 else _v3_layer_runs(config)
 
 
 __all__ = ["DecoderLayer", "DeepseekV3", "DeepseekV4", "MLA", "MTPModule", "MoE", "layer_runs", "model_class", "route"]

@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, V4Cache
+from jaxspec.cache_v4 import ENTRIES, INDEX_ENTRIES, INDEX_STATE, STATE, V4Cache
 from jaxspec.model_config import CSA, ModelConfig
-from jaxspec.pallas_kernels import Visibility, gather_rows, query_valid, select_topk, write_slots
+from jaxspec.pallas_kernels import Visibility, gather_rows, query_valid, select_topk
 from jaxspec.pallas_kernels.indexer import score_keys
 
 from .layers import Linear, RMSNorm, compute_dtype, param, per_position
@@ -56,7 +56,8 @@ class Compressor(nnx.Module):
     Parameters as transformers' `DeepseekV4HCACompressor` (and the compressor part of
     `DeepseekV4CSACompressor` / `DeepseekV4Indexer`): kv_proj, gate_proj [D, coff * width],
     position_bias [m, coff * width] float32, kv_norm [width]. The projections stay in the compute
-    dtype under FP8 (DeepSeek ships them in bf16).
+    dtype under FP8 (DeepSeek ships them in bf16). Its ring and entries are the cache pools
+    `state_pool` and `entry_pool` (`jaxspec.cache_v4`).
     """
 
     def __init__(self, config: ModelConfig, kind: str, width: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -64,6 +65,7 @@ class Compressor(nnx.Module):
         self.rate = dict(config.compress_rates)[kind]
         self.width = width
         self.overlap = kind == CSA
+        self.state_pool, self.entry_pool = STATE[kind], ENTRIES[kind]
         coff = 2 if self.overlap else 1
         self.rope_config = config.rope_for("compress")
         self.kv_proj = Linear(config.hidden_size, coff * width, rngs=rngs, dtype=compute_dtype(dtype),
@@ -99,16 +101,15 @@ class Compressor(nnx.Module):
         cos, sin = rope_angles(self.rope_config, start)
         return rotate_tail(entry, cos, sin)
 
-    def update(self, cache: V4Cache, state: str, entries: str, layer: int, x: jax.Array, positions: jax.Array,
-               slots: jax.Array, vis: Visibility, *, window_invariant: bool) -> V4Cache:
-        """Write the call's projections to ring `state[layer]` at `slots` [B, Q] (-1: padding, which
-        writes nothing), then close into `entries[layer]`, before any query of the call attends,
+    def update(self, cache: V4Cache, layer, x: jax.Array, positions: jax.Array, slots: jax.Array, vis: Visibility, *,
+               window_invariant: bool) -> V4Cache:
+        """Write the call's projections to layer `layer`'s ring (an int or a traced int32) at `slots`
+        [B, Q] (-1: padding, which writes nothing), then close into its entries, before any query of the call attends,
         every block that ended in the W = `cache.lookback` slots before the call (a tree call
         committed them without writing; for a chain they are rewritten with the same values) and,
         for a chain, every block whose end lies in the call. x [B, Q, D]; positions [B, Q]."""
-        state_table, entry_table = STATE_TABLE[self.kind], ENTRY_TABLE[self.kind]
         rows = per_position(self.project, x, positions, enabled=window_invariant)
-        cache = cache.write_ring(state, state_table, layer, slots, rows)
+        cache = cache.write_ring(self.state_pool, layer, slots, rows)
 
         m, num_queries, back = self.rate, x.shape[1], cache.lookback
         span = 2 * m if self.overlap else m
@@ -119,15 +120,13 @@ class Compressor(nnx.Module):
         closes = (block >= 0) & (end >= vis.prefix_len[:, None] - back) & (end < (vis.prefix_len + in_call)[:, None])
         source = (block + 1)[..., None] * m - span + jnp.arange(span, dtype=jnp.int32)  # [B, N, span]
         present = source >= 0
-        rows = cache.read_ring(state, state_table, layer, jnp.where(present & closes[..., None], source, -1))
-        dtype = cache.window[layer].dtype
+        rows = cache.read_ring(self.state_pool, layer, jnp.where(present & closes[..., None], source, -1))
+        dtype = cache.window.dtype
         pooled = per_position(lambda r, p, s: self.pool(r, p, s, dtype), rows, present, block * m,
                               enabled=window_invariant)
-        written = write_slots(getattr(cache, entries)[layer], cache.page_table[entry_table],
-                              jnp.where(closes, block, -1), pooled)
-        return cache.set_layer(entries, layer, written)
+        return cache.write_pages(self.entry_pool, layer, jnp.where(closes, block, -1), pooled)
 
-    def branch_entries(self, cache: V4Cache, state: str, layer: int, positions: jax.Array, vis: Visibility):
+    def branch_entries(self, cache: V4Cache, layer, positions: jax.Array, vis: Visibility):
         """Tree calls: the entries each query's own branch closes inside the window, which the call
         does not write. Query q at position p gets blocks j = prefix_len // m + x (x < X = ceil(Q / m))
         with `prefix_len <= e_j <= p`, pooled from committed ring rows and its ancestors' rows
@@ -148,10 +147,10 @@ class Compressor(nnx.Module):
         present = jnp.broadcast_to(source >= 0, shape)
         slot = jnp.where(present & closed[..., None], slot, -1)
         batch = positions.shape[0]
-        rows = cache.read_ring(state, STATE_TABLE[self.kind], layer, slot.reshape(batch, -1))
+        rows = cache.read_ring(self.state_pool, layer, slot.reshape(batch, -1))
         rows = rows.reshape(batch, -1, span, rows.shape[-1])  # [B, Q * X, span, W]
         start = jnp.broadcast_to(block * m, closed.shape).reshape(batch, -1)
-        pooled = self.pool(rows, present.reshape(batch, -1, span), start, cache.window[layer].dtype)
+        pooled = self.pool(rows, present.reshape(batch, -1, span), start, cache.window.dtype)
         return pooled.reshape(*closed.shape, -1), closed
 
 
@@ -184,6 +183,7 @@ class Indexer(Compressor):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         super().__init__(config, CSA, config.index_head_dim, rngs=rngs, dtype=dtype)
+        self.state_pool, self.entry_pool = INDEX_STATE, INDEX_ENTRIES
         self.num_heads, self.topk = config.index_n_heads, config.index_topk
         self.q_b_proj = Linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, rngs=rngs,
                                dtype=dtype, names=("q_lora", "index_heads"))
@@ -197,7 +197,7 @@ class Indexer(Compressor):
         weights = self.scorer.weights_proj(x.astype(jnp.float32)) * (self.width ** -0.5 * self.num_heads ** -0.5)
         return rotate_tail(q, cos, sin), weights
 
-    def select(self, cache: V4Cache, layer: int, x, q_residual, cos, sin, positions: jax.Array, vis: Visibility, *,
+    def select(self, cache: V4Cache, layer, x, q_residual, cos, sin, positions: jax.Array, vis: Visibility, *,
                window_invariant: bool, extra_keys: jax.Array | None = None, extra_closed: jax.Array | None = None):
         """The top `index_topk` entries each token sees -> [B, Q, index_topk] int32, -1 padded
         (padding tokens: all -1). Entry j is visible to position p iff (j + 1) m - 1 <= p.
@@ -207,7 +207,7 @@ class Indexer(Compressor):
         + x the query's branch closed. They are ranked after the cached ones (entry order, so ties go
         to the lowest entry as in a chain) and returned as (indices into the cache, -1 padded;
         extra_selected [B, Q, X] bool)."""
-        keys = gather_rows(cache.index_entries[layer], cache.page_table[ENTRY_TABLE[CSA]])  # [B, E, Di]
+        keys = gather_rows(*cache.layer_pages(self.entry_pool, layer))  # [B, E, Di]
         entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
         bound = (positions + 1) // self.rate if extra_keys is None else jnp.broadcast_to(
             (vis.prefix_len // self.rate)[:, None], positions.shape)

@@ -1,7 +1,7 @@
 """DeepSeek-V4 transformer with its MTP module, in Flax NNX (`model_type` "deepseek_v4").
 
 The module tree mirrors transformers 5.23's `DeepseekV4ForCausalLM` (so checkpoint names map
-mechanically, `jaxspec.checkpoint`): embed_tokens; layers[i] = attn_hc, input_layernorm, self_attn
+mechanically, `jaxspec.checkpoint`): embed_tokens; layer i = attn_hc, input_layernorm, self_attn
 (`V4Attention`: sliding / CSA / HCA by `layer_types[i]`), ffn_hc, post_attention_layernorm, mlp
 (`MoE`, hash-routed in the "hash_moe" layers); hc_head; norm; lm_head. The residual is `hc_mult`
 streams [B, Q, N, D] (`models.hyper_connections`): the embedding is copied into every stream, each
@@ -22,6 +22,16 @@ norm (unlike V3, whose MTP reads the post-norm state). So `hidden`, what a call 
 MTP, is the streams flattened, [B, Q, hc_mult * hidden_size]; chained drafting (k > 1) feeds the
 MTP its own pre-hc_head output streams the same way. The embedding and LM head are the target's.
 `DeepseekV4` implements `models.interface.DecoderModel`.
+
+The decoder layers run as scans over stacked parameters (`models.stack`), one scan per run of a
+repeating pattern: `layer_groups[k]` holds the k-th run, `repeats` copies of a unit of one layer or
+of two (an `nnx.List`), stacked [repeats, ...]. Layers differ by attention kind (sliding, CSA, HCA:
+different modules and caches) and MoE routing (hash or learned), and V4 alternates its kinds, so
+runs of one kind would be one layer long; the pattern is what repeats: V4-Flash is [S/hash] x 2,
+[C/hash] x 1, [H, C] x 20, V4-Pro [H/hash] x 2, [C/hash] x 1, [H, C] x 29 (`layer_runs`: the fewest runs
+of units of one or two layers, `models.stack.repeating_runs`). Three scan bodies then compile,
+whatever the depth. `layer(i)` gives layer i on its own; `unroll_layers=True` runs the same
+stacks as python loops.
 """
 
 from __future__ import annotations
@@ -41,7 +51,18 @@ from .hyper_connections import HyperConnection, HyperHead
 from .interface import check_head_split
 from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .moe import MoE
+from .stack import LayerRun, layer_slice, repeating_runs, run_layers, stack_layers
 from .v4_attention import V4Attention
+
+LAYER_GROUPS = "layer_groups"
+
+
+def layer_runs(config: ModelConfig) -> tuple[LayerRun, ...]:
+    """The stacks of a V4 decoder, in layer order: `layer_groups.{k}` holds the k-th of the fewest
+    runs of a repeated unit of one or two layers (a layer's kind: its attention kind and routing)."""
+    kinds = [(config.layer_type(i), config.is_hash_layer(i)) for i in range(config.num_hidden_layers)]
+    return tuple(LayerRun(f"{LAYER_GROUPS}.{k}", start, period, repeats)
+                 for k, (start, period, repeats) in enumerate(repeating_runs(kinds)))
 
 
 class V4DecoderLayer(nnx.Module):
@@ -58,9 +79,10 @@ class V4DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
         self.mlp = MoE(config, rngs=rngs, dtype=dtype, hash_routing=config.is_hash_layer(layer))
 
-    def __call__(self, streams: jax.Array, tokens: jax.Array, positions: jax.Array, cache: V4Cache, cache_layer: int,
+    def __call__(self, streams: jax.Array, tokens: jax.Array, positions: jax.Array, cache: V4Cache, cache_layer,
                  vis: Visibility, *, backend: str, window_invariant: bool = False) -> tuple[jax.Array, V4Cache]:
-        """streams [B, Q, N, D], tokens / positions [B, Q] -> (streams [B, Q, N, D], cache)."""
+        """streams [B, Q, N, D], tokens / positions [B, Q] -> (streams [B, Q, N, D], cache).
+        cache_layer: this layer's index in the cache (an int, or the layer scan's traced int32)."""
         each = functools.partial(per_position, enabled=window_invariant)
 
         def enter(hc, norm, streams):  # the block's input: its mHC weights and the normed collapse
@@ -109,13 +131,20 @@ class DeepseekV4(nnx.Module):
         self.config = config
         self.dtype = compute_dtype(dtype)
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, rngs=rngs, dtype=self.dtype)
-        self.layers = nnx.List([V4DecoderLayer(config, i, rngs=rngs, dtype=dtype)
-                                for i in range(config.num_hidden_layers)])
+        self.layer_groups = nnx.List([stack_layers(functools.partial(self._unit, config, run, dtype=dtype),
+                                                   run.repeats, rngs) for run in layer_runs(config)])
         self.hc_head = HyperHead(config, rngs=rngs)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, dtype=self.dtype,
                               names=("embed", "vocab"))
         self.mtp = V4MTPModule(config, rngs=rngs, dtype=dtype) if config.num_nextn_predict_layers > 0 else None
+
+    @staticmethod
+    def _unit(config: ModelConfig, run: LayerRun, rngs: nnx.Rngs, *, dtype) -> nnx.Module:
+        """A run's unit: its first layer (period 1), or an `nnx.List` of its first `period` layers
+        (every repeat has the same kinds)."""
+        layers = [V4DecoderLayer(config, run.start + j, rngs=rngs, dtype=dtype) for j in range(run.period)]
+        return layers[0] if run.period == 1 else nnx.List(layers)
 
     # -- caches ---------------------------------------------------------------------------------
 
@@ -164,6 +193,21 @@ class DeepseekV4(nnx.Module):
         keys = c.sliding_window + max(c.index_topk, capacity // dict(c.compress_rates)[HCA])
         return width * heads * keys * 4
 
+    # -- layers ---------------------------------------------------------------------------------
+
+    @property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        """Where each decoder layer's parameters are: `layer_runs(config)`."""
+        return layer_runs(self.config)
+
+    def layer(self, index: int) -> V4DecoderLayer:
+        """Decoder layer `index` on its own (its rows of the stacked parameters), for inspection."""
+        if not 0 <= index < self.config.num_hidden_layers:
+            raise ValueError(f"index={index}: must be in [0, num_hidden_layers={self.config.num_hidden_layers})")
+        k, run = next((k, run) for k, run in enumerate(self.layer_runs) if run.start <= index < run.stop)
+        unit = layer_slice(self.layer_groups[k], (index - run.start) // run.period)
+        return unit if run.period == 1 else unit[(index - run.start) % run.period]
+
     # -- forward passes -------------------------------------------------------------------------
 
     def _streams(self, tokens: jax.Array) -> jax.Array:
@@ -185,11 +229,21 @@ class DeepseekV4(nnx.Module):
         hidden [B, Q, hc_mult * D] (the residual streams before hc_head, flattened: the MTP's
         input), the updated cache. form: the interface's attention-form hint, which V4 ignores (its
         attention has one form). window_invariant: every token computed as if alone in a [B, 1] call.
+        unroll_layers: run the layer stacks as python loops instead of scans (the same parameters and
+        results; a debugging switch, `DecodeConfig.unroll_layers`).
         """
+        if cache.layer_types != tuple(self.config.layer_types):
+            raise ValueError(f"cache: holds layers {cache.layer_types}, the model has {tuple(self.config.layer_types)} "
+                             "(build it with this model's init_cache)")
         streams = self._streams(tokens)
-        for i, layer in enumerate(self.layers):
-            streams, cache = layer(streams, tokens, positions, cache, i, vis, backend=backend,
-                                   window_invariant=window_invariant)
+        for run, stack in zip(self.layer_runs, self.layer_groups):
+            def body(unit, row, carry, run=run):
+                streams, cache = carry
+                for j, layer in enumerate([unit] if run.period == 1 else unit):
+                    streams, cache = layer(streams, tokens, positions, cache, run.start + row * run.period + j, vis,
+                                           backend=backend, window_invariant=window_invariant)
+                return streams, cache
+            streams, cache = run_layers(stack, body, (streams, cache), unroll=unroll_layers)
         logits = self._logits(self.hc_head, self.norm, streams, window_invariant)
         return logits, streams.reshape(*streams.shape[:2], -1), cache
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, TypeVar
+from typing import Callable, Hashable, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +99,36 @@ def in_place(value) -> tuple[jax.Array, jax.Array]:
     if isinstance(value, StackRow):
         return value.stack, value.row
     return value[None], jnp.zeros((), jnp.int32)
+
+
+def repeating_runs(units: Sequence[Hashable], max_period: int = 2) -> tuple[tuple[int, int, int], ...]:
+    """The fewest runs that cover a list of layer kinds, each run a unit of 1 .. max_period
+    consecutive kinds repeated: units [L] (anything comparable: a layer's kind) -> ((start, period,
+    repeats), ...) in layer order. Ties go to the segmentation whose first run covers the most
+    layers, then to the shorter unit.
+
+    Fewest runs, not the longest run at each step: each run is a scan whose body is compiled once,
+    so the compile time grows with the number of runs. Taking the longest run first would split
+    DeepSeek-V4-Flash (S, S, C, H, C, H, ..., C; the first three layers hash-routed) into
+    [S] x 2, [C/hash, H] x 1, [C, H] x 19, [C] x 1 where [S] x 2, [C/hash] x 1, [H, C] x 20 suffices.
+    A dynamic programme over the layer list (a few thousand comparisons at 61 layers).
+    """
+    units = list(units)
+    count = len(units)
+    fewest: list[tuple[int, tuple[tuple[int, int, int], ...]]] = [(0, ())] * (count + 1)
+    for start in range(count - 1, -1, -1):
+        options = []
+        for period in range(1, min(max_period, count - start) + 1):
+            unit = units[start:start + period]
+            repeats = 1
+            while units[start + repeats * period:start + (repeats + 1) * period] == unit:
+                repeats += 1
+            for r in range(1, repeats + 1):
+                runs, rest = fewest[start + r * period]
+                options.append((runs + 1, -r * period, period, ((start, period, r),) + rest))
+        best = min(options, key=lambda option: option[:3])
+        fewest[start] = (best[0], best[3])
+    return fewest[0][1]
 
 
 def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], repeats: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -37,7 +37,8 @@ cache where its ancestors' ring rows sit at the slots plain decoding gives them 
 Interface (what `models/deepseek_v4.py` calls):
   V4Attention(config, layer, *, rngs, dtype)   layer: index into config.layer_types
                                                 (num_hidden_layers: the MTP block's layer)
-  __call__(x [B, Q, D], positions [B, Q], cache: V4Cache, layer: the layer's index in the cache,
+  __call__(x [B, Q, D], positions [B, Q], cache: V4Cache, layer: the layer's index in the cache
+           (an int, or the layer scan's traced int32),
            vis, *, backend="auto", window_invariant=False) -> (out [B, Q, D], cache)
 """
 
@@ -49,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache_v4 import ENTRY_TABLE, V4Cache
+from jaxspec.cache_v4 import V4Cache
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_attention, window_slots
 from jaxspec.sharding import current
@@ -84,7 +85,7 @@ class V4Attention(nnx.Module):
         else:
             self.compressor = None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer: int, vis: Visibility, *,
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer, vis: Visibility, *,
                  backend: str = "auto", window_invariant: bool = False) -> tuple[jax.Array, V4Cache]:
         """x [B, Q, D] (the input-normed, collapsed mHC stream), positions [B, Q] -> (out [B, Q, D],
         cache with the call's ring rows and closed entries written). window_invariant: each token
@@ -93,7 +94,7 @@ class V4Attention(nnx.Module):
             raise ValueError(f"x has {x.shape[1]} tokens per row: the cache's rings leave room for "
                              f"max_window={cache.max_window} (init_v4_cache)")
         tree = vis.tree_mask is not None
-        if cache.layer_types[layer] != self.kind:
+        if isinstance(layer, int) and cache.layer_types[layer] != self.kind:
             raise ValueError(f"layer={layer}: the cache holds a {cache.layer_types[layer]} layer there, "
                              f"this attention is {self.kind}")
         c = self.config
@@ -102,26 +103,25 @@ class V4Attention(nnx.Module):
         cos, sin = rope_angles(self.rope_config, positions)
         q_residual, q, kv = each(self._project, x, cos, sin)
         slots = window_slots(vis, num_queries)
-        cache = cache.write_ring("window", "window", layer, slots, kv)
+        cache = cache.write_ring("window", layer, slots, kv)
         if self.compressor is not None:
-            cache = self.compressor.update(cache, "state", "entries", layer, x, positions, slots, vis,
-                                           window_invariant=window_invariant)
+            cache = self.compressor.update(cache, layer, x, positions, slots, vis, window_invariant=window_invariant)
         if self.kind == CSA:
-            cache = self.compressor.indexer.update(cache, "index_state", "index_entries", layer, x, positions, slots,
-                                                   vis, window_invariant=window_invariant)
+            cache = self.compressor.indexer.update(cache, layer, x, positions, slots, vis,
+                                                   window_invariant=window_invariant)
         if tree and window_invariant:
             return self._tree_alone(x, positions, cache, layer, vis, backend=backend), cache
 
         compressed = {}
         if self.compressor is not None:
-            compressed = dict(compressed_kv=cache.entries[layer],
-                              compressed_pages=cache.page_table[ENTRY_TABLE[self.kind]])
+            compressed_kv, compressed_pages = cache.layer_pages(self.compressor.entry_pool, layer)
+            compressed = dict(compressed_kv=compressed_kv, compressed_pages=compressed_pages)
             if tree:  # entries closed inside the window: per query, along its branch, not cached
-                compressed["extra_kv"], closed = self.compressor.branch_entries(cache, "state", layer, positions, vis)
+                compressed["extra_kv"], closed = self.compressor.branch_entries(cache, layer, positions, vis)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 if tree:
-                    keys, keys_closed = indexer.branch_entries(cache, "index_state", layer, positions, vis)
+                    keys, keys_closed = indexer.branch_entries(cache, layer, positions, vis)
                     compressed["compressed_indices"], compressed["extra_valid"] = indexer.select(
                         cache, layer, x, q_residual, cos, sin, positions, vis, window_invariant=False,
                         extra_keys=keys, extra_closed=keys_closed)
@@ -140,8 +140,7 @@ class V4Attention(nnx.Module):
         if window_invariant:
             out = self._attend_alone(attend, q, cache, layer, positions, vis, compressed)
         else:
-            out = attend(q, cache.window[layer], cache.page_table["window"], positions, vis, self.sinks[...],
-                         **compressed)
+            out = attend(q, *cache.layer_pages("window", layer), positions, vis, self.sinks[...], **compressed)
         out = each(lambda o, cos, sin: self._output(rotate_tail(o, cos, -sin)), out, cos, sin)
         par = current()
         if par is not None and par.head_axes:  # tensor parallel: each device projected its heads' share
@@ -170,14 +169,14 @@ class V4Attention(nnx.Module):
         mixed = jnp.einsum("bqgi,igr->bqgr", grouped, w)
         return self.o_b_proj(mixed.reshape(batch, num_queries, -1))
 
-    def _tree_alone(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer: int, vis: Visibility, *,
+    def _tree_alone(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer, vis: Visibility, *,
                     backend: str) -> jax.Array:
         """A window-invariant tree call's outputs [B, Q, D], `cache` holding the call's writes.
 
         Node q at depth d runs as a one-token chain call at position prefix_len + d (a
         `per_position` loop over the nodes) on a view of `cache` in which the ring rows of its
-        ancestors (itself included) are copied to slots prefix_len .. prefix_len + d (`V4Cache.move`,
-        this layer only), where plain decoding of its branch would have written them. The chain
+        ancestors (itself included) are copied to slots prefix_len .. prefix_len + d
+        (`V4Cache.move_layer`), where plain decoding of its branch would have written them. The chain
         call then closes its branch's blocks from those rows and attends exactly as the token
         decoded alone would: the same rows, entries and shapes, so the same bits. Nothing a view
         holds is kept: the window's other nodes' rows in it sit at ring indices no token of the
@@ -190,14 +189,14 @@ class V4Attention(nnx.Module):
         valid = query_valid(vis, num_queries).astype(jnp.int32)
 
         def node(x, position, ancestors, valid):  # one node: [B, 1, ...]
-            view = cache.move(ancestors[:, 0], chain, layers=(layer,))
+            view = cache.move_layer(ancestors[:, 0], chain, layer, self.kind)
             alone = Visibility(position[:, 0], valid[:, 0])  # prefix_len + depth tokens before it on its branch
             out, _ = self(x, position, view, layer, alone, backend=backend, window_invariant=True)
             return out
 
         return per_position(node, x, positions, ancestors, valid)
 
-    def _attend_alone(self, attend, q, cache: V4Cache, layer: int, positions, vis: Visibility, compressed):
+    def _attend_alone(self, attend, q, cache: V4Cache, layer, positions, vis: Visibility, compressed):
         """The attention op once per window token, as token q alone in a call: prefix_len + q
         committed before it (the ring rows and entries of the tokens before it in this call are
         already written, and the ring leaves room for the whole window, so what it reads is what
@@ -209,7 +208,7 @@ class V4Attention(nnx.Module):
 
         def alone(q, positions, offset, valid, per_query):  # [B, 1, ...]
             one = Visibility(vis.prefix_len + offset[:, 0], valid[:, 0].astype(jnp.int32))
-            return attend(q, cache.window[layer], cache.page_table["window"], positions, one, self.sinks[...],
-                          **shared, **per_query)
+            return attend(q, *cache.layer_pages("window", layer), positions, one, self.sinks[...], **shared,
+                          **per_query)
 
         return per_position(alone, q, positions, offsets, valid, per_query)

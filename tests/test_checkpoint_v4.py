@@ -21,6 +21,7 @@ from jaxspec.checkpoint_v4 import to_transformers
 from jaxspec.model_config import CSA, HCA, SLIDING
 from jaxspec.orbax_io import abstract_model, save_model
 from jaxspec.presets import preset
+from layer_names import layer_rows, restacked, unstacked
 from test_checkpoint import write_checkpoint
 
 
@@ -219,10 +220,10 @@ def _expert_names(path: str) -> str:
     return f"{block}ffn.experts.{{}}.{_FFN[proj]}.weight"
 
 
-def deepseek_tensors(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Our V4 parameters (dotted paths) under DeepSeek's released names, unquantized."""
+def deepseek_tensors(params: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """Our V4 parameters (dotted paths, the layers stacked) under DeepSeek's released names, unquantized."""
     out = {}
-    for path, value in params.items():
+    for path, value in unstacked(params, config).items():
         if "mlp.experts_" in path:
             out.update({_expert_names(path).format(e): value[e].T for e in range(value.shape[0])})
         else:
@@ -231,17 +232,17 @@ def deepseek_tensors(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def from_deepseek(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def from_deepseek(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
     """`deepseek_tensors` inverted: each parameter of `params` (for its shape and dtype) from `tensors`."""
     out = {}
-    for path, value in params.items():
+    for path, value in unstacked(params, config).items():
         if "mlp.experts_" in path:
             out[path] = np.stack([tensors[_expert_names(path).format(e)].T for e in range(value.shape[0])])
         else:
             name, transposed = _deepseek_name(path)
             out[path] = tensors[name].T if transposed else tensors[name]
         out[path] = out[path].astype(value.dtype)
-    return out
+    return restacked(params, out, config)
 
 
 def quantize_as_released(tensors: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -271,14 +272,17 @@ def quantize_as_released(tensors: dict[str, np.ndarray], rng: np.random.Generato
     return stored
 
 
-def random_param(path: str, spec: jax.ShapeDtypeStruct, rng: np.random.Generator, num_experts: int) -> np.ndarray:
-    """A random value for a parameter: distinct experts per token for a hash table, around 1 for a
-    norm weight, fan-in scaled normal for matrices, small normal otherwise."""
+def random_param(path: str, spec: jax.ShapeDtypeStruct, rng: np.random.Generator, num_experts: int,
+                 stacked: bool) -> np.ndarray:
+    """A random value for a parameter (`stacked`: one per row of its leading layers axis): distinct
+    experts per token for a hash table, around 1 for a norm weight, fan-in scaled normal for
+    matrices, small normal otherwise."""
+    lead, shape = (spec.shape[:1], spec.shape[1:]) if stacked else ((), spec.shape)
     if path.endswith("tid2eid"):
-        vocab, k = spec.shape
-        return np.argsort(rng.random((vocab, num_experts)), axis=-1)[:, :k].astype(spec.dtype)
-    if len(spec.shape) >= 2:
-        return (rng.normal(size=spec.shape) * spec.shape[-2] ** -0.5).astype(spec.dtype)
+        vocab, k = shape
+        return np.argsort(rng.random((*lead, vocab, num_experts)), axis=-1)[..., :k].astype(spec.dtype)
+    if len(shape) >= 2:
+        return (rng.normal(size=spec.shape) * shape[-2] ** -0.5).astype(spec.dtype)
     center = 1.0 if "norm" in path else 0.0
     return (center + 0.1 * rng.normal(size=spec.shape)).astype(spec.dtype)
 
@@ -293,12 +297,13 @@ def released_v4(tmp_path_factory):
                     "heavily_compressed_attention"), mlp_layer_types=("hash_moe", "hash_moe", "moe"))
     graphdef, state, abstract = abstract_model(config, jnp.float32)  # no eager init: seconds, not tens
     rng = np.random.default_rng(0)
-    params = {path: random_param(path, variable.get_value(), rng, config.n_routed_experts)
+    params = {path: random_param(path, variable.get_value(), rng, config.n_routed_experts,
+                                 stacked=bool(layer_rows(path, config)[0]))
               for path, variable in abstract.items()}
-    floats = deepseek_tensors(params)
+    floats = deepseek_tensors(params, config)
     stored = quantize_as_released(floats, rng)
     # The in-memory model holds the values the quantized tensors stand for.
-    values = from_deepseek(params, floats)
+    values = from_deepseek(params, floats, config)
     model = nnx.merge(graphdef, nnx.from_flat_state({p: v.replace(jnp.asarray(values[".".join(map(str, p))]))
                                                      for p, v in nnx.to_flat_state(state)}))
     directory = tmp_path_factory.mktemp("v4") / "released"
@@ -346,7 +351,8 @@ def test_what_does_not_fit_is_listed_by_deepseek_name(released_v4, tmp_path):
     with pytest.raises(ValueError) as error:
         load_hf_checkpoint(tmp_path / "edited", log=lambda line: None)
     message = str(error.value)
-    assert "missing: layers.1.self_attn.compressor.position_bias" in message
+    assert ("missing: model.layers.1.self_attn.compressor.position_bias (row 0 of "
+            "layer_groups.0.1.self_attn.compressor.position_bias)") in message
     assert "unexpected: layers.0.attn.wq.weight [32, 64] F8_E4M3 (not a DeepSeek-V4 tensor name)" in message
     assert ("mis-shaped: layers.2.ffn.experts.3.w1.scale (= model.layers.2.mlp.experts.3.gate_proj.weight_scale_inv)"
             " [32, 1]: expected [32, 2] for [32, 32] I8 in 1x32 blocks") in message
@@ -361,7 +367,7 @@ def test_fp8_experts_load_fp8_resident(released_v4, tmp_path):
     model, stored, hf_config, _ = released_v4
     params = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     base, scales = {}, {}
-    for name, value in deepseek_tensors(params).items():
+    for name, value in deepseek_tensors(params, model.config).items():
         if stored[name].dtype not in (np.int8, ml_dtypes.float8_e4m3fn):
             base[name] = stored[name]
             continue
@@ -373,11 +379,12 @@ def test_fp8_experts_load_fp8_resident(released_v4, tmp_path):
     loaded = load_hf_checkpoint(tmp_path / "base", dtype=jnp.float8_e4m3fn, log=lambda line: None)
     got = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param))}
     kept = {path: value for path, value in got.items() if value.dtype == ml_dtypes.float8_e4m3fn}
-    assert set(deepseek_tensors({p: params[p] for p in kept})) == set(scales)  # DeepSeek's FP8 list, no more
-    for path, value in from_deepseek(kept, base).items():
+    # DeepSeek's FP8 list, no more:
+    assert set(deepseek_tensors({p: params[p] for p in kept}, model.config)) == set(scales)
+    for path, value in from_deepseek(kept, base, model.config).items():
         np.testing.assert_array_equal(got[path].view(np.uint8), value.view(np.uint8), err_msg=path)
     scale_params = {path: got[path + fp8.SCALE_SUFFIX] for path in kept}
-    for path, value in from_deepseek(scale_params, scales).items():
+    for path, value in from_deepseek(scale_params, scales, model.config).items():
         np.testing.assert_array_equal(got[path + fp8.SCALE_SUFFIX], value, err_msg=path)
 
 

@@ -45,8 +45,9 @@ def test_every_v4_parameter_maps_under_both_plans():
             if "hc" in where:  # mHC and the hyper head: small, replicated
                 assert axes == set(), (plan, where, spec)
     tp = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(sharding.param_specs(state, "tp"))}
-    assert tp["layers.1.self_attn.sinks"] == PartitionSpec("model")
-    assert tp["layers.0.mlp.tid2eid"] == PartitionSpec(None, None)  # every device looks up its own tokens
+    # Layers 0 and 1 are the first unit of the first stack (`layer_groups.0`), whose axis stays whole.
+    assert tp["layer_groups.0.1.self_attn.sinks"] == PartitionSpec(None, "model")
+    assert tp["layer_groups.0.0.mlp.tid2eid"] == PartitionSpec(None, None, None)  # every device looks up its own tokens
 
 
 def test_v4_cache_split_by_rows():
@@ -54,8 +55,11 @@ def test_v4_cache_split_by_rows():
     for plan in sharding.PLANS:
         specs = sharding.cache_specs(cache, plan)
         leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        assert len(leaves) == len(jax.tree.leaves(cache)) and set(leaves) == {sharding.row_spec(plan)}
-        assert specs.window[0] == sharding.row_spec(plan) and specs.state[0] is None  # layer 0: sliding only
+        assert len(leaves) == len(jax.tree.leaves(cache))
+        rows = sharding.row_spec(plan)
+        # Every pool split by pages (axis 1, after the stacked layers), page tables and lengths by rows.
+        assert specs.window == specs.csa_index_entries == specs.hca_state == PartitionSpec(None, *rows)
+        assert specs.lengths == specs.page_table["window"] == rows
 
 
 def test_v4_mesh_runs_equal_one_device():

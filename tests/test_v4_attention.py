@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, init_v4_cache
+from jaxspec.cache_v4 import ENTRIES, INDEX_ENTRIES, INDEX_STATE, STATE, init_v4_cache
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.models.v4_attention import V4Attention
 from jaxspec.pallas_kernels import Visibility, read_slots
@@ -229,17 +229,17 @@ def readable_rows(cache, kind, length):
     window - 1 slots, projection rows of the blocks still to close, the entries closed so far
     (fixed shapes: slots out of range read as -1, zeros)."""
     before = lambda count: (length - count + jnp.arange(count))[None]
-    rows = {"window": cache.read_ring("window", "window", 0, jnp.maximum(before(WINDOW - 1), -1))}
+    rows = {"window": cache.read_ring("window", 0, jnp.maximum(before(WINDOW - 1), -1))}
     if kind != SLIDING:
         m = RATES[kind]
         span = 2 * m if kind == CSA else m
         tail = jnp.maximum(before(span - 1), -1)
         entries = jnp.arange(CAPACITY // m)
         entries = jnp.where(entries < length // m, entries, -1)[None]
-        names = [("state", "entries")] + ([("index_state", "index_entries")] if kind == CSA else [])
+        names = [(STATE[kind], ENTRIES[kind])] + ([(INDEX_STATE, INDEX_ENTRIES)] if kind == CSA else [])
         for state, entry in names:
-            rows[state] = cache.read_ring(state, STATE_TABLE[kind], 0, tail)
-            rows[entry] = read_slots(getattr(cache, entry)[0], cache.page_table[ENTRY_TABLE[kind]], entries)
+            rows[state] = cache.read_ring(state, 0, tail)
+            rows[entry] = read_slots(*cache.layer_pages(entry, 0), entries)
     return rows
 
 
@@ -291,11 +291,9 @@ def test_padding_writes_nothing(kind):
     for a, b in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Row 1 had no real token: none of its pages changed.
-    for name, table in [("window", "window")] + ([("state", STATE_TABLE[kind]), ("entries", ENTRY_TABLE[kind])]
-                                                  if kind != SLIDING else []):
-        pages = cache.page_table[table][1]
-        np.testing.assert_array_equal(np.asarray(getattr(cache_a, name)[0][pages]),
-                                      np.asarray(getattr(cache, name)[0][pages]))
+    for name in ["window"] + ([STATE[kind], ENTRIES[kind]] if kind != SLIDING else []):
+        flat, pages = cache.layer_pages(name, 0)
+        np.testing.assert_array_equal(np.asarray(cache_a.layer_pages(name, 0)[0][pages[1]]), np.asarray(flat[pages[1]]))
 
 
 # -- trees -----------------------------------------------------------------------------------------

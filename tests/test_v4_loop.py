@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxspec.batch import prepare
 from jaxspec.cache import pages_per_row
-from jaxspec.cache_v4 import ENTRY_TABLE, STATE_TABLE, init_v4_cache
+from jaxspec.cache_v4 import ENTRIES, INDEX_ENTRIES, INDEX_STATE, POOL_TABLE, STATE, init_v4_cache
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
@@ -42,7 +42,7 @@ PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy dog and"), list(b"
            list(b"xylophone "), list(b"la")]
 NEW = 40
 PAGE = 8
-ENTRIES = 128  # positions whose entries `readable_rows` reads (fixed shapes; longer than any row here)
+ENTRY_SLOTS = 128  # positions whose entries `readable_rows` reads (fixed shapes; longer than any row here)
 
 
 def config(k=0, **changes):
@@ -139,18 +139,17 @@ def readable_rows(cache, length: int) -> dict[str, np.ndarray]:
     before = lambda count: jnp.asarray(np.maximum(length - count + np.arange(count), -1)[None], jnp.int32)
     rows = {}
     for layer, kind in enumerate(cache.layer_types):
-        rows[f"window{layer}"] = cache.read_ring("window", "window", layer, before(config.sliding_window - 1))
+        rows[f"window{layer}"] = cache.read_ring("window", layer, before(config.sliding_window - 1))
         if kind == SLIDING:
             continue
         m = rates[kind]
         tail = before(2 * m - 1 if kind == CSA else m - 1)
-        entries = np.arange(ENTRIES // m)
+        entries = np.arange(ENTRY_SLOTS // m)
         entries = jnp.asarray(np.where(entries < length // m, entries, -1)[None], jnp.int32)  # fixed shape
-        names = [("state", "entries")] + ([("index_state", "index_entries")] if kind == CSA else [])
+        names = [(STATE[kind], ENTRIES[kind])] + ([(INDEX_STATE, INDEX_ENTRIES)] if kind == CSA else [])
         for state, entry in names:
-            rows[f"{state}{layer}"] = cache.read_ring(state, STATE_TABLE[kind], layer, tail)
-            rows[f"{entry}{layer}"] = read_slots(getattr(cache, entry)[layer], cache.page_table[ENTRY_TABLE[kind]],
-                                                 entries)
+            rows[f"{state}{layer}"] = cache.read_ring(state, layer, tail)
+            rows[f"{entry}{layer}"] = read_slots(*cache.layer_pages(entry, layer), entries)
     return {name: np.asarray(value) for name, value in rows.items()}
 
 
@@ -161,16 +160,8 @@ def row_of(cache, b: int):
 
 def row_pages(cache, b: int) -> list[np.ndarray]:
     """Every page row b owns, in every layer's structures."""
-    out = []
-    for layer, kind in enumerate(cache.layer_types):
-        out.append(np.asarray(cache.window[layer][cache.page_table["window"][b]]))
-        if kind != SLIDING:
-            out.append(np.asarray(cache.state[layer][cache.page_table[STATE_TABLE[kind]][b]]))
-            out.append(np.asarray(cache.entries[layer][cache.page_table[ENTRY_TABLE[kind]][b]]))
-        if kind == CSA:
-            out.append(np.asarray(cache.index_state[layer][cache.page_table["csa_state"][b]]))
-            out.append(np.asarray(cache.index_entries[layer][cache.page_table["csa_entries"][b]]))
-    return out
+    return [np.asarray(getattr(cache, name)[:, cache.page_table[table][b]]) for name, table in POOL_TABLE.items()
+            if getattr(cache, name) is not None]
 
 
 def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trained_v4, plain_tokens):

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxspec.models.hyper_connections import HyperConnection, HyperHead
 from jaxspec.models.moe import MoE
 from jaxspec.presets import preset
+from layer_names import per_layer_names, restacked
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -194,7 +195,9 @@ def copy_weights(hf_model, model) -> None:
     state = nnx.state(model, nnx.Param)
     flat = {key: var for key, var in ((".".join(map(str, path)), var) for path, var in nnx.to_flat_state(state))
             if not key.startswith("mtp.")}
-    assert sorted(flat) == sorted(ours), (sorted(set(flat) ^ set(ours)))
+    names = per_layer_names(flat, model.config)
+    assert sorted(names) == sorted(ours), sorted(set(names) ^ set(ours))
+    ours = restacked(flat, ours, model.config)
     for key, var in flat.items():
         assert var.shape == ours[key].shape, (key, var.shape, ours[key].shape)
         var.set_value(ours[key].astype(var.dtype))
