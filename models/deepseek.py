@@ -40,7 +40,7 @@ from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits,
 from .mla import MLA
 from .moe import MoE
 from .rope import rope_angles
-from .stack import LayerRun, layer_slice, run_layers, stack_layers
+from .stack import LayerRun, layer_slice, run_layers, run_of, stack_layers
 
 
 def layer_runs(config: ModelConfig) -> tuple[LayerRun, ...]:
@@ -164,9 +164,7 @@ class DeepseekV3(nnx.Module):
 
     def layer(self, index: int) -> DecoderLayer:
         """Decoder layer `index` on its own (its rows of the stacked parameters), for inspection."""
-        if not 0 <= index < self.config.num_hidden_layers:
-            raise ValueError(f"index={index}: must be in [0, num_hidden_layers={self.config.num_hidden_layers})")
-        run = next(run for run in self.layer_runs if run.start <= index < run.stop)
+        _, run = run_of(self.layer_runs, index, self.config.num_hidden_layers)
         return layer_slice(getattr(self, run.name), index - run.start)
 
     # -- forward passes -------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from .hyper_connections import HyperConnection, HyperHead
 from .interface import check_head_split
 from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .moe import MoE
-from .stack import LayerRun, layer_slice, repeating_runs, run_layers, stack_layers
+from .stack import LayerRun, layer_slice, repeating_runs, run_layers, run_of, stack_layers
 from .v4_attention import V4Attention
 
 LAYER_GROUPS = "layer_groups"
@@ -202,9 +202,7 @@ class DeepseekV4(nnx.Module):
 
     def layer(self, index: int) -> V4DecoderLayer:
         """Decoder layer `index` on its own (its rows of the stacked parameters), for inspection."""
-        if not 0 <= index < self.config.num_hidden_layers:
-            raise ValueError(f"index={index}: must be in [0, num_hidden_layers={self.config.num_hidden_layers})")
-        k, run = next((k, run) for k, run in enumerate(self.layer_runs) if run.start <= index < run.stop)
+        k, run = run_of(self.layer_runs, index, self.config.num_hidden_layers)
         unit = layer_slice(self.layer_groups[k], (index - run.start) // run.period)
         return unit if run.period == 1 else unit[(index - run.start) % run.period]
 

@@ -131,6 +131,14 @@ def repeating_runs(units: Sequence[Hashable], max_period: int = 2) -> tuple[tupl
     return fewest[0][1]
 
 
+def run_of(runs: Sequence[LayerRun], layer: int, num_layers: int) -> tuple[int, LayerRun]:
+    """(its index in `runs`, the run) holding decoder layer `layer`; ValueError naming `index` unless
+    0 <= layer < num_layers."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"index={layer}: must be in [0, num_hidden_layers={num_layers})")
+    return next((k, run) for k, run in enumerate(runs) if run.start <= layer < run.stop)
+
+
 def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], repeats: int, rngs: nnx.Rngs) -> nnx.Module:
     """`repeats` modules `make(rngs)`, each drawn from its own split of `rngs`, as one module whose
     every parameter is stacked [repeats, ...] on an axis named `LAYERS`."""
