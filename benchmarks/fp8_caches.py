@@ -17,7 +17,6 @@ dtype it prints the cache bytes per device at `--batch` rows of `--context` slot
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax.numpy as jnp
 
@@ -40,8 +39,6 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.9, help="of the device's memory JAX may use")
     args = parser.parse_args()
 
-    # The abstract model (about a minute for V3.2's 61 layers) is the same in every plan below.
-    memory_plan.abstract_model = functools.lru_cache(memory_plan.abstract_model)
     config, mesh, budget = preset(args.preset), (1, args.devices), args.fraction * H200_BYTES
     prompt_len = args.context - args.new_tokens - args.mtp
 

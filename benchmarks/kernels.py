@@ -97,6 +97,13 @@ def gpu_or_smoke(script: str, smoke: bool) -> bool:
     return False
 
 
+def add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every timing benchmark takes: --iters, --warmup, --json."""
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
+
+
 def timed(fn, *args, iters: int, warmup: int) -> float:
     """Seconds per call: `iters` calls dispatched back to back and synchronised once (so host
     dispatch overlaps device work, as in a decode loop), best of three such runs, after warmup."""
@@ -321,13 +328,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    add_timing_flags(parser)
     parser.add_argument("--block-m", type=int, default=None, help="query rows per MLA program (default: kernel's)")
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
-    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):

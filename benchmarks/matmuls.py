@@ -21,7 +21,7 @@ import sys
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from kernels import copy_bandwidth, gpu_or_smoke, timed, write_rows
+from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec.models.layers import Linear
 
@@ -41,9 +41,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128], help="tokens per call")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
+    add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):
         return 2

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import MEMORY_FRACTION, copy_bandwidth, gpu_or_smoke, timed, write_rows
+from kernels import MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec import progress
 from jaxspec.memory_plan import device_memory
@@ -75,9 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
     parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="whose MoE layer widths and routing")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 1024], help="tokens per MoE call")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
+    add_timing_flags(parser)
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/moe.py", args.smoke):

@@ -157,8 +157,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
 def _per_layer_sources(config: ModelConfig, stored: dict) -> dict[str, list[str]]:
     """For a save written before the layers were stacked (names `layers.{i}.<path>`): each stacked
     parameter's name -> the per-layer names of its rows, in order. {} for a save in today's layout,
-    and for a model without layer stacks (`layer_runs` empty: DeepSeek-V4's `layers.{i}.` names are
-    its own)."""
+    and for a model without layer stacks (`layer_runs` empty: its `layers.{i}.` names are its own)."""
     runs = layer_runs(config)
     if not runs:
         return {}

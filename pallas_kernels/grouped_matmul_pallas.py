@@ -46,6 +46,7 @@ Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -166,12 +167,12 @@ def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: 
 
 def grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv=None) -> pl.CostEstimate:
     """The launch's cost from the static shapes (what it counts: the module docstring). rhs:
-    [G, K, N], the groups one call multiplies by (one row of a stack)."""
+    [G, K, N], or a stack [n, G, K, N] of which one call multiplies by one row (likewise its scales)."""
     (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape[-3:]
     table_bytes = 3 * 4 * num_work_items(num_rows, num_groups)
     per_group = depth * width * rhs.dtype.itemsize
     if rhs_scale_inv is not None:
-        per_group += rhs_scale_inv.size // num_groups * rhs_scale_inv.dtype.itemsize
+        per_group += math.prod(rhs_scale_inv.shape[-2:]) * rhs_scale_inv.dtype.itemsize
     return pl.CostEstimate(
         flops=2 * num_rows * depth * width, transcendentals=0,
         bytes_accessed=(lhs.size * lhs.dtype.itemsize + min(num_groups, num_rows) * per_group
@@ -193,6 +194,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
     """
     num_groups = group_sizes.shape[0]
+    out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
+    cost = grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv)
     if rhs_row is not None:  # the stack as n * G groups, all but row r's empty
         rhs = rhs.reshape(-1, *rhs.shape[2:])
         rhs_scale_inv = None if rhs_scale_inv is None else rhs_scale_inv.reshape(-1, *rhs_scale_inv.shape[2:])
@@ -200,12 +203,9 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                                                    (rhs_row * num_groups,))
     check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     (num_rows, depth), (stacked_groups, _, width) = lhs.shape, rhs.shape
-    out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
     group, start, end = work_items(group_sizes, num_rows, num_groups)
     column_blocks = pl.cdiv(width, BLOCK_N)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width)
-    cost = grouped_matmul_cost(lhs, rhs[:num_groups], out_dtype,
-                               None if rhs_scale_inv is None else rhs_scale_inv[:num_groups])
     out = launch(kernel, out_shape=jax.ShapeDtypeStruct((num_rows + BLOCK_M, column_blocks * BLOCK_N), out_dtype),
                  grid=(group.shape[0], column_blocks), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                  name="grouped_matmul", interpret=interpret, cost=cost)(

@@ -110,8 +110,7 @@ def v4_ring_bytes(config, rows: int, widest: int, page_size: int, act: int) -> i
 
 
 def test_a_chunk_shrinks_the_v4_flash_memory_plan_by_its_rings():
-    """V4-Flash at full width, its first four layers (sliding, sliding, CSA, HCA: every kind; the
-    whole model's plan takes 45 s to build), B = 32 on a 1 x 8 mesh (4 rows a device), a
+    """V4-Flash at full width, its first four layers (sliding, sliding, CSA, HCA: every kind), B = 32 on a 1 x 8 mesh (4 rows a device), a
     4096-token prompt, k = 3: a 512-token chunk takes exactly the rings' difference off the caches,
     and the prefill temporaries shrink."""
     flash = reduced_depth(preset("deepseek-v4-flash"), 4)
