@@ -14,6 +14,8 @@ inside its own window (its prefix is seen whole). The call reads the depth-d out
 nodes are recomputed from the same inputs and rewrite the same entries. A static tree's leading
 nodes that are alone at their depth are ancestors of every later node, so they stay in the prefix
 instead: a chain makes one one-token call per depth, and only branching parts are recomputed.
+Those one-token calls all have one shape, so they run as one `jax.lax.scan` over the depths: the
+compiled step holds one drafting MTP call whatever the chain's length.
 
 MTP cache slots (past the committed length n, hidden by `lengths` and overwritten by the next
 catch-up): static node i at n + i - 1; a dynamic tree's frontier node j of depth d at
@@ -111,7 +113,32 @@ def _draft_static(model, state, tree: StaticTree, config: DecodeConfig, keys, pa
     # the draft's outputs at the nodes of the previous depth: [B, M, V], [B, M, H]
     level_logits, level_hidden = state.seed_logits[:, None], state.seed_hidden[:, None]
     mtp_cache = state.mtp_cache
-    for depth in range(1, tree.max_depth + 1):
+    ranks = jnp.asarray(tree.ranks, jnp.int32)
+
+    def chain_depth(carry, depth):
+        """Depth `depth` (traced) of the leading chain: its node's token from the node above's
+        draft outputs, then the one-token MTP call at it -> the outputs at this depth."""
+        tokens, draft_probs, level_logits, level_hidden, mtp_cache = carry
+        if sampled:
+            candidates, probs = draft_candidates(keys, depth, level_logits, params, tree.top_k)
+            draft_probs = jax.lax.dynamic_update_slice_in_dim(draft_probs, probs, depth - 1, axis=1)
+        else:
+            candidates = jax.lax.top_k(level_logits, tree.top_k)[1]
+        token = jnp.take(candidates[:, 0], ranks[depth], axis=1)
+        tokens = tokens.at[:, depth].set(token)
+        logits, out_hidden, mtp_cache = _mtp(model, state, config, mtp_cache, token[:, None], level_hidden,
+                                             depth[None], n + depth - 1, None)
+        return (tokens, draft_probs, logits, out_hidden, mtp_cache), None
+
+    # The leading chain's one-token MTP calls have one shape, so they run as one scan: the program
+    # holds one MTP call for all of them instead of one per depth (each costs as much compile time
+    # as a decoder layer). The depth after them, and any branching depths, follow unrolled.
+    scanned = min(leading, tree.max_depth - 1)
+    if scanned:
+        (tokens, draft_probs, level_logits, level_hidden, mtp_cache), _ = jax.lax.scan(
+            chain_depth, (tokens, draft_probs, level_logits, level_hidden, mtp_cache),
+            jnp.arange(1, scanned + 1, dtype=jnp.int32))
+    for depth in range(scanned + 1, tree.max_depth + 1):
         level, nodes = tree.nodes_at_depth(depth - 1), tree.nodes_at_depth(depth)
         if sampled:
             candidates, probs = draft_candidates(keys, depth, level_logits, params, tree.top_k)

@@ -7,6 +7,7 @@ tracing."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from jaxspec.batch import required_capacity
 from jaxspec.cache import PagedCache, init_cache
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
-from jaxspec.loop import init_state, step
+from jaxspec.loop import _step as step_program, init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility, read_slots
 from jaxspec.presets import preset
@@ -135,6 +136,40 @@ def test_sampling_is_lossless(trained_v3, target_distribution, tree, other_key):
         other = generate(trained_v3, [SAMPLE_PROMPT] * NUM_ROWS, cfg, key=2)
         assert generate_module._generate_jit._cache_size() == cache_size
         assert not np.array_equal(np.asarray(other.tokens), np.asarray(result.tokens))
+
+
+# --- a chain's MTP calls are one scan -------------------------------------------------------
+
+def _equations(jaxpr) -> int:
+    """Equations of a jaxpr, those of its sub-jaxprs (scans, conds, calls) included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _equations(sub)
+    return count
+
+
+def test_chain_drafting_program_does_not_grow_with_k(trained_v32):
+    """A chain of k drafts makes k - 1 one-token MTP calls of one shape; they run as one scan, so
+    the traced step (and the compiled program) holds one drafting MTP call whatever k: the step's
+    equations are the same for k = 2 and k = 5, while one more MTP call would add hundreds. A
+    static tree with a leading chain scans that chain and unrolls the rest."""
+    graphdef, params = nnx.split(trained_v32)
+    sizes = {}
+    for k in (2, 5):
+        cfg = config(k)
+        state = jax.eval_shape(lambda: init_state(trained_v32, PROMPTS, cfg))
+        sizes[k] = _equations(jax.make_jaxpr(lambda p, s: step_program(graphdef, p, s, cfg))(params, state).jaxpr)
+    batch = state.last_token.shape[0]
+    hidden = jnp.zeros((batch, 1, trained_v32.config.hidden_size))
+    one_token = jnp.zeros((batch, 1), jnp.int32)
+    vis = Visibility(jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.int32))
+    mtp_call = _equations(jax.make_jaxpr(
+        lambda p, cache: nnx.merge(graphdef, p).draft(one_token, hidden, one_token, cache, vis, form="absorbed",
+                                                      backend="xla"))(params, state.mtp_cache).jaxpr)
+    assert mtp_call > 100
+    assert sizes[2] == sizes[5], sizes
 
 
 # --- commit compacts the accepted path ------------------------------------------------------
