@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, Fp8Pool, check_cache_dtype, init_pool,
+from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULES, LATENT_RULE, Fp8Pool, check_cache_dtype, init_pool,
                                               write_entries)
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
@@ -130,7 +130,8 @@ def row_page_table(batch_size: int, num_row_pages: int, row_shards: int = 1) -> 
 
 def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: int, index_dim: int = 0,
                page_size: int = 64, dtype=jnp.float32, page_table: jax.Array | None = None,
-               row_shards: int = 1, rope_dim: int = 0, cache_dtype: str | None = None) -> PagedCache:
+               row_shards: int = 1, rope_dim: int = 0, cache_dtype: str | None = None,
+               scale_fmt: str | None = None) -> PagedCache:
     """An empty cache giving each of `batch_size` rows room for `capacity` slots.
 
     num_layers: layers with a cache (the target's, or 1 for the MTP module); latent_dim: width of
@@ -147,8 +148,9 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     rope_dim: the trailing RoPE width of a latent entry (qk_rope_head_dim; read only with FP8).
     cache_dtype: None stores entries in `dtype`; "fp8" stores the latent as an `Fp8Pool` in
     FlashMLA's token (its last rope_dim values, the RoPE key, in bfloat16; the rest in e4m3 with
-    float32 scales) and the indexer keys as e4m3 with power-of-two scales (`fp8_cache`), each
-    part stacked [L, num_pages, page_size, ...].
+    float32 scales) and the indexer keys as e4m3 with one scale per key (`fp8_cache`), each part
+    stacked [L, num_pages, page_size, ...]. scale_fmt: the model's `ModelConfig.scale_fmt`, the
+    indexer keys' scale rule ("ue8m0": powers of two, as V3.2's release; None: amax / 448).
     """
     check_geometry(batch_size, capacity, row_shards, page_table)
     check_cache_dtype(cache_dtype)
@@ -160,7 +162,7 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
     if cache_dtype == "fp8":
         latent = init_pool(num_pages, page_size, latent_dim - rope_dim, rope_dim, rule=LATENT_RULE)
-        keys = init_pool(num_pages, page_size, index_dim, rule=INDEX_RULE) if index_dim else None
+        keys = init_pool(num_pages, page_size, index_dim, rule=INDEX_RULES[scale_fmt]) if index_dim else None
     else:
         latent = jnp.zeros((num_pages, page_size, latent_dim), dtype)
         keys = jnp.zeros((num_pages, page_size, index_dim), dtype) if index_dim else None

@@ -81,6 +81,11 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
     kwargs = {k: v for k, v in raw.items()
               if k in fields and k not in ("rope_scaling", "eos_token_id", *V4_FIELDS)}
     kwargs["model_type"] = model_type
+    # DeepSeek's config.json keeps it with the weights' FP8 format; config_to_hf writes it at the
+    # top level, so that a config without FP8 weights does not look quantized to transformers.
+    quantization = raw.get("quantization_config") or {}
+    if "scale_fmt" not in raw and "scale_fmt" in quantization:
+        kwargs["scale_fmt"] = quantization["scale_fmt"]
     eos = raw.get("eos_token_id")
     kwargs["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
     if "first_k_dense_replace" in raw and "num_hidden_layers" in raw:
@@ -110,6 +115,8 @@ def config_to_hf(config) -> dict[str, Any]:
     for field in V4_FIELDS:
         out.pop(field)
     out.pop("scoring_func")
+    if config.scale_fmt is None:
+        out.pop("scale_fmt")
     if config.rope_scaling is not None:
         out["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(config.rope_scaling)}
     if not config.is_v32:

@@ -12,8 +12,8 @@ import os
 from typing import Any, Mapping
 
 from jaxspec.hf_config import config_from_hf, config_to_hf
-from jaxspec.model_fields import (CSA, HCA, MODEL_TYPES, SLIDING, V4_FIELDS, V4_LAYER_TYPES, V4_MLP_LAYER_TYPES,
-                                  RopeScaling)
+from jaxspec.model_fields import (CSA, HCA, MODEL_TYPES, SCALE_FMTS, SLIDING, V4_FIELDS, V4_LAYER_TYPES,
+                                  V4_MLP_LAYER_TYPES, RopeScaling)
 
 # Re-exported: the names callers know this module by.
 __all__ = ["CSA", "HCA", "MODEL_TYPES", "SLIDING", "V4_FIELDS", "V4_LAYER_TYPES", "V4_MLP_LAYER_TYPES",
@@ -47,6 +47,9 @@ class ModelConfig:
       index_n_heads, index_head_dim, index_topk   the V3.2 / V4 lightning indexer (0 for V3)
       eos_token_id               the token that ends a row (None: rows end at the budget)
       scoring_func               router scores: "sigmoid" (V3, V3.2) or "sqrtsoftplus" (V4)
+      scale_fmt                  DeepSeek's activation-scale format (`quantization_config.scale_fmt`
+                                 in its config.json): "ue8m0" rounds FP8 scales up to powers of two,
+                                 None keeps amax / 448. Read by FP8 caches' indexer keys and queries.
 
     DeepSeek-V4 (`model_type` "deepseek_v4", transformers' `DeepseekV4Config` names; at their
     neutral defaults below for V3 / V3.2, and `validate` insists on that):
@@ -107,6 +110,7 @@ class ModelConfig:
     index_topk: int = 0
     eos_token_id: int | None = None
     scoring_func: str = "sigmoid"
+    scale_fmt: str | None = None
     # DeepSeek-V4 only (neutral defaults otherwise; see the class docstring).
     head_dim: int = 0
     layer_types: tuple[str, ...] | None = None
@@ -207,6 +211,8 @@ class ModelConfig:
 
         if self.model_type not in MODEL_TYPES:
             fail("model_type", f"must be one of {MODEL_TYPES}")
+        if self.scale_fmt not in SCALE_FMTS:
+            fail("scale_fmt", f"must be one of {SCALE_FMTS} (None: scales amax / 448)")
         mla_widths = () if self.is_v4 else ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", *mla_widths, "max_position_embeddings"):

@@ -10,6 +10,10 @@ import dataclasses
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 
+# DeepSeek's activation-scale formats (`quantization_config.scale_fmt`): None keeps FP8 scales at
+# amax / 448, "ue8m0" rounds them up to powers of two.
+SCALE_FMTS = (None, "ue8m0")
+
 # DeepSeek-V4's per-layer attention and MLP kinds (transformers 5.23 `configuration_deepseek_v4.py`).
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 V4_LAYER_TYPES = (SLIDING, CSA, HCA)

@@ -45,16 +45,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The shipped default model (examples/train_tiny.py, trained on the Python stdlib): deeper and
     # wider than `tiny`, so a target call costs several MTP calls and drafting pays off on a CPU.
     # Layer 0 is dense, the rest (and the MTP block) route each token to 1 of 4 experts plus a shared one.
-    "tiny-stdlib": {**_TINY, "hidden_size": 96, "intermediate_size": 384, "moe_intermediate_size": 96,
+    # Its FP8 caches scale the indexer's keys as V3.2's release does (powers of two).
+    "tiny-stdlib": {**_TINY, "scale_fmt": "ue8m0", "hidden_size": 96, "intermediate_size": 384, "moe_intermediate_size": 96,
                     "num_hidden_layers": 12, "first_k_dense_replace": 1, "q_lora_rank": 48, "kv_lora_rank": 48,
                     "qk_nope_head_dim": 24, "qk_rope_head_dim": 16, "v_head_dim": 24, "n_routed_experts": 4,
                     "n_group": 2, "topk_group": 1, "num_experts_per_tok": 1, "index_n_heads": 2,
                     "index_head_dim": 32, "index_topk": 64},
     # DeepSeek-V3 (671B) shapes, no weights.
     "deepseek-v3": _DEEPSEEK_V3,
-    # DeepSeek-V3.2-Exp shapes, no weights.
+    # DeepSeek-V3.2-Exp shapes, no weights; its config's `quantization_config.scale_fmt`.
     "deepseek-v3.2": {**_DEEPSEEK_V3, "model_type": "deepseek_v32", "index_n_heads": 64,
-                      "index_head_dim": 128, "index_topk": 2048},
+                      "index_head_dim": 128, "index_topk": 2048, "scale_fmt": "ue8m0"},
     # CPU-sized DeepSeek-V4 for tests: every attention kind (sliding, CSA, HCA), hash-routed then
     # learned MoE, 4 mHC streams, an 8-token sliding window, CSA entries every 4 tokens and HCA
     # every 8 (so a few dozen tokens cross many compression windows and leave the sliding window),

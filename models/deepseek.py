@@ -132,7 +132,7 @@ class DeepseekV3(nnx.Module):
         return init_cache(num_layers=1 if mtp else c.num_hidden_layers, batch_size=batch_size, capacity=capacity,
                           latent_dim=c.latent_dim, index_dim=index_dim, page_size=page_size, dtype=self.dtype,
                           page_table=page_table, row_shards=row_shards, rope_dim=c.qk_rope_head_dim,
-                          cache_dtype=cache_dtype)
+                          cache_dtype=cache_dtype, scale_fmt=c.scale_fmt)
 
     @property
     def hidden_width(self) -> int:

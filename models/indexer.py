@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import Visibility, indexer_topk
-from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, fp8_index_queries, rotate
+from jaxspec.pallas_kernels.fp8_cache import INDEX_RULE, fp8_index_queries, key_rule, rotate
 
 from .layers import LayerNorm, Linear, compute_dtype
 from .rope import apply_rope
@@ -49,20 +49,23 @@ class Indexer(nnx.Module):
         keys = self._rotate(self.k_norm(self.wk(x)), cos, sin)
         return rotate(keys) if fp8 else keys
 
-    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, *, fp8: bool = False):
+    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                key_rule: str | None = None):
         """The token-local part of selection: x [B, Q, D], q_latent [B, Q, q_lora_rank]
-        -> (q_idx [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32, scaled). fp8 (an FP8 key
-        cache): q_idx Hadamard-rotated and quantized to e4m3, its scale folded into the weights."""
+        -> (q_idx [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32, scaled). key_rule: the FP8 key
+        cache's `Fp8Pool.rule` (None: keys in the compute dtype); with one, q_idx is
+        Hadamard-rotated and quantized to e4m3 by the keys' scale rule (powers of two or not), its
+        scale folded into the weights: queries and keys then always share the rule."""
         batch, num_queries, _ = x.shape
         heads, head_dim = self.config.index_n_heads, self.config.index_head_dim
         q_idx = self._rotate(self.wq_b(q_latent).reshape(batch, num_queries, heads, head_dim), cos, sin)
-        if not fp8:
+        if key_rule is None:
             return q_idx, self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
-        return fp8_index_queries(q_idx, self.weights_proj(x.astype(jnp.float32)))
+        return fp8_index_queries(q_idx, self.weights_proj(x.astype(jnp.float32)), pow2_scales=key_rule == INDEX_RULE)
 
     def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
                page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:
         """x [B, Q, D], q_latent [B, Q, q_lora_rank], key_cache holding the window's keys
         -> indices [B, Q, index_topk] int32 (-1 padded). An FP8 key cache selects as DeepSeek's release does."""
-        q_idx, weights = self.queries(x, q_latent, cos, sin, fp8=isinstance(key_cache, Fp8Pool))
+        q_idx, weights = self.queries(x, q_latent, cos, sin, key_rule=key_rule(key_cache))
         return indexer_topk(q_idx, weights, key_cache, page_table, vis, topk=self.config.index_topk, backend=backend)

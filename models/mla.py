@@ -26,7 +26,8 @@ from jaxspec.cache import PagedCache
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import (Visibility, attend_latent, mla_attention, read_slots, resolve_backend, select_topk,
                                     sparse_mla_attention, visible_mask, window_slots)
-from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, as_entries, check_kernel_reads, gather_parts, read_parts
+from jaxspec.pallas_kernels.fp8_cache import (Fp8Pool, as_entries, check_kernel_reads, gather_parts, key_rule,
+                                              read_parts)
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
 from jaxspec.sharding import current
@@ -122,7 +123,8 @@ class MLA(nnx.Module):
             out = self._attend_invariant_kernel(q_nope, q_rope, cache, layer, vis, w_uk, w_uv, backend)
         elif window_invariant:
             index_queries = (None if self.indexer is None
-                             else each(functools.partial(self.indexer.queries, fp8=fp8_index), x, q_latent, cos, sin))
+                             else each(functools.partial(self.indexer.queries, key_rule=key_rule(cache.index_keys)),
+                                       x, q_latent, cos, sin))
             out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
         else:
             indices = None

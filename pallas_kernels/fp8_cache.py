@@ -44,8 +44,10 @@ E4M3_MAX = 448.0
 SCALE_BLOCK = 128
 # The latent's RoPE part stays in bfloat16 (FlashMLA's token).
 ROPE_DTYPE = jnp.bfloat16
-# Scale rules (`Fp8Pool.rule`): FlashMLA's latent tiles, DeepSeek's act_quant with power-of-two scales.
-LATENT_RULE, INDEX_RULE = "flashmla", "act_quant_ue8m0"
+# Scale rules (`Fp8Pool.rule`): FlashMLA's latent tiles; DeepSeek's act_quant with power-of-two
+# scales (its config's `scale_fmt` "ue8m0", V3.2's release) or with amax / 448 (no `scale_fmt`).
+LATENT_RULE, INDEX_RULE, PLAIN_INDEX_RULE = "flashmla", "act_quant_ue8m0", "act_quant"
+INDEX_RULES = {"ue8m0": INDEX_RULE, None: PLAIN_INDEX_RULE}
 CACHE_DTYPES = (None, "fp8")
 
 
@@ -80,7 +82,7 @@ class Fp8Pool:
 
     values: [P, page, Dq] float8_e4m3fn; scales: [P, page, Dq / block] float32 (block =
     `scale_block(Dq)`); rope: [P, page, Dr] bfloat16, or None (indexer keys); rule: how `write`
-    picks the scales (LATENT_RULE or INDEX_RULE). An entry reads as
+    picks the scales (LATENT_RULE, or INDEX_RULE / PLAIN_INDEX_RULE for indexer keys). An entry reads as
     `concat[values * scales (per block), rope]`, [Dq + Dr] (`dequantize`).
     """
 
@@ -99,6 +101,11 @@ class Fp8Pool:
     def token_bytes(self) -> int:
         """Bytes one slot takes: 656 for DeepSeek's latent (512 + 4 * 4 + 64 * 2), 132 for its keys."""
         return sum(a.shape[-1] * a.dtype.itemsize for a in jax.tree.leaves(self))
+
+
+def key_rule(keys) -> str | None:
+    """A key cache's scale rule: its `Fp8Pool.rule`, None for keys in the compute dtype (an array or None)."""
+    return keys.rule if isinstance(keys, Fp8Pool) else None
 
 
 def init_pool(num_pages: int, page_size: int, quant_dim: int, rope_dim: int = 0, *, rule: str = LATENT_RULE) -> Fp8Pool:
@@ -145,14 +152,14 @@ def quantize_act(x: jax.Array, *, pow2_scales: bool = True) -> tuple[jax.Array, 
     return _to_e4m3(blocks, scales), scales
 
 
-def fp8_index_queries(q_idx: jax.Array, raw_weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+def fp8_index_queries(q_idx: jax.Array, raw_weights: jax.Array, *, pow2_scales: bool) -> tuple[jax.Array, jax.Array]:
     """The query side of DeepSeek's FP8 indexer (V3.2-Exp `inference/model.py`, `Indexer.forward`):
     q_idx [B, Q, Hi, Di] (after its RoPE), raw_weights [B, Q, Hi] float32 (`weights_proj(x)`) ->
     (rotated e4m3 queries [B, Q, Hi, Di], weights [B, Q, Hi] = raw * Hi**-0.5 * q_scale * Di**-0.5,
     multiplied in that order). Di <= 128, so each head has one scale, which `fp8_index` folds into
-    its weight."""
+    its weight. pow2_scales: as `quantize_act` (the key pool's rule: INDEX_RULE or PLAIN_INDEX_RULE)."""
     heads, dim = q_idx.shape[-2:]
-    q_fp8, q_scale = quantize_act(rotate(q_idx), pow2_scales=True)
+    q_fp8, q_scale = quantize_act(rotate(q_idx), pow2_scales=pow2_scales)
     return q_fp8, raw_weights * heads ** -0.5 * q_scale[..., 0] * dim ** -0.5
 
 
@@ -175,10 +182,10 @@ def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> tuple[jax.
     """Entries [..., Dq + Dr] -> the parts a pool stores: (e4m3 [..., Dq], scales, rope [..., Dr] or None)."""
     if rule == LATENT_RULE:
         quantized, scales = quantize_latent(values[..., :quant_dim])
-    elif rule == INDEX_RULE:
-        quantized, scales = quantize_act(values[..., :quant_dim], pow2_scales=True)
+    elif rule in (INDEX_RULE, PLAIN_INDEX_RULE):
+        quantized, scales = quantize_act(values[..., :quant_dim], pow2_scales=rule == INDEX_RULE)
     else:
-        raise ValueError(f"Fp8Pool.rule={rule!r}: must be {LATENT_RULE!r} or {INDEX_RULE!r}")
+        raise ValueError(f"Fp8Pool.rule={rule!r}: must be one of {(LATENT_RULE, INDEX_RULE, PLAIN_INDEX_RULE)}")
     rope = values[..., quant_dim:].astype(ROPE_DTYPE) if values.shape[-1] > quant_dim else None
     return quantized, scales, rope
 

@@ -40,8 +40,14 @@ def test_released_deepseek_v32_config_fields():
                                 "weight_block_size": [128, 128]},
     }
     config = ModelConfig.from_hf(raw)
-    assert config == preset("deepseek-v3.2")
     assert config.is_v32 and config.latent_dim == 576 and config.rope_scaling.factor == 40
+    # DeepSeek's FP8 release rounds activation scales to powers of two (`scale_fmt` "ue8m0", in its
+    # inference config and, for V3.1 on, in quantization_config): the preset's setting.
+    assert config.scale_fmt is None
+    with_fmt = {**raw, "quantization_config": {**raw["quantization_config"], "scale_fmt": "ue8m0"}}
+    assert ModelConfig.from_hf(with_fmt) == preset("deepseek-v3.2")
+    written = preset("deepseek-v3.2").to_hf()
+    assert written["scale_fmt"] == "ue8m0" and "scale_fmt" not in preset("tiny").to_hf()
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -54,6 +60,7 @@ def test_released_deepseek_v32_config_fields():
     (dict(index_topk=0), "index_topk"),
     (dict(index_head_dim=4), "index_head_dim"),
     (dict(hidden_size=0), "hidden_size"),
+    (dict(scale_fmt="e4m3"), "scale_fmt"),
 ])
 def test_impossible_values_name_the_field(changes, match):
     with pytest.raises(ValueError, match=match):

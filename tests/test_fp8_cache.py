@@ -73,7 +73,7 @@ def numpy_act_quant(x: np.ndarray, pow2: bool) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(x / scale, -448, 448).astype(E4M3), scale[..., 0]
 
 
-def numpy_fp8_topk(q, k, raw_weights, visible, topk: int, pow2: bool = True):
+def numpy_fp8_topk(q, k, raw_weights, visible, topk: int, pow2: bool):
     """DeepSeek-V3.2-Exp's indexer selection, written from its published semantics
     (github.com/deepseek-ai/DeepSeek-V3.2-Exp, `inference/model.py` `Indexer.forward` and
     `inference/kernel.py` `act_quant` / `fp8_index`), not from its code:
@@ -107,12 +107,14 @@ def contiguous_window(batch: int, num_queries: int, page_size: int, max_pages: i
     return vis, jnp.asarray(page_table), visible
 
 
-@pytest.mark.parametrize("heads,dim,backend", [(4, 128, "xla"), (64, 128, "pallas"), (2, 32, "pallas")],
-                         ids=["h4-d128-xla", "h64-d128-pallas", "h2-d32-pallas"])
-def test_fp8_indexer_selects_what_deepseeks_arithmetic_selects(heads, dim, backend):
+@pytest.mark.parametrize("heads,dim,backend,rule", [
+    (4, 128, "xla", fp8_cache.INDEX_RULE), (4, 128, "xla", fp8_cache.PLAIN_INDEX_RULE),
+    (64, 128, "pallas", fp8_cache.INDEX_RULE), (2, 32, "pallas", fp8_cache.PLAIN_INDEX_RULE)],
+    ids=["h4-d128-xla-ue8m0", "h4-d128-xla", "h64-d128-pallas-ue8m0", "h2-d32-pallas"])
+def test_fp8_indexer_selects_what_deepseeks_arithmetic_selects(heads, dim, backend, rule):
     """Random bf16 queries and keys (a few outlier columns, so the rotation and the block scales
-    matter), written to an FP8 key pool by the cache's own write path: the top-k indices equal the
-    numpy implementation's exactly. The scores agree to float32 rounding (summation order); the
+    matter), written to an FP8 key pool by the cache's own write path, with power-of-two scales
+    (`scale_fmt` "ue8m0") or without: the top-k indices equal the numpy implementation's exactly. The scores agree to float32 rounding (summation order); the
     inputs are checked to have no near-tie at the top-k boundary, so equal indices are required,
     not luck; exact ties (scores of 0) are broken towards the lower slot on both sides."""
     rng = np.random.default_rng(dim + heads)
@@ -123,16 +125,17 @@ def test_fp8_indexer_selects_what_deepseeks_arithmetic_selects(heads, dim, backe
     q = (rng.normal(size=(batch, num_queries, heads, dim)) * spread).astype(BF16)
     k = (rng.normal(size=(batch, capacity, dim)) * spread).astype(BF16)
     raw_weights = rng.normal(size=(batch, num_queries, heads)).astype(np.float32)
-    want, want_scores = numpy_fp8_topk(q, k, raw_weights, visible, topk)
+    pow2 = rule == fp8_cache.INDEX_RULE
+    want, want_scores = numpy_fp8_topk(q, k, raw_weights, visible, topk, pow2)
     # Exact ties can only be scores of exactly 0 (every head's ReLU at 0), which both sides compute
     # exactly and order by slot; any other tie at the boundary must be far from float32 rounding.
     upper, lower = np.moveaxis(np.sort(want_scores, axis=-1)[..., ::-1][..., topk - 1:topk + 1], -1, 0)
     assert np.all(((upper == 0) & (lower == 0)) | (upper - lower > 1e-4 * np.abs(upper))), "near-tie: pick a seed"
 
-    pool = fp8_cache.init_pool(batch * max_pages, page_size, dim, rule=fp8_cache.INDEX_RULE)
+    pool = fp8_cache.init_pool(batch * max_pages, page_size, dim, rule=rule)
     slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
     pool = fp8_cache.write_entries(pool, page_table, slots, fp8_cache.rotate(jnp.asarray(k)))
-    q8, weights = fp8_cache.fp8_index_queries(jnp.asarray(q), jnp.asarray(raw_weights))
+    q8, weights = fp8_cache.fp8_index_queries(jnp.asarray(q), jnp.asarray(raw_weights), pow2_scales=pow2)
     got = jax.jit(functools.partial(indexer_topk, topk=topk, backend=backend))(q8, weights, pool, page_table, vis)
     np.testing.assert_array_equal(np.asarray(got), want)
     scores = indexer_scores_reference(q8, weights, pool, page_table, vis)
@@ -327,6 +330,15 @@ def test_fp8_caches_are_refused_where_nothing_reads_them():
     with pytest.raises(ValueError, match="backend 'mosaic' cannot read FP8 caches"):
         mla_attention(q_nope, q_rope, fp8_pool_of(cache, 128), jnp.asarray(window.page_table), window.vis(),
                       softmax_scale=0.1, backend="mosaic")
+
+
+@pytest.mark.parametrize("scale_fmt,rule", [(None, fp8_cache.PLAIN_INDEX_RULE), ("ue8m0", fp8_cache.INDEX_RULE)])
+def test_indexer_keys_take_the_configs_scale_fmt(scale_fmt, rule):
+    """The target's and the MTP's FP8 key caches quantize by the config's `scale_fmt` (the indexer
+    quantizes its queries by the key cache's rule, so the two cannot disagree)."""
+    model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny", scale_fmt=scale_fmt), rngs=nnx.Rngs(0)))
+    for mtp in (False, True):
+        assert model.init_cache(2, 16, page_size=8, mtp=mtp, cache_dtype="fp8").index_keys.rule == rule
 
 
 def test_cache_bytes_count_the_fp8_layout():
