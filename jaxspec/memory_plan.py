@@ -24,7 +24,8 @@ rows' logits in full), a few [T, D] activations, and one layer's temporaries as 
 them (`DecoderModel.prefill_layer_bytes`: attention for that backend, where the kernels stream the
 scores the references materialize, and the experts' dispatch, on a mesh one chunk of every device's
 tokens). The terms are added although XLA frees some before it makes others (the logits come after
-the layers), so they err high: within 3x of sm_90a compiles, docs/model-interface.md gives them.
+the layers), so they err high: 1.6-3.7x what sm_90a and XLA CPU compiles hold, which
+docs/model-interface.md lists.
 At DeepSeek-V3.2's scale the weights and caches dominate; a one-call prefill's scores and keys grow
 with batch x prompt x heads x cache, which is why a long prompt at a large batch can fit for
 decoding and not for its prefill (the plan says which; a `prefill_chunk` bounds them by the chunk
@@ -184,7 +185,9 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     width = decode.prefill_width(prompt_len)
     chunked = decode.prefill_chunk is not None
     logit_calls = 2 if drafting and not chunked else 1
-    layer = model.prefill_layer_bytes(rows=rows, width=width, prompt_len=prompt_len, capacity=capacity,
+    # The ops gather a row's slots in whole pages.
+    slots = -(-capacity // decode.page_size) * decode.page_size
+    layer = model.prefill_layer_bytes(rows=rows, width=width, prompt_len=prompt_len, capacity=slots,
                                       heads=heads_local, chunked=chunked, backend=resolve_backend(decode.backend),
                                       row_shards=None if mesh is None else row_parts)
     prefill_temp = rows * width * (logit_calls * vocab * f32 + hidden * act * 8) + layer

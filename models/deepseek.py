@@ -149,43 +149,45 @@ class DeepseekV3(nnx.Module):
         """An estimate, erring high, of the temporaries one decoder layer holds on a device in one
         prefill call (`DecoderModel.prefill_layer_bytes`): attention plus the feed-forward part
         (`moe.prefill_temp_bytes`), for T = rows x width tokens (width = prompt_len in one call),
-        S = capacity slots a row, K = index_topk, in float32 unless said otherwise.
+        S = capacity slots a row, K = index_topk, in float32 unless said otherwise. An "entry" is a
+        gathered latent [R + Dr] as stored, in the compute dtype and in float32.
 
-        * One call (expanded form, pure jnp on every backend): the scores [P, H, S] and, per row,
-          the keys and values up-projected [S, H, Dn + Dv].
-        * A chunk (absorbed form), on every backend: the queries [H, Dn + Dr], the absorbed query
-          [H, R] and the values [H, Dv] a token in the compute dtype, and the attention's latent
-          output [H, R] (float32: the kernels' split-KV partials are). With DSA, the indexer's
-          scores [S] a token, the top-k's sorted copy with its int32 slots (XLA sorts a row to
-          take its top k), and the chosen slots [K].
-        * On top, on the "xla" backend (the pure-jnp references, which materialize what the
-          kernels ("pallas", "mosaic") stream): the scores and probabilities [H, S] (DSA: [H, K])
-          a token; the latents gathered per row [S, R + Dr] (DSA: a token's chosen [K, R + Dr]),
-          as stored, in the compute dtype and in float32; with DSA the indexer's per-head scores
-          [Hi, S] a token and its keys gathered per row [S, Di] in the compute dtype.
-        Checked against sm_90a compiles in docs/model-interface.md."""
+        * With DSA, on every backend: the indexer's scores [S] a token, the top-k's sorted copy with
+          its int32 slots (XLA sorts a row to take its top k), and the chosen slots [K]; on "xla"
+          (its reference) also the per-head scores [Hi, S] a token and the keys gathered [S, Di] a
+          row in the compute dtype.
+        * One call (expanded form, pure jnp on every backend): the scores, their masked copy and
+          the probabilities [H, S] a token; the entries [S] and the keys and values up-projected
+          [S, H, Dn + Dv] a row.
+        * A chunk (absorbed form): the queries [H, Dn + Dr], the absorbed query [H, R] and the
+          values [H, Dv] a token in the compute dtype, and the attention's latent output [H, R]
+          (float32: the kernels' split-KV partials are). The kernels ("pallas", "mosaic") stream
+          the cache and make nothing more; the references ("xla") make the scores, their masked
+          copy and the probabilities [H, S] (DSA: [H, K]) a token, and the entries [S] a row
+          (DSA: a token's chosen [K]).
+        Checked against sm_90a and XLA CPU compiles in docs/model-interface.md."""
         c, f32, act = self.config, 4, jnp.dtype(self.dtype).itemsize
-        tokens = rows * width
+        entry = c.latent_dim * (2 * act + f32)
+        kernels = backend != "xla"
+        per_token = per_row = 0
+        if c.is_v32:
+            per_token += 3 * capacity * f32 + c.index_topk * f32
+            if not kernels:
+                per_token += c.index_n_heads * capacity * f32
+                per_row += capacity * c.index_head_dim * act
         if not chunked:
-            attention = rows * (prompt_len * heads * capacity * f32
-                                + capacity * heads * (c.qk_nope_head_dim + c.v_head_dim) * f32)
+            per_token += 3 * heads * capacity * f32
+            per_row += capacity * (entry + heads * (c.qk_nope_head_dim + c.v_head_dim) * f32)
         else:
-            per_token = (act * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.kv_lora_rank + c.v_head_dim)
-                         + f32 * heads * c.kv_lora_rank)
-            if c.is_v32:
-                per_token += 3 * capacity * f32 + c.index_topk * f32
-            per_row = 0
-            if backend == "xla":
-                entry = c.latent_dim * (2 * act + f32)
-                if c.is_v32:
-                    per_token += (2 * heads * c.index_topk * f32 + c.index_topk * entry
-                                  + c.index_n_heads * capacity * f32)
-                    per_row = capacity * c.index_head_dim * act
-                else:
-                    per_token += 2 * heads * capacity * f32
-                    per_row = capacity * entry
-            attention = tokens * per_token + rows * per_row
-        return attention + prefill_temp_bytes(c, tokens, row_shards, act)
+            per_token += (act * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.kv_lora_rank + c.v_head_dim)
+                          + f32 * heads * c.kv_lora_rank)
+            if not kernels and c.is_v32:
+                per_token += 3 * heads * c.index_topk * f32 + c.index_topk * entry
+            elif not kernels:
+                per_token += 3 * heads * capacity * f32
+                per_row += capacity * entry
+        tokens = rows * width
+        return tokens * per_token + rows * per_row + prefill_temp_bytes(c, tokens, row_shards, act, backend)
 
     # -- layers ---------------------------------------------------------------------------------
 

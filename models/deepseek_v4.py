@@ -190,11 +190,12 @@ class DeepseekV4(nnx.Module):
         sliding window and the most compressed entries one query sees (CSA's top-k, or HCA's
         count), whatever the backend, plus the feed-forward part (`moe.prefill_temp_bytes`). The
         attention term is not checked against a compile."""
-        del prompt_len, chunked, backend
+        del prompt_len, chunked
         c = self.config
         keys = c.sliding_window + max(c.index_topk, capacity // dict(c.compress_rates)[HCA])
         tokens = rows * width
-        return tokens * heads * keys * 4 + prefill_temp_bytes(c, tokens, row_shards, jnp.dtype(self.dtype).itemsize)
+        feed_forward = prefill_temp_bytes(c, tokens, row_shards, jnp.dtype(self.dtype).itemsize, backend)
+        return tokens * heads * keys * 4 + feed_forward
 
     # -- layers ---------------------------------------------------------------------------------
 
