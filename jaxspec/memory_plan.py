@@ -13,14 +13,23 @@ step). The figures are per device, for the fullest device.
 
 Weights and caches are exact: they match the compiled programs' argument bytes, the caches being
 the arrays the model's `init_cache` builds for the geometry `jaxspec.batch` gives them. Temporaries
-are estimated from the terms that dominate XLA's buffer assignment for these programs: the float32
-logits of a call and the vocabulary-wide float32 work on them, the prompt's activations, and in
-prefill the model's attention work (`DecoderModel.prefill_attention_bytes`). They add buffers XLA
-frees before others are made, so they err high; docs/model-interface.md gives the compiles they
-were checked against. At DeepSeek-V3.2's scale the weights and caches dominate; prefill's logits
-and scores grow with batch x prompt x (vocabulary, heads x cache), which is why a long prompt at a
-large batch can fit for decoding and not for its prefill (the plan says which; a `prefill_chunk`
-bounds them by the chunk instead of the prompt).
+are estimated, erring high, from the terms that dominate XLA's buffer assignment for these programs,
+and follow the program that will run: the backend `DecodeConfig.backend` resolves to
+(`pallas_kernels.resolve_backend`: "auto" is the pure-jnp references on a CPU host, so a plan for a
+GPU made on a CPU host, as `benchmarks/fp8_caches.py` makes it, names `backend="pallas"`) and the
+mesh. A decode step: the float32 logits of the window and a companion of each. Prefill, per call of
+T = rows x W tokens on a device (W the prompt, or one `prefill_chunk`): the float32 logits [T, V]
+(every plan replicates the vocabulary, `jaxspec.sharding.RULES`: each device computes its own
+rows' logits in full), a few [T, D] activations, and one layer's temporaries as the model counts
+them (`DecoderModel.prefill_layer_bytes`: attention for that backend, where the kernels stream the
+scores the references materialize, and the experts' dispatch, on a mesh one chunk of every device's
+tokens). The terms are added although XLA frees some before it makes others (the logits come after
+the layers), so they err high: 1.6-3.7x what sm_90a and XLA CPU compiles hold, which
+docs/model-interface.md lists.
+At DeepSeek-V3.2's scale the weights and caches dominate; a one-call prefill's scores and keys grow
+with batch x prompt x heads x cache, which is why a long prompt at a large batch can fit for
+decoding and not for its prefill (the plan says which; a `prefill_chunk` bounds them by the chunk
+instead of the prompt).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from jaxspec.decode_config import DecodeConfig
 from jaxspec.model_config import ModelConfig
 from jaxspec.models.interface import cache_bytes
 from jaxspec.orbax_io import abstract_model
+from jaxspec.pallas_kernels import resolve_backend
 
 GIB = 2 ** 30
 
@@ -136,7 +146,8 @@ def _param_bytes(state: nnx.State, mesh, plan: str) -> int:
 def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt_len: int, mesh=None,
                 plan: str = sharding.DEFAULT_PLAN, dtype=jnp.bfloat16, device_memory: int | None = None) -> MemoryPlan:
     """The per-device `MemoryPlan` of `generate` on `batch` prompts of `prompt_len` tokens, decoding
-    as `decode` says (its draft settings and `max_new_tokens`), with parameters built in `dtype`, on
+    as `decode` says (its draft settings, `max_new_tokens`, `prefill_chunk`, cache dtype and the
+    backend its temporaries are those of), with parameters built in `dtype`, on
     `mesh` (a `jax.sharding.Mesh`, a (data, model) pair of sizes, or None for one device) under
     `plan`. Raises ValueError on a bad batch, prompt length, mesh or plan."""
     if batch < 1:
@@ -167,13 +178,19 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     # A step: the float32 logits of the target's window and of the MTP's next draft, each with a
     # same-sized float32 companion (probabilities, acceptance's work on them).
     step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2
-    # Prefill, per call (W = the whole prompt, or one `prefill_chunk`): the float32 logits of the
-    # call's positions (target, and the MTP's when drafting), its activations (a few [W, D]
-    # buffers) and the model's attention work.
+    # Prefill, per call of T = rows x W tokens (W = the whole prompt, or one `prefill_chunk`): the
+    # float32 logits [T, V] (the target's, and in one call the MTP's, which a chunk's loop drops),
+    # a few [T, H] activations, and one layer's temporaries as the model counts them for the
+    # backend the config resolves to (the layers run one at a time: a scan).
     width = decode.prefill_width(prompt_len)
-    attention = model.prefill_attention_bytes(prompt_len=prompt_len, width=width, capacity=capacity,
-                                              heads=heads_local, chunked=decode.prefill_chunk is not None)
-    prefill_temp = rows * (width * ((2 if drafting else 1) * vocab * f32 + hidden * act * 8) + attention)
+    chunked = decode.prefill_chunk is not None
+    logit_calls = 2 if drafting and not chunked else 1
+    # The ops gather a row's slots in whole pages.
+    slots = -(-capacity // decode.page_size) * decode.page_size
+    layer = model.prefill_layer_bytes(rows=rows, width=width, prompt_len=prompt_len, capacity=slots,
+                                      heads=heads_local, chunked=chunked, backend=resolve_backend(decode.backend),
+                                      row_shards=None if mesh is None else row_parts)
+    prefill_temp = rows * width * (logit_calls * vocab * f32 + hidden * act * 8) + layer
     return MemoryPlan(weights=_param_bytes(params, mesh, plan), caches=caches, state=state,
                       prefill_temp=prefill_temp, step_temp=step_temp,
                       device_memory=None if device_memory is None else int(device_memory))

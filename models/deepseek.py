@@ -38,7 +38,7 @@ from jaxspec.pallas_kernels.fp8_cache import check_fp8_widths
 from .interface import check_head_split
 from .layers import MLP, Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .mla import MLA
-from .moe import MoE
+from .moe import MoE, prefill_temp_bytes
 from .rope import rope_angles
 from .stack import LayerRun, layer_slice, run_layers, run_of, stack_layers
 
@@ -144,16 +144,50 @@ class DeepseekV3(nnx.Module):
         del page_table
         check_head_split(self.config, head_split)
 
-    def prefill_attention_bytes(self, *, prompt_len: int, width: int, capacity: int, heads: int,
-                                chunked: bool) -> int:
-        """One row's float32 attention work in a prefill call: in one call, the expanded form's
-        scores [P, H, capacity] and up-projected keys and values [capacity, H, Dn + Dv]; in a chunk,
-        the absorbed form's scores [W, H, capacity] as its pure-jnp reference makes them (the
-        Pallas kernels stream them: an upper bound on a GPU)."""
-        c, f32 = self.config, 4
-        if chunked:
-            return width * heads * capacity * f32
-        return prompt_len * heads * capacity * f32 + capacity * heads * (c.qk_nope_head_dim + c.v_head_dim) * f32
+    def prefill_layer_bytes(self, *, rows: int, width: int, prompt_len: int, capacity: int, heads: int,
+                            chunked: bool, backend: str, row_shards: int | None) -> int:
+        """An estimate, erring high, of the temporaries one decoder layer holds on a device in one
+        prefill call (`DecoderModel.prefill_layer_bytes`): attention plus the feed-forward part
+        (`moe.prefill_temp_bytes`), for T = rows x width tokens (width = prompt_len in one call),
+        S = capacity slots a row, K = index_topk, in float32 unless said otherwise. An "entry" is a
+        gathered latent [R + Dr] as stored, in the compute dtype and in float32.
+
+        * With DSA, on every backend: the indexer's scores [S] a token, the top-k's sorted copy with
+          its int32 slots (XLA sorts a row to take its top k), and the chosen slots [K]; on "xla"
+          (its reference) also the per-head scores [Hi, S] a token and the keys gathered [S, Di] a
+          row in the compute dtype.
+        * One call (expanded form, pure jnp on every backend): the scores, their masked copy and
+          the probabilities [H, S] a token; the entries [S] and the keys and values up-projected
+          [S, H, Dn + Dv] a row.
+        * A chunk (absorbed form): the queries [H, Dn + Dr], the absorbed query [H, R] and the
+          values [H, Dv] a token in the compute dtype, and the attention's latent output [H, R]
+          (float32: the kernels' split-KV partials are). The kernels ("pallas", "mosaic") stream
+          the cache and make nothing more; the references ("xla") make the scores, their masked
+          copy and the probabilities [H, S] (DSA: [H, K]) a token, and the entries [S] a row
+          (DSA: a token's chosen [K]).
+        Checked against sm_90a and XLA CPU compiles in docs/model-interface.md."""
+        c, f32, act = self.config, 4, jnp.dtype(self.dtype).itemsize
+        entry = c.latent_dim * (2 * act + f32)
+        kernels = backend != "xla"
+        per_token = per_row = 0
+        if c.is_v32:
+            per_token += 3 * capacity * f32 + c.index_topk * f32
+            if not kernels:
+                per_token += c.index_n_heads * capacity * f32
+                per_row += capacity * c.index_head_dim * act
+        if not chunked:
+            per_token += 3 * heads * capacity * f32
+            per_row += capacity * (entry + heads * (c.qk_nope_head_dim + c.v_head_dim) * f32)
+        else:
+            per_token += (act * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.kv_lora_rank + c.v_head_dim)
+                          + f32 * heads * c.kv_lora_rank)
+            if not kernels and c.is_v32:
+                per_token += 3 * heads * c.index_topk * f32 + c.index_topk * entry
+            elif not kernels:
+                per_token += 3 * heads * capacity * f32
+                per_row += capacity * entry
+        tokens = rows * width
+        return tokens * per_token + rows * per_row + prefill_temp_bytes(c, tokens, row_shards, act, backend)
 
     # -- layers ---------------------------------------------------------------------------------
 

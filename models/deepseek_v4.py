@@ -50,7 +50,7 @@ from jaxspec.pallas_kernels.fp8_cache import check_cache_dtype
 from .hyper_connections import HyperConnection, HyperHead
 from .interface import check_head_split
 from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
-from .moe import MoE
+from .moe import MoE, prefill_temp_bytes
 from .stack import LayerRun, layer_slice, repeating_runs, run_layers, run_of, stack_layers
 from .v4_attention import V4Attention
 
@@ -183,15 +183,19 @@ class DeepseekV4(nnx.Module):
             raise ValueError(f"the plan splits attention heads {head_split} ways; a V4 output group spans "
                              f"several heads, so o_groups={c.o_groups} must be a multiple of {head_split}")
 
-    def prefill_attention_bytes(self, *, prompt_len: int, width: int, capacity: int, heads: int,
-                                chunked: bool) -> int:
-        """One row's float32 scores in a prefill call of `width` tokens: each token's over its
+    def prefill_layer_bytes(self, *, rows: int, width: int, prompt_len: int, capacity: int, heads: int,
+                            chunked: bool, backend: str, row_shards: int | None) -> int:
+        """An estimate of the temporaries one layer holds on a device in a prefill call of rows x
+        `width` tokens (`DecoderModel.prefill_layer_bytes`): each token's float32 scores over its
         sliding window and the most compressed entries one query sees (CSA's top-k, or HCA's
-        count). Not checked against a compile."""
+        count), whatever the backend, plus the feed-forward part (`moe.prefill_temp_bytes`). The
+        attention term is not checked against a compile."""
         del prompt_len, chunked
         c = self.config
         keys = c.sliding_window + max(c.index_topk, capacity // dict(c.compress_rates)[HCA])
-        return width * heads * keys * 4
+        tokens = rows * width
+        feed_forward = prefill_temp_bytes(c, tokens, row_shards, jnp.dtype(self.dtype).itemsize, backend)
+        return tokens * heads * keys * 4 + feed_forward
 
     # -- layers ---------------------------------------------------------------------------------
 

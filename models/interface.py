@@ -123,11 +123,13 @@ class DecoderModel(Protocol):
         """Raise ValueError (naming the argument) when this model cannot run with its attention
         heads split `head_split` ways, or with a user `page_table` (None: none given)."""
 
-    def prefill_attention_bytes(self, *, prompt_len: int, width: int, capacity: int, heads: int,
-                                chunked: bool) -> int:
-        """An estimate of one row's float32 attention temporaries in one prefill call of `width`
-        tokens (`prompt_len` in one call unless `chunked`) over `capacity` slots, with `heads`
-        attention heads on the device (`jaxspec.memory_plan`)."""
+    def prefill_layer_bytes(self, *, rows: int, width: int, prompt_len: int, capacity: int, heads: int,
+                            chunked: bool, backend: str, row_shards: int | None) -> int:
+        """An estimate, erring high, of the bytes of the temporaries one decoder layer holds at once
+        on a device in one prefill call: `rows` rows of `width` tokens (`prompt_len` in one call
+        unless `chunked`) over `capacity` slots, `heads` attention heads on the device, the ops'
+        implementation `backend` ("xla", "pallas" or "mosaic", resolved), and `row_shards` the row
+        shards of a mesh (None: one device, no mesh) (`jaxspec.memory_plan`)."""
 
 
 def check_head_split(config: ModelConfig, head_split: int) -> None:

@@ -114,6 +114,37 @@ def expert_path(num_assignments: int, num_experts: int, backend: str) -> str:
     return "gathered"
 
 
+def prefill_temp_bytes(config: ModelConfig, tokens: int, row_shards: int | None, itemsize: int,
+                       backend: str) -> int:
+    """An estimate, erring high, of the bytes a layer's feed-forward part holds at once for `tokens`
+    tokens of one device (in activations of `itemsize` bytes, on the resolved `backend`): the larger
+    of a dense MLP's gate, up and product [T, intermediate_size] and the routed experts' work.
+    row_shards: on a mesh, how many devices' tokens the expert-parallel dispatch gathers
+    (`MoE._routed`); None on one device.
+
+    The routed experts' work for G gathered tokens (G = T on one device; on a mesh, one chunk of at
+    most `EP_CHUNK_TOKENS` of each device's tokens, G = min(T, EP_CHUNK_TOKENS) x row_shards) and
+    A = G x k assignments: the sorted inputs, the grouped matmuls' outputs and the unsorted outputs
+    [A, D], the gate, up and SwiGLU [A, moe_intermediate_size], the gathered tokens [G, D], the
+    shared experts' three [T, n_shared x moe_intermediate_size]; on a mesh also the chunks' stacked
+    outputs [T, k, D] and one chunk's reduce-scatter result. Counting the three [A, D] buffers
+    together errs high (the sorted inputs die before the outputs exist): checked against sm_90a
+    compiles in docs/model-interface.md. Where `expert_path` takes the gathered path (few
+    assignments, "xla"), each assignment's three expert matrices [D, moe_intermediate_size] too, as
+    stored and in the compute dtype (counted at the compute dtype's width both times)."""
+    k, dim, inner = config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size
+    dense = tokens * config.intermediate_size * 3 if config.first_k_dense_replace > 0 else 0
+    if config.n_routed_experts == 0:
+        return itemsize * dense
+    gathered = tokens if row_shards is None else min(tokens, EP_CHUNK_TOKENS) * row_shards
+    combined = 0 if row_shards is None else (tokens + min(tokens, EP_CHUNK_TOKENS)) * k * dim
+    shared = tokens * config.n_shared_experts * inner * 3
+    routed = gathered * k * (3 * dim + 3 * inner) + gathered * dim + combined + shared
+    if expert_path(gathered * k, config.n_routed_experts, backend) == "gathered":
+        routed += gathered * k * 3 * dim * inner * 2
+    return itemsize * max(dense, routed)
+
+
 class MoE(nnx.Module):
     """Routed experts (stacked [E, ...] weights) plus `n_shared_experts` fused into one MLP.
 

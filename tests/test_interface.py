@@ -179,7 +179,7 @@ class ToyModel(nnx.Module):
         if page_table is not None:
             raise ValueError("page_table: the toy has no pages")
 
-    def prefill_attention_bytes(self, *, prompt_len, width, capacity, heads, chunked):
+    def prefill_layer_bytes(self, *, rows, width, prompt_len, capacity, heads, chunked, backend, row_shards):
         return 0
 
     @staticmethod

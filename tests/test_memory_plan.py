@@ -1,5 +1,6 @@
 """`jaxspec.memory_plan`: per-device bytes computed before anything is allocated, checked against
-what XLA's buffer assignment reports for the compiled program (sm_90a, `jaxspec.aot`)."""
+what XLA's buffer assignment reports for the compiled program (sm_90a, `jaxspec.aot`; and XLA's
+CPU backend for the references a CPU runs)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model, reduced_depth
+from jaxspec.batch import cache_geometry, required_capacity
 from jaxspec.decode_config import DecodeConfig
+from jaxspec.loop import prefill
 from jaxspec.memory_plan import GIB, plan_memory, shard_bytes, weight_bytes
 from jaxspec.orbax_io import abstract_model
 from jaxspec.presets import preset
+from jaxspec.sampling import base_key
 from jax.sharding import PartitionSpec as P
 
 V32 = preset("deepseek-v3.2")
@@ -41,6 +46,71 @@ def test_a_sharded_fp8_decode_step_agrees_with_the_compiled_program():
     assert abs(memory.alias - plan.caches) <= 0.05 * memory.alias
     peak = memory.argument + memory.temp + memory.output - memory.alias
     assert abs(plan.resident + plan.step_temp - peak) <= 0.10 * peak, (plan.describe(), memory)
+
+
+# DeepSeek-V3.2 narrowed so that a one-layer prefill (plus the MTP block) compiles in seconds: the
+# attention's per-head widths and the latent stay DeepSeek's (what the kernels are tiled for), the
+# model width, heads, vocabulary, experts and indexer shrink.
+NARROW = V32.replace(num_hidden_layers=1, first_k_dense_replace=0, hidden_size=512, num_attention_heads=16,
+                     q_lora_rank=512, vocab_size=8192, n_routed_experts=16, n_group=4, topk_group=2,
+                     moe_intermediate_size=128, num_experts_per_tok=4, index_n_heads=16, index_topk=256)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, batch", [(None, 4), ((1, 4), 16)])
+def test_the_prefill_plan_bounds_the_compiled_chunked_prefill(mesh, batch):
+    """A chunked prefill (chunks of 32 of a 512-token prompt, MTP k = 1) on the Triton kernels,
+    compiled for sm_90a: the plan's prefill temporaries are at least the compiled program's and
+    within 3x of them (the plan adds buffers XLA frees before others are made). It counts no
+    attention scores (the kernels stream them), and on a mesh the experts' dispatch of one chunk of
+    tokens from every device."""
+    try:
+        devices = aot.gpu_devices("h100", 1 if mesh is None else math.prod(mesh))
+    except RuntimeError as missing:
+        pytest.skip(str(missing))
+    decode = DecodeConfig(num_draft=1, backend="pallas", prefill_chunk=32)
+    # XLA's own sort (the indexer's top-k) spills a few bytes at some widths; the kernels' spills
+    # are tests/test_aot.py's to check.
+    compiled = compile_model(NARROW, decode, phase="prefill", batch=batch, context=512, devices=devices,
+                             mesh_shape=mesh, fail_on_spill=False)
+    temp = aot.memory(compiled).temp
+    plan = plan_memory(NARROW, decode.replace(max_new_tokens=1), batch=batch, prompt_len=512, mesh=mesh)
+    assert temp <= plan.prefill_temp <= 3 * temp, (plan.describe(), temp)
+
+
+@pytest.mark.parametrize("name, batch, prompt_len, chunk", [("tiny", 2, 256, None), ("tiny-v3", 4, 256, 16)])
+def test_the_references_plan_bounds_the_cpu_prefill(name, batch, prompt_len, chunk):
+    """What the main job runs on a CPU: the prefill of the pure-jnp references ("auto" there),
+    compiled by XLA's CPU backend. The plan's prefill temporaries are at least the compiled
+    program's and within 3x of them; one call (the expanded form: scores, their masked copy and the
+    probabilities over whole pages) and in chunks (the references' gathered latents)."""
+    config = preset(name)
+    decode = DecodeConfig(num_draft=1, max_new_tokens=1, prefill_chunk=chunk)
+    graphdef, params, _ = abstract_model(config, jnp.float32)
+    model = nnx.merge(graphdef, params)
+    capacity = required_capacity(prompt_len, decode)
+    geometry = cache_geometry(prompt_len, decode, batch_size=batch, capacity=capacity)
+    caches = [jax.eval_shape(lambda mtp=mtp: model.init_cache(batch, capacity, mtp=mtp, **geometry.kwargs()))
+              for mtp in (False, True)]
+    compiled = jax.jit(prefill, static_argnames=("graphdef", "config")).trace(
+        graphdef, params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32), *caches, jax.eval_shape(lambda: base_key(0)),
+        config=decode).lower().compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    plan = plan_memory(config, decode, batch=batch, prompt_len=prompt_len, dtype=jnp.float32)
+    assert temp <= plan.prefill_temp <= 3 * temp, (plan.describe(), temp)
+
+
+def test_the_kernels_plan_counts_no_attention_scores():
+    """DeepSeek-V3.2 at full width, 96 rows of 32k prompts on 8 devices in chunks of 64 (the setting
+    of benchmarks/fp8_caches.py): the references' float32 scores dominate the "xla" plan, the
+    kernels' plan has none, and "auto" on this CPU host plans the references it would run."""
+    decode = DecodeConfig(num_draft=3, max_new_tokens=256, cache_dtype="fp8", prefill_chunk=64)
+    plan = lambda backend: plan_memory(reduced_depth(V32, 1), decode.replace(backend=backend), batch=96,
+                                       prompt_len=32509, mesh=(1, 8), dtype=jnp.float8_e4m3fn)
+    scores = 12 * 64 * V32.num_attention_heads * 32768 * 4  # [rows x W, H, capacity] float32 per device
+    assert plan("xla").prefill_temp > scores > 3 * plan("pallas").prefill_temp
+    assert plan("auto") == plan("xla")
 
 
 def test_weights_count_every_parameter_once_on_one_device():
