@@ -22,6 +22,14 @@ are written as -inf without reading keys. Visibility inside the kernel is the ch
 (`kv_bound`); a tree's non-ancestor window slots (at most Q per token) are set to -inf afterwards by
 a scatter of B * Q * Q entries.
 
+FP8 keys (`fp8_cache.Fp8Pool`: e4m3, one float32 scale per key) arrive as e4m3 tiles and their
+scales, one copy each per page the tile spans; the e4m3 values go through registers into a
+bfloat16 tile (which holds every e4m3 value), so the wgmma's products are exact and sum in float32
+as the reference's do, and each slot's head sum is multiplied by its key's scale
+(`indexer.score_keys`, DeepSeek's `fp8_index`). The e4m3 queries are widened to bfloat16 in XLA
+with the transposition. Pages must then hold 32 slots or more: a TMA copy moves a multiple of
+128 bytes, 32 scales.
+
 Top-k. As in the Triton path (`indexer_pallas.py`), the scores go to `select_topk` (XLA's
 `lax.top_k`): exact, ties to the lower slot exactly as the reference. The cost is the score matrix
 `[B, Q, S]` float32 written by the kernel and read once by the top-k: 4 bytes per (token, slot)
@@ -29,7 +37,8 @@ against the keys' 2 * Di bytes per slot read once per row, so at B = 32, Q = 1, 
 0.5 MiB written + 0.5 MiB read beside 32 MiB of keys. An in-kernel selection would have to keep the
 exact tie order; that is left for when the benchmark says top-k dominates.
 
-Constraints (checked, ValueError): keys and queries bfloat16 or float16 (the wgmma operand types);
+Constraints (checked, ValueError): keys and queries bfloat16 or float16 (the wgmma operand types),
+or FP8 keys with e4m3 or bfloat16 queries in pages of a multiple of 32;
 Di a multiple of 64 (one 128-byte swizzled row per 64 features); page_size a multiple of 8 that
 divides 64 or is a multiple of it. The head count is padded to a multiple of 64 with zero weights.
 

@@ -3,21 +3,34 @@
 Work layout. The Q window tokens x H heads of a sequence row fold into M = Q * H query rows (row
 m = q * H + h), padded to whole blocks of BLOCK_M = 64 (wgmma's M). A thread block owns one block
 of 64 rows, one part of the row's slots and one sequence row; grid `(row blocks, parts, B)`. It
-streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, one TMA copy of a
-[64, Dl + Dr] page slice per tile, double-buffered so the next tile lands while this one is
-multiplied. Two warpgroups share the work the way FlashMLA's consumers do: each computes the
-tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (one wgmma, K = 576) and the online softmax,
-and accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a thread):
-a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which is what serialized
-the Triton kernel's wgmma. The scores are computed twice (once per warpgroup) instead of being
-passed through shared memory: 1.5x the tensor-core work of a tile (2 x 64 x 64 x 576 for the
-scores beside 64 x 64 x 512 for the output), traded for no extra barrier or shared-memory round
-trip per tile; the op sits at the ridge, so this is the first thing to measure on a GPU.
+streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, two TMA copies of a page
+slice per tile (its [64, Dl] latent and [64, Dr] RoPE parts), double-buffered so the next tile
+lands while this one is multiplied. Two warpgroups share the work the way FlashMLA's consumers do:
+each computes the tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (two wgmmas into one
+accumulator, latent then RoPE: K = 512 + 64, the K steps of one K = 576 wgmma in the same order)
+and the online softmax, and accumulates its own half of the 512-wide output, `[64, 256]` float32
+(128 registers a thread): a 64 x 512 float32 accumulator would not fit one warpgroup's registers,
+which is what serialized the Triton kernel's wgmma. The scores are computed twice (once per
+warpgroup) instead of being passed through shared memory: 1.5x the tensor-core work of a tile
+(2 x 64 x 64 x 576 for the scores beside 64 x 64 x 512 for the output), traded for no extra
+barrier or shared-memory round trip per tile; the op sits at the ridge, so this is the first thing
+to measure on a GPU.
 
-Shared memory (DeepSeek widths): query block 72 KiB + two KV tiles 144 KiB + the row's page table
-and visibility = 227392 bytes by Mosaic GPU's count at 4096 slots, within sm_90's 232448 (227
-KiB); the float32 output staging (128 KiB) reuses the KV tiles' memory once both warpgroups are
-done with them (`plgpu.RefUnion`).
+FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A tile arrives as its e4m3 values [64, Dl],
+their float32 scales [64, Dl / 128] and the bfloat16 RoPE part, double-buffered as above; each
+warpgroup dequantizes its own output columns, one 128-value scale block at a time, from shared
+memory through registers into one bfloat16 latent tile (`mosaic_gpu.dequantize_rows`: the bits of
+`fp8_cache.entries`), and both wait at a barrier until the whole tile is there, since both score
+all of it. So the kernel on an FP8 pool equals itself on the pool's dequantized entries, bit for
+bit, and no dequantized copy of the cache exists in HBM. Dl must be 512 with FP8: a TMA copy's
+rows are whole 16 bytes, four float32 scales.
+
+Shared memory (DeepSeek widths, by Mosaic GPU's count at 4096 slots, of the 232,448 bytes (227
+KiB) a block may claim on sm_90): query block 72 KiB + two KV tiles 144 KiB + the row's page
+table and visibility = 227,408 bytes; with FP8, two staged tiles of 41 KiB (values 32, scales 1,
+RoPE 8) + the bfloat16 latent tile 64 KiB in place of the KV tiles = 229,456. The float32 output
+staging (128 KiB) reuses the tiles' memory once both warpgroups are done with them
+(`plgpu.RefUnion`).
 
 Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
 contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
@@ -344,7 +357,7 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
         plgpu.Barrier(num_arrivals=len(staged), num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=warpgroups),
+        plgpu.Barrier(num_arrivals=warpgroups) if fp8 else None,
         plgpu.Barrier(num_arrivals=warpgroups),
         plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",

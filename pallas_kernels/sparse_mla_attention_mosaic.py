@@ -37,13 +37,26 @@ stores, and every kernel here must run interpreted in the tests. With fresh accu
 register file (64 K a SM) holds two warpgroups' 64 x 128 float32 pairs, so the two column blocks'
 programs both compute `S`.
 
+FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A selected slot arrives as its 512 e4m3 values
+(two 256-byte copies) and its 64 bfloat16 RoPE values (one copy) into two staging tiles, and the
+move to the swizzled tile dequantizes each value with its block's scale in registers
+(`mosaic_gpu.dequantize_rows`: the bits of `fp8_cache.entries`), so the kernel on an FP8 pool
+equals itself on the pool's dequantized entries bit for bit. The selected slots' scales (16 bytes
+a slot) are gathered in XLA before the call, `[B * Q, Dl / 128, K]`, and arrive one copy per tile:
+a TMA copy moves a multiple of 128 bytes, so a slot's 16 cannot come on their own. That is 2.5%
+beside the 640 bytes a slot the kernel reads; no dequantized copy of the cache exists in HBM.
+
 Shared memory at DeepSeek's widths: queries, staging and swizzled tiles of 64 x 576 bf16
 (72 KiB each, the staging 1 KiB more for its padding), P (8 KiB), the tile's mask and the rescale
 (one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use, so the cross-warp reduction
-scratch is turned off (every reduction here stays inside a warp).
+scratch is turned off (every reduction here stays inside a warp). With FP8 the staging holds e4m3
+rows (33 KiB) and RoPE rows (9 KiB), plus the tile's scales: 200,736 bytes.
 
-Constraints (ValueError): bfloat16 / float16 operands; Dl a multiple of 128 (of 2 * OUT_BLOCK when
-wider), Dr of 64. Any page size. Heads are padded to a multiple of 64.
+Interpreted on the CPU, warpgroup 0 does both warpgroups' work (`_sparse_mla`).
+
+Constraints (ValueError): bfloat16 / float16 operands (an FP8 pool: e4m3 values, float32 scales,
+a bfloat16 RoPE part); Dl a multiple of 128 (of 2 * OUT_BLOCK when wider), Dr of 64. Any page
+size. Heads are padded to a multiple of 64.
 """
 
 from __future__ import annotations
