@@ -152,39 +152,45 @@ def test_unsupported_operands_are_refused_before_tracing(change, message):
         mla_attention_mosaic(q_nope, q_rope, cache, jnp.zeros((1, 2), jnp.int32), vis, softmax_scale=1.0)
 
 
-@pytest.mark.parametrize("num_queries", [1, 4])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
-    """B 32, 128 heads, 512 + 64 (bfloat16, or FlashMLA's FP8 token), a 4096-slot context: the real
-    Mosaic GPU lowering (TMA boxes, wgmma shapes) and XLA's compile of the program around it. The
-    kernel is one Mosaic custom call; Mosaic GPU's count of its shared memory is within the 227 KiB
-    a block may claim on sm_90; its cubin is built only when a GPU loads it. With FP8 the
-    temporaries equal the bfloat16 program's: the tiles are dequantized in shared memory, no copy
-    of the cache exists."""
+@functools.cache
+def deepseek_compile(num_queries: int, fp8: bool):
+    """B 32, 128 heads, 512 + 64 (bfloat16, or FlashMLA's FP8 token), a 4096-slot context, compiled
+    for one H100 -> (Mosaic GPU's shared-memory count, the compiled program). Cached: the FP8 case
+    compares itself with the bfloat16 one."""
     v32 = preset("deepseek-v3.2")
     batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
     heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
-
-    def args(cache):
-        return (spec((batch, num_queries, heads, latent), jnp.bfloat16),
-                spec((batch, num_queries, heads, rope), jnp.bfloat16), cache, spec((batch, pages), jnp.int32),
-                Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
-
-    bf16_cache = spec((batch * pages, 64, latent + rope), jnp.bfloat16)
     cache = (Fp8Pool(spec((batch * pages, 64, latent), fp8_cache.E4M3),
                      spec((batch * pages, 64, latent // 128), jnp.float32),
-                     spec((batch * pages, 64, rope), jnp.bfloat16)) if fp8 else bf16_cache)
-    compile_args = dict(devices=h100, static_argnames=("softmax_scale",), softmax_scale=v32.softmax_scale)
-    assert mosaic_smem_bytes(mla_attention_mosaic, *args(cache), **compile_args) <= SM90_SMEM
-    compiled = aot.compile_gpu(mla_attention_mosaic, *args(cache), **compile_args)
-    hlo = compiled.as_text()
-    assert hlo.count('custom_call_target="mosaic_gpu') == 1
+                     spec((batch * pages, 64, rope), jnp.bfloat16)) if fp8
+             else spec((batch * pages, 64, latent + rope), jnp.bfloat16))
+    args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
+            spec((batch, num_queries, heads, rope), jnp.bfloat16), cache, spec((batch, pages), jnp.int32),
+            Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
+    compile_args = dict(devices=aot.gpu_devices("h100"), static_argnames=("softmax_scale",),
+                        softmax_scale=v32.softmax_scale)
+    return (mosaic_smem_bytes(mla_attention_mosaic, *args, **compile_args),
+            aot.compile_gpu(mla_attention_mosaic, *args, **compile_args))
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
+    """`deepseek_compile`: the real Mosaic GPU lowering (TMA boxes, wgmma shapes) and XLA's compile
+    of the program around it. The kernel is one Mosaic custom call; Mosaic GPU's count of its
+    shared memory is within the 227 KiB a block may claim on sm_90; its cubin is built only when a
+    GPU loads it. With FP8 the temporaries equal the bfloat16 program's: the tiles are dequantized
+    in shared memory, no copy of the cache exists."""
+    smem, compiled = deepseek_compile(num_queries, fp8)
+    batch, heads, latent = 32, 128, 512
+    assert compiled.as_text().count('custom_call_target="mosaic_gpu') == 1
+    assert smem <= SM90_SMEM
     memory, rows = aot.memory(compiled), batch * num_queries * heads
     assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
     # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).
     assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
     if fp8:
-        assert memory.temp == aot.memory(aot.compile_gpu(mla_attention_mosaic, *args(bf16_cache), **compile_args)).temp
+        assert memory.temp == aot.memory(deepseek_compile(num_queries, False)[1]).temp
 
 
 @functools.partial(nnx.jit, static_argnames=("backend",))

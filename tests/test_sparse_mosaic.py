@@ -303,33 +303,36 @@ def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, matc
                                     softmax_scale=0.1, interpret=True)
 
 
+@functools.cache
+def sparse_mla_compile(num_queries: int, fp8: bool):
+    """DeepSeek-V3.2's sparse MLA (128 heads, 512 + 64 in 64-slot pages, bfloat16 or FlashMLA's FP8
+    token, top-2048), B = 32, 4096 slots a row, compiled for one H100 -> (Mosaic GPU's shared-memory
+    count, the compiled program). Cached: the FP8 case compares itself with the bfloat16 one."""
+    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
+    pages = BATCH * CONTEXT // 64
+    cache = (Fp8Pool(Spec((pages, 64, latent), fp8_cache.E4M3), Spec((pages, 64, latent // 128), jnp.float32),
+                     Spec((pages, 64, rope), jnp.bfloat16)) if fp8 else Spec((pages, 64, latent + rope), jnp.bfloat16))
+    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
+            Spec((BATCH, num_queries, heads, rope), jnp.bfloat16), cache, Spec((BATCH, CONTEXT // 64), jnp.int32),
+            Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
+    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale)
+    devices = aot.gpu_devices("h100")
+    return mosaic_smem_bytes(kernel, *args, devices=devices), aot.compile_gpu(kernel, *args, devices=devices)
+
+
 @pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp8):
-    """DeepSeek-V3.2: 128 heads, a 512 + 64 latent cache in 64-slot pages (bfloat16, or FlashMLA's
-    FP8 token), top-2048, B = 32, 4096 slots a row. Mosaic GPU's count of the kernel's shared
-    memory is within the 227 KiB a block may use (about 226 KiB in bfloat16, 196 KiB with FP8: its
-    staging holds e4m3 rows); registers are only known once the cubin is built, on a device. With
-    FP8 the temporaries exceed the bfloat16 program's by at most the selected slots' gathered
-    scales (16 bytes a slot): no dequantized copy of the cache exists."""
-    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
-    pages = BATCH * CONTEXT // 64
-
-    def args(cache):
-        return (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
-                Spec((BATCH, num_queries, heads, rope), jnp.bfloat16), cache, Spec((BATCH, CONTEXT // 64), jnp.int32),
-                Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
-
-    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale)
-    bf16_cache = Spec((pages, 64, latent + rope), jnp.bfloat16)
-    cache = (Fp8Pool(Spec((pages, 64, latent), fp8_cache.E4M3), Spec((pages, 64, latent // 128), jnp.float32),
-                     Spec((pages, 64, rope), jnp.bfloat16)) if fp8 else bf16_cache)
-    smem = mosaic_smem_bytes(kernel, *args(cache), devices=h100)
-    compiled = aot.compile_gpu(kernel, *args(cache), devices=h100)
+    """`sparse_mla_compile`: one Mosaic kernel; Mosaic GPU's count of its shared memory is within
+    the 227 KiB a block may use (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3
+    rows); registers are only known once the cubin is built, on a device. With FP8 the temporaries
+    exceed the bfloat16 program's by at most the selected slots' gathered scales (16 bytes a slot):
+    no dequantized copy of the cache exists."""
+    smem, compiled = sparse_mla_compile(num_queries, fp8)
     assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
     assert smem <= SM90_SMEM
     if fp8:
-        assert smem < mosaic_smem_bytes(kernel, *args(bf16_cache), devices=h100)
-        gathered_scales = BATCH * num_queries * V32.index_topk * (latent // 128) * 4
-        bf16_temp = aot.memory(aot.compile_gpu(kernel, *args(bf16_cache), devices=h100)).temp
-        assert aot.memory(compiled).temp <= bf16_temp + gathered_scales
+        bf16_smem, bf16_compiled = sparse_mla_compile(num_queries, False)
+        gathered_scales = BATCH * num_queries * V32.index_topk * (V32.kv_lora_rank // 128) * 4
+        assert smem < bf16_smem
+        assert aot.memory(compiled).temp <= aot.memory(bf16_compiled).temp + gathered_scales
