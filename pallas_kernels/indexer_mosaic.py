@@ -80,9 +80,10 @@ def check_mosaic_operands(name: str, *arrays: jax.Array) -> None:
 
 def copy_tile(cache_ref, page_table_ref, row, tile, dst, barrier, *, page_size: int):
     """TMA the cache rows of slots [tile * TILE, (tile + 1) * TILE) of sequence row `row` into `dst`
-    ([TILE, ...] SMEM; cache_ref [P, page, ...]), one copy per page the tile spans; `barrier` completes after all of them
-    (it counts `copies_per_tile(page_size)` arrivals). Table entries past the row's pages are
-    clamped: those slots are never visible, so what they read does not matter."""
+    ([TILE, ...] SMEM; cache_ref [P, page, ...]), one copy per page the tile spans; `barrier`
+    completes after all of them (it counts `copies_per_tile(page_size)` arrivals). Table entries
+    past the row's pages are clamped: those slots are never visible, so what they read does not
+    matter."""
     max_pages = page_table_ref.shape[1]
     rows = min(page_size, TILE)
     for piece in range(TILE // rows):

@@ -207,9 +207,9 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
              kv_barriers, converted_barrier, consumed_barrier, done_barrier):
         tiles, out_smem = buffers
         wg = jax.lax.axis_index("wg")
-        sources = [(q_ref.at[seq, rows, pl.ds(0, latent)], q_smem), (q_ref.at[seq, rows, pl.ds(latent, rope)], q_rope_smem),
-                   (page_table_ref.at[seq], table_smem), (meta_ref.at[seq], meta_smem),
-                   (bound_ref.at[seq, rows], bound_smem)]
+        sources = [(q_ref.at[seq, rows, pl.ds(0, latent)], q_smem),
+                   (q_ref.at[seq, rows, pl.ds(latent, rope)], q_rope_smem), (page_table_ref.at[seq], table_smem),
+                   (meta_ref.at[seq], meta_smem), (bound_ref.at[seq, rows], bound_smem)]
         if bits_ref is not None:
             sources.append((bits_ref.at[seq, :, rows], bits_smem))
 
@@ -336,7 +336,8 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
     # Each stage's parts as they arrive: the latent (or its e4m3 values and their scales) and the RoPE part.
     if fp8:
         values_ref, scales_ref, rope_ref = cache_refs
-        staged = [plgpu.SMEM((STAGES, BLOCK_N, latent), values_ref.dtype, transforms=swizzled(values_ref.dtype, latent)),
+        staged = [plgpu.SMEM((STAGES, BLOCK_N, latent), values_ref.dtype,
+                             transforms=swizzled(values_ref.dtype, latent)),
                   plgpu.SMEM((STAGES, BLOCK_N, scales_ref.shape[-1]), jnp.float32),
                   plgpu.SMEM((STAGES, BLOCK_N, rope), rope_ref.dtype, transforms=swizzled(rope_ref.dtype, rope))]
     else:
