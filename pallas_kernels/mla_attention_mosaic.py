@@ -27,7 +27,7 @@ rows are whole 16 bytes, four float32 scales.
 
 Shared memory (DeepSeek widths, by Mosaic GPU's count at 4096 slots, of the 232,448 bytes (227
 KiB) a block may claim on sm_90): query block 72 KiB + two KV tiles 144 KiB + the row's page
-table and visibility = 227,408 bytes; with FP8, two staged tiles of 41 KiB (values 32, scales 1,
+table and visibility = 227,400 bytes; with FP8, two staged tiles of 41 KiB (values 32, scales 1,
 RoPE 8) + the bfloat16 latent tile 64 KiB in place of the KV tiles = 229,456. The float32 output
 staging (128 KiB) reuses the tiles' memory once both warpgroups are done with them
 (`plgpu.RefUnion`).

@@ -10,6 +10,7 @@ DeepSeek's 512 + 64.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic, nu
 from jaxspec.presets import preset
 from test_fp8_cache import fp8_pool_of
 from test_kernels import assert_attention_close, latent_inputs, make_window, scale_for
-from test_sparse_mosaic import SM90_SMEM, mosaic_smem_bytes
+from test_sparse_mosaic import SM90_SMEM
 
 LATENT, ROPE, PAGE = 128, 64, 64
 
@@ -155,8 +156,7 @@ def test_unsupported_operands_are_refused_before_tracing(change, message):
 @functools.cache
 def deepseek_compile(num_queries: int, fp8: bool):
     """B 32, 128 heads, 512 + 64 (bfloat16, or FlashMLA's FP8 token), a 4096-slot context, compiled
-    for one H100 -> (Mosaic GPU's shared-memory count, the compiled program). Cached: the FP8 case
-    compares itself with the bfloat16 one."""
+    for one H100. Cached: the FP8 case compares itself with the bfloat16 one."""
     v32 = preset("deepseek-v3.2")
     batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
     heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
@@ -167,30 +167,29 @@ def deepseek_compile(num_queries: int, fp8: bool):
     args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
             spec((batch, num_queries, heads, rope), jnp.bfloat16), cache, spec((batch, pages), jnp.int32),
             Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
-    compile_args = dict(devices=aot.gpu_devices("h100"), static_argnames=("softmax_scale",),
-                        softmax_scale=v32.softmax_scale)
-    return (mosaic_smem_bytes(mla_attention_mosaic, *args, **compile_args),
-            aot.compile_gpu(mla_attention_mosaic, *args, **compile_args))
+    return aot.compile_gpu(mla_attention_mosaic, *args, devices=aot.gpu_devices("h100"),
+                           static_argnames=("softmax_scale",), softmax_scale=v32.softmax_scale)
 
 
 @pytest.mark.parametrize("num_queries", [1, 4])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
     """`deepseek_compile`: the real Mosaic GPU lowering (TMA boxes, wgmma shapes) and XLA's compile
-    of the program around it. The kernel is one Mosaic custom call; Mosaic GPU's count of its
-    shared memory is within the 227 KiB a block may claim on sm_90; its cubin is built only when a
-    GPU loads it. With FP8 the temporaries equal the bfloat16 program's: the tiles are dequantized
-    in shared memory, no copy of the cache exists."""
-    smem, compiled = deepseek_compile(num_queries, fp8)
+    of the program around it. The kernel is one Mosaic launch of two warpgroups, a block per (row
+    block, part, row), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may
+    claim on sm_90; its cubin is built only when a GPU loads it. With FP8 the temporaries equal the
+    bfloat16 program's: the tiles are dequantized in shared memory, no copy of the cache exists."""
+    compiled = deepseek_compile(num_queries, fp8)
     batch, heads, latent = 32, 128, 512
-    assert compiled.as_text().count('custom_call_target="mosaic_gpu') == 1
-    assert smem <= SM90_SMEM
+    [launch] = aot.mosaic_launches(compiled)
+    assert launch.threads == (256, 1, 1) and launch.shared_memory <= SM90_SMEM
+    assert math.prod(launch.grid) == num_queries * heads // 64 * num_parts(4096) * batch
     memory, rows = aot.memory(compiled), batch * num_queries * heads
     assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
     # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).
     assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
     if fp8:
-        assert memory.temp == aot.memory(deepseek_compile(num_queries, False)[1]).temp
+        assert memory.temp == aot.memory(deepseek_compile(num_queries, False)).temp
 
 
 @functools.partial(nnx.jit, static_argnames=("backend",))

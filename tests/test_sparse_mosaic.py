@@ -2,7 +2,8 @@
 (`sparse_mla_attention_mosaic.py`), interpreted on the CPU against their references, on
 compute-dtype and FP8 caches (`fp8_cache.Fp8Pool`); their invariance to the window they share a
 call with, bit for bit; their argument checks; the `backend="mosaic"` dispatch; and their compiles
-for an H100 (sm_90a) without a GPU, with Mosaic GPU's own count of their shared memory.
+for an H100 (sm_90a) without a GPU, with the shared memory their launches claim
+(`aot.mosaic_launches`: Mosaic GPU's own count).
 
 Interpret mode simulates every warpgroup, TMA copy and wgmma in Python, so the shapes are small.
 """
@@ -10,7 +11,7 @@ Interpret mode simulates every warpgroup, TMA copy and wgmma in Python, so the s
 from __future__ import annotations
 
 import functools
-import re
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,17 +34,6 @@ from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs,
 Spec = jax.ShapeDtypeStruct
 # The shared memory a block may claim on sm_90 (227 KiB).
 SM90_SMEM = 232448
-
-
-def mosaic_smem_bytes(fn, *args, devices, **kwargs) -> int:
-    """The shared memory the one Mosaic GPU kernel of `fn` claims per block, as Mosaic GPU counts it
-    while lowering (buffers 1 KiB-aligned, barriers included): lowered under a limit of 0 bytes
-    (`artificial_shared_memory_limit`, JAX's own test hook), its check raises and names the count.
-    A lowering that failed is not cached, so the program's real compile is unaffected."""
-    from jax.experimental.mosaic.gpu import core
-    with core.artificial_shared_memory_limit(0), pytest.raises(ValueError, match=r"smem_bytes=\d+") as error:
-        aot.compile_gpu(fn, *args, devices=devices, **kwargs)
-    return int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
 
 
 def fp8_keys(rng, keys: jax.Array) -> Fp8Pool:
@@ -177,9 +167,9 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
     """DeepSeek-V3.2's indexer (64 heads x 128, top-2048), B = 32, 4096 slots in 64-slot pages, with
     bfloat16 keys and with FP8 keys (e4m3 queries).
 
-    The Mosaic kernel becomes one `mosaic_gpu_v2` custom call; Mosaic GPU's count of its shared
-    memory is within the 227 KiB a block may claim. Its cubin is built when XLA loads the program
-    on a device, so this compile cannot show its registers. With FP8 keys the temporaries are
+    The Mosaic kernel is one launch of one warpgroup whose shared memory (Mosaic GPU's count) is
+    within the 227 KiB a block may claim. Its cubin is built when XLA loads the program on a
+    device, so this compile cannot show its registers. With FP8 keys the temporaries are
     smaller than the keys' own e4m3 bytes: no dequantized copy of them exists."""
     heads, dim = V32.index_n_heads, V32.index_head_dim
     pages = BATCH * CONTEXT // 64
@@ -189,12 +179,11 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
                     fp8_cache.INDEX_RULE) if fp8 else Spec((pages, 64, dim), jnp.bfloat16))
     args = (Spec((BATCH, num_queries, heads, dim), fp8_cache.E4M3 if fp8 else jnp.bfloat16),
             Spec((BATCH, num_queries, heads), jnp.float32), keys, Spec((BATCH, CONTEXT // 64), jnp.int32), vis)
-    compile_args = dict(devices=h100, static_argnames=("topk",), topk=V32.index_topk)
-    smem = mosaic_smem_bytes(indexer_topk_mosaic, *args, **compile_args)
-    compiled = aot.compile_gpu(indexer_topk_mosaic, *args, **compile_args)
-    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
+    compiled = aot.compile_gpu(indexer_topk_mosaic, *args, devices=h100, static_argnames=("topk",),
+                               topk=V32.index_topk)
+    [launch] = aot.mosaic_launches(compiled)
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
-    assert smem <= SM90_SMEM
+    assert launch.threads == (128, 1, 1) and launch.shared_memory <= SM90_SMEM
     if fp8:
         assert aot.memory(compiled).temp < BATCH * CONTEXT * dim
 
@@ -306,8 +295,8 @@ def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, matc
 @functools.cache
 def sparse_mla_compile(num_queries: int, fp8: bool):
     """DeepSeek-V3.2's sparse MLA (128 heads, 512 + 64 in 64-slot pages, bfloat16 or FlashMLA's FP8
-    token, top-2048), B = 32, 4096 slots a row, compiled for one H100 -> (Mosaic GPU's shared-memory
-    count, the compiled program). Cached: the FP8 case compares itself with the bfloat16 one."""
+    token, top-2048), B = 32, 4096 slots a row, compiled for one H100. Cached: the FP8 case compares
+    itself with the bfloat16 one."""
     heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
     pages = BATCH * CONTEXT // 64
     cache = (Fp8Pool(Spec((pages, 64, latent), fp8_cache.E4M3), Spec((pages, 64, latent // 128), jnp.float32),
@@ -316,23 +305,24 @@ def sparse_mla_compile(num_queries: int, fp8: bool):
             Spec((BATCH, num_queries, heads, rope), jnp.bfloat16), cache, Spec((BATCH, CONTEXT // 64), jnp.int32),
             Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
     kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale)
-    devices = aot.gpu_devices("h100")
-    return mosaic_smem_bytes(kernel, *args, devices=devices), aot.compile_gpu(kernel, *args, devices=devices)
+    return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"))
 
 
 @pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp8):
-    """`sparse_mla_compile`: one Mosaic kernel; Mosaic GPU's count of its shared memory is within
-    the 227 KiB a block may use (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3
-    rows); registers are only known once the cubin is built, on a device. With FP8 the temporaries
-    exceed the bfloat16 program's by at most the selected slots' gathered scales (16 bytes a slot):
-    no dequantized copy of the cache exists."""
-    smem, compiled = sparse_mla_compile(num_queries, fp8)
-    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
-    assert smem <= SM90_SMEM
+    """`sparse_mla_compile`: one Mosaic kernel of two warpgroups, a block per (column block, head
+    block, token), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
+    (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3 rows); registers are only
+    known once the cubin is built, on a device. With FP8 the temporaries exceed the bfloat16
+    program's by at most the selected slots' gathered scales (16 bytes a slot): no dequantized copy
+    of the cache exists."""
+    compiled = sparse_mla_compile(num_queries, fp8)
+    [launch] = aot.mosaic_launches(compiled)
+    assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * 2 * BATCH * num_queries
+    assert launch.shared_memory <= SM90_SMEM
     if fp8:
-        bf16_smem, bf16_compiled = sparse_mla_compile(num_queries, False)
+        bf16_compiled = sparse_mla_compile(num_queries, False)
         gathered_scales = BATCH * num_queries * V32.index_topk * (V32.kv_lora_rank // 128) * 4
-        assert smem < bf16_smem
+        assert launch.shared_memory < aot.mosaic_launches(bf16_compiled)[0].shared_memory
         assert aot.memory(compiled).temp <= aot.memory(bf16_compiled).temp + gathered_scales
