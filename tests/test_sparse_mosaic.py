@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,9 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
     [launch] = aot.mosaic_launches(compiled)
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
     assert launch.threads == (128, 1, 1) and launch.shared_memory <= SM90_SMEM
+    table_row = r"^_indexer_scores \(Mosaic\)\s+1\s+\S+\s+128\s+(\d+)\s+-\s+-$"  # `jaxspec aot`'s kernel table
+    row = re.search(table_row, aot.report(compiled, "indexer"), re.M)
+    assert row and int(row.group(1)) == launch.shared_memory
     if fp8:
         assert aot.memory(compiled).temp < BATCH * CONTEXT * dim
 
