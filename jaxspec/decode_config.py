@@ -117,9 +117,6 @@ class DecodeConfig:
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"DecodeConfig.cache_dtype={self.cache_dtype!r}: must be one of {CACHE_DTYPES} "
                              "(None: the model's compute dtype)")
-        if self.cache_dtype == "fp8" and self.backend == "mosaic":
-            raise ValueError("DecodeConfig.cache_dtype='fp8' with backend='mosaic': the Mosaic GPU kernels read "
-                             "compute-dtype caches only; use backend 'pallas', 'xla' or 'auto'")
         self._check_tree()
         self._check_sampling()
 

@@ -70,7 +70,7 @@ def add_cache_dtype_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dtype", choices=("fp8",),
                         help="store the caches as DeepSeek serves V3.2: the MLA latent in FlashMLA's FP8 token "
                              "(656 bytes at DeepSeek's widths), the indexer keys rotated and in FP8 (default: the "
-                             "model's compute dtype; not with --backend mosaic)")
+                             "model's compute dtype)")
 
 
 def add_prefill_flag(parser: argparse.ArgumentParser) -> None:

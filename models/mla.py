@@ -24,10 +24,9 @@ from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.model_config import ModelConfig
-from jaxspec.pallas_kernels import (Visibility, attend_latent, mla_attention, read_slots, resolve_backend, select_topk,
+from jaxspec.pallas_kernels import (Visibility, attend_latent, mla_attention, resolve_backend, select_topk,
                                     sparse_mla_attention, visible_mask, window_slots)
-from jaxspec.pallas_kernels.fp8_cache import (Fp8Pool, as_entries, check_kernel_reads, gather_parts, key_rule,
-                                              read_parts)
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, as_entries, gather_parts, key_rule, read_parts
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
 from jaxspec.sharding import current
@@ -113,7 +112,6 @@ class MLA(nnx.Module):
         batch, num_queries, _ = x.shape
         each = functools.partial(per_position, enabled=window_invariant)
         fp8_index = self.indexer is not None and isinstance(cache.index_keys, Fp8Pool)
-        check_kernel_reads(cache.latent, resolve_backend(backend, "mla_attention"), "mla_attention")
         q_latent, q_nope, q_rope, entry, index_key = each(functools.partial(self._project, fp8_index=fp8_index),
                                                           x, cos, sin)
         cache = cache.write(layer, window_slots(vis, num_queries), entry, index_key)
@@ -229,11 +227,12 @@ class MLA(nnx.Module):
 
             def alone(q_absorbed, q_rope, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
                 visible = slots[:, 0]
-                kv = read_slots(latent_cache, page_table, visible)  # [B, S, R + Dr], in order
+                kv = read_parts(latent_cache, page_table, visible)  # [B, S, R + Dr] (or its FP8 parts), in order
                 seen = jnp.sum(visible >= 0, axis=1, dtype=jnp.int32)
                 alone_vis = Visibility(jnp.maximum(seen - 1, 0), (seen > 0).astype(jnp.int32))
-                return mla_attention(q_absorbed, q_rope, kv.reshape(batch * pages, cache.page_size, -1), compact_table,
-                                     alone_vis, softmax_scale=c.softmax_scale, backend=backend)[0]
+                pool = jax.tree.map(lambda part: part.reshape(batch * pages, cache.page_size, -1), kv)
+                return mla_attention(q_absorbed, q_rope, pool, compact_table, alone_vis, softmax_scale=c.softmax_scale,
+                                     backend=backend)[0]
 
             out_latent = each(alone, q_absorbed, q_rope, slots)
         return each(lambda o: jnp.einsum("bqhr,rhv->bqhv", o, w_uv.astype(o.dtype)), out_latent)

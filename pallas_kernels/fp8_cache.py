@@ -219,14 +219,6 @@ def as_entries(rows) -> jax.Array:
     return entries(rows) if isinstance(rows, Fp8Pool) else rows
 
 
-def check_kernel_reads(cache, implementation: str, op: str) -> None:
-    """ValueError when `implementation` ("xla", "pallas" or "mosaic") of `op` cannot read `cache`:
-    the Mosaic GPU kernels read compute-dtype pools only."""
-    if isinstance(cache, Fp8Pool) and implementation == "mosaic":
-        raise ValueError(f"{op}: backend 'mosaic' cannot read FP8 caches (cache_dtype='fp8'); use backend "
-                         "'pallas' or 'xla'")
-
-
 def cache_token_bytes(cache) -> int:
     """Bytes a slot of `cache` (a plain pool [P, page, D] or an `Fp8Pool`) takes."""
     return cache.token_bytes if isinstance(cache, Fp8Pool) else cache.shape[-1] * cache.dtype.itemsize

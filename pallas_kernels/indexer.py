@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
 from .contracts import select_topk
-from .fp8_cache import Fp8Pool, check_kernel_reads, gather_parts
+from .fp8_cache import Fp8Pool, gather_parts
 from .visibility import Visibility, visible_mask
 
 
@@ -58,8 +58,8 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
     Args:
       q_idx: [B, Q, Hi, Di] indexer queries (rotated); weights: [B, Q, Hi] per-head weights.
       key_cache: [num_pages, page_size, Di] one layer's indexer keys, or an `fp8_cache.Fp8Pool` of
-        them (then q_idx is e4m3 and weights carry the query scales: `models.indexer`; not on
-        "mosaic"); page_table: [B, max_pages].
+        them (then q_idx is e4m3 and weights carry the query scales: `models.indexer`);
+        page_table: [B, max_pages].
       vis: per-token visibility; topk: slots to keep; backend: "xla", "pallas", "mosaic" or "auto"
         (`backend.resolve_backend`).
 
@@ -67,7 +67,6 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
       indices [B, Q, topk] int32 row-local slots, best first; -1 where fewer than topk are visible.
     """
     implementation = resolve_backend(backend, "indexer_topk")
-    check_kernel_reads(key_cache, implementation, "indexer_topk")
     if implementation == "mosaic":
         from .indexer_mosaic import indexer_topk_mosaic
         return indexer_topk_mosaic(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())

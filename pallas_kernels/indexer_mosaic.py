@@ -22,6 +22,14 @@ are written as -inf without reading keys. Visibility inside the kernel is the ch
 (`kv_bound`); a tree's non-ancestor window slots (at most Q per token) are set to -inf afterwards by
 a scatter of B * Q * Q entries.
 
+FP8 keys (`fp8_cache.Fp8Pool`: e4m3, one float32 scale per key) arrive as e4m3 tiles and their
+scales, one copy each per page the tile spans; the e4m3 values go through registers into a
+bfloat16 tile (which holds every e4m3 value), so the wgmma's products are exact and sum in float32
+as the reference's do, and each slot's head sum is multiplied by its key's scale
+(`indexer.score_keys`, DeepSeek's `fp8_index`). The e4m3 queries are widened to bfloat16 in XLA
+with the transposition. Pages must then hold 32 slots or more: a TMA copy moves a multiple of
+128 bytes, 32 scales.
+
 Top-k. As in the Triton path (`indexer_pallas.py`), the scores go to `select_topk` (XLA's
 `lax.top_k`): exact, ties to the lower slot exactly as the reference. The cost is the score matrix
 `[B, Q, S]` float32 written by the kernel and read once by the top-k: 4 bytes per (token, slot)
@@ -29,7 +37,8 @@ against the keys' 2 * Di bytes per slot read once per row, so at B = 32, Q = 1, 
 0.5 MiB written + 0.5 MiB read beside 32 MiB of keys. An in-kernel selection would have to keep the
 exact tie order; that is left for when the benchmark says top-k dominates.
 
-Constraints (checked, ValueError): keys and queries bfloat16 or float16 (the wgmma operand types);
+Constraints (checked, ValueError): keys and queries bfloat16 or float16 (the wgmma operand types),
+or FP8 keys with e4m3 or bfloat16 queries in pages of a multiple of 32;
 Di a multiple of 64 (one 128-byte swizzled row per 64 features); page_size a multiple of 8 that
 divides 64 or is a multiple of it. The head count is padded to a multiple of 64 with zero weights.
 
@@ -46,18 +55,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import select_topk
-from .mosaic_gpu import interpreting
+from .fp8_cache import E4M3, Fp8Pool
+from .mosaic_gpu import interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
 # Slots per tile: the wgmma's M (one warpgroup).
 TILE = 64
 # Tiles per program at most: the scores of a chunk wait in SMEM for one store.
 CHUNK_TILES = 16
-# Operand swizzle: 128-byte rows of 64 bfloat16.
-SWIZZLE = 128
-# How a wgmma operand sits in SMEM: 8-row tiles of 128-byte rows, swizzled.
-SWIZZLED = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+# How a bfloat16 wgmma operand sits in SMEM: 8-row tiles of 128-byte rows, swizzled.
+SWIZZLED = swizzled(jnp.bfloat16, 64)
 _OPERAND_DTYPES = (jnp.bfloat16, jnp.float16)
+# Page sizes FP8 keys need: a TMA copy moves a multiple of 128 bytes, 32 of their float32 scales.
+FP8_MIN_PAGE = 32
 
 
 def check_mosaic_operands(name: str, *arrays: jax.Array) -> None:
@@ -70,9 +80,10 @@ def check_mosaic_operands(name: str, *arrays: jax.Array) -> None:
 
 def copy_tile(cache_ref, page_table_ref, row, tile, dst, barrier, *, page_size: int):
     """TMA the cache rows of slots [tile * TILE, (tile + 1) * TILE) of sequence row `row` into `dst`
-    ([TILE, D] SMEM), one copy per page the tile spans; `barrier` completes after all of them
-    (it counts `copies_per_tile(page_size)` arrivals). Table entries past the row's pages are
-    clamped: those slots are never visible, so what they read does not matter."""
+    ([TILE, ...] SMEM; cache_ref [P, page, ...]), one copy per page the tile spans; `barrier`
+    completes after all of them (it counts `copies_per_tile(page_size)` arrivals). Table entries
+    past the row's pages are clamped: those slots are never visible, so what they read does not
+    matter."""
     max_pages = page_table_ref.shape[1]
     rows = min(page_size, TILE)
     for piece in range(TILE // rows):
@@ -87,10 +98,11 @@ def copies_per_tile(page_size: int) -> int:
     return TILE // min(page_size, TILE)
 
 
-def _indexer_kernel(q_ref, w_ref, key_ref, page_table_ref, bound_ref, out_ref, *, page_size: int, chunk_tiles: int,
-                    num_queries: int):
+def _indexer_kernel(q_ref, w_ref, key_ref, *refs, page_size: int, chunk_tiles: int, num_queries: int, fp8: bool):
     """One (token, chunk, row) program. q_ref [B * Q, Di, Hp], w_ref [B * Q, Hp] float32,
-    key_ref [P, page, Di], page_table_ref [B, M], bound_ref [B, Q]; out_ref [B * Q, tiles * TILE]."""
+    key_ref [P, page, Di] (FP8 keys: e4m3, then their scales scale_ref [P, page] float32),
+    page_table_ref [B, M], bound_ref [B, Q]; out_ref [B * Q, tiles * TILE]."""
+    scale_ref, page_table_ref, bound_ref, out_ref = refs if fp8 else (None, *refs)
     token, chunk, row = jax.lax.axis_index("token"), jax.lax.axis_index("chunk"), jax.lax.axis_index("row")
     dim, heads = q_ref.shape[1], q_ref.shape[2]
     query = row * num_queries + token
@@ -98,22 +110,29 @@ def _indexer_kernel(q_ref, w_ref, key_ref, page_table_ref, bound_ref, out_ref, *
     lo = chunk * chunk_tiles
     # Tiles holding a visible slot; the rest of the chunk is -inf.
     seen = jnp.clip(jax.lax.div(bound + TILE - 1, TILE) - lo, 0, chunk_tiles)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def body(q_smem, w_smem, keys_smem, scores_smem, q_barrier, key_barriers):
+    def body(q_smem, w_smem, keys_smem, scores_smem, q_barrier, key_barriers, operand_smem, scales_smem):
+        def fetch(tile, buffer):
+            copy_tile(key_ref, page_table_ref, row, tile, keys_smem.at[buffer], key_barriers.at[buffer],
+                      page_size=page_size)
+            if fp8:
+                copy_tile(scale_ref, page_table_ref, row, tile, scales_smem.at[buffer], key_barriers.at[buffer],
+                          page_size=page_size)
+
         plgpu.copy_gmem_to_smem(q_ref.at[query], q_smem, q_barrier)
         plgpu.copy_gmem_to_smem(w_ref.at[query], w_smem, q_barrier)
 
         @pl.when(seen > 0)
         def _():
-            copy_tile(key_ref, page_table_ref, row, lo, keys_smem.at[0], key_barriers.at[0], page_size=page_size)
+            fetch(lo, 0)
 
         plgpu.barrier_wait(q_barrier)
         weights = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA.reduce(0))
 
         @pl.loop(0, chunk_tiles)
         def _(step):
-            slots = (lo + step) * TILE + plgpu.broadcasted_iota(jnp.int32, (TILE,), 0,
-                                                                 layout=plgpu.Layout.WGMMA.reduce(1))
+            slots = (lo + step) * TILE + plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=row_layout)
 
             @pl.when(step < seen)
             def _():
@@ -122,37 +141,50 @@ def _indexer_kernel(q_ref, w_ref, key_ref, page_table_ref, bound_ref, out_ref, *
                 # The other buffer's last reader (the previous step's wgmma) has finished: refill it.
                 @pl.when(step + 1 < seen)
                 def _():
-                    copy_tile(key_ref, page_table_ref, row, lo + step + 1, keys_smem.at[1 - buffer],
-                              key_barriers.at[1 - buffer], page_size=page_size)
+                    fetch(lo + step + 1, 1 - buffer)
 
                 plgpu.barrier_wait(key_barriers.at[buffer])
+                keys = keys_smem.at[buffer]
+                if fp8:
+                    # e4m3 keys to the tensor cores as bfloat16, which holds every e4m3 value: the
+                    # products are exact and sum in float32, as `indexer.score_keys` computes them.
+                    # (e4m3 -> bfloat16 goes through float32: a direct conversion needs a newer ptxas.)
+                    values = plgpu.layout_cast(keys[...], plgpu.Layout.WGMMA)
+                    operand_smem[...] = values.astype(jnp.float32).astype(operand_smem.dtype)
+                    plgpu.commit_smem()
+                    keys = operand_smem
 
                 def score(acc_ref):
-                    plgpu.wgmma(acc_ref, keys_smem.at[buffer], q_smem)
+                    plgpu.wgmma(acc_ref, keys, q_smem)
                     return acc_ref[...]
 
                 logits = pl.run_scoped(score, plgpu.ACC((TILE, heads), jnp.float32))
                 per_head = jnp.maximum(logits, 0.0) * jax.lax.broadcast_in_dim(weights, (TILE, heads), [1])
                 scores = jnp.sum(per_head, axis=1)
+                if fp8:  # the key's scale multiplies the head sum (`indexer.score_keys`)
+                    scores = scores * plgpu.layout_cast(scales_smem[buffer], row_layout)
                 scores_smem[pl.ds(step * TILE, TILE)] = jnp.where(slots < bound, scores, -jnp.inf)
 
             @pl.when(step >= seen)
             def _():
                 scores_smem[pl.ds(step * TILE, TILE)] = plgpu.layout_cast(jnp.full((TILE,), -jnp.inf, jnp.float32),
-                                                                          plgpu.Layout.WGMMA.reduce(1))
+                                                                          row_layout)
 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(scores_smem, out_ref.at[query, pl.ds(lo * TILE, chunk_tiles * TILE)])
         plgpu.wait_smem_to_gmem(0)
 
+    copies = copies_per_tile(page_size) * (2 if fp8 else 1)
     pl.run_scoped(
         body,
         plgpu.SMEM((dim, heads), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((heads,), jnp.float32),
-        plgpu.SMEM((2, TILE, dim), key_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((2, TILE, dim), key_ref.dtype, transforms=swizzled(key_ref.dtype, dim)),
         plgpu.SMEM((chunk_tiles * TILE,), jnp.float32),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=copies_per_tile(page_size), num_barriers=2),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=2),
+        plgpu.SMEM((TILE, dim), q_ref.dtype, transforms=SWIZZLED) if fp8 else None,
+        plgpu.SMEM((2, TILE), jnp.float32) if fp8 else None,
     )
 
 
@@ -166,22 +198,36 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def indexer_scores_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
+def indexer_scores_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache, page_table: jax.Array,
                           vis: Visibility, *, interpret: bool = False) -> jax.Array:
     """`indexer_scores_reference` as a Mosaic GPU kernel.
 
-    q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di], page_table [B, max_pages]
+    q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] or an `fp8_cache.Fp8Pool`
+    of FP8 keys (values [P, page, Di] e4m3, scales [P, page, 1] float32; q_idx then e4m3 or
+    bfloat16, `models.indexer`), page_table [B, max_pages]
     -> scores [B, Q, S] float32 (S = max_pages * page; -inf where not visible).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
-    check_mosaic_operands("indexer_scores_mosaic", q_idx, key_cache)
+    name = "indexer_scores_mosaic"
     page_size = key_cache.shape[1]
+    if isinstance(key_cache, Fp8Pool):
+        if jnp.dtype(key_cache.values.dtype) != jnp.dtype(E4M3) or key_cache.scales.shape[-1] != 1:
+            raise ValueError(f"{name}: FP8 keys must be float8_e4m3fn with one scale per key, got "
+                             f"{key_cache.values.dtype} with {key_cache.scales.shape[-1]} scales")
+        if jnp.dtype(q_idx.dtype) not in (jnp.dtype(E4M3), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"{name}: q_idx.dtype={q_idx.dtype}: with FP8 keys it must be float8_e4m3fn or "
+                             "bfloat16 (both reach the tensor cores exactly as bfloat16)")
+        if page_size % FP8_MIN_PAGE:
+            raise ValueError(f"{name}: page_size={page_size}: FP8 keys need a multiple of {FP8_MIN_PAGE} (a TMA "
+                             f"copy moves a multiple of 128 bytes, and a page's key scales are 4 bytes a slot)")
+    else:
+        check_mosaic_operands(name, q_idx, key_cache)
     if page_size % 8 or (TILE % page_size and page_size % TILE):
-        raise ValueError(f"indexer_scores_mosaic: page_size={page_size} must be a multiple of 8 that divides "
+        raise ValueError(f"{name}: page_size={page_size} must be a multiple of 8 that divides "
                          f"{TILE} or is a multiple of it")
     dim, key_dim = q_idx.shape[-1], key_cache.shape[-1]
     if key_dim != dim or dim % 64:
-        raise ValueError(f"indexer_scores_mosaic: index_head_dim {dim} (keys {key_dim}) must match and be a "
+        raise ValueError(f"{name}: index_head_dim {dim} (keys {key_dim}) must match and be a "
                          "multiple of 64")
     if not interpret:
         return _indexer_scores(q_idx, weights, key_cache, page_table, vis, interpret=False)
@@ -199,17 +245,23 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
     num_tiles = pl.cdiv(num_slots, TILE)
     chunk_tiles = min(CHUNK_TILES, num_tiles)
     chunks = pl.cdiv(num_tiles, chunk_tiles)
+    fp8 = isinstance(key_cache, Fp8Pool)
+    # The keys as the kernel reads them: the cache, or FP8 values and their scales [P, page].
+    keys = (key_cache.values, key_cache.scales[..., 0]) if fp8 else (key_cache,)
 
-    # Queries transposed per token, heads padded with zero weights: [B * Q, Di, Hp].
-    q_t = pad_to(jnp.swapaxes(q_idx, 2, 3), 3, 64).reshape(batch * num_queries, dim, -1).astype(key_cache.dtype)
+    # Queries transposed per token, heads padded with zero weights: [B * Q, Di, Hp], in the dtype
+    # the tensor cores read (bfloat16 for FP8 keys, exact for e4m3 queries).
+    operand_dtype = jnp.bfloat16 if fp8 else key_cache.dtype
+    q_t = pad_to(jnp.swapaxes(q_idx, 2, 3), 3, 64).reshape(batch * num_queries, dim, -1).astype(operand_dtype)
     w = pad_to(weights.astype(jnp.float32), 2, 64).reshape(batch * num_queries, -1)
     bound = kv_bound(vis, num_queries)
 
     kernel = plgpu.kernel(
-        functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries),
+        functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries,
+                          fp8=fp8),
         out_type=jax.ShapeDtypeStruct((batch * num_queries, chunks * chunk_tiles * TILE), jnp.float32),
         grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"))
-    scores = kernel(q_t, w, key_cache, page_table.astype(jnp.int32), bound)
+    scores = kernel(q_t, w, *keys, page_table.astype(jnp.int32), bound)
     scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]
     if vis.tree_mask is None:
         return scores

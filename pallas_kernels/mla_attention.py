@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
 from .contracts import EMPTY_LSE
-from .fp8_cache import as_entries, check_kernel_reads, gather_parts
+from .fp8_cache import as_entries, gather_parts
 from .visibility import Visibility, visible_mask
 
 
@@ -59,7 +59,7 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
       q_rope: [B, Q, H, Dr] rotated RoPE part of the queries.
       latent_cache: [num_pages, page_size, Dl + Dr] one layer's cache (window already written), or
         an `fp8_cache.Fp8Pool` of that shape (FlashMLA's FP8 token), dequantized as it is read
-        ("xla" and "pallas"; "mosaic" refuses it).
+        (on "mosaic", Dl must then be 512).
       page_table: [B, max_pages] int32.
       vis: per-token visibility (prefix, window length, optional tree mask).
       softmax_scale: multiplies the scores before the softmax.
@@ -71,7 +71,6 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
       (`EMPTY_LSE` for padding tokens).
     """
     implementation = resolve_backend(backend, "mla_attention")
-    check_kernel_reads(latent_cache, implementation, "mla_attention")
     if implementation == "pallas":
         from .mla_attention_pallas import mla_attention_pallas
         return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale,

@@ -3,21 +3,34 @@
 Work layout. The Q window tokens x H heads of a sequence row fold into M = Q * H query rows (row
 m = q * H + h), padded to whole blocks of BLOCK_M = 64 (wgmma's M). A thread block owns one block
 of 64 rows, one part of the row's slots and one sequence row; grid `(row blocks, parts, B)`. It
-streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, one TMA copy of a
-[64, Dl + Dr] page slice per tile, double-buffered so the next tile lands while this one is
-multiplied. Two warpgroups share the work the way FlashMLA's consumers do: each computes the
-tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (one wgmma, K = 576) and the online softmax,
-and accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a thread):
-a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which is what serialized
-the Triton kernel's wgmma. The scores are computed twice (once per warpgroup) instead of being
-passed through shared memory: 1.5x the tensor-core work of a tile (2 x 64 x 64 x 576 for the
-scores beside 64 x 64 x 512 for the output), traded for no extra barrier or shared-memory round
-trip per tile; the op sits at the ridge, so this is the first thing to measure on a GPU.
+streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, two TMA copies of a page
+slice per tile (its [64, Dl] latent and [64, Dr] RoPE parts), double-buffered so the next tile
+lands while this one is multiplied. Two warpgroups share the work the way FlashMLA's consumers do:
+each computes the tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (two wgmmas into one
+accumulator, latent then RoPE: K = 512 + 64, the K steps of one K = 576 wgmma in the same order)
+and the online softmax, and accumulates its own half of the 512-wide output, `[64, 256]` float32
+(128 registers a thread): a 64 x 512 float32 accumulator would not fit one warpgroup's registers,
+which is what serialized the Triton kernel's wgmma. The scores are computed twice (once per
+warpgroup) instead of being passed through shared memory: 1.5x the tensor-core work of a tile
+(2 x 64 x 64 x 576 for the scores beside 64 x 64 x 512 for the output), traded for no extra
+barrier or shared-memory round trip per tile; the op sits at the ridge, so this is the first thing
+to measure on a GPU.
 
-Shared memory (DeepSeek widths): query block 72 KiB + two KV tiles 144 KiB + the row's page table
-and visibility = 227392 bytes by Mosaic GPU's count at 4096 slots, within sm_90's 232448 (227
-KiB); the float32 output staging (128 KiB) reuses the KV tiles' memory once both warpgroups are
-done with them (`plgpu.RefUnion`).
+FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A tile arrives as its e4m3 values [64, Dl],
+their float32 scales [64, Dl / 128] and the bfloat16 RoPE part, double-buffered as above; each
+warpgroup dequantizes its own output columns, one 128-value scale block at a time, from shared
+memory through registers into one bfloat16 latent tile (`mosaic_gpu.dequantize_rows`: the bits of
+`fp8_cache.entries`), and both wait at a barrier until the whole tile is there, since both score
+all of it. So the kernel on an FP8 pool equals itself on the pool's dequantized entries, bit for
+bit, and no dequantized copy of the cache exists in HBM. Dl must be 512 with FP8: a TMA copy's
+rows are whole 16 bytes, four float32 scales.
+
+Shared memory (DeepSeek widths, by Mosaic GPU's count at 4096 slots, of the 232,448 bytes (227
+KiB) a block may claim on sm_90): query block 72 KiB + two KV tiles 144 KiB + the row's page
+table and visibility = 227,400 bytes; with FP8, two staged tiles of 41 KiB (values 32, scales 1,
+RoPE 8) + the bfloat16 latent tile 64 KiB in place of the KV tiles = 229,456. The float32 output
+staging (128 KiB) reuses the tiles' memory once both warpgroups are done with them
+(`plgpu.RefUnion`).
 
 Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
 contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
@@ -41,7 +54,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .mosaic_gpu import interpret_params, interpreting
+from .fp8_cache import SCALE_BLOCK, Fp8Pool
+from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpret_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
 BLOCK_M = 64  # query rows per thread block: wgmma's M
@@ -55,6 +69,9 @@ PART_SLOTS = 1024
 # The query row's window-visibility bits are packed 32 to an int32 word.
 WORD = 32
 SUPPORTED_DTYPES = (jnp.bfloat16,)
+# With an FP8 cache Dl must be a multiple of this: a tile's [64, Dl / 128] float32 scales arrive in
+# one TMA copy, whose rows must be whole 16 bytes.
+FP8_LATENT_MULTIPLE = 4 * SCALE_BLOCK
 # A copy into shared memory moves a multiple of 128 bytes (one per thread of the warpgroup that
 # issues it): small int32 operands are padded to a multiple of this many words.
 COPY_WORDS = 32
@@ -68,7 +85,15 @@ def num_parts(capacity: int, part_slots: int = PART_SLOTS) -> int:
 def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
     """ValueError, naming the argument and what is allowed, for operands the kernel cannot take."""
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
-    for name, array in (("q_nope", q_nope), ("q_rope", q_rope), ("latent_cache", latent_cache)):
+    fp8 = isinstance(latent_cache, Fp8Pool)
+    if fp8:
+        check_fp8_latent("mla_attention_mosaic", latent_cache)
+        if latent % FP8_LATENT_MULTIPLE:
+            raise ValueError(f"q_nope last dim (Dl) = {latent}: with an FP8 cache it must be a multiple of "
+                             f"{FP8_LATENT_MULTIPLE} (a tile's scales arrive by TMA, whose rows are at least "
+                             "16 bytes: four float32 scales)")
+    entries = ("latent_cache.rope", latent_cache.rope) if fp8 else ("latent_cache", latent_cache)
+    for name, array in (("q_nope", q_nope), ("q_rope", q_rope), entries):
         if jnp.dtype(array.dtype) not in map(jnp.dtype, SUPPORTED_DTYPES):
             raise ValueError(f"{name}.dtype={array.dtype}: the Mosaic GPU mla_attention takes bfloat16 only "
                              "(wgmma; float32 would run as TF32): use backend='pallas' or 'xla' for float32")
@@ -112,15 +137,23 @@ def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: in
     return per_row(bound), jnp.swapaxes(per_row(bits), 1, 2), meta
 
 
-def _scores(q_ref, kv_ref, interpret: bool):
-    """q_ref [64, K] @ kv_ref [N, K]^T -> [64, N] float32 (wgmma's layout), both in shared memory."""
+def _scores(pairs, interpret: bool):
+    """The sum over (q_ref [64, K], kv_ref [N, K]) pairs of q_ref @ kv_ref^T -> [64, N] float32
+    (wgmma's layout), all in shared memory: the latent part, then the RoPE part, into one
+    accumulator (on a GPU the same K steps in the same order as one wgmma over the whole entry)."""
     if interpret:
-        return _dot(q_ref[...], kv_ref[...], contract=1)
+        total = None
+        for q_ref, kv_ref in pairs:
+            product = _dot(q_ref[...], kv_ref[...], contract=1)
+            total = product if total is None else total + product
+        return total
 
     def product(acc_ref):
-        plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(kv_ref, (1, 0)))
+        for q_ref, kv_ref in pairs:
+            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(kv_ref, (1, 0)))
         return acc_ref[...]
 
+    q_ref, kv_ref = pairs[0]
     return pl.run_scoped(product, plgpu.ACC((q_ref.shape[0], kv_ref.shape[0]), jnp.float32))
 
 
@@ -151,29 +184,32 @@ def _union(*buffers, interpret: bool):
     return buffers if interpret else plgpu.RefUnion(*buffers)
 
 
-def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent: int, page_size: int,
-            tiles_per_part: int, softmax_scale: float, warpgroups: int, interpret: bool):
+def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, softmax_scale: float, warpgroups: int,
+            interpret: bool, fp8: bool):
     """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (WARPGROUPS
     on a GPU, 1 interpreted), each owning Dl / warpgroups output columns.
 
-    q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one), cache_ref [P, page, Dl + Dr],
-    page_table_ref [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp],
-    then for a tree bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp].
+    q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one); the cache: cache_ref
+    [P, page, Dl + Dr], or for an FP8 cache values_ref [P, page, Dl] e4m3, scales_ref
+    [P, page, Dl / 128] float32 and rope_ref [P, page, Dr] bfloat16; page_table_ref
+    [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp], then for a
+    tree bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp].
     """
+    cache_refs, (page_table_ref, meta_ref, bound_ref, *refs) = refs[:3 if fp8 else 1], refs[3 if fp8 else 1:]
     *bits_ref, out_ref, lse_ref = refs
     bits_ref = bits_ref[0] if bits_ref else None
-    width = q_ref.shape[-1]
+    rope = q_ref.shape[-1] - latent
     half = latent // warpgroups
     row_block, part, seq = (jax.lax.axis_index(name) for name in ("rows", "parts", "batch"))
     rows = pl.ds(row_block * BLOCK_M, BLOCK_M)
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def body(q_smem, table_smem, meta_smem, bound_smem, bits_smem, buffers, lse_smem, load_barriers, kv_barriers,
-             consumed_barrier, done_barrier):
-        kv_smem, out_smem = buffers
+    def body(q_smem, q_rope_smem, table_smem, meta_smem, bound_smem, bits_smem, buffers, lse_smem, load_barriers,
+             kv_barriers, converted_barrier, consumed_barrier, done_barrier):
+        tiles, out_smem = buffers
         wg = jax.lax.axis_index("wg")
-        sources = [(q_ref.at[seq, rows], q_smem), (page_table_ref.at[seq], table_smem), (meta_ref.at[seq], meta_smem),
-                   (bound_ref.at[seq, rows], bound_smem)]
+        sources = [(q_ref.at[seq, rows, pl.ds(0, latent)], q_smem),
+                   (q_ref.at[seq, rows, pl.ds(latent, rope)], q_rope_smem), (page_table_ref.at[seq], table_smem),
+                   (meta_ref.at[seq], meta_smem), (bound_ref.at[seq, rows], bound_smem)]
         if bits_ref is not None:
             sources.append((bits_ref.at[seq, :, rows], bits_smem))
 
@@ -189,15 +225,38 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
         hi = jnp.minimum(lo + tiles_per_part, jax.lax.div(span + BLOCK_N - 1, BLOCK_N))
         num_tiles = jnp.maximum(hi - lo, 0)
 
-        def issue(i):  # tile lo + i into buffer i % STAGES
+        def issue(i):  # tile lo + i into buffer i % STAGES: its latent (or e4m3 values and scales) and RoPE parts
             first = (lo + i) * BLOCK_N
             page_index = jax.lax.div(first, page_size)
             page = table_smem[jax.lax.div(page_index, COPY_WORDS), jax.lax.rem(page_index, COPY_WORDS)]
-            plgpu.copy_gmem_to_smem(cache_ref.at[page, pl.ds(jax.lax.rem(first, page_size), BLOCK_N)],
-                                    kv_smem.at[i % STAGES], kv_barriers.at[i % STAGES])
+            slots = pl.ds(jax.lax.rem(first, page_size), BLOCK_N)
+            if fp8:
+                sources = [ref.at[page, slots] for ref in cache_refs]
+            else:
+                sources = [cache_refs[0].at[page, slots, pl.ds(0, latent)],
+                           cache_refs[0].at[page, slots, pl.ds(latent, rope)]]
+            for src, dst in zip(sources, tiles["staged"]):
+                plgpu.copy_gmem_to_smem(src, dst.at[i % STAGES], kv_barriers.at[i % STAGES])
 
         for i in range(STAGES):
             pl.when((wg == 0) & (i < num_tiles))(functools.partial(issue, i))
+
+        def latent_operand(buffer, h):
+            """The tile's latent part as the tensor cores read it. An FP8 tile is dequantized
+            (`mosaic_gpu.dequantize_rows`) into one bfloat16 tile, each warpgroup its own output
+            columns, one 128-value scale block at a time; both wait until the whole tile is there."""
+            if not fp8:
+                return tiles["staged"][0].at[buffer]
+            values, scales = tiles["staged"][0].at[buffer], tiles["staged"][1].at[buffer]
+            for first in range(h * half, (h + 1) * half, SCALE_BLOCK):
+                block = _in_layout(values[:, pl.ds(first, SCALE_BLOCK)], plgpu.Layout.WGMMA, interpret)
+                block_scales = _in_layout(scales[:, first // SCALE_BLOCK], plgpu.Layout.WGMMA.reduce(1), interpret)
+                tiles["operand"][:, pl.ds(first, SCALE_BLOCK)] = dequantize_rows(block, block_scales,
+                                                                                 tiles["operand"].dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(converted_barrier)
+            plgpu.barrier_wait(converted_barrier)
+            return tiles["operand"]
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         # A plain read whose layout cast tells the lowering to load it straight into wgmma's row layout.
@@ -228,8 +287,10 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
                 row_max, denom, acc = carry
                 buffer = jax.lax.rem(i, STAGES)
                 plgpu.barrier_wait(kv_barriers.at[buffer])
+                kv_latent = latent_operand(buffer, h)
 
-                s = _scores(q_smem, kv_smem.at[buffer], interpret) * softmax_scale
+                s = _scores([(q_smem, kv_latent), (q_rope_smem, tiles["staged"][-1].at[buffer])], interpret)
+                s = s * softmax_scale
                 s = jnp.where(visible((lo + i) * BLOCK_N), s, -jnp.inf)
                 # The same online-softmax step as the Triton kernel (`flash_decoding.online_softmax_step`).
                 new_max = jnp.maximum(row_max, s.max(axis=1))
@@ -239,8 +300,7 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
                 denom = denom * rescale + probs.sum(axis=1)
                 acc = acc * jax.lax.broadcast_in_dim(rescale, acc.shape, [0])
 
-                acc = _accumulate(acc, probs.astype(kv_smem.dtype), kv_smem.at[buffer, :, pl.ds(h * half, half)],
-                                  interpret)
+                acc = _accumulate(acc, probs.astype(kv_latent.dtype), kv_latent.at[:, pl.ds(h * half, half)], interpret)
                 # Both warpgroups are done with this buffer: refill it. (Each waits every phase of
                 # the barrier, as the interpreter checks; they run in step anyway, on the same tiles.)
                 plgpu.barrier_arrive(consumed_barrier)
@@ -271,19 +331,34 @@ def _kernel(q_ref, cache_ref, page_table_ref, meta_ref, bound_ref, *refs, latent
             pl.when(wg == h)(functools.partial(attend, h))
 
     bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
-    num_loads = 4 + (bits_ref is not None)
+    num_loads = 5 + (bits_ref is not None)
+    entry_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
+    # Each stage's parts as they arrive: the latent (or its e4m3 values and their scales) and the RoPE part.
+    if fp8:
+        values_ref, scales_ref, rope_ref = cache_refs
+        staged = [plgpu.SMEM((STAGES, BLOCK_N, latent), values_ref.dtype,
+                             transforms=swizzled(values_ref.dtype, latent)),
+                  plgpu.SMEM((STAGES, BLOCK_N, scales_ref.shape[-1]), jnp.float32),
+                  plgpu.SMEM((STAGES, BLOCK_N, rope), rope_ref.dtype, transforms=swizzled(rope_ref.dtype, rope))]
+    else:
+        staged = [plgpu.SMEM((STAGES, BLOCK_N, width), entry_dtype, transforms=swizzled(entry_dtype, width))
+                  for width in (latent, rope)]
+    tiles = dict(staged=staged,
+                 operand=plgpu.SMEM((BLOCK_N, latent), entry_dtype, transforms=swizzled(entry_dtype, latent)) if fp8
+                 else None)
     pl.run_scoped(
         body,
-        plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=swizzled),
+        plgpu.SMEM((BLOCK_M, latent), entry_dtype, transforms=swizzled(entry_dtype, latent)),
+        plgpu.SMEM((BLOCK_M, rope), entry_dtype, transforms=swizzled(entry_dtype, rope)),
         plgpu.SMEM(page_table_ref.shape[1:], jnp.int32),
         plgpu.SMEM((COPY_WORDS,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
-        _union(plgpu.SMEM((STAGES, BLOCK_N, width), cache_ref.dtype, transforms=swizzled),
-               plgpu.SMEM((warpgroups, BLOCK_M, half), jnp.float32), interpret=interpret),
+        _union(tiles, plgpu.SMEM((warpgroups, BLOCK_M, half), jnp.float32), interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
-        plgpu.Barrier(num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=len(staged), num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=warpgroups) if fp8 else None,
         plgpu.Barrier(num_arrivals=warpgroups),
         plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",
@@ -326,6 +401,8 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     # interpreter runs warpgroups as threads whose XLA executions it chains by ordered-effect
     # tokens, so two warpgroups that wait on each other at a barrier can deadlock (seen here).
     warpgroups = 1 if interpret else WARPGROUPS
+    fp8 = isinstance(latent_cache, Fp8Pool)
+    cache_operands = (latent_cache.values, latent_cache.scales, latent_cache.rope) if fp8 else (latent_cache,)
     queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)
     queries = jnp.pad(queries, [(0, 0), (0, rows_padded - rows), (0, 0)])
     # The page table row as [max_pages / COPY_WORDS, COPY_WORDS] (a copy spans at most 256 elements
@@ -335,27 +412,29 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     bound, bits, meta = _row_operands(vis, num_queries, heads, rows_padded)
     kernel = plgpu.kernel(
         functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
-                          softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret),
+                          softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret, fp8=fp8),
         out_type=(jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
                   jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32)),
         grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
         num_threads=warpgroups, thread_name="wg", interpret=interpret_params() if interpret else None)
-    operands = (queries, latent_cache, table, meta, bound) + (() if bits is None else (bits,))
+    operands = (queries, *cache_operands, table, meta, bound) + (() if bits is None else (bits,))
     out, lse = kernel(*operands)
     out, lse = combine_parts(out, lse, q_nope.dtype)
     return (out[:, :rows].reshape(batch, num_queries, heads, latent),
             lse[:, :rows].reshape(batch, num_queries, heads))
 
 
-def mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
+def mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache, page_table: jax.Array,
                          vis: Visibility, *, softmax_scale: float, part_slots: int = PART_SLOTS,
                          interpret: bool = False):
     """`mla_attention` as a Mosaic GPU kernel; same arguments and results as `mla_attention_reference`.
 
-    q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] bfloat16,
-    page_table [B, max_pages] int32 -> out [B, Q, H, Dl] bfloat16, lse [B, Q, H] float32.
-    Allowed: bfloat16; Dl a multiple of 128 and at most 512, Dr a multiple of 64, a page size that
-    is a multiple of 64 (ValueError otherwise, before tracing).
+    q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] bfloat16 or an
+    `fp8_cache.Fp8Pool` of that shape (values [P, page, Dl] e4m3, scales [P, page, Dl / 128]
+    float32, rope [P, page, Dr] bfloat16: dequantized in shared memory as `fp8_cache.entries` reads
+    it), page_table [B, max_pages] int32 -> out [B, Q, H, Dl] bfloat16, lse [B, Q, H] float32.
+    Allowed: bfloat16; Dl a multiple of 128 and at most 512 (with an FP8 cache, 512), Dr a multiple
+    of 64, a page size that is a multiple of 64 (ValueError otherwise, before tracing).
     part_slots: slots per split-KV part (a multiple of 64); the parts are ceil(capacity / part_slots).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """

@@ -23,6 +23,10 @@ import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .fp8_cache import E4M3, SCALE_BLOCK, Fp8Pool
 
 # The jax versions whose private GPU interpret API this module was written against and run on.
 JAX_RANGE = ">=0.10.2,<0.12"
@@ -31,6 +35,8 @@ JAX_RANGE = ">=0.10.2,<0.12"
 # it only sizes the simulator; a real H100 has 132.
 INTERPRET_SMS = 4
 INTERPRET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+# The widest SMEM swizzle, in bytes: 128-byte rows (64 bfloat16, 128 e4m3).
+SWIZZLE = 128
 
 
 def _interpret_module():
@@ -119,3 +125,34 @@ def interpreting():
     except BaseException:
         gpu_callbacks.reset_gpu_interpret_mode_state()
         raise
+
+
+def dequantize_rows(values, scales, dtype):
+    """An FP8 cache's values as its readers see them, in registers: values [R, C] e4m3, scales [R]
+    float32 (the scale of each row's block) -> [R, C] dtype, each value times its row's scale in
+    float32, rounded to dtype: what `fp8_cache.entries` computes (e4m3 -> float32 is exact, one
+    float32 product, one rounding), so a kernel reads the reference's entries bit for bit."""
+    return (values.astype(jnp.float32) * jax.lax.broadcast_in_dim(scales, values.shape, [0])).astype(dtype)
+
+
+def check_fp8_latent(name: str, pool: Fp8Pool) -> None:
+    """ValueError unless `pool` is an FP8 latent pool a Mosaic kernel reads: e4m3 values in whole
+    blocks of SCALE_BLOCK (one float32 scale each) and a bfloat16 RoPE part (the entries' dtype,
+    which the tensor cores read)."""
+    latent = pool.values.shape[-1]
+    if pool.rope is None or jnp.dtype(pool.rope.dtype) != jnp.dtype(jnp.bfloat16):
+        raise ValueError(f"{name}: an FP8 latent cache needs a bfloat16 rope part, got "
+                         f"{None if pool.rope is None else pool.rope.dtype}")
+    if jnp.dtype(pool.values.dtype) != jnp.dtype(E4M3) or jnp.dtype(pool.scales.dtype) != jnp.dtype(jnp.float32):
+        raise ValueError(f"{name}: FP8 cache values must be float8_e4m3fn and scales float32, got "
+                         f"{pool.values.dtype} and {pool.scales.dtype}")
+    if latent % SCALE_BLOCK or pool.scales.shape[-1] != latent // SCALE_BLOCK:
+        raise ValueError(f"{name}: FP8 latent width Dl={latent} must be a multiple of {SCALE_BLOCK} with one "
+                         f"scale per {SCALE_BLOCK} values (scales last dim {pool.scales.shape[-1]})")
+
+
+def swizzled(dtype, width: int):
+    """How a [rows, width] tile of `dtype` sits in SMEM for the TMA and the wgmma: 8-row tiles of
+    rows as wide as the swizzle: the row's bytes up to SWIZZLE (64 e4m3 values take 64)."""
+    row_bytes = min(SWIZZLE, width * jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(row_bytes))

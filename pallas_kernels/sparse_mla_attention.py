@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 
 from .backend import interpret_mode, resolve_backend
-from .fp8_cache import as_entries, check_kernel_reads, read_parts
+from .fp8_cache import as_entries, read_parts
 from .mla_attention import attend_latent
 
 
@@ -31,7 +31,7 @@ def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax
     Args:
       q_nope: [B, Q, H, Dl] absorbed queries; q_rope: [B, Q, H, Dr].
       latent_cache: [num_pages, page_size, Dl + Dr] or an `fp8_cache.Fp8Pool` of that shape
-        (dequantized as it is read; not on "mosaic"); page_table: [B, max_pages] int32.
+        (dequantized as it is read); page_table: [B, max_pages] int32.
       indices: [B, Q, K] int32 slots to attend (row-local slot numbers); -1, and any slot past the
         row's pages, is skipped.
       softmax_scale: multiplies the scores; backend: "xla", "pallas", "mosaic" or "auto"
@@ -41,7 +41,6 @@ def sparse_mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax
       out [B, Q, H, Dl] (zeros where a token selects nothing) and lse [B, Q, H] float32.
     """
     implementation = resolve_backend(backend, "sparse_mla_attention")
-    check_kernel_reads(latent_cache, implementation, "sparse_mla_attention")
     if implementation == "mosaic":
         from .sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
         return sparse_mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, indices,

@@ -37,13 +37,26 @@ stores, and every kernel here must run interpreted in the tests. With fresh accu
 register file (64 K a SM) holds two warpgroups' 64 x 128 float32 pairs, so the two column blocks'
 programs both compute `S`.
 
+FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A selected slot arrives as its 512 e4m3 values
+(two 256-byte copies) and its 64 bfloat16 RoPE values (one copy) into two staging tiles, and the
+move to the swizzled tile dequantizes each value with its block's scale in registers
+(`mosaic_gpu.dequantize_rows`: the bits of `fp8_cache.entries`), so the kernel on an FP8 pool
+equals itself on the pool's dequantized entries bit for bit. The selected slots' scales (16 bytes
+a slot) are gathered in XLA before the call, `[B * Q, Dl / 128, K]`, and arrive one copy per tile:
+a TMA copy moves a multiple of 128 bytes, so a slot's 16 cannot come on their own. That is 2.5%
+beside the 640 bytes a slot the kernel reads; no dequantized copy of the cache exists in HBM.
+
 Shared memory at DeepSeek's widths: queries, staging and swizzled tiles of 64 x 576 bf16
 (72 KiB each, the staging 1 KiB more for its padding), P (8 KiB), the tile's mask and the rescale
 (one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use, so the cross-warp reduction
-scratch is turned off (every reduction here stays inside a warp).
+scratch is turned off (every reduction here stays inside a warp). With FP8 the staging holds e4m3
+rows (33 KiB) and RoPE rows (9 KiB), plus the tile's scales: 200,736 bytes.
 
-Constraints (ValueError): bfloat16 / float16 operands; Dl a multiple of 128 (of 2 * OUT_BLOCK when
-wider), Dr of 64. Any page size. Heads are padded to a multiple of 64.
+Interpreted on the CPU, warpgroup 0 does both warpgroups' work (`_sparse_mla`).
+
+Constraints (ValueError): bfloat16 / float16 operands (an FP8 pool: e4m3 values, float32 scales,
+a bfloat16 RoPE part); Dl a multiple of 128 (of 2 * OUT_BLOCK when wider), Dr of 64. Any page
+size. Heads are padded to a multiple of 64.
 """
 
 from __future__ import annotations
@@ -56,71 +69,112 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
+from .fp8_cache import SCALE_BLOCK, Fp8Pool
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import interpreting
+from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpreting
+from .paged import read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
 OUT_BLOCK = 128  # latent output columns per warpgroup (at most)
-# Staging rows are padded by 16 bytes so that the warpgroup's reads of a 64-column block hit 32
+# Staging rows are padded by 16 bytes so that the warpgroup's reads of a 64-column block hit
 # different banks (a 1152-byte row stride would put 8 rows on the same 4 banks).
-STAGING_PAD = 8
+STAGING_PAD_BYTES = 16
 
 
 def copy_width(width: int) -> int:
-    """Elements per TMA copy of a slot's row: a box spans at most 256 per dimension; 192 divides
-    DeepSeek's 576 (three copies a row), 64 every other width the kernel accepts."""
-    return 192 if width % 192 == 0 else 64
+    """Elements per TMA copy of a slot's row part `width` wide (a multiple of 64): the widest
+    multiple of 64 that divides it within the 256 a TMA box spans a dimension. DeepSeek's 576 bf16
+    entry takes three copies of 192; an FP8 entry's 512 e4m3 values two of 256, its 64 RoPE values one."""
+    return max(piece for piece in range(64, 257, 64) if width % piece == 0)
 
 
-def _sparse_mla_kernel(q_ref, cache_ref, page_table_ref, indices_ref, bias_ref, out_ref, lse_ref, *,
-                       softmax_scale: float, out_block: int, num_queries: int, page_size: int):
-    """One (column block, head block, token) program of two warpgroups. q_ref [B * Q, Hp, Dl + Dr],
-    cache_ref [P, page, Dl + Dr], page_table_ref [B, M], indices_ref [B * Q, K] (clamped, in range),
-    bias_ref [B * Q, K] float32 (0 selected, -inf not); out_ref [B * Q, Hp, Dl] (q_nope's dtype),
-    lse_ref [B * Q, Hp]. Warpgroup w owns the output columns [block + w * out_block, + out_block)."""
+def staging_pad(dtype) -> int:
+    """Elements a staging row is padded by: 16 bytes (see STAGING_PAD_BYTES)."""
+    return STAGING_PAD_BYTES // jnp.dtype(dtype).itemsize
+
+
+def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_queries: int, page_size: int,
+                       fp8: bool, warpgroups: int):
+    """One (column block, head block, token) program of two warpgroups (one interpreted, owning both
+    column blocks: see `_sparse_mla`).
+
+    q_ref [B * Q, Hp, Dl + Dr]; then the cache: cache_ref [P, page, Dl + Dr], or for an FP8 cache
+    values_ref [P, page, Dl] e4m3 and rope_ref [P, page, Dr] bfloat16; page_table_ref [B, M],
+    indices_ref [B * Q, K] (clamped, in range), bias_ref [B * Q, K] float32 (0 selected, -inf
+    not), for an FP8 cache scales_ref [B * Q, Dl / 128, K] float32 (each selected slot's block
+    scales); out_ref [B * Q, Hp, Dl] (q_nope's dtype), lse_ref [B * Q, Hp]. Warpgroup w owns the
+    output columns [block + w * out_block, + out_block)."""
+    if fp8:
+        values_ref, rope_ref, page_table_ref, indices_ref, bias_ref, scales_ref, out_ref, lse_ref = refs
+        parts = (values_ref, rope_ref)
+    else:
+        cache_ref, page_table_ref, indices_ref, bias_ref, out_ref, lse_ref = refs
+        parts, scales_ref = (cache_ref,), None
     column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
     wg = jax.lax.axis_index("wg")
     row = jax.lax.div(token, num_queries)
     width = q_ref.shape[-1]
-    copy = copy_width(width)
     num_tiles = indices_ref.shape[1] // TILE
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     column_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    def gather(tile, staging, bias, barrier):
+    def gather(tile, stagings, bias, scales, barrier):
         plgpu.copy_gmem_to_smem(bias_ref.at[token, pl.ds(tile * TILE, TILE)], bias, barrier)
+        if scales_ref is not None:
+            plgpu.copy_gmem_to_smem(scales_ref.at[token, :, pl.ds(tile * TILE, TILE)], scales, barrier)
 
         @pl.loop(0, TILE)
         def _(i):
             slot = indices_ref[token, tile * TILE + i]
             page = page_table_ref[row, jax.lax.div(slot, page_size)]
             offset = jax.lax.rem(slot, page_size)
-            for piece in range(0, width, copy):
-                plgpu.copy_gmem_to_smem(cache_ref.at[page, offset, pl.ds(piece, copy)],
-                                        staging.at[i, pl.ds(piece, copy)], barrier)
+            for part_ref, staging in zip(parts, stagings):
+                part_width = part_ref.shape[-1]
+                copy = copy_width(part_width)
+                for piece in range(0, part_width, copy):
+                    plgpu.copy_gmem_to_smem(part_ref.at[page, offset, pl.ds(piece, copy)],
+                                            staging.at[i, pl.ds(piece, copy)], barrier)
 
-    def body(q_smem, staging, kv_smem, p_smem, vectors, q_barrier, gathered, p_ready, consumed):
+    def to_operand(stagings, scales, kv_smem, keep):
+        """The gathered tile, staging -> registers -> swizzled tile, unselected rows zeroed; an FP8
+        cache's values are dequantized on the way (`mosaic_gpu.dequantize_rows`)."""
+        first = 0
+        for part, (part_ref, staging) in enumerate(zip(parts, stagings)):
+            for c in range(0, part_ref.shape[-1], 64):
+                chunk = plgpu.layout_cast(staging[:, pl.ds(c, 64)], plgpu.Layout.WGMMA)
+                if fp8 and part == 0:  # the e4m3 values; the RoPE part is bfloat16 already
+                    block_scales = plgpu.layout_cast(scales[c // SCALE_BLOCK], row_layout)
+                    chunk = dequantize_rows(chunk, block_scales, kv_smem.dtype)
+                kv_smem[:, pl.ds(first + c, 64)] = jnp.where(
+                    jax.lax.broadcast_in_dim(keep, (TILE, 64), [0]), chunk, jnp.zeros_like(chunk))
+            first += part_ref.shape[-1]
+
+    def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
         # The tile's mask and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
         # starts on a 1 KiB boundary, and two would not fit beside the three 72 KiB tiles.
         bias_smem, alpha_smem = vectors.at[0], vectors.at[1]
-        columns = pl.ds((2 * column_block + wg) * out_block, out_block)
+        def columns(block):  # the output columns of warpgroup `block`'s share
+            return pl.ds((2 * column_block + block) * out_block, out_block)
 
-        def accumulate(acc, alpha):
-            """acc * alpha + P V over this warpgroup's columns of the tile (a fresh accumulator:
-            jax 0.10.2's interpreter runs neither `pl.run_state` nor accumulator stores)."""
+        def accumulate(acc, alpha, block):
+            """acc * alpha + P V over the tile's columns of `block` (a fresh accumulator: jax
+            0.10.2's interpreter runs neither `pl.run_state` nor accumulator stores)."""
             def values(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[:, columns])
+                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[:, columns(block)])
                 return acc_ref[...]
 
             tile_out = pl.run_scoped(values, plgpu.ACC((BLOCK_M, out_block), jnp.float32))
             return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + tile_out
 
-        def store(acc, denom):
+        def store(acc, denom, block):
             safe = jnp.where(denom > 0, denom, 1.0)
             out = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
-            out_ref[token, heads, columns] = out.astype(out_ref.dtype)
+            out_ref[token, heads, columns(block)] = out.astype(out_ref.dtype)
+
+        # The column blocks warpgroup 0 accumulates: its own, and warpgroup 1's when it runs alone.
+        owned = range(3 - warpgroups)
 
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, out_block), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -128,28 +182,25 @@ def _sparse_mla_kernel(q_ref, cache_ref, page_table_ref, indices_ref, bias_ref, 
         def _scorer():
             """Gathers, scores, runs the softmax and shares P and its rescale with warpgroup 1."""
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
-            gather(0, staging, bias_smem, gathered)
+            gather(0, stagings, bias_smem, scales, gathered)
             plgpu.barrier_wait(q_barrier)
 
             def step(tile, carry):
                 row_max, denom, acc = carry
                 plgpu.barrier_wait(gathered)
 
-                @pl.when(tile > 0)  # warpgroup 1 is done with the last tile's kv and P
-                def _():
-                    plgpu.barrier_wait(consumed)
+                if warpgroups == 2:
+                    @pl.when(tile > 0)  # warpgroup 1 is done with the last tile's kv and P
+                    def _():
+                        plgpu.barrier_wait(consumed)
 
-                keep = plgpu.layout_cast(bias_smem[...], row_layout) == 0.0
-                for c in range(width // 64):  # staging -> registers -> swizzled tile, unselected rows zeroed
-                    chunk = plgpu.layout_cast(staging[:, pl.ds(c * 64, 64)], plgpu.Layout.WGMMA)
-                    kv_smem[:, pl.ds(c * 64, 64)] = jnp.where(
-                        jax.lax.broadcast_in_dim(keep, (TILE, 64), [0]), chunk, jnp.zeros_like(chunk))
+                to_operand(stagings, scales, kv_smem, plgpu.layout_cast(bias_smem[...], row_layout) == 0.0)
                 bias = plgpu.layout_cast(bias_smem[...], column_layout)
                 plgpu.commit_smem()
 
                 @pl.when(tile + 1 < num_tiles)
                 def _():
-                    gather(tile + 1, staging, bias_smem, gathered)
+                    gather(tile + 1, stagings, bias_smem, scales, gathered)
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
@@ -162,60 +213,76 @@ def _sparse_mla_kernel(q_ref, cache_ref, page_table_ref, indices_ref, bias_ref, 
                 alpha = jnp.exp(row_max - safe_max)
                 p = jnp.exp(s - jax.lax.broadcast_in_dim(safe_max, s.shape, [0]))
                 p_smem[...] = p.astype(p_smem.dtype)
-                alpha_smem[...] = alpha
+                if warpgroups == 2:
+                    alpha_smem[...] = alpha
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
-                return new_max, denom * alpha + jnp.sum(p, axis=1), accumulate(acc, alpha)
+                if warpgroups == 2:
+                    plgpu.barrier_arrive(p_ready)
+                return (new_max, denom * alpha + jnp.sum(p, axis=1),
+                        tuple(accumulate(a, alpha, block) for a, block in zip(acc, owned)))
 
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
-                    plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), acc0)
+                    plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), (acc0,) * len(owned))
             row_max, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
-            plgpu.barrier_wait(consumed)  # warpgroup 1 has read the last rescale: hand it the denominator
-            alpha_smem[...] = denom
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_ready)
-            store(acc, denom)
+            if warpgroups == 2:
+                plgpu.barrier_wait(consumed)  # warpgroup 1 has read the last rescale: hand it the denominator
+                alpha_smem[...] = denom
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+            for a, block in zip(acc, owned):
+                store(a, denom, block)
             seen = denom > 0
             lse_ref[token, heads] = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE)
 
-        @pl.when(wg == 1)
-        def _second_columns():
-            def step(tile, acc):
+        if warpgroups == 2:
+            @pl.when(wg == 1)
+            def _second_columns():
+                def step(tile, acc):
+                    plgpu.barrier_wait(p_ready)
+                    acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout), 1)
+                    plgpu.barrier_arrive(consumed)
+                    return acc
+
+                acc = jax.lax.fori_loop(0, num_tiles, step, acc0)
                 plgpu.barrier_wait(p_ready)
-                acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
-                plgpu.barrier_arrive(consumed)
-                return acc
+                store(acc, plgpu.layout_cast(alpha_smem[...], row_layout), 1)
 
-            acc = jax.lax.fori_loop(0, num_tiles, step, acc0)
-            plgpu.barrier_wait(p_ready)
-            store(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
-
+    entry_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
+    copies_per_slot = sum(part.shape[-1] // copy_width(part.shape[-1]) for part in parts)
     pl.run_scoped(
         body,
-        plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((TILE, width + STAGING_PAD), cache_ref.dtype),
-        plgpu.SMEM((TILE, width), cache_ref.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((BLOCK_M, TILE), cache_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_M, width), entry_dtype, transforms=SWIZZLED),
+        plgpu.SMEM((TILE, width), entry_dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_M, TILE), entry_dtype, transforms=SWIZZLED),
         plgpu.SMEM((2, TILE), jnp.float32),
+        None if scales_ref is None else plgpu.SMEM((scales_ref.shape[1], TILE), jnp.float32),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=TILE * (width // copy) + 1),
+        plgpu.Barrier(num_arrivals=TILE * copies_per_slot + 1 + (scales_ref is not None)),
         plgpu.Barrier(),
         plgpu.Barrier(),
+        *(plgpu.SMEM((TILE, part.shape[-1] + staging_pad(part.dtype)), part.dtype) for part in parts),
         collective_axes="wg",
     )
 
 
-def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
+def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache, page_table: jax.Array,
                                 indices: jax.Array, *, softmax_scale: float, interpret: bool = False):
     """`sparse_mla_attention` as a Mosaic GPU kernel; same arguments and results as the reference.
 
-    q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr],
+    q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] or an
+    `fp8_cache.Fp8Pool` of that shape (values [P, page, Dl] e4m3, scales [P, page, Dl / 128]
+    float32, rope [P, page, Dr] bfloat16: dequantized in the kernel as `fp8_cache.entries` reads
+    it, so the result equals this kernel's on the dequantized cache bit for bit),
     page_table [B, max_pages] int32, indices [B, Q, K] int32 (-1 and slots past the row's pages are
     skipped) -> out [B, Q, H, Dl] (q_nope.dtype), lse [B, Q, H] float32.
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
-    check_mosaic_operands("sparse_mla_attention_mosaic", q_nope, q_rope, latent_cache)
+    if isinstance(latent_cache, Fp8Pool):
+        check_fp8_latent("sparse_mla_attention_mosaic", latent_cache)
+        check_mosaic_operands("sparse_mla_attention_mosaic", q_nope, q_rope, latent_cache.rope)
+    else:
+        check_mosaic_operands("sparse_mla_attention_mosaic", q_nope, q_rope, latent_cache)
     if latent_cache.shape[-1] != latent + rope:
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache last dim {latent_cache.shape[-1]} != "
                          f"Dl + Dr = {latent} + {rope}")
@@ -230,31 +297,47 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
         return run()
 
 
-# `interpret` only keys the jit cache: a kernel traced for the simulator is never reused for a GPU.
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "interpret"))
 def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, interpret: bool):
-    del interpret
+    # Interpreted, warpgroup 0 does both warpgroups' work (the same arithmetic, column block by
+    # column block): jax 0.10.2's interpreter runs warpgroups as threads that each execute XLA
+    # computations, and inside an outer jitted program (the decoding loop) on a 2-core host, one
+    # waiting at a barrier for the other can hold the CPU threads the other needs (a deadlock, seen).
+    warpgroups = 1 if interpret else 2
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
     capacity = page_table.shape[1] * page_size
     tokens = batch * num_queries
+    fp8 = isinstance(latent_cache, Fp8Pool)
+    entry_dtype = latent_cache.rope.dtype if fp8 else latent_cache.dtype
     q = pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
-    q = q.reshape(tokens, -1, q.shape[-1]).astype(latent_cache.dtype)
-    indices = pad_to(indices.reshape(tokens, -1).astype(jnp.int32) + 1, 1, TILE) - 1  # pad with -1
+    q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype)
+    indices = pad_to(indices.astype(jnp.int32) + 1, 2, TILE) - 1  # pad with -1
+    if fp8:
+        # Each selected slot's block scales, [B * Q, Dl / 128, K]: 16 bytes a slot beside its 640 in
+        # the kernel. Gathered here because a TMA copy moves a multiple of 128 bytes, so the kernel
+        # cannot fetch one slot's 16; a tile's scales then arrive in one copy, a block's as a row.
+        scales = read_slots(latent_cache.scales, page_table, indices.reshape(batch, -1))
+        cache_operands = (latent_cache.values, latent_cache.rope)
+        scale_operands = (jnp.swapaxes(scales.reshape(tokens, indices.shape[-1], -1), 1, 2),)
+    else:
+        cache_operands, scale_operands = (latent_cache,), ()
+    indices = indices.reshape(tokens, -1)
     selected = (indices >= 0) & (indices < capacity)
     bias = jnp.where(selected, 0.0, -jnp.inf).astype(jnp.float32)
     out_block = min(latent // 2, OUT_BLOCK)  # columns per warpgroup
     heads_padded = q.shape[1]
     kernel = plgpu.kernel(
         functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block,
-                          num_queries=num_queries, page_size=page_size),
+                          num_queries=num_queries, page_size=page_size, fp8=fp8, warpgroups=warpgroups),
         out_type=(jax.ShapeDtypeStruct((tokens, heads_padded, latent), q_nope.dtype),
                   jax.ShapeDtypeStruct((tokens, heads_padded), jnp.float32)),
         grid=(latent // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
-        num_threads=2, thread_name="wg",
+        num_threads=warpgroups, thread_name="wg",
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))
-    out, lse = kernel(q, latent_cache, page_table.astype(jnp.int32), jnp.where(selected, indices, 0), bias)
+    out, lse = kernel(q, *cache_operands, page_table.astype(jnp.int32), jnp.where(selected, indices, 0), bias,
+                      *scale_operands)
     out = out[:, :heads].reshape(batch, num_queries, heads, latent)
     return out, lse[:, :heads].reshape(batch, num_queries, heads)

@@ -1,5 +1,5 @@
-"""The Mosaic GPU `mla_attention` kernel: interpreted on the CPU against the reference, invariant
-bit for bit, and compiled for an H100 without a GPU.
+"""The Mosaic GPU `mla_attention` kernel: interpreted on the CPU against the reference on bfloat16
+and FP8 latent caches, invariant bit for bit, and compiled for an H100 without a GPU.
 
 Interpret mode (`pallas_kernels/mosaic_gpu.py`) runs the kernel's TMA copies, barriers, two
 warpgroups and split-KV parts on the CPU; it is slow (seconds a call), so the shapes are small:
@@ -10,6 +10,7 @@ DeepSeek's 512 + 64.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +20,14 @@ from flax import nnx
 
 from jaxspec import aot
 from jaxspec.models import DeepseekV3
-from jaxspec.pallas_kernels import Visibility, mla_attention, mla_attention_reference
+from jaxspec.pallas_kernels import Visibility, fp8_cache, mla_attention, mla_attention_reference
 from jaxspec.pallas_kernels.backend import gpu_lowering
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic, num_parts
 from jaxspec.presets import preset
+from test_fp8_cache import fp8_pool_of
 from test_kernels import assert_attention_close, latent_inputs, make_window, scale_for
+from test_sparse_mosaic import SM90_SMEM
 
 LATENT, ROPE, PAGE = 128, 64, 64
 
@@ -55,6 +59,25 @@ def test_mosaic_matches_reference(case):
     assert_attention_close(got, reference(args, scale), window, jnp.bfloat16)
 
 
+def test_mosaic_reads_fp8_latents():
+    """An FP8 latent pool at DeepSeek's widths (512 e4m3 values with 4 float32 scales, 64 bfloat16
+    RoPE values; NaN in the pages no row owns), a tree window with padding and an empty row, two
+    split-KV parts: each tile's e4m3 values are dequantized in shared memory as `fp8_cache.entries`
+    does, so out and lse equal, bit for bit, the kernel's own on the pool's bfloat16 entries, and
+    the reference on the pool within bfloat16 tolerance."""
+    rng = np.random.default_rng(4)
+    latent = 512
+    window = make_window(rng, 4, 3, PAGE, 2, tree=True)
+    q_nope, q_rope, cache = latent_inputs(rng, window, 2, latent, ROPE, jnp.bfloat16)
+    pool, page_table, scale = fp8_pool_of(cache, latent), jnp.asarray(window.page_table), scale_for(latent, ROPE)
+    got = run_mosaic((q_nope, q_rope, pool, page_table, window.vis()), scale, part_slots=64)
+    on_entries = run_mosaic((q_nope, q_rope, fp8_cache.entries(pool), page_table, window.vis()), scale, part_slots=64)
+    for name, got_part, exact in zip(("out", "lse"), got, on_entries):
+        np.testing.assert_array_equal(np.asarray(got_part, np.float32), np.asarray(exact, np.float32), err_msg=name)
+    assert_attention_close(got, reference((q_nope, q_rope, pool, page_table, window.vis()), scale), window,
+                           jnp.bfloat16)
+
+
 @pytest.mark.parametrize("backend, kernel", [("mosaic", "name=_mla_attention_mosaic"),
                                              ("pallas", "name=mla_attention_pallas")])
 def test_op_dispatches_by_backend(backend, kernel):
@@ -68,18 +91,23 @@ def test_op_dispatches_by_backend(backend, kernel):
     assert kernel in jaxpr
 
 
-def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch(fp8):
     """Token t of a window whose prefix is P sees slots [0, P + t]. Decoded alone (Q = 1, prefix
     P + t, B = 1), beside another row (B = 2), as token t of a chain window (Q = 4) and as a tree
     node whose ancestors are window tokens 0..t, its output and lse are the same bits: the kernel's
-    tiles and split-KV parts are fixed by the capacity, never by B, Q or the rows that share a block."""
+    tiles and split-KV parts are fixed by the capacity, never by B, Q or the rows that share a block.
+    On a bfloat16 cache (Dl 128) and an FP8 one (Dl 512, the width FP8 takes)."""
     rng = np.random.default_rng(7)
-    heads, window_len, prefix = 4, 4, 100
-    cache = jnp.asarray(rng.normal(size=(4, PAGE, LATENT + ROPE)), jnp.bfloat16)
+    heads, window_len, prefix = (2 if fp8 else 4), 4, 100
+    latent = 512 if fp8 else LATENT
+    cache = jnp.asarray(rng.normal(size=(4, PAGE, latent + ROPE)), jnp.bfloat16)
+    if fp8:
+        cache = fp8_pool_of(cache, latent)
     table = jnp.asarray([[2, 0]], jnp.int32)
-    queries = rng.normal(size=(1, window_len, heads, LATENT + ROPE))
-    q_nope, q_rope = (jnp.asarray(x, jnp.bfloat16) for x in (queries[..., :LATENT], queries[..., LATENT:]))
-    scale = scale_for(LATENT, ROPE)
+    queries = rng.normal(size=(1, window_len, heads, latent + ROPE))
+    q_nope, q_rope = (jnp.asarray(x, jnp.bfloat16) for x in (queries[..., :latent], queries[..., latent:]))
+    scale = scale_for(latent, ROPE)
     lengths = lambda *n: jnp.asarray(n, jnp.int32)
     run = lambda qn, qr, tbl, vis: run_mosaic((qn, qr, cache, tbl, vis), scale, part_slots=64)  # 2 parts
 
@@ -109,38 +137,59 @@ def test_a_token_gets_the_same_bits_alone_in_a_chain_in_a_tree_and_in_a_batch():
     (dict(latent=96), r"q_nope last dim \(Dl\) = 96: must be a multiple of 128"),
     (dict(rope=32), r"q_rope last dim \(Dr\) = 32: must be a multiple of 64"),
     (dict(page=16), r"latent_cache page size 16: must be a multiple of 64"),
+    (dict(fp8=True), r"q_nope last dim \(Dl\) = 128: with an FP8 cache it must be a multiple of 512"),
+    (dict(fp8=True, latent=512, dtype=jnp.float32), r"an FP8 latent cache needs a bfloat16 rope part, got float32"),
 ])
 def test_unsupported_operands_are_refused_before_tracing(change, message):
-    shape = dict(dtype=jnp.bfloat16, latent=LATENT, rope=ROPE, page=PAGE) | change
+    shape = dict(dtype=jnp.bfloat16, latent=LATENT, rope=ROPE, page=PAGE, fp8=False) | change
     q_nope = jnp.zeros((1, 1, 2, shape["latent"]), shape["dtype"])
     q_rope = jnp.zeros((1, 1, 2, shape["rope"]), shape["dtype"])
     cache = jnp.zeros((2, shape["page"], shape["latent"] + shape["rope"]), shape["dtype"])
+    if shape["fp8"]:
+        pool = fp8_pool_of(cache, shape["latent"])
+        cache = Fp8Pool(pool.values, pool.scales, pool.rope.astype(shape["dtype"]))
     vis = Visibility(jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
     with pytest.raises(ValueError, match=message):
         mla_attention_mosaic(q_nope, q_rope, cache, jnp.zeros((1, 2), jnp.int32), vis, softmax_scale=1.0)
 
 
-@pytest.mark.parametrize("num_queries", [1, 4])
-def test_compiles_for_h100_at_deepseek_widths(h100, num_queries):
-    """B 32, 128 heads, 512 + 64, a 4096-slot context: the real Mosaic GPU lowering (TMA boxes,
-    wgmma shapes, and Mosaic's own check that the declared shared memory fits the 227 KiB a block
-    may claim on sm_90, which raises otherwise) and XLA's compile of the program around it. The
-    kernel is one Mosaic custom call; its cubin is built only when a GPU loads it."""
+@functools.cache
+def deepseek_compile(num_queries: int, fp8: bool):
+    """B 32, 128 heads, 512 + 64 (bfloat16, or FlashMLA's FP8 token), a 4096-slot context, compiled
+    for one H100. Cached: the FP8 case compares itself with the bfloat16 one."""
     v32 = preset("deepseek-v3.2")
     batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
     heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
+    cache = (Fp8Pool(spec((batch * pages, 64, latent), fp8_cache.E4M3),
+                     spec((batch * pages, 64, latent // 128), jnp.float32),
+                     spec((batch * pages, 64, rope), jnp.bfloat16)) if fp8
+             else spec((batch * pages, 64, latent + rope), jnp.bfloat16))
     args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
-            spec((batch, num_queries, heads, rope), jnp.bfloat16),
-            spec((batch * pages, 64, latent + rope), jnp.bfloat16), spec((batch, pages), jnp.int32),
+            spec((batch, num_queries, heads, rope), jnp.bfloat16), cache, spec((batch, pages), jnp.int32),
             Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
-    compiled = aot.compile_gpu(mla_attention_mosaic, *args, devices=h100, static_argnames=("softmax_scale",),
-                               softmax_scale=v32.softmax_scale)
-    hlo = compiled.as_text()
-    assert hlo.count('custom_call_target="mosaic_gpu') == 1
+    return aot.compile_gpu(mla_attention_mosaic, *args, devices=aot.gpu_devices("h100"),
+                           static_argnames=("softmax_scale",), softmax_scale=v32.softmax_scale)
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
+    """`deepseek_compile`: the real Mosaic GPU lowering (TMA boxes, wgmma shapes) and XLA's compile
+    of the program around it. The kernel is one Mosaic launch of two warpgroups, a block per (row
+    block, part, row), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may
+    claim on sm_90; its cubin is built only when a GPU loads it. With FP8 the temporaries equal the
+    bfloat16 program's: the tiles are dequantized in shared memory, no copy of the cache exists."""
+    compiled = deepseek_compile(num_queries, fp8)
+    batch, heads, latent = 32, 128, 512
+    [launch] = aot.mosaic_launches(compiled)
+    assert launch.threads == (256, 1, 1) and launch.shared_memory <= SM90_SMEM
+    assert math.prod(launch.grid) == num_queries * heads // 64 * num_parts(4096) * batch
     memory, rows = aot.memory(compiled), batch * num_queries * heads
     assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
     # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).
     assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
+    if fp8:
+        assert memory.temp == aot.memory(deepseek_compile(num_queries, False)).temp
 
 
 @functools.partial(nnx.jit, static_argnames=("backend",))

@@ -1,7 +1,9 @@
 """The Mosaic GPU kernels of DSA, the indexer (`indexer_mosaic.py`) and sparse MLA
-(`sparse_mla_attention_mosaic.py`), interpreted on the CPU against their references; their
-invariance to the window they share a call with, bit for bit; their argument checks; the
-`backend="mosaic"` dispatch; and their compiles for an H100 (sm_90a) without a GPU.
+(`sparse_mla_attention_mosaic.py`), interpreted on the CPU against their references, on
+compute-dtype and FP8 caches (`fp8_cache.Fp8Pool`); their invariance to the window they share a
+call with, bit for bit; their argument checks; the `backend="mosaic"` dispatch; and their compiles
+for an H100 (sm_90a) without a GPU, with the shared memory their launches claim
+(`aot.mosaic_launches`: Mosaic GPU's own count).
 
 Interpret mode simulates every warpgroup, TMA copy and wgmma in Python, so the shapes are small.
 """
@@ -9,6 +11,8 @@ Interpret mode simulates every warpgroup, TMA copy and wgmma in Python, so the s
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +22,26 @@ import pytest
 from jaxspec import aot
 from jaxspec.presets import preset
 from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, indexer_scores_reference, indexer_topk,
-                                    indexer_topk_reference, sparse_mla_attention, sparse_mla_attention_reference)
+                                    indexer_topk_reference, select_topk, sparse_mla_attention,
+                                    sparse_mla_attention_reference)
+from jaxspec.pallas_kernels import fp8_cache
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic, indexer_topk_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
+from test_fp8_cache import fp8_pool_of
 from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs, make_window, random_indices,
                           scale_for)
 
 Spec = jax.ShapeDtypeStruct
+# The shared memory a block may claim on sm_90 (227 KiB).
+SM90_SMEM = 232448
+
+
+def fp8_keys(rng, keys: jax.Array) -> Fp8Pool:
+    """An FP8 key pool from integer-valued keys [P, page, Di] (exact in e4m3; NaN stays NaN) with
+    random power-of-two scales, so every FP8 score is exact in float32 whatever the summation order."""
+    scales = 2.0 ** rng.integers(-3, 4, (*keys.shape[:2], 1))
+    return Fp8Pool(keys.astype(fp8_cache.E4M3), jnp.asarray(scales, jnp.float32), None, fp8_cache.INDEX_RULE)
 
 
 @pytest.mark.parametrize("case", [
@@ -62,14 +79,41 @@ def test_indexer_mosaic_matches_reference(case):
     np.testing.assert_allclose(np.where(indices < 0, 0, picked), np.where(want_indices < 0, 0, best), rtol=1e-5)
 
 
-def test_indexer_mosaic_scores_do_not_depend_on_the_window():
+@pytest.mark.parametrize("case", [
+    dict(num_queries=3, heads=4, dim=64, page_size=32, max_pages=4, tree=False),
+    dict(num_queries=2, heads=64, dim=128, page_size=64, max_pages=3, tree=True),
+], ids=["q3-page32-chain-64", "q2-64x128-page64-tree"])
+def test_indexer_mosaic_reads_fp8_keys(case):
+    """FP8 keys (e4m3 values, one float32 scale each) and e4m3 queries, as the model stores and
+    rotates them: the kernel dequantizes nothing in HBM, feeds the e4m3 values to the tensor cores
+    as bfloat16 and scales each key's head sum. Integer values and power-of-two scales make every
+    score exact, so scores and selection equal the reference's exactly (out-of-order pages, NaN in
+    the pages no row owns, padded and empty rows)."""
+    rng = np.random.default_rng(43)
+    heads, dim = case.pop("heads"), case.pop("dim")
+    window = make_window(rng, batch=4, **case)
+    q_idx, weights, keys = indexer_inputs(rng, window, heads, dim, jnp.float32, integer=True)
+    args = (q_idx.astype(fp8_cache.E4M3), weights, fp8_keys(rng, keys), jnp.asarray(window.page_table), window.vis())
+    scores = np.asarray(indexer_scores_mosaic(*args, interpret=True))
+    want = np.asarray(jax.jit(indexer_scores_reference)(*args))
+    assert np.isfinite(want).any() and not np.isnan(scores).any()
+    np.testing.assert_array_equal(scores, want)
+    np.testing.assert_array_equal(np.asarray(select_topk(jnp.asarray(scores), 24)),
+                                  np.asarray(jax.jit(functools.partial(indexer_topk_reference, topk=24))(*args)))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_indexer_mosaic_scores_do_not_depend_on_the_window(fp8):
     """A token decoded alone (Q = 1), inside a chain window (Q = 4) and as a tree node scores every
-    slot it sees with the same bits (random float inputs: any change of summation order would show)."""
+    slot it sees with the same bits (random float inputs: any change of summation order would show),
+    with bfloat16 keys and with FP8 keys (`quantize_act`) and e4m3 queries."""
     rng = np.random.default_rng(41)
-    heads, dim, page_size, max_pages, prefix = 8, 64, 16, 6, 37
+    heads, dim, page_size, max_pages, prefix = 8, 64, 32, 3, 37
     pages = rng.permutation(max_pages + 2)[:max_pages].astype(np.int32)[None]
-    keys = jnp.asarray(rng.normal(size=(max_pages + 2, page_size, dim)), jnp.bfloat16)
-    q_window = jnp.asarray(rng.normal(size=(1, 4, heads, dim)), jnp.bfloat16)
+    keys = rng.normal(size=(max_pages + 2, page_size, dim))
+    keys = (Fp8Pool(*fp8_cache.quantize_act(jnp.asarray(keys)), None, fp8_cache.INDEX_RULE) if fp8
+            else jnp.asarray(keys, jnp.bfloat16))
+    q_window = jnp.asarray(rng.normal(size=(1, 4, heads, dim)), fp8_cache.E4M3 if fp8 else jnp.bfloat16)
     w_window = jnp.asarray(rng.normal(size=(1, 4, heads)), jnp.float32)
     token = 3  # window token 3; in the tree its ancestors are 0 and 1 (slot prefix + 2 is a sibling's)
     run = functools.partial(indexer_scores_mosaic, key_cache=keys, page_table=jnp.asarray(pages), interpret=True)
@@ -99,13 +143,19 @@ def test_indexer_topk_dispatches_to_mosaic():
     (jnp.float32, 64, 16, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
     (jnp.bfloat16, 48, 16, r"index_head_dim 48 \(keys 48\) must match and be a multiple of 64"),
     (jnp.bfloat16, 64, 24, r"page_size=24 must be a multiple of 8 that divides 64 or is a multiple of it"),
-])
+    ("fp8", 64, 16, r"page_size=16: FP8 keys need a multiple of 32"),
+    ("fp8-float32-queries", 64, 32, r"q_idx.dtype=float32: with FP8 keys it must be float8_e4m3fn or bfloat16"),
+], ids=["float32", "dim48", "page24", "fp8-page16", "fp8-float32-queries"])
 def test_indexer_mosaic_refuses_what_it_cannot_tile(dtype, dim, page_size, match):
     vis = Visibility(jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
+    keys = jnp.zeros((4, page_size, dim), jnp.bfloat16 if isinstance(dtype, str) else dtype)
+    queries = jnp.zeros((1, 1, 4, dim), jnp.float32 if isinstance(dtype, str) else dtype)
+    if dtype == "fp8":
+        queries = queries.astype(fp8_cache.E4M3)
+    if isinstance(dtype, str):
+        keys = Fp8Pool(*fp8_cache.quantize_act(keys), None, fp8_cache.INDEX_RULE)
     with pytest.raises(ValueError, match=match):
-        indexer_scores_mosaic(jnp.zeros((1, 1, 4, dim), dtype), jnp.zeros((1, 1, 4)),
-                              jnp.zeros((4, page_size, dim), dtype),
-                              jnp.zeros((1, 4), jnp.int32), vis, interpret=True)
+        indexer_scores_mosaic(queries, jnp.zeros((1, 1, 4)), keys, jnp.zeros((1, 4), jnp.int32), vis, interpret=True)
 
 
 V32 = preset("deepseek-v3.2")
@@ -113,19 +163,33 @@ BATCH, CONTEXT = 32, 4096
 
 
 @pytest.mark.parametrize("num_queries, tree", [(1, False), (4, True)], ids=["q1", "q4-tree"])
-def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree):
-    """DeepSeek-V3.2's indexer (64 heads x 128, top-2048), B = 32, 4096 slots in 64-slot pages.
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree, fp8):
+    """DeepSeek-V3.2's indexer (64 heads x 128, top-2048), B = 32, 4096 slots in 64-slot pages, with
+    bfloat16 keys and with FP8 keys (e4m3 queries).
 
-    The Mosaic kernel becomes one `mosaic_gpu_v2` custom call; its cubin is built when XLA loads
-    the program on a device, so this compile cannot show its registers or shared memory."""
+    The Mosaic kernel is one launch of one warpgroup whose shared memory (Mosaic GPU's count) is
+    within the 227 KiB a block may claim. Its cubin is built when XLA loads the program on a
+    device, so this compile cannot show its registers. With FP8 keys the temporaries are
+    smaller than the keys' own e4m3 bytes: no dequantized copy of them exists."""
     heads, dim = V32.index_n_heads, V32.index_head_dim
+    pages = BATCH * CONTEXT // 64
     vis = Visibility(Spec((BATCH,), jnp.int32), Spec((BATCH,), jnp.int32),
                      Spec((BATCH, num_queries, num_queries), jnp.bool_) if tree else None)
-    args = (Spec((BATCH, num_queries, heads, dim), jnp.bfloat16), Spec((BATCH, num_queries, heads), jnp.float32),
-            Spec((BATCH * CONTEXT // 64, 64, dim), jnp.bfloat16), Spec((BATCH, CONTEXT // 64), jnp.int32), vis)
-    compiled = aot.compile_gpu(indexer_topk_mosaic, *args, devices=h100, static_argnames=("topk",), topk=V32.index_topk)
-    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
+    keys = (Fp8Pool(Spec((pages, 64, dim), fp8_cache.E4M3), Spec((pages, 64, 1), jnp.float32), None,
+                    fp8_cache.INDEX_RULE) if fp8 else Spec((pages, 64, dim), jnp.bfloat16))
+    args = (Spec((BATCH, num_queries, heads, dim), fp8_cache.E4M3 if fp8 else jnp.bfloat16),
+            Spec((BATCH, num_queries, heads), jnp.float32), keys, Spec((BATCH, CONTEXT // 64), jnp.int32), vis)
+    compiled = aot.compile_gpu(indexer_topk_mosaic, *args, devices=h100, static_argnames=("topk",),
+                               topk=V32.index_topk)
+    [launch] = aot.mosaic_launches(compiled)
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
+    assert launch.threads == (128, 1, 1) and launch.shared_memory <= SM90_SMEM
+    table_row = r"^_indexer_scores \(Mosaic\)\s+1\s+\S+\s+128\s+(\d+)\s+-\s+-$"  # `jaxspec aot`'s kernel table
+    row = re.search(table_row, aot.report(compiled, "indexer"), re.M)
+    assert row and int(row.group(1)) == launch.shared_memory
+    if fp8:
+        assert aot.memory(compiled).temp < BATCH * CONTEXT * dim
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,13 +224,39 @@ def test_sparse_mla_mosaic_matches_reference(case):
     assert_attention_close(got, want, window, jnp.bfloat16)
 
 
-def test_sparse_mla_mosaic_output_does_not_depend_on_the_window():
+def test_sparse_mla_mosaic_reads_fp8_latents():
+    """An FP8 latent pool (FlashMLA's token: e4m3 values, a float32 scale per 128, bfloat16 RoPE
+    part; NaN in the pages no row owns): the kernel dequantizes each gathered row in registers as
+    `fp8_cache.entries` does, so its output and lse equal, bit for bit, its own on the bfloat16
+    entries of the same pool, and the reference on the pool within bfloat16 tolerance."""
+    window, (q_nope, q_rope, cache, page_table, indices) = sparse_case(
+        np.random.default_rng(53), batch=2, num_queries=2, heads=4, latent=128, rope=64, page_size=16, max_pages=6,
+        topk=40)
+    pool = fp8_pool_of(cache, 128)
+    scale = scale_for(128, 64)
+    got = sparse_mla_attention_mosaic(q_nope, q_rope, pool, page_table, indices, softmax_scale=scale, interpret=True)
+    on_entries = sparse_mla_attention_mosaic(q_nope, q_rope, fp8_cache.entries(pool), page_table, indices,
+                                             softmax_scale=scale, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale))(
+            q_nope, q_rope, pool, page_table, indices)
+    for name, got_part, exact in zip(("out", "lse"), got, on_entries):
+        np.testing.assert_array_equal(np.asarray(got_part, np.float32), np.asarray(exact, np.float32), err_msg=name)
+    assert_attention_close(got, want, window, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sparse_mla_mosaic_output_does_not_depend_on_the_window(fp8):
     """A token's output bits are the same decoded alone (B = 1, Q = 1) and as the second token of a
-    B = 2, Q = 2 tree window (a tree node's index list is just another list)."""
+    B = 2, Q = 2 tree window (a tree node's index list is just another list), on a bfloat16 cache and
+    on an FP8 one."""
     rng = np.random.default_rng(51)
     window, args = sparse_case(rng, batch=2, num_queries=2, heads=4, latent=128, rope=64, page_size=16,
                                max_pages=4, topk=64)
     q_nope, q_rope, cache, page_table, indices = args
+    if fp8:
+        cache = fp8_pool_of(cache, 128)
+        args = (q_nope, q_rope, cache, page_table, indices)
     run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, interpret=True)
     together = run(*args)
     alone = run(q_nope[:1, 1:], q_rope[:1, 1:], cache, page_table[:1], indices[:1, 1:])
@@ -189,24 +279,54 @@ def test_sparse_mla_dispatches_to_mosaic():
     (jnp.bfloat16, 64, 64, r"Dl=64 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
     (jnp.bfloat16, 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
     (jnp.bfloat16, 128, 32, r"Dl=128 must be a multiple of 128 \(of 256 when wider\) and Dr=32 of 64"),
-])
+    ("fp8", 64, 64, r"FP8 latent width Dl=64 must be a multiple of 128"),
+    ("fp8", 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\)"),
+    ("fp8-float32-rope", 128, 64, r"an FP8 latent cache needs a bfloat16 rope part, got float32"),
+], ids=["float32", "dl64", "dl384", "dr32", "fp8-dl64", "fp8-dl384", "fp8-float32-rope"])
 def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, match):
+    cache = jnp.zeros((4, 16, latent + rope), jnp.bfloat16 if isinstance(dtype, str) else dtype)
+    if isinstance(dtype, str):
+        cache = fp8_pool_of(cache, latent)
+        if dtype == "fp8-float32-rope":
+            cache = Fp8Pool(cache.values, cache.scales, cache.rope.astype(jnp.float32))
+    query_dtype = jnp.bfloat16 if isinstance(dtype, str) else dtype
     with pytest.raises(ValueError, match=match):
-        sparse_mla_attention_mosaic(jnp.zeros((1, 1, 4, latent), dtype), jnp.zeros((1, 1, 4, rope), dtype),
-                                    jnp.zeros((4, 16, latent + rope), dtype), jnp.zeros((1, 4), jnp.int32),
-                                    jnp.zeros((1, 1, 8), jnp.int32), softmax_scale=0.1, interpret=True)
+        sparse_mla_attention_mosaic(jnp.zeros((1, 1, 4, latent), query_dtype), jnp.zeros((1, 1, 4, rope), query_dtype),
+                                    cache, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 1, 8), jnp.int32),
+                                    softmax_scale=0.1, interpret=True)
+
+
+@functools.cache
+def sparse_mla_compile(num_queries: int, fp8: bool):
+    """DeepSeek-V3.2's sparse MLA (128 heads, 512 + 64 in 64-slot pages, bfloat16 or FlashMLA's FP8
+    token, top-2048), B = 32, 4096 slots a row, compiled for one H100. Cached: the FP8 case compares
+    itself with the bfloat16 one."""
+    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
+    pages = BATCH * CONTEXT // 64
+    cache = (Fp8Pool(Spec((pages, 64, latent), fp8_cache.E4M3), Spec((pages, 64, latent // 128), jnp.float32),
+                     Spec((pages, 64, rope), jnp.bfloat16)) if fp8 else Spec((pages, 64, latent + rope), jnp.bfloat16))
+    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
+            Spec((BATCH, num_queries, heads, rope), jnp.bfloat16), cache, Spec((BATCH, CONTEXT // 64), jnp.int32),
+            Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
+    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale)
+    return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"))
 
 
 @pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
-def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries):
-    """DeepSeek-V3.2: 128 heads, a 512 + 64 latent cache in 64-slot pages, top-2048, B = 32, 4096
-    slots a row. Lowering checks the kernel's shared memory against the 227 KiB a block may use (it
-    needs about 226 KiB); registers are only known once the cubin is built, on a device."""
-    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
-    args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
-            Spec((BATCH, num_queries, heads, rope), jnp.bfloat16),
-            Spec((BATCH * CONTEXT // 64, 64, latent + rope), jnp.bfloat16), Spec((BATCH, CONTEXT // 64), jnp.int32),
-            Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
-    compiled = aot.compile_gpu(functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale),
-                               *args, devices=h100)
-    assert compiled.as_text().count('custom_call_target="mosaic_gpu_v2"') == 1
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp8):
+    """`sparse_mla_compile`: one Mosaic kernel of two warpgroups, a block per (column block, head
+    block, token), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
+    (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3 rows); registers are only
+    known once the cubin is built, on a device. With FP8 the temporaries exceed the bfloat16
+    program's by at most the selected slots' gathered scales (16 bytes a slot): no dequantized copy
+    of the cache exists."""
+    compiled = sparse_mla_compile(num_queries, fp8)
+    [launch] = aot.mosaic_launches(compiled)
+    assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * 2 * BATCH * num_queries
+    assert launch.shared_memory <= SM90_SMEM
+    if fp8:
+        bf16_compiled = sparse_mla_compile(num_queries, False)
+        gathered_scales = BATCH * num_queries * V32.index_topk * (V32.kv_lora_rank // 128) * 4
+        assert launch.shared_memory < aot.mosaic_launches(bf16_compiled)[0].shared_memory
+        assert aot.memory(compiled).temp <= aot.memory(bf16_compiled).temp + gathered_scales

@@ -9,6 +9,9 @@
   * `kernel_launches`: each Pallas kernel's grid, threads and shared memory from the dumped thunk
     sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
     dumped PTX;
+  * `mosaic_launches`: each Mosaic GPU kernel's grid, threads and shared memory, from the launch in
+    the Mosaic module its custom call carries (its registers are not known before a device builds
+    the cubin);
   * `collectives`: every collective of the optimized HLO with the bytes it produces.
 
 All of it parses XLA's text dumps; the formats are XLA's, not a stable API, so each parser is
@@ -57,8 +60,10 @@ def shape_bytes(text: str) -> int:
 
 
 def _unescape(literal: str) -> bytes:
-    """An MLIR string attribute as printed in HLO text (non-printable bytes as \\XX) -> its bytes."""
-    return re.sub(rb"\\([0-9A-Fa-f]{2})", lambda m: bytes([int(m.group(1), 16)]), literal.encode("latin-1"))
+    """An MLIR string attribute as printed in HLO text (non-printable bytes as \\XX, a backslash as
+    two) -> its bytes."""
+    return re.sub(rb"\\(\\|[0-9A-Fa-f]{2})", lambda m: b"\\" if m.group(1) == b"\\" else bytes([int(m.group(1), 16)]),
+                  literal.encode("latin-1"))
 
 
 def _attribute(line: str, name: str) -> str | None:
@@ -414,6 +419,65 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
         launches.append(KernelLaunch(name, (int(gx), int(gy), int(gz)), (int(tx), int(ty), int(tz)), int(smem),
                                      registers, stores, loads))
     return launches
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLaunch:
+    """A Mosaic GPU kernel launch of the optimized HLO: the jitted function around it (a Mosaic
+    kernel has no name of its own), grid, threads per block and shared memory (bytes a block
+    claims, Mosaic GPU's count). Registers and spills are not known: Mosaic GPU builds the cubin
+    when XLA loads the program on a device."""
+
+    name: str
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    shared_memory: int
+
+
+_MOSAIC_TARGET = 'custom_call_target="mosaic_gpu'
+_LAUNCH = "gpu.launch"
+
+
+def mosaic_launches(compiled: GpuCompiled) -> list[MosaicLaunch]:
+    """The Mosaic GPU kernel launches of a `compile_gpu` result, in HLO order. Each custom call
+    carries its kernel's MLIR module (bytecode, ops under Mosaic's serialization prefix); its one
+    `gpu.launch` takes the grid, the block and the dynamic shared memory as constants."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax.experimental.mosaic.gpu import dialect
+
+    launches = []
+    for line in compiled.as_text().splitlines():
+        if _MOSAIC_TARGET not in line:
+            continue
+        module, op_name = _attribute(line, "module"), re.search(r'op_name="([^"]*)"', line)
+        if module is None:
+            raise RuntimeError(f"a Mosaic GPU custom call without its module: {line[:200]}")
+        context = mlir.make_ir_context()
+        dialect.register_dialect(context)
+        context.allow_unregistered_dialects = True  # the serialized ops keep their prefixed names
+        with context:
+            parsed = ir.Module.parse(_unescape(module))  # kept alive while its operations are read
+            found = _find_ops(parsed.operation, _LAUNCH)
+            if len(found) != 1:
+                raise RuntimeError(f"expected one {_LAUNCH} in a Mosaic GPU module, found {len(found)}")
+            # operands: async token, grid x y z, block x y z, dynamic shared memory (operandSegmentSizes)
+            sizes = [int(ir.IntegerAttr(operand.owner.attributes["value"]).value)
+                     for operand in found[0].operands[1:8]]
+        names = re.findall(r"jit\(([^)]*)\)", op_name.group(1)) if op_name else []
+        launches.append(MosaicLaunch(names[-1] if names else "mosaic_gpu", tuple(sizes[:3]), tuple(sizes[3:6]),
+                                     sizes[6]))
+    return launches
+
+
+def _find_ops(operation, suffix: str) -> list:
+    """Every operation nested in `operation` whose name ends with `suffix`."""
+    found = [operation] if operation.name.endswith(suffix) else []
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                found += _find_ops(inner.operation, suffix)
+    return found
 
 
 def kernel_name(thunk_name: str) -> str:

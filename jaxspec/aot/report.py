@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
-from .analysis import collectives, kernel_launches, kernel_name, memory, pallas_calls, program_cost
+from .analysis import (collectives, kernel_launches, kernel_name, memory, mosaic_launches, pallas_calls,
+                       program_cost)
 from .compile import GpuCompiled
 
 GIB = 2 ** 30
@@ -48,6 +50,12 @@ def report(compiled: GpuCompiled, title: str) -> str:
     for (name, grid, threads, smem, registers, stores, loads), n in sorted(launches.items()):
         lines.append(f"{name:<24}{n:>9}  {'x'.join(map(str, grid)):<16}{threads[0] * threads[1] * threads[2]:>8}"
                      f"{smem:>9}{registers:>6}{stores + loads:>8}")
+    mosaic = Counter((k.name, k.grid, k.threads, k.shared_memory) for k in mosaic_launches(compiled))
+    for (name, grid, threads, smem), n in sorted(mosaic.items()):
+        lines.append(f"{name + ' (Mosaic)':<24}{n:>9}  {'x'.join(map(str, grid)):<16}{math.prod(threads):>8}"
+                     f"{smem:>9}{'-':>6}{'-':>8}")
+    if mosaic:
+        lines.append("Mosaic GPU kernels: registers and spills are known once a device builds their cubins (-)")
     runs, sites = Counter(), Counter()
     for call in pallas_calls(compiled):
         runs[kernel_name(call.name)] += call.runs
