@@ -200,8 +200,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
                 plgpu.barrier_arrive(p_ready)
             store(acc, denom)
 
-        @pl.when(wg == 1)
-        def _second_columns():
+        def second_columns():
+            """Warpgroup 1: P V over its columns with warpgroup 0's P and rescales, then its denominator."""
             def step(_, acc):
                 plgpu.barrier_wait(p_ready)
                 acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
@@ -211,6 +211,9 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
             acc = jax.lax.fori_loop(0, num_tiles, step, acc0)
             plgpu.barrier_wait(p_ready)
             store(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
+
+        if handshake:
+            pl.when(wg == 1)(second_columns)
 
     pl.run_scoped(
         body,

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from jaxspec import aot
-from jaxspec.pallas_kernels import Visibility
+from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
+from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from test_sliding_compressed_attention import FLASH, abstract_call, make_case, run
 
@@ -27,8 +28,8 @@ MOSAIC_CASES = {
                                  window=8),
     # a chain, HCA counts, 72 heads (two head blocks, the second padded), D = 256 (128 columns a warpgroup)
     "chain-hca-h72-d256": dict(num_queries=2, heads=72, dim=256, compressed="count", page=16, ring_pages=1, window=12),
-    # a sliding-only layer whose ring is exactly W - 1 + Q long
-    "sliding-only": dict(compressed=None, num_queries=2, heads=4, dim=128, window=15, page=8, ring_pages=2),
+    # a sliding-only layer whose ring is exactly W - 1 + Q long; D = 512 (two column blocks)
+    "sliding-only-d512": dict(compressed=None, num_queries=2, heads=4, dim=512, window=15, page=8, ring_pages=2),
 }
 
 
@@ -104,6 +105,19 @@ def test_mosaic_refuses_what_it_cannot_tile(change, match):
         kwargs["compressed_kv"] = kwargs["compressed_kv"].astype(change["compressed_kv"])
     with pytest.raises(ValueError, match=match):
         sliding_compressed_attention_mosaic(*args, **kwargs, interpret=True)
+
+
+def test_backend_choice():
+    """"mosaic" runs this kernel (a float32 call reaches its dtype check); "auto" stays on Triton
+    on a GPU (no measurement has picked Mosaic) and on the reference off one."""
+    case = make_case(np.random.default_rng(64), batch=1, num_queries=1, dim=128)
+    args, kwargs = case.args(jnp.float32)
+    with pytest.raises(ValueError, match="sliding_compressed_attention_mosaic: dtype float32 not supported"):
+        sliding_compressed_attention(*args, **kwargs, backend="mosaic")
+    assert resolve_backend("auto", "sliding_compressed_attention") == "xla"
+    with gpu_lowering("NVIDIA H100 80GB HBM3"):
+        assert resolve_backend("auto", "sliding_compressed_attention") == "pallas"
+        assert resolve_backend("mosaic", "sliding_compressed_attention") == "mosaic"
 
 
 @pytest.mark.parametrize("compressed", ["indices", "count"], ids=["csa", "hca"])
