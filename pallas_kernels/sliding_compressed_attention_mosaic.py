@@ -31,21 +31,26 @@ depend on B, Q, the chain or tree around it: invariant by construction. The ring
 token rather than once per sequence row (up to Q times the ring's bytes in a verify step, from L2
 after the first token); that buys the invariance and the kernel's simplicity.
 
-Reading the keys. Each key row (D contiguous elements) arrives by TMA in copies of at most 256
+Reading the keys. Each seen key row (D contiguous elements) arrives by TMA in copies of at most 256
 elements (a TMA box's limit) into a row-major staging tile, is moved through registers into the
 swizzled tile the wgmma reads with unseen rows zeroed on the way (stale or never-written memory
 never meets a zero probability), and the next tile's copies are issued before this tile's GEMMs.
+An unseen key is not read (its copies' barrier arrivals are made without bytes), and a tile with no
+seen key is skipped (XLA lists each token's seen tiles first, in order): padding tokens, ring tiles
+outside the window and entries past an HCA count cost nothing.
 Hopper has no TMA gather, and a wgmma operand's 8-row swizzled tiles cannot take one row per copy
 (`sparse_mla_attention_mosaic` says more). Ring and HCA keys are contiguous within a page and
 could arrive as page slices; one gather path for all three runs keeps the kernel small.
 
 Warpgroups: warpgroup 0 gathers, computes `S = Q K^T` and the softmax, and hands P (in the keys'
 dtype) and the rescale to warpgroup 1 through SMEM; each accumulates `P V` over its own out_block
-columns. At D = 512, two column-block programs each compute `S`.
+columns. At D = 512, two column-block programs each compute `S`. Interpreted, one warpgroup
+owns all the program's columns and the handshake is left out (see `_sliding_compressed`).
 
 Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
 64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), the tile's bias,
-the rescale and the sinks (1 KiB): about 202 KiB of the 227 KiB a block may use.
+the rescale and the sinks (1 KiB): 208,928 bytes by Mosaic GPU's count, of the 232,448 (227 KiB)
+a block may claim on sm_90.
 
 Constraints (ValueError, before tracing): q and every key array bfloat16 or float16, the key
 arrays of one dtype; D a multiple of 128, and of 256 when wider than 256. Any page size, any H
