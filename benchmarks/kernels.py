@@ -53,6 +53,8 @@ from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
+from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import (check_operands as check_v4_mosaic,
+                                                                     sliding_compressed_attention_mosaic)
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
 from jaxspec.presets import preset
@@ -282,12 +284,18 @@ def v4_op(name: str, config: ModelConfig, arrays: dict) -> Op:
             q, kv, pages, pos, vis, sinks, sliding_window=config.sliding_window, scale=dim ** -0.5,
             compressed_kv=entries, compressed_pages=entry_pages, **{option: selection}))
 
+    try:  # the Mosaic kernel where it takes these shapes (not tiny-v4's D = 32 under --smoke)
+        check_v4_mosaic(q, arrays["window_kv"], entry_kv)
+        mosaic = call(functools.partial(sliding_compressed_attention_mosaic, interpret=jax.default_backend() != "gpu"))
+    except ValueError:
+        mosaic = None
     return Op(name, call(sliding_compressed_attention_pallas), call(sliding_compressed_attention_reference),
               (q, arrays["window_kv"], arrays["window_pages"], positions, arrays["vis"], arrays["sinks"],
                entry_kv, entry_pages, selection),
               bytes=batch * slots * dim * ITEM + entry_bytes + 2 * q.size * ITEM,  # K = V: each key read once
               flops=4 * heads * dim * (window_keys + entry_keys),  # scores and values, D wide each
-              xla_bytes=4 * (batch * (ring + xla_keys) * dim + 2 * batch * queries * heads * (ring + xla_keys)))
+              xla_bytes=4 * (batch * (ring + xla_keys) * dim + 2 * batch * queries * heads * (ring + xla_keys)),
+              mosaic=mosaic)
 
 
 def max_error(got, want) -> float:

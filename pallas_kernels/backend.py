@@ -18,7 +18,7 @@ import jax
 BACKENDS = ("auto", "xla", "pallas", "mosaic")
 
 # Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...).
-MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention"})
+MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention", "sliding_compressed_attention"})
 
 # device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}.
 # Empty until a lent GPU measures a Mosaic kernel faster than its Triton kernel: every op is then

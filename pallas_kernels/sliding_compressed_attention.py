@@ -134,7 +134,8 @@ def sliding_compressed_attention(q, window_kv, window_pages, positions, vis: Vis
         compressed_pages: [B, E // page] int32; exactly one of compressed_indices [B, Q, K] int32
         (entry numbers, -1 = skip: CSA) and compressed_count [B, Q] int32 (entries [0, count): HCA).
       extra_kv: [B, Q, X, D] per-query extra keys with extra_valid [B, Q, X] bool (trees), or None.
-      backend: "xla" (reference), "pallas" or "auto".
+      backend: "xla" (reference), "pallas" (Triton), "mosaic" (Mosaic GPU: bfloat16 / float16, D a
+        multiple of 128) or "auto" (`backend.resolve_backend`).
 
     Returns:
       [B, Q, H, D] in q's dtype; 0 for padding tokens and tokens that see no key.
@@ -144,7 +145,12 @@ def sliding_compressed_attention(q, window_kv, window_pages, positions, vis: Vis
                   compressed_count=compressed_count, extra_kv=extra_kv, extra_valid=extra_valid)
     check_arguments(q, window_kv, window_pages, positions, vis, sinks,
                     **{k: v for k, v in kwargs.items() if k != "scale"})
-    if resolve_backend(backend) == "pallas":
+    implementation = resolve_backend(backend, "sliding_compressed_attention")
+    if implementation == "mosaic":
+        from .sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
+        return sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, vis, sinks,
+                                                   interpret=interpret_mode(), **kwargs)
+    if implementation == "pallas":
         from .sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
         return sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, vis, sinks,
                                                    interpret=interpret_mode(), **kwargs)

@@ -1,0 +1,360 @@
+"""Pallas Mosaic GPU kernel (`plgpu.kernel`: TMA, wgmma, two warpgroups) for DeepSeek-V4's
+`sliding_compressed_attention`: shared-KV attention over the sliding-window ring, the compressed
+entries and the extra keys, with per-head sinks.
+
+Key lists. Every window token (b, q) attends over its own list of keys, in three runs of whole
+tiles of TILE (64) keys, each run read from its own array:
+
+  * the ring: all R ring indices in order (`ring_visible` masks them: the sliding rule, the chain
+    or the tree's ancestors, committed slots);
+  * the compressed entries: the token's index list (CSA; -1 and numbers past the row's pages
+    masked) or every entry of the row's pages (HCA; those at or past the token's count masked);
+  * the extra keys `extra_kv[b, q, :]` (masked by `extra_valid`).
+
+XLA builds them before the launch as two small arrays per token: the row of each key in its
+array (`[P * page, D]` flattened) and a bias (0 seen, -inf not), `[B * Q, T * TILE]`. The kernel
+then needs no visibility logic at all: the ring, a top-k list, a count and the extra keys are all
+"gather these rows, add this bias". Padding tokens' lists are all -inf.
+
+Work unit and invariance. As in `sparse_mla_attention_mosaic` (whose structure this kernel
+shares): a program holds one token's block of BLOCK_M (64) heads as the wgmma's M rows and
+2 * out_block of the D output columns in two warpgroups; grid
+
+    (column blocks, head blocks, B * Q)   axis 0 fastest
+
+and walks the token's whole list, tile by tile, with a float32 online softmax that starts at the
+head's sink (max = sink, denominator exp(0) = 1: the sink adds to the denominator only). A token's
+list is a function of its own inputs and the ring's size: ring index r sits at the same place
+whichever tokens share the call, a key the token does not see contributes an exact zero, and a
+tile it sees nothing of leaves the carry unchanged bit for bit. So a token's output bits do not
+depend on B, Q, the chain or tree around it: invariant by construction. The ring is read once per
+token rather than once per sequence row (up to Q times the ring's bytes in a verify step, from L2
+after the first token); that buys the invariance and the kernel's simplicity.
+
+Reading the keys. Each seen key row (D contiguous elements) arrives by TMA in copies of at most 256
+elements (a TMA box's limit) into a row-major staging tile, is moved through registers into the
+swizzled tile the wgmma reads with unseen rows zeroed on the way (stale or never-written memory
+never meets a zero probability), and the next tile's copies are issued before this tile's GEMMs.
+An unseen key is not read (its copies' barrier arrivals are made without bytes), and a tile with no
+seen key is skipped (XLA lists each token's seen tiles first, in order): padding tokens, ring tiles
+outside the window and entries past an HCA count cost nothing.
+Hopper has no TMA gather, and a wgmma operand's 8-row swizzled tiles cannot take one row per copy
+(`sparse_mla_attention_mosaic` says more). Ring and HCA keys are contiguous within a page and
+could arrive as page slices; one gather path for all three runs keeps the kernel small.
+
+Warpgroups: warpgroup 0 gathers, computes `S = Q K^T` and the softmax, and hands P (in the keys'
+dtype) and the rescale to warpgroup 1 through SMEM; each accumulates `P V` over its own out_block
+columns. At D = 512, two column-block programs each compute `S`. Interpreted, one warpgroup
+owns all the program's columns and the handshake is left out (see `_sliding_compressed`).
+
+Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
+64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), the tile's bias,
+the rescale and the sinks (1 KiB): 208,928 bytes by Mosaic GPU's count, of the 232,448 (227 KiB)
+a block may claim on sm_90.
+
+Constraints (ValueError, before tracing): q and every key array bfloat16 or float16, the key
+arrays of one dtype; D a multiple of 128, and of 256 when wider than 256. Any page size, any H
+(padded to a multiple of 64 with zero queries).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .contracts import check_arguments
+from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
+from .mosaic_gpu import interpret_params, interpreting
+from .paged import slot_address
+from .sliding_compressed_attention import ring_visible
+from .sparse_mla_attention_mosaic import STAGING_PAD
+from .visibility import Visibility, query_valid
+
+BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
+TILE = 64  # keys per tile
+OUT_BLOCK = 128  # output columns per warpgroup (at most): 64 x 128 float32 accumulators
+COPY = 256  # elements per TMA copy of a key row, at most: a TMA box spans at most 256 a dimension
+
+
+def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], scale: float, out_block: int,
+            warpgroups: int):
+    """One (column block, head block, token) program of two warpgroups.
+
+    q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE] int32
+    (each key's row in its array, -1 unseen), bias_ref [B * Q, T * TILE] float32 (0 seen, -inf not),
+    tiles_ref [B * Q, T] int32 (the tiles holding a seen key, in order, then anything), count_ref
+    [B * Q] int32 (how many of them); then one
+    key array [rows, D] per run (tiles [runs[i - 1], runs[i]) of the list read array i); out_ref
+    [B * Q, Hp, D]. With two warpgroups, warpgroup w owns the output columns
+    [(2 * column block + w) * out_block, + out_block); with one (interpreted), it owns both blocks.
+    """
+    *sources, out_ref = refs
+    column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
+    wg = jax.lax.axis_index("wg")
+    width = q_ref.shape[-1]
+    copy = min(width, COPY)
+    num_tiles = count_ref[token]  # tiles with no seen key are skipped: an exact no-op anyway
+    heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    column_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def gather(step, staging, bias, barrier):
+        """TMA the token's `step`-th seen tile into `staging` and its bias into `bias`."""
+        tile = tiles_ref[token, step]
+        plgpu.copy_gmem_to_smem(bias_ref.at[token, pl.ds(tile * TILE, TILE)], bias, barrier)
+        for run, source in enumerate(sources):
+            @pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))
+            def _(source=source):
+                @pl.loop(0, TILE)
+                def _(i):
+                    row = rows_ref[token, tile * TILE + i]
+
+                    @pl.when(row >= 0)
+                    def _():
+                        for piece in range(0, width, copy):
+                            plgpu.copy_gmem_to_smem(source.at[row, pl.ds(piece, copy)],
+                                                    staging.at[i, pl.ds(piece, copy)], barrier)
+
+                    @pl.when(row < 0)  # an unseen key: no read, its arrivals without bytes
+                    def _():
+                        for _ in range(0, width, copy):
+                            plgpu.barrier_arrive(barrier)
+
+    def body(q_smem, staging, kv_smem, p_smem, vectors, q_barrier, gathered, p_ready, consumed):
+        # The tile's bias, the rescale handed to warpgroup 1 and the sinks share one buffer: every
+        # SMEM buffer starts on a 1 KiB boundary.
+        bias_smem, alpha_smem, sinks_smem = vectors.at[0], vectors.at[1], vectors.at[2]
+        own = 2 * out_block // warpgroups  # output columns of this warpgroup
+        columns = pl.ds(2 * column_block * out_block + wg * own, own)
+        handshake = warpgroups == 2
+
+        def accumulate(acc, alpha):
+            """acc * alpha + P V over this warpgroup's columns of the tile (a fresh accumulator:
+            jax 0.10.2's interpreter runs neither `pl.run_state` nor accumulator stores)."""
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[:, columns])
+                return acc_ref[...]
+
+            tile_out = pl.run_scoped(values, plgpu.ACC((BLOCK_M, own), jnp.float32))
+            return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + tile_out
+
+        def store(acc, denom):
+            out = acc / jax.lax.broadcast_in_dim(denom, acc.shape, [0])  # denom >= exp(sink - max) > 0
+            out_ref[token, heads, columns] = out.astype(out_ref.dtype)
+
+        acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, own), jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(wg == 0)
+        def _scorer():
+            """Gathers, scores, runs the softmax and shares P and its rescale with warpgroup 1."""
+            plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
+            plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
+            pl.when(num_tiles > 0)(lambda: gather(0, staging, bias_smem, gathered))
+            plgpu.barrier_wait(q_barrier)
+
+            def step(i, carry):
+                row_max, denom, acc = carry
+                plgpu.barrier_wait(gathered)
+
+                if handshake:  # warpgroup 1 is done with the last tile's keys and P
+                    pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed))
+
+                keep = plgpu.layout_cast(bias_smem[...], row_layout) == 0.0
+                for c in range(width // 64):  # staging -> registers -> swizzled tile, unseen rows zeroed
+                    chunk = plgpu.layout_cast(staging[:, pl.ds(c * 64, 64)], plgpu.Layout.WGMMA)
+                    kv_smem[:, pl.ds(c * 64, 64)] = jnp.where(
+                        jax.lax.broadcast_in_dim(keep, (TILE, 64), [0]), chunk, jnp.zeros_like(chunk))
+                bias = plgpu.layout_cast(bias_smem[...], column_layout)
+                plgpu.commit_smem()
+
+                @pl.when(i + 1 < num_tiles)
+                def _():
+                    gather(i + 1, staging, bias_smem, gathered)
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, TILE), jnp.float32))
+                s = s * scale + jax.lax.broadcast_in_dim(bias, s.shape, [1])
+                # row_max starts at the sink, so it is finite: no guard against -inf - -inf.
+                new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+                alpha = jnp.exp(row_max - new_max)
+                p = jnp.exp(s - jax.lax.broadcast_in_dim(new_max, s.shape, [0]))
+                p_smem[...] = p.astype(p_smem.dtype)
+                if handshake:
+                    alpha_smem[...] = alpha
+                plgpu.commit_smem()
+                if handshake:
+                    plgpu.barrier_arrive(p_ready)
+                return new_max, denom * alpha + jnp.sum(p, axis=1), accumulate(acc, alpha)
+
+            # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
+            init = (plgpu.layout_cast(sinks_smem[...], row_layout),
+                    plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), acc0)
+            _, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
+            if handshake:  # warpgroup 1 has read the last rescale: hand it the denominator
+                pl.when(num_tiles > 0)(lambda: plgpu.barrier_wait(consumed))
+                alpha_smem[...] = denom
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+            store(acc, denom)
+
+        def second_columns():
+            """Warpgroup 1: P V over its columns with warpgroup 0's P and rescales, then its denominator."""
+            def step(_, acc):
+                plgpu.barrier_wait(p_ready)
+                acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
+                plgpu.barrier_arrive(consumed)
+                return acc
+
+            acc = jax.lax.fori_loop(0, num_tiles, step, acc0)
+            plgpu.barrier_wait(p_ready)
+            store(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
+
+        if handshake:
+            pl.when(wg == 1)(second_columns)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((TILE, width + STAGING_PAD), q_ref.dtype),
+        plgpu.SMEM((TILE, width), q_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_M, TILE), q_ref.dtype, transforms=SWIZZLED),
+        plgpu.SMEM((3, TILE), jnp.float32),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=TILE * (width // copy) + 1),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+        collective_axes="wg",
+    )
+
+
+def _rows_in_pages(pages: jax.Array, entries: jax.Array, page_size: int, num_pages: int):
+    """pages [B, M], entries [B, ...] (row-local numbers) -> (row in the flattened [P * page, D]
+    array, 0 where invalid; valid: the number is in the row's pages)."""
+    page, offset, valid = slot_address(pages, entries, page_size, num_pages)
+    return jnp.where(valid, page * page_size + offset, 0), valid
+
+
+def _run(rows: jax.Array, seen: jax.Array):
+    """rows [B, Q, N] int32, seen [B, Q, N] bool -> (rows, -1 where unseen; bias float32, 0 where
+    seen, -inf not), padded to whole tiles with unseen keys."""
+    pad = [(0, 0), (0, 0), (0, -rows.shape[2] % TILE)]
+    return (jnp.pad(jnp.where(seen, rows, -1).astype(jnp.int32), pad, constant_values=-1),
+            jnp.pad(jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32), pad, constant_values=-jnp.inf))
+
+
+def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_window: int, compressed_kv=None,
+              compressed_pages=None, compressed_indices=None, compressed_count=None, extra_kv=None, extra_valid=None):
+    """Every token's key list (the module docstring): rows [B, Q, T * TILE] int32, bias
+    [B, Q, T * TILE] float32, and the runs' ends in tiles (one per key array: ring, compressed,
+    extra), with the key arrays flattened to [rows, D] in the same order."""
+    batch, num_queries = positions.shape
+    valid = query_valid(vis, num_queries)[:, :, None]
+    num_pages, page_size, dim = window_kv.shape
+    ring = window_pages.shape[1] * page_size
+    ring_rows, _ = _rows_in_pages(window_pages, jnp.broadcast_to(jnp.arange(ring, dtype=jnp.int32), (batch, ring)),
+                                  page_size, num_pages)
+    runs = [_run(jnp.broadcast_to(ring_rows[:, None], (batch, num_queries, ring)),
+                 ring_visible(positions, vis, ring, sliding_window=sliding_window))]
+    sources = [window_kv.reshape(-1, dim)]
+    if compressed_kv is not None:
+        entry_pages, entry_page_size = compressed_pages.shape[1], compressed_kv.shape[1]
+        if compressed_indices is not None:
+            entries = compressed_indices.astype(jnp.int32)
+            rows, listed = _rows_in_pages(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
+        else:
+            capacity = entry_pages * entry_page_size
+            entries = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, num_queries, capacity))
+            rows, _ = _rows_in_pages(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
+            listed = entries < compressed_count[:, :, None]
+        runs.append(_run(rows, listed & valid))
+        sources.append(compressed_kv.reshape(-1, dim))
+    if extra_kv is not None:
+        width = extra_kv.shape[2]
+        rows = jnp.arange(batch * num_queries * width, dtype=jnp.int32).reshape(batch, num_queries, width)
+        runs.append(_run(rows, extra_valid & valid))
+        sources.append(extra_kv.reshape(-1, dim))
+    ends = tuple(itertools.accumulate(r.shape[2] // TILE for r, _ in runs))
+    rows = jnp.concatenate([r for r, _ in runs], axis=2)
+    bias = jnp.concatenate([b for _, b in runs], axis=2)
+    return rows, bias, ends, sources
+
+
+def check_operands(q, window_kv, compressed_kv=None, extra_kv=None) -> None:
+    """ValueError, naming the argument and what is allowed, for operands the kernel cannot take."""
+    keys = {name: array for name, array in (("window_kv", window_kv), ("compressed_kv", compressed_kv),
+                                            ("extra_kv", extra_kv)) if array is not None}
+    check_mosaic_operands("sliding_compressed_attention_mosaic", q, *keys.values())
+    for name, array in keys.items():
+        if array.dtype != window_kv.dtype:
+            raise ValueError(f"sliding_compressed_attention_mosaic: {name}.dtype={array.dtype} must equal "
+                             f"window_kv.dtype={window_kv.dtype} (one wgmma operand type)")
+    dim = q.shape[-1]
+    if dim % 128 or (dim > 2 * OUT_BLOCK and dim % (2 * OUT_BLOCK)):
+        raise ValueError(f"sliding_compressed_attention_mosaic: q last dim D={dim} must be a multiple of 128 "
+                         f"(of {2 * OUT_BLOCK} when wider)")
+
+
+def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, vis: Visibility, sinks, *,
+                                        sliding_window: int, scale: float, compressed_kv=None,
+                                        compressed_pages=None, compressed_indices=None, compressed_count=None,
+                                        extra_kv=None, extra_valid=None, interpret: bool = False):
+    """`sliding_compressed_attention` as a Mosaic GPU kernel; same arguments and result as the
+    reference: q [B, Q, H, D], window_kv [P, page, D], window_pages [B, R / page], positions
+    [B, Q], sinks [H], compressed_kv [Pc, page, D] with compressed_pages [B, E / page] and
+    compressed_indices [B, Q, K] or compressed_count [B, Q], extra_kv [B, Q, X, D] with
+    extra_valid [B, Q, X] -> [B, Q, H, D] in q's dtype.
+
+    Allowed (ValueError otherwise, before tracing): bfloat16 / float16 q and keys, the keys of one
+    dtype; D a multiple of 128 (of 256 when wider).
+    interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
+    """
+    kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,
+                  compressed_indices=compressed_indices, compressed_count=compressed_count, extra_kv=extra_kv,
+                  extra_valid=extra_valid)
+    check_arguments(q, window_kv, window_pages, positions, vis, sinks, **kwargs)
+    check_operands(q, window_kv, compressed_kv, extra_kv)
+    run = functools.partial(_sliding_compressed, q, window_kv, window_pages, positions, vis, sinks, scale=scale,
+                            interpret=interpret, **kwargs)
+    if not interpret:
+        return run()
+    with interpreting():
+        return run()
+
+
+# `interpret` only keys the jit cache: a kernel traced for the simulator is never reused for a GPU.
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret"))
+def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sliding_window: int, scale: float,
+                        compressed_kv, compressed_pages, compressed_indices, compressed_count, extra_kv,
+                        extra_valid, interpret: bool):
+    # Interpreted, one warpgroup owns all the program's columns (no register limit there) and the
+    # warpgroups' handshake is left out: the simulator runs warpgroups as threads whose XLA
+    # executions share the host's thread pool, and two that wait on each other deadlocked here.
+    warpgroups = 1 if interpret else 2
+    batch, num_queries, heads, dim = q.shape
+    tokens = batch * num_queries
+    rows, bias, runs, sources = key_lists(
+        window_kv, window_pages, positions, vis, sliding_window=sliding_window, compressed_kv=compressed_kv,
+        compressed_pages=compressed_pages, compressed_indices=compressed_indices, compressed_count=compressed_count,
+        extra_kv=extra_kv, extra_valid=extra_valid)
+    queries = pad_to(q, 2, BLOCK_M).reshape(tokens, -1, dim).astype(window_kv.dtype)
+    heads_padded = queries.shape[1]
+    out_block = min(dim // 2, OUT_BLOCK)  # columns per warpgroup
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, runs=runs, scale=scale, out_block=out_block, warpgroups=warpgroups),
+        out_type=jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype),
+        grid=(dim // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
+        num_threads=warpgroups, thread_name="wg", interpret=interpret_params() if interpret else None)
+    bias = bias.reshape(tokens, -1)
+    seen = jnp.any(bias.reshape(tokens, -1, TILE) == 0.0, axis=2)  # [B * Q, T]
+    tiles = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # the seen tiles first, in order
+    out = kernel(queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.reshape(tokens, -1), bias, tiles,
+                 jnp.sum(seen, axis=1, dtype=jnp.int32), *sources)
+    return out[:, :heads].reshape(batch, num_queries, heads, dim)

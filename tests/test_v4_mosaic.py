@@ -1,0 +1,134 @@
+"""DeepSeek-V4's `sliding_compressed_attention` as a Mosaic GPU kernel
+(`sliding_compressed_attention_mosaic.py`): interpreted on the CPU against the reference, a token's
+output bits whatever window it shares a call with, the argument checks, the `backend="mosaic"`
+dispatch, and its compile for an H100 (sm_90a) at DeepSeek-V4-Flash's widths without a GPU.
+
+Interpret mode simulates every TMA copy and wgmma in Python, so the shapes are small.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import aot
+from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
+from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
+from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
+from test_sliding_compressed_attention import FLASH, abstract_call, make_case, run
+
+MOSAIC_CASES = {
+    # a tree window, CSA top-k (-1 and entries past the row's pages mixed in), extra keys, 8-slot
+    # pages: a 64-key tile spans several pages, in random order
+    "tree-csa-extra-page8": dict(tree=True, num_queries=3, heads=4, dim=128, extra=2, topk=40, page=8, ring_pages=2,
+                                 window=8),
+    # a chain, HCA counts, 72 heads (two head blocks, the second padded), D = 256 (128 columns a warpgroup)
+    "chain-hca-h72-d256": dict(num_queries=2, heads=72, dim=256, compressed="count", page=16, ring_pages=1, window=12),
+    # a sliding-only layer whose ring is exactly W - 1 + Q long; D = 512 (two column blocks)
+    "sliding-only-d512": dict(compressed=None, num_queries=2, heads=4, dim=512, window=15, page=8, ring_pages=2),
+}
+
+
+@pytest.mark.parametrize("options", MOSAIC_CASES.values(), ids=MOSAIC_CASES.keys())
+def test_mosaic_matches_reference(options):
+    """Through the op's `backend="mosaic"` (jitted, interpreted). make_case's rows: a long context
+    (ring wrapped), padding tokens, an empty row, a short context; NaN in all memory no token may
+    see. Within bf16 tolerance of the reference, finite, padding tokens exactly 0."""
+    case = make_case(np.random.default_rng(60), **options)
+    got = np.asarray(run(case, jnp.bfloat16, backend="mosaic"), np.float32)
+    want = np.asarray(run(case, jnp.bfloat16), np.float32)
+    assert got.shape == case.q.shape and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
+    assert padding.any() and (got[padding] == 0).all()
+
+
+def test_mosaic_token_seeing_nothing_returns_zero():
+    """A tree token that is not its own ancestor, with no compressed entry and no extra key, sees
+    nothing: 0 whatever its sink, beside a token that sees its ring slot."""
+    case = make_case(np.random.default_rng(61), batch=1, num_queries=2, heads=4, dim=128, tree=True, extra=1)
+    ancestors = case.ancestors.copy()
+    ancestors[0, 1] = False
+    case = case._replace(ancestors=ancestors, prefix_len=np.zeros(1, np.int32), query_len=np.array([2], np.int32),
+                         positions=np.array([[0, 1]], np.int32), compressed_indices=np.full_like(
+                             case.compressed_indices, -1), extra_valid=np.zeros_like(case.extra_valid))
+    got = np.asarray(run(case, jnp.bfloat16, backend="mosaic"), np.float32)
+    np.testing.assert_array_equal(got[0, 1], 0)
+    np.testing.assert_allclose(got, np.asarray(run(case, jnp.bfloat16), np.float32), rtol=2e-2, atol=2e-2)
+    assert np.abs(got[0, 0]).max() > 0
+
+
+def test_mosaic_output_does_not_depend_on_the_window():
+    """Token 1 of a row gives the same bits decoded alone (Q = 1, the token before it committed),
+    inside a chain window (Q = 4), and as a node of a tree (root 0 with children 1 and 2, node 3
+    under 2): same ring, entry list and extra keys; random float inputs, so any change of the
+    order of summation would show."""
+    case = make_case(np.random.default_rng(62), batch=1, num_queries=4, heads=4, dim=128, extra=2, topk=40, page=8,
+                     ring_pages=2, window=9)
+    args, kwargs = case.args(jnp.bfloat16)
+    q, window_kv, window_pages, positions, vis, sinks = args
+    prefix = int(case.prefix_len[0])
+    call = functools.partial(sliding_compressed_attention_mosaic, interpret=True)
+    chain = call(*args, **kwargs)
+    token = slice(1, 2)
+    per_token = {k: v[:, token] if k in ("compressed_indices", "extra_kv", "extra_valid") else v
+                 for k, v in kwargs.items()}
+    one = lambda value: jnp.asarray([value], jnp.int32)  # noqa: E731
+    alone = call(q[:, token], window_kv, window_pages, positions[:, token], Visibility(one(prefix + 1), one(1)), sinks,
+                 **per_token)
+    tree_mask = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)[None]
+    tree_positions = jnp.asarray([[prefix, prefix + 1, prefix + 1, prefix + 2]], jnp.int32)
+    tree = call(q, window_kv, window_pages, tree_positions, Visibility(one(prefix), one(4), jnp.asarray(tree_mask)),
+                sinks, **kwargs)
+    alone = np.asarray(alone[0, 0], np.float32)
+    assert np.isfinite(alone).all() and np.abs(alone).max() > 0
+    np.testing.assert_array_equal(np.asarray(chain[0, 1], np.float32), alone)
+    np.testing.assert_array_equal(np.asarray(tree[0, 1], np.float32), alone)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=jnp.float32), r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
+    (dict(compressed_kv=jnp.float16), r"compressed_kv.dtype=float16 must equal window_kv.dtype=bfloat16"),
+    (dict(dim=192), r"q last dim D=192 must be a multiple of 128 \(of 256 when wider\)"),
+    (dict(dim=384), r"q last dim D=384 must be a multiple of 128 \(of 256 when wider\)"),
+], ids=["float32", "mixed-key-dtypes", "d192", "d384"])
+def test_mosaic_refuses_what_it_cannot_tile(change, match):
+    case = make_case(np.random.default_rng(63), batch=1, num_queries=1, dim=change.get("dim", 128))
+    args, kwargs = case.args(jnp.bfloat16)
+    if "q" in change:
+        args = (args[0].astype(change["q"]), *args[1:])
+    if "compressed_kv" in change:
+        kwargs["compressed_kv"] = kwargs["compressed_kv"].astype(change["compressed_kv"])
+    with pytest.raises(ValueError, match=match):
+        sliding_compressed_attention_mosaic(*args, **kwargs, interpret=True)
+
+
+def test_backend_choice():
+    """"mosaic" runs this kernel (a float32 call reaches its dtype check); "auto" stays on Triton
+    on a GPU (no measurement has picked Mosaic) and on the reference off one."""
+    case = make_case(np.random.default_rng(64), batch=1, num_queries=1, dim=128)
+    args, kwargs = case.args(jnp.float32)
+    with pytest.raises(ValueError, match="sliding_compressed_attention_mosaic: dtype float32 not supported"):
+        sliding_compressed_attention(*args, **kwargs, backend="mosaic")
+    assert resolve_backend("auto", "sliding_compressed_attention") == "xla"
+    with gpu_lowering("NVIDIA H100 80GB HBM3"):
+        assert resolve_backend("auto", "sliding_compressed_attention") == "pallas"
+        assert resolve_backend("mosaic", "sliding_compressed_attention") == "mosaic"
+
+
+@pytest.mark.parametrize("compressed", ["indices", "count"], ids=["csa", "hca"])
+def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed):
+    """V4-Flash widths (64 heads, D = 512, window 128, top-512), B = 32, a verification tree of 8
+    with extra keys: the real Mosaic GPU lowering (TMA boxes, wgmma shapes, and Mosaic's check that
+    the declared shared memory fits the 227 KiB a block may claim on sm_90, which raises otherwise)
+    and XLA's compile around it: one Mosaic launch, output [B, Q, H, D] bf16. Registers and spills
+    are only known once the cubin is built, on a device."""
+    args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2)
+    compiled = aot.compile_gpu(sliding_compressed_attention_mosaic, *args, devices=h100,
+                               static_argnames=("sliding_window", "scale"), **kwargs)
+    assert compiled.as_text().count('custom_call_target="mosaic_gpu') == 1
+    assert aot.memory(compiled).output == FLASH["batch"] * 8 * FLASH["heads"] * FLASH["dim"] * 2
