@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .fp8_cache import E4M3, SCALE_BLOCK, Fp8Pool
@@ -133,6 +134,19 @@ def dequantize_rows(values, scales, dtype):
     float32, rounded to dtype: what `fp8_cache.entries` computes (e4m3 -> float32 is exact, one
     float32 product, one rounding), so a kernel reads the reference's entries bit for bit."""
     return (values.astype(jnp.float32) * jax.lax.broadcast_in_dim(scales, values.shape, [0])).astype(dtype)
+
+
+def tile_scores(q_smem, kv_smem, shape: tuple[int, int], scale, bias):
+    """One key tile's scores in a warpgroup: q_smem [M, D] . kv_smem [T, D]^T on the tensor cores
+    (float32 accumulator, shape = (M, T)), times `scale`, plus bias [T] (0 for a seen key, -inf for
+    an unseen one) on every row -> [M, T] float32. The sparse gathers share it: a key list's tile is
+    scored the same way whatever the keys are."""
+    def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
+        return acc_ref[...]
+
+    s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+    return s * scale + jax.lax.broadcast_in_dim(bias, s.shape, [1])
 
 
 def check_fp8_latent(name: str, pool: Fp8Pool) -> None:

@@ -69,10 +69,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import interpret_params, interpreting
+from .mosaic_gpu import interpret_params, interpreting, tile_scores
 from .paged import slot_address
 from .sliding_compressed_attention import ring_visible
-from .sparse_mla_attention_mosaic import STAGING_PAD
+from .sparse_mla_attention_mosaic import staging_pad
 from .visibility import Visibility, query_valid
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -176,12 +176,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
                 def _():
                     gather(i + 1, staging, bias_smem, gathered)
 
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, TILE), jnp.float32))
-                s = s * scale + jax.lax.broadcast_in_dim(bias, s.shape, [1])
+                s = tile_scores(q_smem, kv_smem, (BLOCK_M, TILE), scale, bias)
                 # row_max starts at the sink, so it is finite: no guard against -inf - -inf.
                 new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
                 alpha = jnp.exp(row_max - new_max)
@@ -223,7 +218,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
     pl.run_scoped(
         body,
         plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((TILE, width + STAGING_PAD), q_ref.dtype),
+        plgpu.SMEM((TILE, width + staging_pad(q_ref.dtype)), q_ref.dtype),
         plgpu.SMEM((TILE, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_M, TILE), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((3, TILE), jnp.float32),

@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .fp8_cache import SCALE_BLOCK, Fp8Pool
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpreting
+from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpreting, tile_scores
 from .paged import read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -202,12 +202,7 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
                 def _():
                     gather(tile + 1, stagings, bias_smem, scales, gathered)
 
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((BLOCK_M, TILE), jnp.float32))
-                s = s * softmax_scale + jax.lax.broadcast_in_dim(bias, s.shape, [1])
+                s = tile_scores(q_smem, kv_smem, (BLOCK_M, TILE), softmax_scale, bias)
                 new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
                 safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
                 alpha = jnp.exp(row_max - safe_max)
