@@ -33,29 +33,7 @@ import jax.numpy as jnp
 from .backend import interpret_mode, resolve_backend
 from .contracts import check_arguments
 from .paged import gather_rows, read_slots
-from .visibility import Visibility, query_valid
-
-
-def ring_visible(positions: jax.Array, vis: Visibility, ring: int, *, sliding_window: int) -> jax.Array:
-    """[B, Q, R] bool: token (b, q) sees the entry at ring index r (the definition above).
-
-    Ring index r holds the newest slot `s_r = r (mod R)` below `prefix_len + Q` (the call's writes
-    end there); R >= sliding_window - 1 + Q makes every slot a token may see one of those.
-    """
-    num_queries = positions.shape[1]
-    r = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
-    prefix = vis.prefix_len[:, None, None]
-    end = prefix + num_queries
-    slot = r + ring * jnp.floor_divide(end - 1 - r, ring)  # [B, 1, R], may be < 0 (never written)
-    window = slot - prefix  # window index of the slot; negative for committed slots
-    j = jnp.clip(window, 0, num_queries - 1)
-    ancestor = window <= jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]  # trees list parents first
-    if vis.tree_mask is not None:
-        ancestor &= jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(j, vis.tree_mask.shape[:2] + (ring,)), axis=2)
-    in_window = ancestor & (window < vis.query_len[:, None, None])
-    key_position = jnp.where(window < 0, slot, jnp.take_along_axis(positions, j[:, 0], axis=1)[:, None, :])
-    recent = key_position > positions[:, :, None] - sliding_window
-    return (slot >= 0) & jnp.where(window < 0, True, in_window) & recent & query_valid(vis, num_queries)[:, :, None]
+from .visibility import Visibility, query_valid, ring_visible
 
 
 def _zero_unseen(kv: jax.Array, mask: jax.Array) -> jax.Array:

@@ -71,9 +71,8 @@ from .contracts import check_arguments
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import interpret_params, interpreting, tile_scores
 from .paged import slot_address
-from .sliding_compressed_attention import ring_visible
 from .sparse_mla_attention_mosaic import staging_pad
-from .visibility import Visibility, query_valid
+from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # keys per tile

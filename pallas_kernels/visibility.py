@@ -86,3 +86,27 @@ def ancestor_slots(vis: Visibility, num_queries: int, num_slots: int) -> jax.Arr
     window = prefix + jnp.arange(num_queries, dtype=jnp.int32)[None, None, :]
     batch, queries = jnp.indices(ancestor.shape[:2])
     return in_prefix.at[batch[..., None], queries[..., None], target].set(window, mode="drop")
+
+
+def ring_visible(positions: jax.Array, vis: Visibility, ring: int, *, sliding_window: int) -> jax.Array:
+    """[B, Q, R] bool: token (b, q) sees the entry at ring index r of a sliding-window ring
+    (`sliding_compressed_attention`'s contract: slot s at ring index s % R, seen when committed or
+    an ancestor's window slot, and its key position within `sliding_window` of the token's).
+
+    Ring index r holds the newest slot `s_r = r (mod R)` below `prefix_len + Q` (the call's writes
+    end there); R >= sliding_window - 1 + Q makes every slot a token may see one of those.
+    """
+    num_queries = positions.shape[1]
+    r = jnp.arange(ring, dtype=jnp.int32)[None, None, :]
+    prefix = vis.prefix_len[:, None, None]
+    end = prefix + num_queries
+    slot = r + ring * jnp.floor_divide(end - 1 - r, ring)  # [B, 1, R], may be < 0 (never written)
+    window = slot - prefix  # window index of the slot; negative for committed slots
+    j = jnp.clip(window, 0, num_queries - 1)
+    ancestor = window <= jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]  # trees list parents first
+    if vis.tree_mask is not None:
+        ancestor &= jnp.take_along_axis(vis.tree_mask, jnp.broadcast_to(j, vis.tree_mask.shape[:2] + (ring,)), axis=2)
+    in_window = ancestor & (window < vis.query_len[:, None, None])
+    key_position = jnp.where(window < 0, slot, jnp.take_along_axis(positions, j[:, 0], axis=1)[:, None, :])
+    recent = key_position > positions[:, :, None] - sliding_window
+    return (slot >= 0) & jnp.where(window < 0, True, in_window) & recent & query_valid(vis, num_queries)[:, :, None]
