@@ -169,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             convert(args.src, args.dst, dtype=DTYPES[args.dtype])
     except (ValueError, RuntimeError) as error:
-        # XLA names no kernel when ptxas spills; the report does (e.g. grouped_matmul's masked
-        # tiles at the tiny presets' unaligned widths spill on sm_90a; real shapes compile clean).
-        hint = (" (a kernel spills registers: --allow-spills compiles anyway, and the report's spills column "
-                "names it)" if "register spilling" in str(error) else "")
+        # XLA names no kernel when ptxas spills. The report's spills column covers the Pallas kernels
+        # (grouped_matmul's masked tiles at the tiny presets' unaligned widths spill on sm_90a); the
+        # spilling kernel may also be one of XLA's own (the indexer's lax.top_k sort over 32k slots).
+        hint = (" (a kernel spills registers: --allow-spills compiles anyway; the report's spills column names "
+                "a Pallas kernel that spills, and none there means one of XLA's own, such as a large sort)"
+                if "register spilling" in str(error) else "")
         _log(f"jaxspec {args.command}: error: {error}{hint}")
         return 1
     return 0
