@@ -78,7 +78,7 @@ from jaxspec import checkpoint_v4, fp8, progress, sharding, shards
 from jaxspec.mesh_loading import load_onto_mesh
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3, layer_runs
-from jaxspec.models.stack import LayerRun, write_row
+from jaxspec.models.stack import LayerRun, run_of, write_row
 from jaxspec.orbax_io import PARAMS_DIR, abstract_model, param_placement, restore_model
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -170,6 +170,12 @@ def _v4_block_writes(prefix: str, rest: str, layer: int | None = None) -> list[_
     return [_Write(prefix + rest, _as_is, layer=layer)]
 
 
+def _located(config: ModelConfig, layer: int) -> tuple[str, int]:
+    """Decoder layer `layer`'s stack prefix and row (`LayerRun.locate` of the run holding it)."""
+    _, run = run_of(layer_runs(config), layer, config.num_hidden_layers)
+    return run.locate(layer)
+
+
 def _v4_writes(name: str, config: ModelConfig) -> list[_Write]:
     """`_writes` for DeepSeek-V4, `name` in transformers' form (`checkpoint_v4.to_transformers`)."""
     if name.startswith("model.hc_head."):
@@ -178,8 +184,7 @@ def _v4_writes(name: str, config: ModelConfig) -> list[_Write]:
         layer = int(match[1])
         if layer >= config.num_hidden_layers:
             return []
-        run = next(run for run in layer_runs(config) if run.start <= layer < run.stop)
-        prefix, row = run.locate(layer)
+        prefix, row = _located(config, layer)
         return _v4_block_writes(prefix, match[2], row)
     if (match := _V4_MTP.fullmatch(name)) and int(match[1]) < min(config.num_nextn_predict_layers, 1):
         if match[2] in _V4_MTP_OWN:
@@ -199,8 +204,7 @@ def _writes(name: str, config: ModelConfig) -> list[_Write]:
         return []
     layer, rest = int(match[1]), match[2]
     if layer < config.num_hidden_layers:
-        run = next(run for run in layer_runs(config) if run.start <= layer < run.stop)
-        prefix, row = run.locate(layer)
+        prefix, row = _located(config, layer)
         return _block_writes(prefix, rest, row)
     if layer == config.num_hidden_layers and config.num_nextn_predict_layers > 0:
         if rest in _MTP_OWN:

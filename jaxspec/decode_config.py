@@ -60,10 +60,10 @@ class DecodeConfig:
       over its whole ring, which `generate` sizes by the widest call, so by the chunk).
     cache_dtype: None (default) stores the caches in the model's compute dtype; "fp8" stores them as
       DeepSeek serves V3.2: each MLA latent in FlashMLA's FP8 token (656 bytes at DeepSeek's
-      widths), the DSA indexer keys Hadamard-rotated in e4m3 with per-128 power-of-two scales, and
-      the indexer scores from FP8 queries and keys (docs/fp8-caches.md). Quantization is per token,
-      so the exactness guarantees above hold unchanged. Not on backend "mosaic" (its kernels read
-      compute-dtype caches) nor for DeepSeek-V4 models (ValueError).
+      widths), the DSA indexer keys Hadamard-rotated in e4m3 with per-128 scales (powers of two
+      where the model's `scale_fmt` says "ue8m0"), and the indexer scores from FP8 queries and keys
+      (docs/fp8-caches.md). Quantization is per token, so the exactness guarantees above hold
+      unchanged. Every backend reads them; DeepSeek-V4 models refuse them (ValueError).
     prefill_chunk: None (default) runs the whole padded prompt [B, P] through the target and the
       MTP module in one call each. C >= 1 runs it in ceil(P / C) calls of min(C, P) tokens inside
       one `jax.lax.fori_loop` (`jaxspec.loop.prefill`), so the prefill's activations and

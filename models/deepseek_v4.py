@@ -57,6 +57,7 @@ from .v4_attention import V4Attention
 LAYER_GROUPS = "layer_groups"
 
 
+@functools.cache  # the loaders ask once per checkpoint tensor (tens of thousands); the search takes 0.3 ms
 def layer_runs(config: ModelConfig) -> tuple[LayerRun, ...]:
     """The stacks of a V4 decoder, in layer order: `layer_groups.{k}` holds the k-th of the fewest
     runs of a repeated unit of one or two layers (a layer's kind: its attention kind and routing)."""

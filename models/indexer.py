@@ -9,8 +9,8 @@ DeepSeek's release also applies a Hadamard rotation to q_idx and key before quan
 An orthogonal rotation of both sides leaves every dot product unchanged, so with a compute-dtype key
 cache it is omitted. With an FP8 key cache (`cache_dtype="fp8"`) selection is DeepSeek's
 (V3.2-Exp `inference/model.py`, `Indexer.forward`): keys and queries rotated
-(`fp8_cache.rotate`), quantized per 128 values with power-of-two scales (`fp8_cache.quantize_act`;
-V3.2's config sets `scale_fmt` "ue8m0"), the query scales folded into the weights
+(`fp8_cache.rotate`), quantized per 128 values (`fp8_cache.quantize_act`: power-of-two scales
+where the config sets `scale_fmt` "ue8m0", as V3.2's does), the query scales folded into the weights
 (`fp8_cache.fp8_index_queries`), and the scores taken from the FP8 values (`indexer.score_keys`).
 """
 
