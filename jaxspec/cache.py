@@ -42,11 +42,11 @@ class PagedCache:
 
     @property
     def num_layers(self) -> int:
-        return jax.tree.leaves(self.latent)[0].shape[0]
+        return self.latent.shape[0]
 
     @property
     def page_size(self) -> int:
-        return jax.tree.leaves(self.latent)[0].shape[2]
+        return self.latent.shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -72,13 +72,9 @@ class PagedCache:
         return PagedCache(latent=pools(self.latent), index_keys=pools(self.index_keys), page_table=rows, lengths=rows)
 
     def layer_pages(self, pool, layer):
-        """Layer `layer`'s view of a stacked pool [L, P, page, D] (`latent` or `index_keys`, a plain
-        array or an `Fp8Pool`) as the kernels take it: (the pool flattened to [L * P, page, D], each
-        part a free reshape, and this layer's page table [B, M], the shared one offset by layer * P).
-        layer: an int or a traced int32."""
-        num_layers, num_pages = jax.tree.leaves(pool)[0].shape[:2]
-        flat = jax.tree.map(lambda a: a.reshape(num_layers * num_pages, *a.shape[2:]), pool)
-        return flat, self.page_table + layer * num_pages
+        """Layer `layer`'s view of a stacked pool (`latent` or `index_keys`) as the kernels take it:
+        `stacked_pages` with the shared page table. layer: an int or a traced int32."""
+        return stacked_pages(pool, self.page_table, layer)
 
     def write(self, layer, slots: jax.Array, latent: jax.Array, index_key: jax.Array | None = None):
         """Write one layer's window entries: slots [B, Q] (-1 = skip), latent [B, Q, Dc], index_key
@@ -103,6 +99,15 @@ class PagedCache:
 
         each_layer = lambda pool: jax.tree.map(jax.vmap(moved), pool)
         return self.replace(latent=each_layer(self.latent), index_keys=each_layer(self.index_keys))
+
+
+def stacked_pages(pool, page_table: jax.Array, row):
+    """Row `row` of a stacked pool [n, P, page, D] (a plain array or an `Fp8Pool`) as the kernels
+    take it: (the pool flattened to [n * P, page, D], each part a free reshape, and the row's page
+    table [B, M], `page_table` offset by row * P). row: an int or a traced int32."""
+    num_rows, num_pages = pool.shape[:2]
+    flat = jax.tree.map(lambda a: a.reshape(num_rows * num_pages, *a.shape[2:]), pool)
+    return flat, page_table + row * num_pages
 
 
 def pages_per_row(capacity: int, page_size: int) -> int:
@@ -160,13 +165,16 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
         page_table = row_page_table(batch_size, num_row_pages, row_shards)
     elif page_table.shape != (batch_size, num_row_pages):
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
-    if cache_dtype == "fp8":
-        latent = init_pool(num_pages, page_size, latent_dim - rope_dim, rope_dim, rule=LATENT_RULE)
-        keys = init_pool(num_pages, page_size, index_dim, rule=INDEX_RULES[scale_fmt]) if index_dim else None
-    else:
-        latent = jnp.zeros((num_pages, page_size, latent_dim), dtype)
-        keys = jnp.zeros((num_pages, page_size, index_dim), dtype) if index_dim else None
+
+    def one_layer():
+        if cache_dtype == "fp8":
+            return (init_pool(num_pages, page_size, latent_dim - rope_dim, rope_dim, rule=LATENT_RULE),
+                    init_pool(num_pages, page_size, index_dim, rule=INDEX_RULES[scale_fmt]) if index_dim else None)
+        return (jnp.zeros((num_pages, page_size, latent_dim), dtype),
+                jnp.zeros((num_pages, page_size, index_dim), dtype) if index_dim else None)
+
+    # One layer's pools by shape only (nothing allocated), then every part stacked [L, ...].
     stacked = lambda pool: jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype), pool)
-    latent, keys = stacked(latent), stacked(keys)
+    latent, keys = stacked(jax.eval_shape(one_layer))
     return PagedCache(latent=latent, index_keys=keys, page_table=jnp.asarray(page_table, jnp.int32),
                       lengths=jnp.zeros((batch_size,), jnp.int32))

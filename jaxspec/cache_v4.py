@@ -37,7 +37,7 @@ width]`: `window` over every layer, the CSA structures over the CSA layers, the 
 layers, a layer's row being its rank among the layers of its kind (`row`). Why stacked: the decoder
 runs its layers as `jax.lax.scan`s (`models.stack`) with the cache in the carry, so a layer's index
 may be traced, and a per-layer tuple cannot be indexed by it. A layer addresses its pages as
-`jaxspec.cache.PagedCache.layer_pages` does: the stack flattened to `[n * P, page, width]` (a free
+`jaxspec.cache.stacked_pages` does: the stack flattened to `[n * P, page, width]` (a free
 reshape) with the row's page table offset by `row * P`, so reads and writes touch the carry in place
 (slicing a layer out would copy its pages at every call). Pages are laid out per row as
 `jaxspec.cache.init_cache` lays out its pages (row after row, or per row shard), so
@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.cache import check_geometry, pages_per_row, row_page_table
+from jaxspec.cache import check_geometry, pages_per_row, row_page_table, stacked_pages
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
@@ -115,10 +115,6 @@ class V4Cache:
     layer_types: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
-    def num_layers(self) -> int:
-        return self.window.shape[0]
-
-    @property
     def page_size(self) -> int:
         return self.window.shape[2]
 
@@ -153,12 +149,9 @@ class V4Cache:
         return jnp.asarray(kind_rows(self.layer_types), jnp.int32)[layer]
 
     def layer_pages(self, name: str, layer) -> tuple[jax.Array, jax.Array]:
-        """Layer `layer`'s view of pool `name` as the kernels take it: (the stack flattened to
-        [n * P, page, width], and this layer's page table [B, M], the structure's offset by row * P)."""
-        pool = getattr(self, name)
-        num_rows, num_pages = pool.shape[:2]
-        flat = pool.reshape(num_rows * num_pages, *pool.shape[2:])
-        return flat, self.page_table[POOL_TABLE[name]] + self.row(name, layer) * num_pages
+        """Layer `layer`'s view of pool `name` as the kernels take it: `stacked_pages` of its row of
+        the stack, with its structure's page table."""
+        return stacked_pages(getattr(self, name), self.page_table[POOL_TABLE[name]], self.row(name, layer))
 
     def write_pages(self, name: str, layer, slots: jax.Array, values: jax.Array) -> "V4Cache":
         """Write values [B, Q, W] at page slots [B, Q] (-1 = skip) of layer `layer`'s pool `name`."""

@@ -205,10 +205,10 @@ class V4Attention(nnx.Module):
         shared = {k: v for k, v in compressed.items() if k not in per_query}
         offsets = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], positions.shape)
         valid = query_valid(vis, q.shape[1])
+        window = cache.layer_pages("window", layer)
 
         def alone(q, positions, offset, valid, per_query):  # [B, 1, ...]
             one = Visibility(vis.prefix_len + offset[:, 0], valid[:, 0].astype(jnp.int32))
-            return attend(q, *cache.layer_pages("window", layer), positions, one, self.sinks[...], **shared,
-                          **per_query)
+            return attend(q, *window, positions, one, self.sinks[...], **shared, **per_query)
 
         return per_position(alone, q, positions, offsets, valid, per_query)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 
 from .cost import array_bytes
 from .contracts import EMPTY_LSE
-from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
+from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .tiling import block_size, column_span, dot_nn, dot_nt, launch, load_block, num_parts
 
 # Shortest part (in slots) worth a split: below this, writing and merging a float32 partial costs
@@ -54,8 +54,7 @@ def latent_dims(q_nope: jax.Array, q_rope: jax.Array, latent_cache) -> LatentDim
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
     if latent_cache.shape[-1] != latent + rope:
         raise ValueError(f"latent_cache last dim {latent_cache.shape[-1]} != Dl + Dr = {latent} + {rope}")
-    stored = latent_cache.rope.dtype if isinstance(latent_cache, Fp8Pool) else latent_cache.dtype
-    dtype = jnp.promote_types(q_nope.dtype, stored)
+    dtype = jnp.promote_types(q_nope.dtype, entry_dtype(latent_cache))
     return LatentDims(latent, rope, block_size(latent), block_size(rope), dtype)
 
 

@@ -219,6 +219,12 @@ def as_entries(rows) -> jax.Array:
     return entries(rows) if isinstance(rows, Fp8Pool) else rows
 
 
+def entry_dtype(cache):
+    """The dtype `cache`'s entries read as: a plain pool's own, an `Fp8Pool`'s RoPE dtype (its
+    dequantized entries are rounded to it, `entries`)."""
+    return cache.rope.dtype if isinstance(cache, Fp8Pool) else cache.dtype
+
+
 def cache_token_bytes(cache) -> int:
     """Bytes a slot of `cache` (a plain pool [P, page, D] or an `Fp8Pool`) takes."""
     return cache.token_bytes if isinstance(cache, Fp8Pool) else cache.shape[-1] * cache.dtype.itemsize

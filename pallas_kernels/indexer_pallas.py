@@ -24,6 +24,7 @@ dominates.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from .cost import array_bytes
 from .contracts import select_topk
-from .fp8_cache import Fp8Pool, cache_token_bytes
+from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
                      slot_rows, tile_range, visibility_operands, visible)
 from .visibility import Visibility
@@ -149,10 +150,8 @@ def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
 def _flat_keys(key_cache):
     """The key pool as the kernel reads it: [P * page, Di], or an `Fp8Pool` of values [P * page, Di]
     and scales [P * page] (one per key: a vector load, where a [.., 1] column would not lower)."""
-    num_pages, page_size, dim = key_cache.shape
-    if isinstance(key_cache, Fp8Pool):
-        return Fp8Pool(key_cache.values.reshape(-1, dim), key_cache.scales.reshape(-1), None, key_cache.rule)
-    return key_cache.reshape(num_pages * page_size, dim)
+    flat = flat_pool(key_cache)
+    return dataclasses.replace(flat, scales=flat.scales[:, 0]) if isinstance(flat, Fp8Pool) else flat
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret"))

@@ -71,13 +71,12 @@ from .contracts import check_arguments
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import interpret_params, interpreting, tile_scores
 from .paged import slot_address
-from .sparse_mla_attention_mosaic import staging_pad
+from .sparse_mla_attention_mosaic import copy_width, staging_pad
 from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # keys per tile
 OUT_BLOCK = 128  # output columns per warpgroup (at most): 64 x 128 float32 accumulators
-COPY = 256  # elements per TMA copy of a key row, at most: a TMA box spans at most 256 a dimension
 
 
 def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], scale: float, out_block: int,
@@ -96,7 +95,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
     column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
-    copy = min(width, COPY)
+    copy = copy_width(width)
     num_tiles = count_ref[token]  # tiles with no seen key are skipped: an exact no-op anyway
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -323,7 +322,6 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
         return run()
 
 
-# `interpret` only keys the jit cache: a kernel traced for the simulator is never reused for a GPU.
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret"))
 def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sliding_window: int, scale: float,
                         compressed_kv, compressed_pages, compressed_indices, compressed_count, extra_kv,

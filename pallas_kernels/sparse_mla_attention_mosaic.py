@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .fp8_cache import SCALE_BLOCK, Fp8Pool
+from .fp8_cache import SCALE_BLOCK, Fp8Pool, entry_dtype
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpreting, tile_scores
 from .paged import read_slots
@@ -242,13 +242,13 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
                 plgpu.barrier_wait(p_ready)
                 store(acc, plgpu.layout_cast(alpha_smem[...], row_layout), 1)
 
-    entry_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
+    operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
     copies_per_slot = sum(part.shape[-1] // copy_width(part.shape[-1]) for part in parts)
     pl.run_scoped(
         body,
-        plgpu.SMEM((BLOCK_M, width), entry_dtype, transforms=SWIZZLED),
-        plgpu.SMEM((TILE, width), entry_dtype, transforms=SWIZZLED),
-        plgpu.SMEM((BLOCK_M, TILE), entry_dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_M, width), operand_dtype, transforms=SWIZZLED),
+        plgpu.SMEM((TILE, width), operand_dtype, transforms=SWIZZLED),
+        plgpu.SMEM((BLOCK_M, TILE), operand_dtype, transforms=SWIZZLED),
         plgpu.SMEM((2, TILE), jnp.float32),
         None if scales_ref is None else plgpu.SMEM((scales_ref.shape[1], TILE), jnp.float32),
         plgpu.Barrier(),
@@ -304,9 +304,8 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
     capacity = page_table.shape[1] * page_size
     tokens = batch * num_queries
     fp8 = isinstance(latent_cache, Fp8Pool)
-    entry_dtype = latent_cache.rope.dtype if fp8 else latent_cache.dtype
     q = pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
-    q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype)
+    q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype(latent_cache))
     indices = pad_to(indices.astype(jnp.int32) + 1, 2, TILE) - 1  # pad with -1
     if fp8:
         # Each selected slot's block scales, [B * Q, Dl / 128, K]: 16 bytes a slot beside its 640 in

@@ -446,16 +446,16 @@ def mosaic_launches(compiled: GpuCompiled) -> list[MosaicLaunch]:
     from jax._src.lib.mlir import ir
     from jax.experimental.mosaic.gpu import dialect
 
+    context = mlir.make_ir_context()
+    dialect.register_dialect(context)
+    context.allow_unregistered_dialects = True  # the serialized ops keep their prefixed names
     launches = []
-    for line in compiled.as_text().splitlines():
+    for line in _optimized_hlo(compiled).splitlines():
         if _MOSAIC_TARGET not in line:
             continue
         module, op_name = _attribute(line, "module"), re.search(r'op_name="([^"]*)"', line)
         if module is None:
             raise RuntimeError(f"a Mosaic GPU custom call without its module: {line[:200]}")
-        context = mlir.make_ir_context()
-        dialect.register_dialect(context)
-        context.allow_unregistered_dialects = True  # the serialized ops keep their prefixed names
         with context:
             parsed = ir.Module.parse(_unescape(module))  # kept alive while its operations are read
             found = _find_ops(parsed.operation, _LAUNCH)
