@@ -23,6 +23,8 @@ too, which is lossy: it changes the text. By default the model is the shipped ch
 prompts get Python-flavoured text and most drafts are accepted. --random uses the `tiny` preset (or
 `tiny-v3`) with random weights drawn from --seed instead: the text is noise and few drafts are
 accepted. `generate` is compiled ahead of time and run once to warm up, so the decode time excludes both.
+Prompts of at most 64 tokens run through the decoding loop's own calls (`--prefill auto`), so the
+compiled program holds no prefill calls: it compiles in about 60% of the time (docs/aot.md).
 
 --checkpoint runs a real model instead: a Hugging Face DeepSeek-V3 / V3.2 / V4 directory (safetensors
 as DeepSeek releases them or as transformers' `save_pretrained` writes them, FP8 or not; loaded
@@ -59,6 +61,11 @@ from jaxspec.tokenizer import Tokenizer, has_hf_tokenizer, load_tokenizer
 
 DEFAULT_PROMPTS = ("import os\nimport sys\n\n\ndef ", "    def __repr__(self):\n        return ")
 DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny-stdlib")
+PREFILL_MODES = ("auto", "loop", "call")
+# A prompt fed through the loop costs ceil(P / (k + 1)) steps. Up to this length (the examples'
+# prompts, a notebook's) those steps cost less than compiling a prefill program; past it a long
+# prompt would take many steps on a GPU, where one prefill call reads the weights once.
+LOOP_PREFILL_MAX = 64
 
 
 def token_ids(text: str) -> list[int]:
@@ -96,6 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_flags(parser, default_preset="tiny")
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
     add_prefill_flag(parser)
+    parser.add_argument("--prefill", choices=PREFILL_MODES, default="auto",
+                        help="loop: feed the prompts through the decoding loop's own calls, k + 1 tokens per step "
+                             "(no prefill program to compile: about 40%% of the tiny model's compile); call: a "
+                             "prefill program (in --prefill-chunk chunks when given); auto (default): loop for "
+                             f"prompts of at most {LOOP_PREFILL_MAX} tokens without --prefill-chunk, else call")
     add_cache_dtype_flag(parser)
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled programs in DIR (JAX's persistent compilation cache): a later run "
@@ -177,6 +189,17 @@ def describe_decoding(args: argparse.Namespace) -> str:
     return f"{drafts}, greedy"
 
 
+def prefill_in_loop(args: argparse.Namespace, longest_prompt: int) -> bool:
+    """`DecodeConfig.prefill_in_loop` for --prefill (auto: prompts up to LOOP_PREFILL_MAX tokens
+    without --prefill-chunk)."""
+    if args.prefill == "loop" and args.prefill_chunk is not None:
+        raise SystemExit(f"--prefill loop feeds the prompts through the decoding loop, --prefill-chunk "
+                         f"{args.prefill_chunk} runs a prefill program in chunks: choose one")
+    if args.prefill == "auto":
+        return args.prefill_chunk is None and longest_prompt <= LOOP_PREFILL_MAX
+    return args.prefill == "loop"
+
+
 def build_model(args: argparse.Namespace, mesh) -> tuple[DeepseekV3, Tokenizer | None, str]:
     """The model (a checkpoint loaded straight onto `mesh` when there is one), its tokenizer (None:
     token ids only), and a line saying where the weights came from."""
@@ -244,18 +267,20 @@ def main(argv=None) -> None:
     if args.mtp > 0 and model.mtp is None:
         raise SystemExit(f"--mtp {args.mtp}: {args.checkpoint} has no MTP layer; use --mtp 0")
     eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model.config.eos_token_id
+    prompt_ids = [encode(p, tokenizer, args) for p in prompts]
+    in_loop = prefill_in_loop(args, max(map(len, prompt_ids)))
     config = DecodeConfig(**draft_options(args), max_new_tokens=args.max_new_tokens,
                           eos_token_id=eos_token_id, page_size=args.page_size, backend=args.backend,
-                          prefill_chunk=args.prefill_chunk, cache_dtype=args.cache_dtype)
+                          prefill_chunk=args.prefill_chunk, prefill_in_loop=in_loop, cache_dtype=args.cache_dtype)
     mconf = model.config
     print(f"model     {args.checkpoint or (args.preset if args.random else 'tiny-stdlib')} ({mconf.model_type}, {mconf.num_hidden_layers} layers"
           f"{', MTP' if model.mtp is not None else ''}), {weights}")
     print(f"decoding  batch {args.batch}, {describe_decoding(args)}, up to {args.max_new_tokens} new tokens per row, "
           f"backend {args.backend} -> {resolve_backend(args.backend)}, page size {args.page_size}"
           f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}"
+          f"{', prompts fed through the loop' if in_loop else ''}"
           f"{f', {args.cache_dtype} caches' if args.cache_dtype else ''}")
 
-    prompt_ids = [encode(p, tokenizer, args) for p in prompts]
     memory = plan_memory(mconf, config, batch=args.batch, prompt_len=max(map(len, prompt_ids)), mesh=mesh,
                          plan=args.plan, dtype=DTYPES[args.dtype] if args.checkpoint else jnp.float32,
                          device_memory=device_memory())

@@ -72,6 +72,18 @@ class DecodeConfig:
       window does (each call re-closes the blocks that ended before it from the projection
       rings). Greedy output equals the one-call prefill's up to rounding (token for token on the
       tests' models); the chunks use the cached ("absorbed") attention form.
+    prefill_in_loop: run the prompts through the decoding loop's own calls instead of a prefill
+      program: each loop iteration feeds a row still in its prompt the next D + 1 prompt tokens
+      (`max_depth` + 1, the MTP catch-up's width; 1 for plain decoding) through the step's target
+      call and catch-up MTP call, while the rows past their prompts decode in the same call
+      (`jaxspec.loop`). The compiled program then holds no prefill calls (about 40% of a small
+      model's compile time on the CPU) and the prompt width only sizes an input, at the cost of
+      ceil(P / (D + 1)) loop iterations for a P-token prompt: for short prompts (a notebook, the
+      main job), not for long ones. The tokens emitted equal a prefill program's up to rounding;
+      with `window_invariant` the target's caches and greedy tokens equal those of chunks of
+      D + 1 bit for bit, and so do plain sampling's (a row's draws use its own step count, so the
+      same keys; speculative sampling's depend on the drafts too, and the MTP's calls are not
+      window-invariant).
     unroll_layers: run the target's decoder layers as a python loop (one copy of a layer per
       layer in the compiled program) instead of one `jax.lax.scan` per stack of identical layers
       (`jaxspec.models.stack`). The same parameters and the same tokens; the scan compiles in a
@@ -92,6 +104,7 @@ class DecodeConfig:
     relaxed: tuple[int, float] | None = None
     window_invariant: bool = False
     prefill_chunk: int | None = None
+    prefill_in_loop: bool = False
     unroll_layers: bool = False
     cache_dtype: str | None = None
 
@@ -114,6 +127,12 @@ class DecodeConfig:
                                                or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
                              "integer >= 1 (tokens per prefill call)")
+        if not isinstance(self.prefill_in_loop, bool):
+            raise ValueError(f"DecodeConfig.prefill_in_loop={self.prefill_in_loop!r}: must be True or False")
+        if self.prefill_in_loop and self.prefill_chunk is not None:
+            raise ValueError(f"DecodeConfig.prefill_in_loop=True runs the prompts through the loop's own calls, "
+                             f"but prefill_chunk={self.prefill_chunk} asks for a prefill program in chunks; "
+                             "set one of them")
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"DecodeConfig.cache_dtype={self.cache_dtype!r}: must be one of {CACHE_DTYPES} "
                              "(None: the model's compute dtype)")
@@ -172,8 +191,10 @@ class DecodeConfig:
         return 1 if self.draft_tree is None else self.draft_tree.num_nodes
 
     def prefill_width(self, prompt_width: int) -> int:
-        """Tokens per prefill call for a [B, prompt_width] prompt: all of them, or the chunk (at most
-        the prompt: a longer chunk would only add padding)."""
+        """Tokens per prefill call for a [B, prompt_width] prompt: all of them, the chunk, or in the
+        loop D + 1 (each at most the prompt: a longer chunk would only add padding)."""
+        if self.prefill_in_loop:
+            return min(self.max_depth + 1, prompt_width)
         return prompt_width if self.prefill_chunk is None else min(self.prefill_chunk, prompt_width)
 
     @property

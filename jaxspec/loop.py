@@ -24,9 +24,14 @@ nodes and depth D; `jaxspec.drafting`):
    j + 1), overwriting its draft entries; its output at pair a seeds the next step.
 
 With num_draft = 0 there is no MTP: the window is [t_n] and each step is one plain decode step.
-Sampling draws from one stream per row: the step's row keys are `row_keys(rng_key, step, B)`
-(prefill is step 0), so a row's tokens depend on (seed, step, row) only; on a mesh, row is the
-batch-wide index (`_row_keys`), so the draws do not depend on the mesh either.
+Sampling draws from one stream per row: a step's row keys are `row_keys(rng_key, s, B)` with s
+the row's own step count (prefill is step 0), so a row's tokens depend on (seed, step, row) only;
+on a mesh, row is the batch-wide index (`_row_keys`), so the draws do not depend on the mesh either.
+
+With `DecodeConfig.prefill_in_loop` there is no prefill call: a row still in its prompt takes the
+next D + 1 prompt tokens as its window in the same target call, commits them all, and runs the
+catch-up over their pairs; the step that feeds its last prompt token emits the first token
+(`_PromptWindow`). Rows in their prompts and rows decoding share every call.
 
 On a mesh (`mesh=` of `init_state` / `step`, `jaxspec.generation.generate`) the same functions run
 inside one `jax.shard_map` (`on_mesh`): each device decodes its own rows with its own share of
@@ -39,6 +44,7 @@ Everything runs inside one `jax.lax.while_loop` with no host round trip.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +83,10 @@ class DecodeState:
     target_calls [B]: verification steps each row took part in (prefill excluded).
     accepted [B]: drafts accepted in total; position_accepts [B, D]: steps whose accepted path
       reached depth j + 1 (for a chain: whose draft j was accepted).
-    rng_key: the base PRNG key; steps []: loop steps taken (the RNG stream's step index).
+    rng_key: the base PRNG key; steps []: loop iterations taken.
+    prompts [B, P] int32, prompt_lens [B] int32: with `DecodeConfig.prefill_in_loop`, the prompts
+      the loop feeds through its own calls (a row is in its prompt while its target cache holds
+      fewer than prompt_lens[b] tokens); None otherwise.
     """
 
     target_cache: DecodeCache
@@ -94,6 +103,8 @@ class DecodeState:
     position_accepts: jax.Array
     rng_key: jax.Array
     steps: jax.Array
+    prompts: jax.Array | None = None
+    prompt_lens: jax.Array | None = None
 
     def replace(self, **changes) -> "DecodeState":
         return dataclasses.replace(self, **changes)
@@ -109,13 +120,10 @@ def _row_gather(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _row_keys(rng_key: jax.Array, step: jax.Array | int, batch: int) -> jax.Array:
-    """[batch] keys of this device's rows: `row_keys` of the whole batch taken at their batch-wide
-    indices, so a row's stream is the same on one device and on any mesh."""
+    """[batch] keys of this device's rows at `step` ([] or each row's own, [batch]): `row_keys` taken
+    at their batch-wide indices, so a row's stream is the same on one device and on any mesh."""
     block = row_block(batch)
-    if block is None:
-        return row_keys(rng_key, step, batch)
-    rows, total = block
-    return row_keys(rng_key, step, total)[rows]
+    return row_keys(rng_key, step, batch, rows=None if block is None else block[0])
 
 
 def _sampling(config: DecodeConfig, batch: int) -> SamplingParams:
@@ -145,12 +153,12 @@ def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: D
     return tokens, num_generated, done
 
 
-def _first_token(last_logits: jax.Array, rng_key: jax.Array, config: DecodeConfig) -> jax.Array:
+def _first_token(last_logits: jax.Array, keys: jax.Array, config: DecodeConfig) -> jax.Array:
     """The token after each row's prompt from the target's logits there ([B, V] -> [B]): argmax, or
-    a draw from step 0 of the row's stream."""
+    a draw with `keys` [B] (step 0 of the rows' streams)."""
     batch = last_logits.shape[0]
     if config.temperature > 0:
-        return sample_tokens(_row_keys(rng_key, 0, batch), processed_probs(last_logits, _sampling(config, batch)))
+        return sample_tokens(keys, processed_probs(last_logits, _sampling(config, batch)))
     return _argmax(last_logits)
 
 
@@ -167,7 +175,7 @@ def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_
                                          backend=config.backend, unroll_layers=config.unroll_layers)
     last = prompt_lens - 1
     last_logits = _row_gather(logits, last)
-    first_token = _first_token(last_logits, rng_key, config)
+    first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config)
 
     seed_logits = jnp.zeros_like(last_logits)
     seed_hidden = jnp.zeros((batch, hidden.shape[-1]), hidden.dtype)
@@ -239,7 +247,7 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
     init = (jnp.zeros((batch, logits_shape.shape[-1]), logits_shape.dtype),
             jnp.zeros((batch, hidden_shape.shape[-1]), hidden_shape.dtype), target_cache, mtp_cache)
     last_logits, last_hidden, target_cache, mtp_cache = jax.lax.fori_loop(0, num_chunks, body, init)
-    first_token = _first_token(last_logits, rng_key, config)
+    first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config)
 
     seed_logits, seed_hidden = jnp.zeros_like(last_logits), jnp.zeros_like(last_hidden)
     if drafting:
@@ -260,8 +268,12 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, promp
     base PRNG key (used when sampling). `config.prefill_chunk` None: one call over the whole prompt
     (`_prefill_one_call`); C: calls of C tokens in a loop (`_prefill_chunked`), whose caches hold
     the same entries (up to rounding; bit for bit across chunk sizes with window_invariant).
+    `config.prefill_in_loop`: no model call here; the state holds the prompts for the loop
+    (`_loop_start`) and nothing is emitted yet.
     """
     batch = prompts.shape[0]
+    if config.prefill_in_loop:
+        return _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
     run = _prefill_one_call if config.prefill_chunk is None else _prefill_chunked
     first_token, seed_logits, seed_hidden, target_cache, mtp_cache = run(
         graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
@@ -269,16 +281,48 @@ def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, promp
     if mtp_cache is not None:
         mtp_cache = mtp_cache.commit(prompt_lens)
 
-    depth = config.max_depth
-    state = DecodeState(
-        target_cache=target_cache, mtp_cache=mtp_cache, last_token=first_token, seed_logits=seed_logits,
-        seed_hidden=seed_hidden, drafts=jnp.zeros((batch, config.window_size - 1), jnp.int32),
-        tokens=jnp.full((batch, config.max_new_tokens + depth + 1), PAD_TOKEN, jnp.int32),
-        num_generated=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool),
-        target_calls=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32),
-        position_accepts=jnp.zeros((batch, depth), jnp.int32), rng_key=rng_key, steps=jnp.zeros((), jnp.int32))
+    state = _initial_state(target_cache, mtp_cache, first_token, seed_logits, seed_hidden, rng_key, config)
     tokens, num_generated, done = _emit(state, first_token[:, None], jnp.ones((batch,), jnp.int32), config)
     return state.replace(tokens=tokens, num_generated=num_generated, done=done)
+
+
+def _initial_state(target_cache, mtp_cache, last_token, seed_logits, seed_hidden, rng_key, config: DecodeConfig,
+                   **fields) -> DecodeState:
+    """A `DecodeState` before its first step: nothing emitted, no statistics; `fields` the rest."""
+    batch, depth = last_token.shape[0], config.max_depth
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return DecodeState(
+        target_cache=target_cache, mtp_cache=mtp_cache, last_token=last_token, seed_logits=seed_logits,
+        seed_hidden=seed_hidden, drafts=jnp.zeros((batch, config.window_size - 1), jnp.int32),
+        tokens=jnp.full((batch, config.max_new_tokens + depth + 1), PAD_TOKEN, jnp.int32),
+        num_generated=zeros, done=jnp.zeros((batch,), bool), target_calls=zeros, accepted=zeros,
+        position_accepts=jnp.zeros((batch, depth), jnp.int32), rng_key=rng_key, steps=jnp.zeros((), jnp.int32),
+        **fields)
+
+
+def _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
+                config: DecodeConfig) -> DecodeState:
+    """The state `DecodeConfig.prefill_in_loop` starts from: empty caches and the prompts, which
+    the loop's steps feed through the model (`_prompt_window`). The seeds are zeros shaped as the
+    outputs the step replaces them with (the catch-up MTP call's, or the target's without drafts),
+    taken from an abstract call: nothing runs here."""
+    batch = prompts.shape[0]
+    zeros = jnp.zeros((batch,), jnp.int32)
+    vis = Visibility(prefix_len=zeros, query_len=zeros + 1)
+
+    def outputs():
+        model = nnx.merge(graphdef, params)
+        logits, hidden, _ = model(prompts[:, :1], zeros[:, None], target_cache, vis, form="absorbed",
+                                  backend=config.backend)
+        if config.draft_tree is not None:
+            logits, hidden, _ = model.draft(prompts[:, :1], jnp.zeros(hidden.shape, hidden.dtype), zeros[:, None],
+                                            mtp_cache, vis, form="absorbed", backend=config.backend)
+        return logits[:, 0], hidden[:, 0]
+
+    logits, hidden = jax.eval_shape(outputs)
+    return _initial_state(target_cache, mtp_cache, zeros, jnp.zeros(logits.shape, logits.dtype),
+                          jnp.zeros(hidden.shape, hidden.dtype), rng_key, config, prompts=prompts,
+                          prompt_lens=prompt_lens)
 
 
 def _chain_acceptance(accepted: jax.Array, bonus: jax.Array, num_draft: int) -> TreeAcceptance:
@@ -315,34 +359,94 @@ def accept(window: Draft, logits: jax.Array, config: DecodeConfig, keys: jax.Arr
     return speculative_sample_tree(keys, window.tokens, window.parents, probs, window.draft_probs, depth)
 
 
+class _PromptWindow(NamedTuple):
+    """What a step feeds the rows still in their prompts (`DecodeConfig.prefill_in_loop`), D + 1
+    prompt tokens per row and step (the catch-up's width). B rows, N window nodes, D depth.
+
+    rows [B] bool: the row is in its prompt (active, fewer than prompt_lens cached).
+    length [B] int32: prompt tokens fed this step (0 for the other rows).
+    tokens [B, N] int32: the next prompt tokens from the committed length on (padding past `length`).
+    next_tokens [B, D + 1] int32: the token after each of them (the MTP pairs' second halves),
+      the first generated token's place left to the step.
+    last [B] bool: this step feeds the row's last prompt token (its logits give the first token).
+    """
+
+    rows: jax.Array
+    length: jax.Array
+    tokens: jax.Array
+    next_tokens: jax.Array
+    last: jax.Array
+
+
+def _prompt_window(state: DecodeState, config: DecodeConfig) -> _PromptWindow:
+    """This step's `_PromptWindow` of `state` (which holds prompts: `_loop_start`)."""
+    n, prompts = state.target_cache.lengths, state.prompts
+    rows = ~state.done & (n < state.prompt_lens)
+    length = jnp.where(rows, jnp.minimum(state.prompt_lens - n, config.max_depth + 1), 0)
+    offsets = jnp.arange(max(config.window_size, config.max_depth + 2), dtype=jnp.int32)
+    # Indices past the prompt read its last column: padding, which `length` keeps out of every call.
+    ahead = jnp.take_along_axis(prompts, jnp.minimum(n[:, None] + offsets, prompts.shape[1] - 1), axis=1)
+    return _PromptWindow(rows=rows, length=length, tokens=ahead[:, :config.window_size],
+                         next_tokens=ahead[:, 1:config.max_depth + 2], last=rows & (n + length == state.prompt_lens))
+
+
 def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config: DecodeConfig) -> DecodeState:
     model = nnx.merge(graphdef, params)
     batch = state.last_token.shape[0]
     active = ~state.done
     n = state.target_cache.lengths
-    keys = _row_keys(state.rng_key, state.steps + 1, batch)
     sampling = _sampling(config, batch)
+    prompt = None if state.prompts is None else _prompt_window(state, config)
+    # Rows past their prompts speculate; rows in them (prefill_in_loop) run their prompt tokens
+    # through the same target and catch-up calls, and draw their first token with step 0's keys
+    # (a row's step index is its own count of verification steps, so its draws do not depend on
+    # when its prompt ended).
+    decoding = active if prompt is None else active & ~prompt.rows
+    keys = _row_keys(state.rng_key, jnp.where(decoding, state.target_calls + 1, 0), batch)
 
-    # 1. draft
-    window = draft(model, state, config, keys, sampling)
+    # 1. draft (the rows in their prompts as if done: they draft nothing and write nothing)
+    window = draft(model, state if prompt is None else state.replace(done=~decoding), config, keys, sampling)
 
-    # 2. verify: one target call over the window
-    vis = Visibility(prefix_len=n, query_len=jnp.where(active, config.window_size, 0).astype(jnp.int32),
-                     tree_mask=window.tree_mask)
-    logits, hidden, target_cache = model(window.tokens, n[:, None] + window.depths, state.target_cache, vis,
+    # 2. verify: one target call over the window (or the prompt tokens)
+    tokens, depths, tree_mask = window.tokens, window.depths, window.tree_mask
+    query_len = jnp.where(decoding, config.window_size, 0).astype(jnp.int32)
+    if prompt is not None:
+        tokens = jnp.where(prompt.rows[:, None], prompt.tokens, tokens)
+        depths = jnp.where(prompt.rows[:, None], jnp.arange(config.window_size, dtype=jnp.int32), depths)
+        if tree_mask is not None:  # prompt tokens are a chain
+            tree_mask = jnp.where(prompt.rows[:, None, None], jnp.tri(config.window_size, dtype=bool), tree_mask)
+        query_len = jnp.where(prompt.rows, prompt.length, query_len)
+    vis = Visibility(prefix_len=n, query_len=query_len, tree_mask=tree_mask)
+    logits, hidden, target_cache = model(tokens, n[:, None] + depths, state.target_cache, vis,
                                          form="absorbed", backend=config.backend,
                                          window_invariant=config.window_invariant, unroll_layers=config.unroll_layers)
 
     # 3. accept
     result = accept(window, logits, config, keys, sampling)
-    accepted = jnp.where(active, result.accepted, 0)
-    path_len = jnp.where(active, accepted + 1, 0)
+    accepted = jnp.where(decoding, result.accepted, 0)
+    path_len = jnp.where(decoding, accepted + 1, 0)
+    path, bonus = result.path, result.bonus
     emitted = emitted_tokens(window.tokens, result)  # [B, D + 1]: the path's drafts, the bonus, -1
+    out_tokens, out_count = emitted, path_len
+    if prompt is not None:
+        # A prompt's tokens are all committed in window order; the step emits the first token
+        # after its last one, which also completes the last MTP pair.
+        first = _first_token(_row_gather(logits, jnp.maximum(prompt.length - 1, 0)), keys, config)
+        node = jnp.arange(config.max_depth + 1, dtype=jnp.int32)[None, :]
+        fed = node < prompt.length[:, None]
+        pairs = jnp.where(prompt.last[:, None] & (node == prompt.length[:, None] - 1), first[:, None],
+                          prompt.next_tokens)
+        emitted = jnp.where(prompt.rows[:, None], jnp.where(fed, pairs, -1), emitted)
+        path = jnp.where(prompt.rows[:, None], jnp.where(fed, node, -1), path)
+        path_len = jnp.where(prompt.rows, prompt.length, path_len)
+        out_tokens = jnp.where(prompt.rows[:, None], first[:, None], out_tokens)
+        out_count = jnp.where(prompt.rows, prompt.last.astype(jnp.int32), out_count)
+        bonus = jnp.where(prompt.rows, first, bonus)
 
     # 4. commit
-    tokens, num_generated, done = _emit(state, emitted, path_len, config)
+    tokens, num_generated, done = _emit(state, out_tokens, out_count, config)
     if window.tree_mask is not None:  # a chain's path already sits at slots n .. n + a
-        target_cache = target_cache.move(*compact_slots(n, result.path, path_len))
+        target_cache = target_cache.move(*compact_slots(n, path, path_len))
     new_len = n + path_len
     target_cache = target_cache.commit(new_len)
     position_accepts = state.position_accepts + (
@@ -352,31 +456,38 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
     #    its output at pair a seeds the next step.
     mtp_cache, seed_logits, seed_hidden = window.mtp_cache, state.seed_logits, state.seed_hidden
     if config.draft_tree is not None:
-        path_hidden = jnp.take_along_axis(hidden, jnp.maximum(result.path, 0)[..., None], axis=1)
+        path_hidden = jnp.take_along_axis(hidden, jnp.maximum(path, 0)[..., None], axis=1)
         positions = n[:, None] + jnp.arange(config.max_depth + 1, dtype=jnp.int32)[None, :]
         catch_vis = Visibility(prefix_len=n, query_len=path_len)
         mtp_logits, mtp_hidden, mtp_cache = model.draft(jnp.maximum(emitted, 0), path_hidden, positions, mtp_cache,
                                                         catch_vis, form="absorbed", backend=config.backend)
         mtp_cache = mtp_cache.commit(new_len)
-        seed_logits = jnp.where(active[:, None], _row_gather(mtp_logits, accepted), seed_logits)
-        seed_hidden = jnp.where(active[:, None], _row_gather(mtp_hidden, accepted), seed_hidden)
+        last_pair = jnp.maximum(path_len - 1, 0)
+        seed_logits = jnp.where(active[:, None], _row_gather(mtp_logits, last_pair), seed_logits)
+        seed_hidden = jnp.where(active[:, None], _row_gather(mtp_hidden, last_pair), seed_hidden)
 
+    # A row's last token changes when it emits: a verification's bonus, or its prompt's first token.
+    emits = decoding if prompt is None else decoding | prompt.last
     return state.replace(
-        target_cache=target_cache, mtp_cache=mtp_cache, last_token=jnp.where(active, result.bonus, state.last_token),
+        target_cache=target_cache, mtp_cache=mtp_cache, last_token=jnp.where(emits, bonus, state.last_token),
         seed_logits=seed_logits, seed_hidden=seed_hidden, drafts=window.tokens[:, 1:], tokens=tokens,
-        num_generated=num_generated, done=done, target_calls=state.target_calls + active.astype(jnp.int32),
+        num_generated=num_generated, done=done, target_calls=state.target_calls + decoding.astype(jnp.int32),
         accepted=state.accepted + accepted, position_accepts=position_accepts, steps=state.steps + 1)
 
 
 def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config: DecodeConfig) -> DecodeState:
     """Run steps in a `jax.lax.while_loop` until every row is done.
 
-    Every step emits at least one token per active row, so `max_new_tokens` steps always suffice;
-    the bound only guards against a bug turning into a hang.
+    Every step emits at least one token per active row past its prompt, so `max_new_tokens` steps
+    always suffice (plus ceil(P / (D + 1)) for prompts fed through the loop); the bound only guards
+    against a bug turning into a hang.
     """
 
+    # A prompt fed through the loop takes ceil(P / (D + 1)) more steps.
+    limit = config.max_new_tokens + (0 if state.prompts is None else -(-state.prompts.shape[1] // (config.max_depth + 1)))
+
     def cond(state):
-        return any_row(~state.done) & (state.steps < config.max_new_tokens)
+        return any_row(~state.done) & (state.steps < limit)
 
     return jax.lax.while_loop(cond, lambda state: _step(graphdef, params, state, config), state)
 

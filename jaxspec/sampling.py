@@ -79,10 +79,12 @@ def base_key(seed_or_key) -> jax.Array:
     return jax.random.key(seed_or_key)
 
 
-def row_keys(key: jax.Array, step: jax.Array | int, num_rows: int) -> jax.Array:
-    """key (a base PRNG key), step [] int -> [B] keys, one stream per (step, row)."""
-    step_key = jax.random.fold_in(key, step)
-    return jax.vmap(lambda row: jax.random.fold_in(step_key, row))(jnp.arange(num_rows))
+def row_keys(key: jax.Array, step: jax.Array | int, num_rows: int, rows: jax.Array | None = None) -> jax.Array:
+    """key (a base PRNG key), step [] int (or each row's own, [B]) -> [B] keys, one stream per
+    (step, row): fold_in(fold_in(key, step), row) for rows 0 .. B - 1 (or the indices `rows` [B])."""
+    rows = jnp.arange(num_rows) if rows is None else rows
+    steps = jnp.broadcast_to(jnp.asarray(step), rows.shape)
+    return jax.vmap(lambda step, row: jax.random.fold_in(jax.random.fold_in(key, step), row))(steps, rows)
 
 
 def stream_keys(keys: jax.Array, *tags: jax.Array | int) -> jax.Array:

@@ -78,13 +78,14 @@ def main() -> None:
 
     # Sampled, driven by init_state / step on the mesh: the row keys do not depend on the mesh.
     # 1x8 under dp splits rows over the model axis, so every expert exchange spans all 8 devices.
-    sampled = DecodeConfig(num_draft=3, max_new_tokens=8, temperature=1.0, backend="xla")
+    # The prompts run through the loop's own steps (prefill_in_loop), the padding rows never start.
+    sampled = DecodeConfig(num_draft=3, max_new_tokens=8, temperature=1.0, backend="xla", prefill_in_loop=True)
     ref = generate(v32, PROMPTS, sampled, key=7)
     state = init_state(v32, PROMPTS, sampled, key=7, mesh=meshes[(1, 8)])
     while not bool(state.done.all()):
         state = step(v32, state, sampled, mesh=meshes[(1, 8)])
     rows = len(PROMPTS)
-    same(state.tokens[:rows, :sampled.max_new_tokens], ref.tokens, "V3.2 k=3 sampled dp on 1x8 (init_state/step)")
+    same(state.tokens[:rows, :sampled.max_new_tokens], ref.tokens, "V3.2 k=3 sampled dp on 1x8, prompts in the loop (init_state/step)")
     same(state.num_generated[:rows], ref.num_tokens, "V3.2 k=3 sampled dp on 1x8 (num_tokens)")
     print("sharding checks passed")
 

@@ -140,13 +140,13 @@ def test_sampling_is_lossless(trained_v3, target_distribution, tree, other_key):
 
 # --- a chain's MTP calls are one scan -------------------------------------------------------
 
-def _equations(jaxpr) -> int:
+def equation_count(jaxpr) -> int:
     """Equations of a jaxpr, those of its sub-jaxprs (scans, conds, calls) included."""
     count = 0
     for eqn in jaxpr.eqns:
         count += 1
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            count += _equations(sub)
+            count += equation_count(sub)
     return count
 
 
@@ -160,12 +160,12 @@ def test_chain_drafting_program_does_not_grow_with_k(trained_v32):
     for k in (2, 5):
         cfg = config(k)
         state = jax.eval_shape(lambda: init_state(trained_v32, PROMPTS, cfg))
-        sizes[k] = _equations(jax.make_jaxpr(lambda p, s: step_program(graphdef, p, s, cfg))(params, state).jaxpr)
+        sizes[k] = equation_count(jax.make_jaxpr(lambda p, s: step_program(graphdef, p, s, cfg))(params, state).jaxpr)
     batch = state.last_token.shape[0]
     hidden = jnp.zeros((batch, 1, trained_v32.config.hidden_size))
     one_token = jnp.zeros((batch, 1), jnp.int32)
     vis = Visibility(jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.int32))
-    mtp_call = _equations(jax.make_jaxpr(
+    mtp_call = equation_count(jax.make_jaxpr(
         lambda p, cache: nnx.merge(graphdef, p).draft(one_token, hidden, one_token, cache, vis, form="absorbed",
                                                       backend="xla"))(params, state.mtp_cache).jaxpr)
     assert mtp_call > 100
