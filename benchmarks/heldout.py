@@ -52,7 +52,7 @@ from flax import nnx
 
 from jaxspec import progress
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.flags import TREE_HELP, add_cache_dtype_flag, checkpoint_dir, tree_spec
+from jaxspec.flags import TREE_HELP, add_cache_dtype_flag, checkpoint_dir, positive_int, tree_spec
 from jaxspec.generation import generate
 from jaxspec.orbax_io import restore_model
 from jaxspec.platforms import use_cpu_without_nvidia_driver
@@ -109,25 +109,39 @@ def teacher_forced(model, tokens, cache_dtype=None):
     return nll(logits[:, :-1], tokens[:, 1:]), nll(mtp_logits[:, :-1], tokens[:, 2:]), agree
 
 
-def measure(model, prompts: list[list[int]], config: DecodeConfig, repeats: int):
-    """Decode each prompt alone; returns (emitted tokens per prompt, summed stats, best decode seconds)."""
-    outputs, seconds = [], 0.0
-    calls = accepted = 0
-    position_accepts = 0
-    jax.block_until_ready(generate(model, [prompts[0]], config).tokens)  # compiles, once for all the prompts
-    for prompt in prompts:
+def measure(model, prompts: list[list[int]], config: DecodeConfig, repeats: int, batch: int = 1):
+    """Decode the prompts `batch` rows per `generate` call (the last call padded with copies of its
+    first prompt, whose rows are dropped, so that every call has one shape); returns (emitted tokens
+    per prompt, per-prompt stats, summed best decode seconds of the calls). The stats are arrays
+    over prompts: calls [N] target calls, accepted [N] accepted drafts, position_accepts [N, D]."""
+    outputs, seconds, rows = [], 0.0, []
+    jax.block_until_ready(generate(model, prompts[:1] * batch, config).tokens)  # compiles, once for all the prompts
+    for first in range(0, len(prompts), batch):
+        group = prompts[first:first + batch]
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            result = generate(model, [prompt], config)
+            result = generate(model, group + group[:1] * (batch - len(group)), config)
             jax.block_until_ready(result.tokens)
             best = min(best, time.perf_counter() - start)
         seconds += best
-        outputs.append(result.row_tokens(0))
-        calls += int(np.sum(result.target_calls))
-        accepted += int(np.sum(result.accepted))
-        position_accepts += np.asarray(result.position_accepts).sum(axis=0)
+        for row in range(len(group)):
+            outputs.append(result.row_tokens(row))
+            rows.append((int(result.target_calls[row]), int(result.accepted[row]),
+                         np.atleast_1d(np.asarray(result.position_accepts[row]))))
+    calls, accepted, position_accepts = (np.array(column) for column in zip(*rows))
     return outputs, dict(calls=calls, accepted=accepted, position_accepts=position_accepts), seconds
+
+
+def accepted_length_interval(calls: np.ndarray, accepted: np.ndarray, resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the mean accepted length (sum(accepted + calls) / sum(calls))
+    over prompts resampled with replacement (fixed seed): how far the figure moves with the choice
+    of prompts, which is what separates two settings' figures from noise."""
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(calls), size=(resamples, len(calls)))
+    lengths = (accepted[picks] + calls[picks]).sum(axis=1) / np.maximum(calls[picks].sum(axis=1), 1)
+    low, high = np.percentile(lengths, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def main(argv=None) -> int:
@@ -138,6 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=160,
                         help="per prompt; prompt plus continuation stay within the 256-byte training windows")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt; the fastest counts")
+    parser.add_argument("--batch", type=positive_int, default=1,
+                        help="prompts decoded together per generate call (default 1, the latency case; more "
+                             "measures acceptance over many prompts quickly, and tokens/s becomes throughput)")
     parser.add_argument("--max-k", type=int, default=3, help="draft lengths 1..max-k are compared with k = 0")
     parser.add_argument("--tree", type=tree_spec, nargs="*", default=["small"],
                         help=f"draft trees to compare as well (none: chains only); each a {TREE_HELP}")
@@ -164,25 +181,27 @@ def main(argv=None) -> int:
 
     prompts = held_out_prompts(args.checkpoint, args.prompts_per_file, args.prompt_len)
     print(f"decoding   {len(prompts)} prompts x {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
-          f"batch 1, best of {args.repeats}\n")
-    print(f"{'draft':>5}  {'accepted length':>15}  {'acceptance per position':<26}  {'tokens/s':>9}  {'speedup':>7}  "
-          f"rows identical to k = 0")
+          f"batch {args.batch}, best of {args.repeats}\n")
+    print(f"{'draft':>5}  {'accepted length':>15}  {'95% interval':>12}  {'acceptance per position':<26}  "
+          f"{'tokens/s':>9}  {'speedup':>7}  rows identical to k = 0")
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant,
                         cache_dtype=args.cache_dtype)
     drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
     reference, base_rate, lossless = None, None, True
     for label, config in progress.bar(drafts, "draft settings"):
-        outputs, stats, seconds = measure(model, prompts, config, args.repeats)
+        outputs, stats, seconds = measure(model, prompts, config, args.repeats, args.batch)
         rate = sum(len(o) for o in outputs) / seconds
         if reference is None:
             reference, base_rate = outputs, rate
         same = sum(a == b for a, b in zip(outputs, reference))
         lossless &= same == len(reference)
-        length = (stats["accepted"] + stats["calls"]) / max(stats["calls"], 1)
-        per_position = " ".join(f"{a:.2f}" for a in np.atleast_1d(stats["position_accepts"]) / max(stats["calls"], 1))
-        print(f"{label:>5}  {length:>15.2f}  {per_position or '-':<26}  {rate:>9,.0f}  {rate / base_rate:>6.2f}x  "
-              f"{same} / {len(reference)}", flush=True)
+        calls = max(int(stats["calls"].sum()), 1)
+        length = (int(stats["accepted"].sum()) + calls) / calls
+        low, high = accepted_length_interval(stats["calls"], stats["accepted"])
+        per_position = " ".join(f"{a:.2f}" for a in stats["position_accepts"].sum(axis=0) / calls)
+        print(f"{label:>5}  {length:>15.2f}  {f'{low:.2f}-{high:.2f}':>12}  {per_position or '-':<26}  {rate:>9,.0f}  "
+              f"{rate / base_rate:>6.2f}x  {same} / {len(reference)}", flush=True)
     print(f"\nsample prompt (from {files[0]}):\n{bytes(prompts[0]).decode('utf-8', 'replace')}\n"
           f"greedy continuation:\n{bytes(t for t in reference[0] if t < 256).decode('utf-8', 'replace')}")
     return 0 if lossless else 1
