@@ -177,7 +177,8 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
     shapes = jax.eval_shape(functools.partial(prefill, graphdef, config=decode), params, prepared.prompts,
                             prepared.prompt_lens, prepared.target_cache, prepared.mtp_cache, base_key(0))
     keys = iter(jax.random.split(jax.random.key(batch), 2))
-    fields = {field.name: jnp.zeros(getattr(shapes, field.name).shape, getattr(shapes, field.name).dtype)
+    # prompts / prompt_lens are None outside prefill_in_loop: they stay None
+    fields = {field.name: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), getattr(shapes, field.name))
               for field in dataclasses.fields(DecodeState)
               if field.name not in ("target_cache", "mtp_cache", "rng_key")}
     fields["last_token"] = jnp.asarray(rng.integers(2, model.config.vocab_size, batch), jnp.int32)

@@ -210,7 +210,8 @@ def documented_shapes(cls) -> dict[str, str]:
 def test_result_and_state_docstrings_give_the_shapes_they_hold():
     """Every shape that GenerateResult's and DecodeState's docstrings state is the shape a real run
     holds, dimension by dimension (B rows, D the draft depth, N window nodes, T the token buffer,
-    V the vocabulary, H the hidden width)."""
+    V the vocabulary, H the hidden width, P the prompt width). The state comes from a loop-mode
+    prefill, the one that fills every field (prompts and prompt_lens are None otherwise)."""
     from flax import nnx
 
     config = jaxspec.preset("tiny")
@@ -218,10 +219,10 @@ def test_result_and_state_docstrings_give_the_shapes_they_hold():
     decode = jaxspec.DecodeConfig(num_draft=3, max_new_tokens=6)
     prompts = [[3, 5, 7], [11, 13]]
     sizes = dict(B=len(prompts), D=decode.num_draft, N=decode.num_draft + 1, V=config.vocab_size,
-                 H=config.hidden_size, max_new_tokens=decode.max_new_tokens)
+                 H=config.hidden_size, P=max(map(len, prompts)), max_new_tokens=decode.max_new_tokens)
     sizes["T"] = decode.max_new_tokens + sizes["D"] + 1
     results = {jaxspec.GenerateResult: jaxspec.generate(model, prompts, decode),
-               jaxspec.DecodeState: jaxspec.init_state(model, prompts, decode)}
+               jaxspec.DecodeState: jaxspec.init_state(model, prompts, dataclasses.replace(decode, prefill_in_loop=True))}
     for cls, value in results.items():
         shapes = documented_shapes(cls)
         assert len(shapes) >= 3, f"{cls.__name__}'s docstring states too few shapes to check: {shapes}"
