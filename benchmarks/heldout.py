@@ -4,6 +4,7 @@
     python benchmarks/heldout.py --prompts-per-file 4 --max-new-tokens 256 --repeats 5
     python benchmarks/heldout.py --dtype bfloat16 --window-invariant   # every row equal to k = 0's in bfloat16 too
     python benchmarks/heldout.py --cache-dtype fp8                # caches as DeepSeek serves V3.2 (docs/fp8-caches.md)
+    python benchmarks/heldout.py --dtype bfloat16 --window-invariant --compare-caches --batch 64 --prompts-per-file 64 --repeats 1
 
 The prompts are byte windows of the files `examples/train_tiny.py` held out of training (listed in
 the checkpoint's `training.json`), starting at evenly spaced line starts. Every prompt is decoded
@@ -21,6 +22,14 @@ machine. Times are whole `generate` calls: prefill, the decode loop and a few mi
 checks and cache allocation, the same for every k. Before decoding, it also prints teacher-forced
 held-out losses and how often the MTP module's top-1 equals the target's next-next-token top-1,
 which bounds what drafting can accept.
+
+The accepted length is a mean over prompts, and prompts differ far more than settings do: its 95%
+bootstrap interval says how far the choice of prompts moves it. `--compare-caches` decodes every
+setting with caches in the compute dtype and in FP8 on the same prompts and gives the interval of
+the difference from the same resamples of both (paired), which is narrower than the two figures'
+own intervals side by side. `--batch` decodes many prompts per call, for acceptance over hundreds
+of prompts in minutes; in bfloat16 a few of its texts can depart from batch 1's at a near-tie
+(XLA's matmuls round differently at another batch), each still equal to k = 0's at the same batch.
 
 Where a step's time goes on the 2-core CPU (jax 0.10.2; 30 `jaxspec.loop._step` calls timed in one
 `fori_loop`, batch 1, these prompts; a component's share is the time saved by replacing it with a
@@ -133,15 +142,27 @@ def measure(model, prompts: list[list[int]], config: DecodeConfig, repeats: int,
     return outputs, dict(calls=calls, accepted=accepted, position_accepts=position_accepts), seconds
 
 
-def accepted_length_interval(calls: np.ndarray, accepted: np.ndarray, resamples: int = 2000) -> tuple[float, float]:
-    """A 95% bootstrap interval of the mean accepted length (sum(accepted + calls) / sum(calls))
-    over prompts resampled with replacement (fixed seed): how far the figure moves with the choice
-    of prompts, which is what separates two settings' figures from noise."""
-    rng = np.random.default_rng(0)
-    picks = rng.integers(0, len(calls), size=(resamples, len(calls)))
-    lengths = (accepted[picks] + calls[picks]).sum(axis=1) / np.maximum(calls[picks].sum(axis=1), 1)
-    low, high = np.percentile(lengths, [2.5, 97.5])
+def accepted_length_interval(stats: dict, other: dict | None = None, resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the mean accepted length (sum(accepted + calls) / sum(calls)) of
+    `stats` (`measure`'s), or, given `other` (the same prompts under another setting), of other's
+    minus stats': prompts resampled with replacement (fixed seed), both settings' figures from the
+    same resample. How far a figure moves with the choice of prompts is what separates two
+    settings from noise, and pairing the prompts removes the part they share."""
+    picks = np.random.default_rng(0).integers(0, len(stats["calls"]), size=(resamples, len(stats["calls"])))
+
+    def lengths(s):
+        calls = s["calls"][picks].sum(axis=1)
+        return (s["accepted"][picks].sum(axis=1) + calls) / np.maximum(calls, 1)
+
+    values = lengths(stats) if other is None else lengths(other) - lengths(stats)
+    low, high = np.percentile(values, [2.5, 97.5])
     return float(low), float(high)
+
+
+def accepted_length(stats: dict) -> float:
+    """The mean accepted length: tokens emitted per target call, over all prompts."""
+    calls = max(int(stats["calls"].sum()), 1)
+    return (int(stats["accepted"].sum()) + calls) / calls
 
 
 def main(argv=None) -> int:
@@ -162,46 +183,68 @@ def main(argv=None) -> int:
     parser.add_argument("--window-invariant", action="store_true",
                         help="DecodeConfig(window_invariant=True): every token computed as if alone in its call")
     add_cache_dtype_flag(parser)
+    parser.add_argument("--compare-caches", action="store_true",
+                        help="decode every setting twice, caches in the compute dtype and in FP8, and print the "
+                             "accepted lengths side by side with a paired 95%% interval of their difference")
     args = parser.parse_args(argv)
+    if args.compare_caches and args.cache_dtype:
+        parser.error("--compare-caches: runs both cache dtypes itself; leave out --cache-dtype")
     use_cpu_without_nvidia_driver()
 
     model = restore_model(args.checkpoint, dtype=DTYPES[args.dtype])
     files = held_out_files(args.checkpoint)
     texts = [read_stdlib(name) for name in files]
     c = model.config
+    cache_dtypes = [None, "fp8"] if args.compare_caches else [args.cache_dtype]
     print(f"model      {args.checkpoint}: {c.model_type}, {c.num_hidden_layers} layers + MTP, hidden {c.hidden_size}, "
           f"{c.n_routed_experts} routed experts, index_topk {c.index_topk}")
     print(f"held out   {', '.join(files)} ({jax.default_backend()}, {jax.device_count()} device(s)), "
-          f"{args.dtype}, window_invariant={args.window_invariant}, caches {args.cache_dtype or args.dtype}")
+          f"{args.dtype}, window_invariant={args.window_invariant}, caches "
+          f"{' and '.join(cache or args.dtype for cache in cache_dtypes)}")
 
     windows = np.concatenate([np.frombuffer(t[:len(t) // 256 * 256], np.uint8).reshape(-1, 256) for t in texts])
-    target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32), args.cache_dtype)
-    print(f"teacher-forced  target {float(target_nll):.3f} nats/byte, MTP (byte after next) {float(mtp_nll):.3f} "
-          f"nats/byte, MTP top-1 == target top-1 {float(agree):.1%}")
+    for cache in cache_dtypes:
+        target_nll, mtp_nll, agree = teacher_forced(model, jnp.asarray(windows, jnp.int32), cache)
+        print(f"teacher-forced  {cache or args.dtype} caches: target {float(target_nll):.3f} nats/byte, MTP (byte "
+              f"after next) {float(mtp_nll):.3f} nats/byte, MTP top-1 == target top-1 {float(agree):.1%}")
 
     prompts = held_out_prompts(args.checkpoint, args.prompts_per_file, args.prompt_len)
     print(f"decoding   {len(prompts)} prompts x {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
           f"batch {args.batch}, best of {args.repeats}\n")
-    print(f"{'draft':>5}  {'accepted length':>15}  {'95% interval':>12}  {'acceptance per position':<26}  "
-          f"{'tokens/s':>9}  {'speedup':>7}  rows identical to k = 0")
-    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant,
-                        cache_dtype=args.cache_dtype)
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, backend="xla", window_invariant=args.window_invariant)
     drafts = [(str(k), base.replace(num_draft=k)) for k in range(args.max_k + 1)]
     drafts += [(tree, base.replace(tree=tree)) for tree in args.tree]
-    reference, base_rate, lossless = None, None, True
+    if args.compare_caches:
+        print(f"{'draft':>5}  {'accepted length, ' + args.dtype + ' caches':>30}  {'fp8 caches':>10}  "
+              f"{'fp8 - ' + args.dtype:>16}  {'95% interval':>13}  rows identical to k = 0 ({args.dtype} / fp8)")
+    else:
+        print(f"{'draft':>5}  {'accepted length':>15}  {'95% interval':>12}  {'acceptance per position':<26}  "
+              f"{'tokens/s':>9}  {'speedup':>7}  rows identical to k = 0")
+    references, base_rate, lossless = {}, None, True
     for label, config in progress.bar(drafts, "draft settings"):
-        outputs, stats, seconds = measure(model, prompts, config, args.repeats, args.batch)
-        rate = sum(len(o) for o in outputs) / seconds
-        if reference is None:
-            reference, base_rate = outputs, rate
-        same = sum(a == b for a, b in zip(outputs, reference))
-        lossless &= same == len(reference)
+        runs = {}
+        for cache in cache_dtypes:
+            outputs, stats, seconds = measure(model, prompts, config.replace(cache_dtype=cache), args.repeats,
+                                              args.batch)
+            references.setdefault(cache, outputs)
+            same = sum(a == b for a, b in zip(outputs, references[cache]))
+            lossless &= same == len(prompts)
+            runs[cache] = stats, same, sum(len(o) for o in outputs) / seconds
+        if args.compare_caches:
+            (plain, plain_same, _), (fp8, fp8_same, _) = runs[None], runs["fp8"]
+            low, high = accepted_length_interval(plain, fp8)
+            print(f"{label:>5}  {accepted_length(plain):>30.2f}  {accepted_length(fp8):>10.2f}  "
+                  f"{accepted_length(fp8) - accepted_length(plain):>+16.2f}  {f'{low:+.2f} to {high:+.2f}':>13}  "
+                  f"{plain_same} / {fp8_same} of {len(prompts)}", flush=True)
+            continue
+        (stats, same, rate), = runs.values()
+        base_rate = base_rate or rate
+        low, high = accepted_length_interval(stats)
         calls = max(int(stats["calls"].sum()), 1)
-        length = (int(stats["accepted"].sum()) + calls) / calls
-        low, high = accepted_length_interval(stats["calls"], stats["accepted"])
         per_position = " ".join(f"{a:.2f}" for a in stats["position_accepts"].sum(axis=0) / calls)
-        print(f"{label:>5}  {length:>15.2f}  {f'{low:.2f}-{high:.2f}':>12}  {per_position or '-':<26}  {rate:>9,.0f}  "
-              f"{rate / base_rate:>6.2f}x  {same} / {len(reference)}", flush=True)
+        print(f"{label:>5}  {accepted_length(stats):>15.2f}  {f'{low:.2f}-{high:.2f}':>12}  {per_position or '-':<26}  "
+              f"{rate:>9,.0f}  {rate / base_rate:>6.2f}x  {same} / {len(prompts)}", flush=True)
+    reference = references[cache_dtypes[0]]
     print(f"\nsample prompt (from {files[0]}):\n{bytes(prompts[0]).decode('utf-8', 'replace')}\n"
           f"greedy continuation:\n{bytes(t for t in reference[0] if t < 256).decode('utf-8', 'replace')}")
     return 0 if lossless else 1
