@@ -30,16 +30,31 @@ AUTO_KERNELS: dict[str, dict[str, str]] = {}
 # target's device kind ("" when not known).
 _gpu_lowering: str | None = None
 
+# The GPU a lowering without a device and without a named kind is for, and its SM count (an H200
+# has as many).
+DEFAULT_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+HOPPER_SMS = 132
+
 
 @contextlib.contextmanager
 def gpu_lowering(device_kind: str = ""):
     """Inside this context the ops lower for a GPU whatever the default backend: "auto" picks the
     kernels `AUTO_KERNELS` names for `device_kind` (Triton where it names none) and they take the
-    GPU lowering, not interpret mode (`jaxspec.aot` traces inside it)."""
+    GPU lowering, not interpret mode (`jaxspec.aot` traces and lowers inside it).
+
+    Off a GPU it also names the target as an abstract device (`jax.sharding.AbstractDevice` of
+    `device_kind`, an H100 when "" ): from jax 0.11 the Triton lowering asks the default device for
+    its compute capability and fails on a CPU host unless the abstract mesh names a GPU."""
     global _gpu_lowering
     previous, _gpu_lowering = _gpu_lowering, device_kind
+    target = contextlib.nullcontext()
+    if jax.default_backend() != "gpu":
+        device = jax.sharding.AbstractDevice(device_kind=device_kind or DEFAULT_DEVICE_KIND, platform="gpu",
+                                             num_cores=HOPPER_SMS)
+        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
     try:
-        yield
+        with target:
+            yield
     finally:
         _gpu_lowering = previous
 

@@ -198,15 +198,18 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     block_n=, parts=, **params)` on the grid
     (row blocks, parts, groups). Returns out [groups, rows, Dl] in q_nope's dtype, lse [groups, rows].
 
-    Default blocks: 64 query rows x 32 slots for 2-byte inputs; 32 x 16 for float32, whose query
-    block and double-buffered cache tiles would otherwise outgrow shared memory.
+    Default blocks: 64 query rows x 16 slots for 2-byte inputs; 32 x 16 for float32, whose query
+    block and double-buffered cache tiles would otherwise outgrow shared memory. Tiles of 32 slots
+    need more than the 255 registers a thread may have beside a 64 x 512 float32 accumulator with
+    jax 0.11's Triton, which spills at DeepSeek's widths (dense MLA 32 bytes, where jax 0.10.2's
+    uses 233 registers; sparse MLA on an FP8 cache 20 bytes); with 16 neither version spills.
     """
     dims = latent_dims(q_nope, q_rope, latent_cache)
     num_pages, page_size, _ = latent_cache.shape
     rows = q_nope.size // (groups * dims.latent)
     narrow = jnp.dtype(dims.dtype).itemsize <= 2
     block_m = block_m or block_size(rows, 64 if narrow else 32)
-    block_n = block_n or (32 if narrow else 16)
+    block_n = block_n or 16
     row_blocks = pl.cdiv(rows, block_m)
     rows_padded = row_blocks * block_m
     parts = num_splits or num_parts(groups * row_blocks, pl.cdiv(num_slots, block_n), MIN_PART_SLOTS // block_n)

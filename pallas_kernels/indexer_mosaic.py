@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import select_topk
 from .fp8_cache import E4M3, Fp8Pool
-from .mosaic_gpu import interpreting, swizzled
+from .mosaic_gpu import compiler_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
 # Slots per tile: the wgmma's M (one warpgroup).
@@ -260,7 +260,7 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
         functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries,
                           fp8=fp8),
         out_type=jax.ShapeDtypeStruct((batch * num_queries, chunks * chunk_tiles * TILE), jnp.float32),
-        grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"))
+        grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"), compiler_params=compiler_params())
     scores = kernel(q_t, w, *keys, page_table.astype(jnp.int32), bound)
     scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]
     if vis.tree_mask is None:

@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
 from .fp8_cache import SCALE_BLOCK, Fp8Pool
-from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpret_params, interpreting, swizzled
+from .mosaic_gpu import check_fp8_latent, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
 BLOCK_M = 64  # query rows per thread block: wgmma's M
@@ -150,7 +150,7 @@ def _scores(pairs, interpret: bool):
 
     def product(acc_ref):
         for q_ref, kv_ref in pairs:
-            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(kv_ref, (1, 0)))
+            plgpu.wgmma(acc_ref, q_ref, kv_ref.transpose((1, 0)))
         return acc_ref[...]
 
     q_ref, kv_ref = pairs[0]
@@ -416,7 +416,8 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
         out_type=(jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
                   jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32)),
         grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
-        num_threads=warpgroups, thread_name="wg", interpret=interpret_params() if interpret else None)
+        num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
+        interpret=interpret_params() if interpret else None)
     operands = (queries, *cache_operands, table, meta, bound) + (() if bits is None else (bits,))
     out, lse = kernel(*operands)
     out, lse = combine_parts(out, lse, q_nope.dtype)

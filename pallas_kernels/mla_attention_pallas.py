@@ -71,7 +71,7 @@ def mla_attention_pallas(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax
     page_table [B, max_pages] int32 -> out [B, Q, H, Dl] (q_nope.dtype), lse [B, Q, H] float32.
 
     Tuning (static): block_m query rows per program and block_n slots per tile (powers of two
-    >= 16, block_n independent of the page size; defaults in `flash_decode`: 64 x 32 for bf16),
+    >= 16, block_n independent of the page size; defaults in `flash_decode`: 64 x 16 for bf16),
     num_splits parts per row (default: enough programs for the GPU, parts >= MIN_PART_SLOTS),
     num_warps (default 8 for block_m >= 64, else 4) and num_stages of the Triton pipeline.
     interpret: None = interpret mode off a GPU; False forces the Triton lowering.

@@ -62,13 +62,19 @@ def _interpret_layout_casts() -> None:
 
 @functools.cache
 def _interpret_transposed_wgmma_operands() -> None:
-    """Teach the interpreter wgmma operands read through `plgpu.transpose_ref`: on the GPU the
-    transpose is a bit of the wgmma instruction (how `S = Q K^T` reads a `[slots, D]` tile), but jax
-    0.10.2's simulator only reads operands through indexers. The replacement callback reads each
-    operand's indexed buffer, applies a trailing transpose, and otherwise does exactly what the
-    simulator's own wgmma does: `acc += a @ b` in the accumulator's dtype."""
-    from jax._src.pallas.mosaic.interpret import utils
+    """Teach the interpreter wgmma operands read through a transposed ref (`ref.transpose`): on the
+    GPU the transpose is a bit of the wgmma instruction (how `S = Q K^T` reads a `[slots, D]` tile),
+    but jax 0.10.2's simulator only reads operands through indexers. The replacement callback reads
+    each operand's indexed buffer, applies a trailing transpose, and otherwise does exactly what the
+    simulator's own wgmma does: `acc += a @ b` in the accumulator's dtype. jax 0.11's simulator
+    reads transposed operands itself (its wgmma callback takes a mesh location, not a device id)
+    and is left as it is."""
+    import inspect
+
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    if "device_id" not in inspect.signature(gpu_callbacks.wgmma).parameters:
+        return
+    from jax._src.pallas.mosaic.interpret import utils
     from jax._src.state.types import TransposeTransform
     import numpy as np
 
@@ -103,6 +109,15 @@ def _interpret_transposed_wgmma_operands() -> None:
         return token
 
     gpu_callbacks.wgmma = wgmma
+
+
+def compiler_params(**options) -> plgpu.CompilerParams:
+    """The kernels' Mosaic GPU compiler parameters: `options` plus Lane lowering semantics, named
+    explicitly. The kernels are written per thread with explicit register layouts
+    (`plgpu.layout_cast` to the WGMMA layouts), which is Lane semantics: jax 0.10.2's default.
+    jax 0.11 defaults to Warpgroup semantics, whose layout inference refuses a swizzled tile read
+    through a column slice ("cannot apply swizzle to non-contiguous refs")."""
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, **options)
 
 
 def interpret_params():
@@ -142,7 +157,7 @@ def tile_scores(q_smem, kv_smem, shape: tuple[int, int], scale, bias):
     an unseen one) on every row -> [M, T] float32. The sparse gathers share it: a key list's tile is
     scored the same way whatever the keys are."""
     def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, kv_smem.transpose((1, 0)))
         return acc_ref[...]
 
     s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))

@@ -69,7 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import interpret_params, interpreting, tile_scores
+from .mosaic_gpu import compiler_params, interpret_params, interpreting, tile_scores
 from .paged import slot_address
 from .sparse_mla_attention_mosaic import copy_width, staging_pad
 from .visibility import Visibility, query_valid, ring_visible
@@ -343,7 +343,8 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
         functools.partial(_kernel, runs=runs, scale=scale, out_block=out_block, warpgroups=warpgroups),
         out_type=jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype),
         grid=(dim // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
-        num_threads=warpgroups, thread_name="wg", interpret=interpret_params() if interpret else None)
+        num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
+        interpret=interpret_params() if interpret else None)
     bias = bias.reshape(tokens, -1)
     seen = jnp.any(bias.reshape(tokens, -1, TILE) == 0.0, axis=2)  # [B * Q, T]
     tiles = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # the seen tiles first, in order

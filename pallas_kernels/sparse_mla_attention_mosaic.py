@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, entry_dtype
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_latent, dequantize_rows, interpreting, tile_scores
+from .mosaic_gpu import check_fp8_latent, compiler_params, dequantize_rows, interpreting, tile_scores
 from .paged import read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -330,7 +330,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
         num_threads=warpgroups, thread_name="wg",
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))
+        compiler_params=compiler_params(reduction_scratch_bytes=0))
     out, lse = kernel(q, *cache_operands, page_table.astype(jnp.int32), jnp.where(selected, indices, 0), bias,
                       *scale_operands)
     out = out[:, :heads].reshape(batch, num_queries, heads, latent)

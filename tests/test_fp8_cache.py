@@ -35,6 +35,7 @@ from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, indexe
 from jaxspec.pallas_kernels import fp8_cache
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.presets import preset
+from cuda_lowering import triton_calls
 from test_exactness import prompts, rows, shipped_front
 from test_kernels import (DEEPSEEK_V32, SHAPE, TINY, assert_attention_close, latent_inputs, lowering_case, make_window,
                           random_indices, scale_for)
@@ -263,8 +264,7 @@ def test_cuda_lowering_of_fp8_pools(kernel, num_queries, tree, dims):
                        SHAPE((pages, page, latent // fp8_cache.scale_block(latent)), jnp.float32),
                        SHAPE((pages, page, rope), jnp.bfloat16))
         args = (q_nope, q_rope, pool, *rest)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    calls = triton_calls(fn, *args)
     assert len(calls) == 1 and re.search(rf'\bname = "{name}"', calls[0])
     assert "f8E4M3FN" in calls[0]
 

@@ -21,6 +21,7 @@ from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_M, grouped_matmul_pallas, num_work_items, work_items
 from jaxspec.presets import preset
+from cuda_lowering import triton_calls
 
 
 def random_sizes(rng, num_groups: int, total: int, empty_fraction: float) -> np.ndarray:
@@ -173,8 +174,7 @@ def test_cuda_lowering_at_deepseek_shapes():
     args = (jax.ShapeDtypeStruct((256, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((256, 7168, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((256,), jnp.int32))
     fn = functools.partial(grouped_matmul_pallas, interpret=False)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    calls = triton_calls(fn, *args)
     assert len(calls) == 1 and re.search(r'\bname = "grouped_matmul"', calls[0])
     assert jax.eval_shape(fn, *args).shape == (256, 2048)
 

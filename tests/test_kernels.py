@@ -27,6 +27,7 @@ from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, indexer_scores_refere
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
+from cuda_lowering import triton_calls
 
 # ----------------------------------------------------------------------------------------------
 # Inputs
@@ -425,8 +426,7 @@ def test_cuda_lowering(kernel, num_queries, tree, dims):
     own compilation to PTX (register and shared-memory budgets) happens only on a GPU.
     """
     fn, args, name = lowering_case(kernel, num_queries, tree, dims)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    calls = triton_calls(fn, *args)
     assert len(calls) == 1 and re.search(rf'\bname = "{name}"', calls[0]) and "num_warps" in calls[0]
     out = jax.eval_shape(fn, *args)
     if kernel == "indexer":

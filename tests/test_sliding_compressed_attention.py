@@ -15,6 +15,7 @@ import pytest
 
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention, sliding_compressed_attention_reference
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
+from cuda_lowering import triton_calls
 
 
 class Case(NamedTuple):
@@ -337,8 +338,7 @@ def test_cuda_lowering_at_tiny_dims():
                                     compressed="indices", tree=True, extra=2)
     static = {name: kwargs.pop(name) for name in ("sliding_window", "scale")}
     kernel = functools.partial(sliding_compressed_attention_pallas, interpret=False, **static)
-    text = jax.jit(kernel).trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    calls = triton_calls(kernel, *args, **kwargs)
     assert len(calls) == 1 and 'name = "sliding_compressed_attention"' in calls[0]
 
 

@@ -321,19 +321,32 @@ class Collective:
     runs: int = 1
 
 
+def _largest_array(shape_text: str) -> int:
+    """Bytes of the largest array shape written in `shape_text` (0 when there is none)."""
+    return max((shape_bytes(part) for part in re.findall(r"[a-z0-9]+\[[0-9,]*\]", shape_text)), default=0)
+
+
 def collectives(compiled) -> list[Collective]:
-    """Every collective in the optimized HLO (async `-start` halves; `-done` halves skipped)."""
+    """Every collective in the optimized HLO (async `-start` halves; `-done` halves skipped), with
+    the bytes of the largest array it reads or writes (a reduce-scatter's input, an all-gather's
+    output), whichever form XLA chose: an async start returns (operands, results[, scratch]); a
+    synchronous op's operands are looked up by name, since XLA (jax 0.11) prints them without
+    their shapes."""
+    hlo = _optimized_hlo(compiled)
+    results = {m.group(1): m.group(2) for m in _INSTRUCTION.finditer(hlo)}
     found = []
-    for line, runs in _instructions(_optimized_hlo(compiled)):
+    for line, runs in _instructions(hlo):
         instruction = _INSTRUCTION.match(line)
         if instruction is None:
             continue
         name, result, op = instruction.groups()
         base = op.removesuffix("-start")
         if base in _COLLECTIVES:
-            # An async start returns (operands, results[, scratch]): count its largest part.
-            size = (max(shape_bytes(part) for part in re.findall(r"[a-z0-9]+\[[0-9,]*\]", result))
-                    if op.endswith("-start") else shape_bytes(result))
+            size = _largest_array(result)
+            if not op.endswith("-start"):
+                operands = line[instruction.end():].split(")", 1)[0]
+                size = max(size, _largest_array(operands),
+                           *(_largest_array(results.get(operand, "")) for operand in re.findall(r"%([^\s,()]+)", operands)))
             found.append(Collective(base, size, name, runs))
     return found
 

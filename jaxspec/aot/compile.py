@@ -166,6 +166,9 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
                           donate_argnames=tuple(donate_argnames)).lower(*args, **kwargs)
     compiled = lowered.compile(compiler_options={
         "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spill, "xla_dump_to": dump_dir,
+        # The PTX, which `analysis.kernel_launches` gives to ptxas: from jax 0.11 XLA dumps it only
+        # for the emitters this names ("ptx": the PTX alone, no per-fusion logs).
+        "xla_dump_emitter_re": "ptx",
         # XLA sizes a CUB radix sort's scratch by asking the CUDA runtime, which fails without a
         # device ("invalid device ordinal"): large sorts (top-k of the DSA indexer) use XLA's own
         # sort kernel here, where a GPU host's compile would call CUB.
