@@ -36,6 +36,14 @@ DEFAULT_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 HOPPER_SMS = 132
 
 
+def abstract_gpu(device_kind: str = "", num_cores: int = HOPPER_SMS):
+    """A context whose abstract mesh (no axes) names a GPU of `device_kind` (an H100 when "") with
+    `num_cores` SMs: what Pallas asks for while tracing or lowering for a GPU on a host without one."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind or DEFAULT_DEVICE_KIND, platform="gpu",
+                                         num_cores=num_cores)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+
+
 @contextlib.contextmanager
 def gpu_lowering(device_kind: str = ""):
     """Inside this context the ops lower for a GPU whatever the default backend: "auto" picks the
@@ -47,11 +55,7 @@ def gpu_lowering(device_kind: str = ""):
     its compute capability and fails on a CPU host unless the abstract mesh names a GPU."""
     global _gpu_lowering
     previous, _gpu_lowering = _gpu_lowering, device_kind
-    target = contextlib.nullcontext()
-    if jax.default_backend() != "gpu":
-        device = jax.sharding.AbstractDevice(device_kind=device_kind or DEFAULT_DEVICE_KIND, platform="gpu",
-                                             num_cores=HOPPER_SMS)
-        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
+    target = contextlib.nullcontext() if jax.default_backend() == "gpu" else abstract_gpu(device_kind)
     try:
         with target:
             yield

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .backend import abstract_gpu
 from .fp8_cache import E4M3, SCALE_BLOCK, Fp8Pool
 
 # The jax versions whose private GPU interpret API this module was written against and run on.
@@ -35,7 +36,6 @@ JAX_RANGE = ">=0.10.2,<0.12"
 # SMs of the abstract H100 that interpreted kernels see. Kernels here launch an explicit grid, so
 # it only sizes the simulator; a real H100 has 132.
 INTERPRET_SMS = 4
-INTERPRET_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 # The widest SMEM swizzle, in bytes: 128-byte rows (64 bfloat16, 128 e4m3).
 SWIZZLE = 128
 
@@ -133,10 +133,8 @@ def interpreting():
     params, gpu_callbacks = _interpret_module()
     _interpret_layout_casts()
     _interpret_transposed_wgmma_operands()
-    device = jax.sharding.AbstractDevice(device_kind=INTERPRET_DEVICE_KIND, platform="gpu", num_cores=INTERPRET_SMS)
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
     try:
-        with jax.sharding.use_abstract_mesh(mesh), params.force_gpu_interpret_mode(params.InterpretGPUParams()):
+        with abstract_gpu(num_cores=INTERPRET_SMS), params.force_gpu_interpret_mode(params.InterpretGPUParams()):
             yield
     except BaseException:
         gpu_callbacks.reset_gpu_interpret_mode_state()
