@@ -24,6 +24,8 @@ n + (d - 1) K + j (`jaxspec.trees.DynamicTree`).
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 import jax
@@ -180,9 +182,13 @@ def _draft_dynamic(model, state, spec: DynamicTreeSpec, config: DecodeConfig) ->
     mtp_cache = state.mtp_cache
     for level in range(1, depth):
         block = slice((level - 1) * top_k, level * top_k)
-        window_tokens = window_tokens.at[:, block].set(jnp.take_along_axis(tree.tokens, tree.frontier, axis=1))
-        window_hidden = window_hidden.at[:, block].set(frontier_parent_hidden)
-        window_mask = window_mask.at[:, block].set(tree.frontier_mask[:, :, :width])
+        # A static update slice, not `.at[:, block].set`: where the block is the whole window
+        # (depth 2) that is a scatter with a zero-sized index constant, which jax 0.11 hoists into
+        # the mesh program's shard_map, and Shardy's canonicalizer (jax 0.11.2) crashes removing it.
+        put = functools.partial(jax.lax.dynamic_update_slice_in_dim, start_index=block.start, axis=1)
+        window_tokens = put(window_tokens, jnp.take_along_axis(tree.tokens, tree.frontier, axis=1))
+        window_hidden = put(window_hidden, frontier_parent_hidden)
+        window_mask = put(window_mask, tree.frontier_mask[:, :, :width])
         used = level * top_k
         logits, out_hidden, mtp_cache = _mtp(model, state, config, mtp_cache, window_tokens[:, :used],
                                              window_hidden[:, :used], np.arange(used) // top_k + 1, n,

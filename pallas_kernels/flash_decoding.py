@@ -75,20 +75,18 @@ def load_latent(cache_ref, rows, readable, dims: LatentDims):
     Unreadable slots read as zeros, so stale or uninitialised cache memory never meets a zero
     probability (0 * NaN would poison the row). FP8 entries are dequantized here, in registers:
     each latent column is multiplied by its block's scale and rounded to bfloat16
-    (`fp8_cache.entries`), and no dequantized copy of the cache exists. The scales are loaded one
-    [BN, 1] column per block and spread over their columns by selects (4 at DeepSeek's widths):
-    loading a scale per latent column instead would stage a [BN, Dl] float32 tile per pipeline
-    stage in shared memory (docs/fp8-caches.md gives the compiled sizes).
+    (`fp8_cache.entries`), and no dequantized copy of the cache exists. Each latent column loads
+    its block's scale (a [BN, Dl] gather of the slot's 4 scales at DeepSeek's widths, served from
+    L1): the pipeline stages that tile in shared memory (151,616 B at 16-slot tiles), where
+    spreading one [BN, 1] load per block over its columns by selects held it in registers and
+    spilled with jax 0.11's Triton (docs/fp8-caches.md gives the compiled sizes).
     """
     latent_cols, latent_valid = column_span(0, dims.latent, dims.latent_block)
     if isinstance(cache_ref, Fp8Pool):
         num_blocks = cache_ref.scales.shape[1]
-        block_of_column = jax.lax.div(latent_cols, cache_ref.values.shape[1] // num_blocks)[None, :]
+        block_of_column = jax.lax.div(latent_cols, cache_ref.values.shape[1] // num_blocks)
         values = load_block(cache_ref.values, rows, latent_cols, readable, latent_valid).astype(jnp.float32)
-        scales = jnp.zeros_like(values)
-        for block in range(num_blocks):
-            scale = load_block(cache_ref.scales, rows, jnp.full((1,), block, jnp.int32), readable)  # [BN, 1]
-            scales = jnp.where(block_of_column == block, scale, scales)
+        scales = load_block(cache_ref.scales, rows, block_of_column, readable)
         rope_cols, rope_valid = column_span(0, dims.rope, dims.rope_block)
         rope_key = load_block(cache_ref.rope, rows, rope_cols, readable, rope_valid)
         # Rounded to bfloat16 as `fp8_cache.entries` defines the entry, whatever the compute dtype.
@@ -202,7 +200,7 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     block and double-buffered cache tiles would otherwise outgrow shared memory. Tiles of 32 slots
     need more than the 255 registers a thread may have beside a 64 x 512 float32 accumulator with
     jax 0.11's Triton, which spills at DeepSeek's widths (dense MLA 32 bytes, where jax 0.10.2's
-    uses 233 registers; sparse MLA on an FP8 cache 20 bytes); with 16 neither version spills.
+    uses 233 registers); with 16 neither version spills (FP8 caches: see `load_latent`).
     """
     dims = latent_dims(q_nope, q_rope, latent_cache)
     num_pages, page_size, _ = latent_cache.shape

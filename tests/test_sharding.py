@@ -12,13 +12,16 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax._src import source_info_util
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxspec import sharding
+from jaxspec import generation, sharding
+from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, model_class
 from jaxspec.presets import preset
+from jaxspec.sampling import base_key
 from virtual_devices import virtual_devices_env
 
 
@@ -72,3 +75,40 @@ def test_mesh_runs_equal_one_device():
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert "sharding checks passed" in done.stdout
+
+
+def _zero_sized_operands(jaxpr) -> list[str]:
+    """Where an equation of `jaxpr` (a core Jaxpr), or of any jaxpr nested in it, takes a
+    zero-sized array: 'primitive shape at file:line' for each."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for var in eqn.invars:
+            if 0 in getattr(var.aval, "shape", ()):
+                found.append(f"{eqn.primitive} {var.aval.str_short()} at {source_info_util.summarize(eqn.source_info)}")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _zero_sized_operands(inner)
+    return found
+
+
+@pytest.mark.parametrize("preset_name, draft", [("tiny", dict(num_draft=3)), ("tiny", dict(num_draft=1, tree="2,2,3")),
+                                                ("tiny", dict(num_draft=1, tree="small", temperature=1.0)),
+                                                ("tiny-v4", dict(num_draft=2))])
+def test_mesh_programs_hold_no_zero_sized_arrays(preset_name, draft):
+    """The mesh program (prefill and loop in one shard_map) traced on a 1x1 mesh, for chains,
+    dynamic and sampled static trees, V3.2 and V4, has no zero-sized array anywhere. jax 0.11
+    hoists such constants into the shard_map (`x.at[:, a:b].set(y)` with a:b the whole axis is a
+    scatter with a zero-sized index: the dynamic tree 2,2,3 wrote its one-level window so), and
+    Shardy's canonicalizer (jax 0.11.2) crashes the compile removing them, a segfault."""
+    model = model_class(preset(preset_name))(preset(preset_name), rngs=nnx.Rngs(0))
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), sharding.MESH_AXES)
+    config = DecodeConfig(max_new_tokens=8, **draft)
+    batch = prepare(model, [[1, 2, 3], [4]], config, mesh=mesh, plan="dp")
+    graphdef, params = nnx.split(model)
+    fn, params, static = generation._program(graphdef, params, batch, config, mesh, "dp")
+    traced = fn.trace(graphdef, *params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
+                      base_key(0), *static)
+    assert any(eqn.primitive.name == "shard_map" for eqn in traced.jaxpr.jaxpr.eqns)
+    assert _zero_sized_operands(traced.jaxpr.jaxpr) == []
