@@ -171,10 +171,11 @@ def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_
     batch, prompt_width = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
     vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=prompt_lens)
-    logits, hidden, target_cache = model(prompts, positions, target_cache, vis, form="expanded",
-                                         backend=config.backend, unroll_layers=config.unroll_layers)
     last = prompt_lens - 1
-    last_logits = _row_gather(logits, last)
+    logits, hidden, target_cache = model(prompts, positions, target_cache, vis, form="expanded",
+                                         backend=config.backend, unroll_layers=config.unroll_layers,
+                                         logits_at=last[:, None])
+    last_logits = logits[:, 0]
     first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config)
 
     seed_logits = jnp.zeros_like(last_logits)
@@ -184,8 +185,9 @@ def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_
         shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), prompts.dtype)], axis=1)
         next_tokens = shifted.at[jnp.arange(batch), last].set(first_token)
         mtp_logits, mtp_hidden, mtp_cache = model.draft(next_tokens, hidden, positions, mtp_cache, vis,
-                                                        form="expanded", backend=config.backend)
-        seed_logits = _row_gather(mtp_logits, last)
+                                                        form="expanded", backend=config.backend,
+                                                        logits_at=last[:, None])
+        seed_logits = mtp_logits[:, 0]
         seed_hidden = _row_gather(mtp_hidden, last)
     return first_token, seed_logits, seed_hidden, target_cache, mtp_cache
 
@@ -204,7 +206,7 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
     Chunk j (a `jax.lax.fori_loop`, so the program holds one [B, C] target call and one MTP call)
     runs positions [jC, (j + 1) C) through the target (absorbed form, window-invariant when the
     config says so), keeps the logits and hidden state of each row's last prompt position when the
-    chunk holds it, and runs the MTP over the chunk's pairs (h_i, t_{i+1}) for every i below the
+    chunk holds it (the target computes that position's logits only: `logits_at`), and runs the MTP over the chunk's pairs (h_i, t_{i+1}) for every i below the
     row's last position. The last pair needs the first generated token, known after the loop: one
     width-1 MTP call (h_last, first token) at the last position completes the MTP cache and gives
     the seeds.
@@ -218,15 +220,22 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
     last = prompt_lens - 1
     offsets = jnp.arange(chunk, dtype=jnp.int32)
 
+    def last_in_chunk(j):
+        """Whether each row's last prompt position falls in chunk j [B], and its index there [B]
+        (clipped into the chunk where it does not)."""
+        return (last >= j * chunk) & (last < (j + 1) * chunk), jnp.clip(last - j * chunk, 0, chunk - 1)
+
     def run_chunk(j, target_cache, mtp_cache):
-        """Chunk j through the target and the MTP -> (logits [B, C, V], hidden [B, C, H], caches)."""
+        """Chunk j through the target and the MTP -> (logits [B, 1, V] at `last_in_chunk`, hidden
+        [B, C, H], caches)."""
         model = nnx.merge(graphdef, params)
         start = j * chunk
         positions = jnp.broadcast_to(start + offsets, (batch, chunk))
         logits, hidden, target_cache = model(
             jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1), positions, target_cache,
             _chunk_visibility(start, prompt_lens, chunk), form="absorbed", backend=config.backend,
-            window_invariant=config.window_invariant, unroll_layers=config.unroll_layers)
+            window_invariant=config.window_invariant, unroll_layers=config.unroll_layers,
+            logits_at=last_in_chunk(j)[1][:, None])
         if drafting:
             _, _, mtp_cache = model.draft(jax.lax.dynamic_slice_in_dim(tokens, start + 1, chunk, axis=1), hidden,
                                           positions, mtp_cache, _chunk_visibility(start, last, chunk),
@@ -236,10 +245,9 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
     def body(j, carry):
         last_logits, last_hidden, target_cache, mtp_cache = carry
         logits, hidden, target_cache, mtp_cache = run_chunk(j, target_cache, mtp_cache)
-        here = ((last >= j * chunk) & (last < (j + 1) * chunk))[:, None]
-        index = jnp.clip(last - j * chunk, 0, chunk - 1)
-        return (jnp.where(here, _row_gather(logits, index), last_logits),
-                jnp.where(here, _row_gather(hidden, index), last_hidden), target_cache, mtp_cache)
+        here, index = last_in_chunk(j)
+        return (jnp.where(here[:, None], logits[:, 0], last_logits),
+                jnp.where(here[:, None], _row_gather(hidden, index), last_hidden), target_cache, mtp_cache)
 
     # The carried rows' shapes and dtypes are the model's outputs' (V4's hidden state is its
     # hyper-connection streams, flattened), taken from an abstract trace of one chunk.
@@ -459,11 +467,12 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
         path_hidden = jnp.take_along_axis(hidden, jnp.maximum(path, 0)[..., None], axis=1)
         positions = n[:, None] + jnp.arange(config.max_depth + 1, dtype=jnp.int32)[None, :]
         catch_vis = Visibility(prefix_len=n, query_len=path_len)
-        mtp_logits, mtp_hidden, mtp_cache = model.draft(jnp.maximum(emitted, 0), path_hidden, positions, mtp_cache,
-                                                        catch_vis, form="absorbed", backend=config.backend)
-        mtp_cache = mtp_cache.commit(new_len)
         last_pair = jnp.maximum(path_len - 1, 0)
-        seed_logits = jnp.where(active[:, None], _row_gather(mtp_logits, last_pair), seed_logits)
+        mtp_logits, mtp_hidden, mtp_cache = model.draft(jnp.maximum(emitted, 0), path_hidden, positions, mtp_cache,
+                                                        catch_vis, form="absorbed", backend=config.backend,
+                                                        logits_at=last_pair[:, None])
+        mtp_cache = mtp_cache.commit(new_len)
+        seed_logits = jnp.where(active[:, None], mtp_logits[:, 0], seed_logits)
         seed_hidden = jnp.where(active[:, None], _row_gather(mtp_hidden, last_pair), seed_hidden)
 
     # A row's last token changes when it emits: a verification's bonus, or its prompt's first token.

@@ -181,23 +181,23 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     # A step: the float32 logits of the target's window and of the MTP's next draft, each with a
     # same-sized float32 companion (probabilities, acceptance's work on them).
     step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2
-    # Prefill, per call of T = rows x W tokens (W = the whole prompt, or one `prefill_chunk`): the
-    # float32 logits [T, V] (the target's, and in one call the MTP's, which a chunk's loop drops),
-    # a few [T, H] activations, and one layer's temporaries as the model counts them for the
-    # backend the config resolves to (the layers run one at a time: a scan). Prompts fed through
-    # the loop have no prefill program: the step's own calls run them.
+    # Prefill, per call of T = rows x W tokens (W = the whole prompt, or one `prefill_chunk`): a
+    # few [T, H] activations, one layer's temporaries as the model counts them for the backend the
+    # config resolves to (the layers run one at a time: a scan), and the float32 logits of each
+    # row's last prompt position, the target's and the MTP's (the calls compute those rows only,
+    # `logits_at`). Prompts fed through the loop have no prefill program: the step's own calls run them.
     prefill_temp = 0
     if not decode.prefill_in_loop:
         width = decode.prefill_width(prompt_len)
         chunked = decode.prefill_chunk is not None
-        logit_calls = 2 if drafting and not chunked else 1
+        logit_rows = 2 if drafting else 1
         # The ops gather a row's slots in whole pages.
         slots = -(-capacity // decode.page_size) * decode.page_size
         layer = model.prefill_layer_bytes(rows=rows, width=width, prompt_len=prompt_len, capacity=slots,
                                           heads=heads_local, chunked=chunked,
                                           backend=resolve_backend(decode.backend),
                                           row_shards=None if mesh is None else row_parts)
-        prefill_temp = rows * width * (logit_calls * vocab * f32 + hidden * act * 8) + layer
+        prefill_temp = rows * (logit_rows * vocab * f32 + width * hidden * act * 8) + layer
     return MemoryPlan(weights=_param_bytes(params, mesh, plan), caches=caches, state=state,
                       prefill_temp=prefill_temp, step_temp=step_temp,
                       device_memory=None if device_memory is None else int(device_memory))

@@ -203,17 +203,15 @@ class DeepseekV3(nnx.Module):
 
     # -- forward passes -------------------------------------------------------------------------
 
-    def _head(self, norm: RMSNorm, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B, Q, D] -> (logits [B, Q, V] float32, norm(x) [B, Q, D]): `layers.head_logits`."""
-        return head_logits(norm, self.lm_head, x)
-
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: PagedCache, vis: Visibility, *,
                  form: str = "absorbed", backend: str = "auto", window_invariant: bool = False,
-                 unroll_layers: bool = False) -> tuple[jax.Array, jax.Array, PagedCache]:
+                 unroll_layers: bool = False,
+                 logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, PagedCache]:
         """Target forward over a window.
 
         tokens, positions [B, Q] int32; vis: the window's visibility (`jaxspec.pallas_kernels.Visibility`)
-        -> logits [B, Q, V] float32, hidden [B, Q, D] (after the final norm), the updated cache.
+        -> logits [B, Q, V] float32 ([B, L, V] at the window positions `logits_at` [B, L] int32,
+        when given), hidden [B, Q, D] (after the final norm), the updated cache.
         form: "expanded" (prefill over an empty cache: keys and values up-projected) or "absorbed"
         (attention in the latent space, as cached steps run it). window_invariant: every token's
         logits and hidden state are bit-identical to what the same token gets alone in a [B, 1]
@@ -232,13 +230,14 @@ class DeepseekV3(nnx.Module):
                 return layer(x, cos, sin, cache, start + row, vis, form=form, backend=backend,
                              window_invariant=window_invariant)
             x, cache = run_layers(getattr(self, run.name), body, (x, cache), unroll=unroll_layers)
-        logits, hidden = per_position(functools.partial(self._head, self.norm), x, enabled=window_invariant)
+        logits, hidden = head_logits(self.norm, self.lm_head, x, logits_at, per_token=window_invariant)
         return logits, hidden, cache
 
     def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: PagedCache,
-              vis: Visibility, *, form: str = "absorbed", backend: str = "auto"):
+              vis: Visibility, *, form: str = "absorbed", backend: str = "auto", logits_at: jax.Array | None = None):
         """MTP forward: next_tokens [B, Q] (t_{i+1}), hidden [B, Q, D] (h_i), positions [B, Q] (i)
-        -> logits [B, Q, V] float32 (for t_{i+2}), the MTP's own hidden [B, Q, D] (to chain), cache."""
+        -> logits [B, Q, V] float32 (for t_{i+2}; [B, L, V] at `logits_at`), the MTP's own hidden
+        [B, Q, D] (to chain), cache."""
         if self.mtp is None:
             raise ValueError("this model has no MTP module (config.num_nextn_predict_layers == 0)")
         mtp = self.mtp
@@ -246,5 +245,5 @@ class DeepseekV3(nnx.Module):
         embedded = mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype))
         x = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden.astype(self.dtype))], axis=-1))
         x, cache = mtp.block(x, cos, sin, cache, 0, vis, form=form, backend=backend)
-        logits, out_hidden = self._head(mtp.shared_head_norm, x)
+        logits, out_hidden = head_logits(mtp.shared_head_norm, self.lm_head, x, logits_at)
         return logits, out_hidden, cache

@@ -49,7 +49,7 @@ from jaxspec.pallas_kernels.fp8_cache import check_cache_dtype
 
 from .hyper_connections import HyperConnection, HyperHead
 from .interface import check_head_split
-from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
+from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position, window_rows
 from .moe import MoE, prefill_temp_bytes
 from .stack import LayerRun, layer_slice, repeating_runs, run_layers, run_of, stack_layers
 from .v4_attention import V4Attention
@@ -225,10 +225,12 @@ class DeepseekV4(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: V4Cache, vis: Visibility, *,
                  form: str = "absorbed", backend: str = "auto", window_invariant: bool = False,
-                 unroll_layers: bool = False) -> tuple[jax.Array, jax.Array, V4Cache]:
+                 unroll_layers: bool = False,
+                 logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, V4Cache]:
         """Target forward over a window.
 
-        tokens, positions [B, Q] int32; vis: the window's visibility -> logits [B, Q, V] float32,
+        tokens, positions [B, Q] int32; vis: the window's visibility -> logits [B, Q, V] float32
+        ([B, L, V] at the window positions `logits_at` [B, L] int32, when given),
         hidden [B, Q, hc_mult * D] (the residual streams before hc_head, flattened: the MTP's
         input), the updated cache. form: the interface's attention-form hint, which V4 ignores (its
         attention has one form). window_invariant: every token computed as if alone in a [B, 1] call.
@@ -247,14 +249,14 @@ class DeepseekV4(nnx.Module):
                                            backend=backend, window_invariant=window_invariant)
                 return streams, cache
             streams, cache = run_layers(stack, body, (streams, cache), unroll=unroll_layers)
-        logits = self._logits(self.hc_head, self.norm, streams, window_invariant)
+        logits = self._logits(self.hc_head, self.norm, window_rows(streams, logits_at), window_invariant)
         return logits, streams.reshape(*streams.shape[:2], -1), cache
 
     def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: V4Cache,
-              vis: Visibility, *, form: str = "absorbed", backend: str = "auto"):
+              vis: Visibility, *, form: str = "absorbed", backend: str = "auto", logits_at: jax.Array | None = None):
         """MTP forward: next_tokens [B, Q] (t_{i+1}), hidden [B, Q, N * D] (the target's or the MTP's
         own pre-hc_head streams at i), positions [B, Q] (i) -> logits [B, Q, V] float32 (for
-        t_{i+2}), the MTP's pre-hc_head streams [B, Q, N * D] (to chain), cache."""
+        t_{i+2}; [B, L, V] at `logits_at`), the MTP's pre-hc_head streams [B, Q, N * D] (to chain), cache."""
         if self.mtp is None:
             raise ValueError("this model has no MTP module (config.num_nextn_predict_layers == 0)")
         mtp, (batch, num_queries) = self.mtp, next_tokens.shape
@@ -262,5 +264,5 @@ class DeepseekV4(nnx.Module):
         embedded = mtp.e_proj(mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype)))
         streams = mtp.h_proj(mtp.hnorm(streams)) + embedded[:, :, None]
         streams, cache = mtp.block(streams, next_tokens, positions, cache, 0, vis, backend=backend)
-        logits = self._logits(mtp.hc_head, mtp.norm, streams, False)
+        logits = self._logits(mtp.hc_head, mtp.norm, window_rows(streams, logits_at), False)
         return logits, streams.reshape(batch, num_queries, -1), cache

@@ -94,19 +94,22 @@ class DecoderModel(Protocol):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: DecodeCache, vis: Visibility, *,
                  form: str = "absorbed", backend: str = "auto", window_invariant: bool = False,
-                 unroll_layers: bool = False) -> tuple[jax.Array, jax.Array, DecodeCache]:
+                 unroll_layers: bool = False,
+                 logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeCache]:
         """Target call: tokens, positions [B, Q] int32 -> logits [B, Q, V] float32, hidden [B, Q, H]
         (what `draft` reads, H = `hidden_width`), the updated cache. form: "expanded" (a prefill
         over an empty cache) or "absorbed"; window_invariant: every token's outputs equal a
         [B, 1] call's bit for bit; unroll_layers: the layers as a python loop rather than a
-        scan (a family without layer stacks ignores it)."""
+        scan (a family without layer stacks ignores it); logits_at: None, or [B, L] int32 window
+        positions (each in [0, Q)) whose logits alone are computed and returned, [B, L, V], each
+        equal to its row of the full [B, Q, V] (a prefill needs one row of a prompt's)."""
 
     def draft(self, next_tokens: jax.Array, hidden: jax.Array, positions: jax.Array, cache: DecodeCache,
-              vis: Visibility, *, form: str = "absorbed",
-              backend: str = "auto") -> tuple[jax.Array, jax.Array, DecodeCache]:
+              vis: Visibility, *, form: str = "absorbed", backend: str = "auto",
+              logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeCache]:
         """Draft (MTP) call over pairs (h_i, t_{i+1}): next_tokens [B, Q], hidden [B, Q, H],
-        positions [B, Q] (i) -> logits [B, Q, V] float32 for t_{i+2}, its own hidden [B, Q, H] (to
-        chain), the updated draft cache."""
+        positions [B, Q] (i) -> logits [B, Q, V] float32 for t_{i+2} ([B, L, V] at `logits_at`, as
+        in the target call), its own hidden [B, Q, H] (to chain), the updated draft cache."""
 
     @property
     def hidden_width(self) -> int:

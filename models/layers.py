@@ -156,16 +156,30 @@ class MLP(nnx.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
-def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def window_rows(x: jax.Array, at: jax.Array | None) -> jax.Array:
+    """x [B, Q, ...] at the window positions `at` [B, L] int32 (each in [0, Q)) -> [B, L, ...];
+    x itself where `at` is None (a model call's `logits_at`)."""
+    if at is None:
+        return x
+    return jnp.take_along_axis(x, at.reshape(*at.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
+def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array, at: jax.Array | None = None, *,
+                per_token: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [B, Q, D] (the last block's output) -> (logits [B, Q, V] float32, norm(x) [B, Q, D] in x's dtype).
+
+    at: None, or [B, L] int32 window positions: the logits of those rows only, [B, L, V] (the
+    head's product is the largest of a prefill's temporaries at DeepSeek's vocabulary, and a
+    prefill keeps one row of it). per_token: each position computed alone (`per_position`).
 
     The logits that greedy decoding and acceptance compare are computed in float32 from x: the
     norm's float32 output times the float32 head, never rounded to bfloat16 in between (as
     serving engines compute logits for sampling). A bfloat16 logit has 8 significant bits, so
     near-ties would otherwise become exact ties or flip order on the last rounding.
     """
-    normed = norm(x.astype(jnp.float32))
-    logits = normed @ lm_head.weight[...].astype(jnp.float32)
+    normed = per_position(lambda x: norm(x.astype(jnp.float32)), x, enabled=per_token)
+    weight = lm_head.weight[...].astype(jnp.float32)
+    logits = per_position(lambda rows: rows @ weight, window_rows(normed, at), enabled=per_token)
     return logits, normed.astype(x.dtype)
 
 

@@ -20,8 +20,10 @@ from flax import nnx
 
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
-from jaxspec.models import DeepseekV3, DeepseekV4
+from jaxspec.models import DeepseekV3, DeepseekV4, model_class
 from jaxspec.models.interface import DecodeCache, DecoderModel
+from jaxspec.models.layers import window_rows
+from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,7 +192,7 @@ class ToyModel(nnx.Module):
         return cache.replace(tokens=cache.tokens.at[rows, slots].set(tokens, mode="drop"))
 
     def __call__(self, tokens, positions, cache, vis, *, form="absorbed", backend="auto", window_invariant=False,
-                 unroll_layers=False):
+                 unroll_layers=False, logits_at=None):
         batch, width = tokens.shape
         q = jnp.arange(width)
         if vis.tree_mask is None:
@@ -200,11 +202,11 @@ class ToyModel(nnx.Module):
         committed = jnp.take_along_axis(cache.tokens, jnp.maximum(vis.prefix_len - 1, 0)[:, None], axis=1)
         previous = jnp.where(parent >= 0, jnp.take_along_axis(tokens, jnp.maximum(parent, 0), axis=1), committed)
         logits = self.bigram[...][tokens] + self.previous[...][previous]
-        return logits, self.embed[...][tokens], self._write(cache, tokens, vis)
+        return window_rows(logits, logits_at), self.embed[...][tokens], self._write(cache, tokens, vis)
 
-    def draft(self, next_tokens, hidden, positions, cache, vis, *, form="absorbed", backend="auto"):
+    def draft(self, next_tokens, hidden, positions, cache, vis, *, form="absorbed", backend="auto", logits_at=None):
         logits = self.bigram[...][next_tokens] + hidden @ self.mtp[...]
-        return logits, self.embed[...][next_tokens], self._write(cache, next_tokens, vis)
+        return window_rows(logits, logits_at), self.embed[...][next_tokens], self._write(cache, next_tokens, vis)
 
 
 def toy_greedy(model: ToyModel, prompt: list[int], steps: int) -> list[int]:
@@ -250,3 +252,42 @@ def test_check_layout_names_what_does_not_split():
         v4.check_layout(head_split=heads, page_table=None)
     with pytest.raises(ValueError, match="page_table: a DeepSeek-V4 model's caches"):
         v4.check_layout(head_split=1, page_table=jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v4"])
+@pytest.mark.parametrize("window_invariant", [False, True])
+def test_logits_at_returns_those_rows_of_the_full_logits(name, window_invariant):
+    """A family's target and draft calls with `logits_at` [B, L] (out of order, repeated) return
+    those rows of the full window's logits, and the same hidden states and caches bit for bit;
+    window-invariant target logits are the same bits (each row is a [B, 1] product either way)."""
+    model = model_class(preset(name))(preset(name), rngs=nnx.Rngs(0))
+    batch, width = 2, 5
+    rng = np.random.default_rng(7)
+    tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (batch, width)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    vis = Visibility(prefix_len=jnp.zeros((batch,), jnp.int32), query_len=jnp.asarray([width, 3], jnp.int32))
+    at = jnp.asarray([[4, 0, 4], [2, 1, 0]], jnp.int32)
+
+    @jax.jit
+    def calls(params, at):
+        model_ = nnx.merge(graphdef, params)
+        logits, hidden, cache = model_(tokens, positions, model_.init_cache(batch, 16, page_size=8), vis,
+                                       form="absorbed", backend="xla", window_invariant=window_invariant,
+                                       logits_at=at)
+        mtp_cache = model_.init_cache(batch, 16, page_size=8, mtp=True)
+        draft_logits, draft_hidden, mtp_cache = model_.draft(tokens, hidden, positions, mtp_cache, vis,
+                                                             backend="xla", logits_at=at)
+        return (logits, draft_logits), (hidden, cache, draft_hidden, mtp_cache)
+
+    graphdef, params = nnx.split(model)
+    (logits, draft_logits), rest = calls(params, at)
+    (full, full_draft), full_rest = calls(params, None)
+    assert logits.shape == draft_logits.shape == (batch, 3, model.config.vocab_size)
+    for mine, whole in zip(jax.tree.leaves(rest), jax.tree.leaves(full_rest)):
+        np.testing.assert_array_equal(mine, whole)
+    rows = jnp.take_along_axis(full, at[..., None], axis=1)
+    draft_rows = jnp.take_along_axis(full_draft, at[..., None], axis=1)
+    if window_invariant:
+        np.testing.assert_array_equal(logits, rows)
+    np.testing.assert_allclose(logits, rows, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(draft_logits, draft_rows, rtol=1e-5, atol=1e-5)
