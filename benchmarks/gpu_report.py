@@ -15,6 +15,8 @@ Parts, in order (each runs as its own subprocess, so this process never holds th
   matmuls    benchmarks/matmuls.py (bf16 and FP8 linear layers at decode shapes);
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
+  tiles      benchmarks/kernels.py's Triton MLA kernels again with 32-slot tiles (--block-n 32), to
+             set against the kernels part's 16 (the default);
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one).
 
@@ -51,7 +53,7 @@ from projection import load_calibration, note, target_peaks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
-PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "e2e")
+PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "e2e")
 E2E_POINTS = [(b, k) for b in (1, 8, 32) for k in (0, 1, 3)]
 SMOKE_E2E_POINTS = [(2, 0), (2, 1)]
 HEADLINE = (32, 3)  # the e2e point whose measured / projected the report states
@@ -62,6 +64,13 @@ BENCHMARK_UNITS = {
                              "4", "--ops", "mla_attention", "sparse_mla", "indexer_scores", "v4_csa", "v4_hca",
                              "--json", "{json}"],
                  ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--no-xla", "--json", "{json}"])],
+    # The Triton MLA kernels with 32-slot tiles (their default is 16: 32 spills registers in dense
+    # MLA with jax 0.11's Triton), to time against the kernels part's rows.
+    "tiles": [("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "1", "8", "32", "--context", "4096",
+                                     "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--block-n", "32",
+                                     "--no-xla", "--no-mosaic", "--json", "{json}"],
+               ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
+                "--no-mosaic", "--json", "{json}"])],
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
@@ -357,7 +366,7 @@ def markdown(report: Report) -> str:
     pending = [m for m in test_modules() if m not in suite]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
-    for part in ("kernels", "moe", "matmuls"):
+    for part in ("kernels", "kernels_block_n32", "moe", "matmuls"):
         record = units.get(part)
         lines += [f"## {part}", ""]
         if record is None or not record.get("json"):

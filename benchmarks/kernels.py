@@ -77,6 +77,7 @@ DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=12
 # Dr and the indexer's width multiples of 64 (64-wide swizzled rows), pages of 64.
 SMOKE = Dims(heads=4, latent=128, rope=64, index_heads=4, index_dim=64, topk=32, page_size=64)
 V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
+TUNED_OPS = ("mla_attention", "sparse_mla")  # what --block-m / --block-n / --num-splits tune (Triton)
 V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
 V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
 # device kind -> (HBM bytes/s, dense bf16 tensor-core FLOP/s) from the vendor's datasheet: the
@@ -338,9 +339,12 @@ def main(argv=None) -> int:
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4])
     add_timing_flags(parser)
     parser.add_argument("--block-m", type=int, default=None, help="query rows per MLA program (default: kernel's)")
+    parser.add_argument("--block-n", type=int, default=None,
+                        help="cache slots per tile of the Triton MLA kernels (default: kernel's, 16)")
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
+    parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
@@ -349,7 +353,8 @@ def main(argv=None) -> int:
     v4 = preset("tiny-v4" if args.smoke else args.v4_preset)
     if args.smoke:
         args.batch, args.context, args.queries, args.iters, args.warmup = [2], [128], [2], 1, 1
-    tuning = {k: v for k, v in (("block_m", args.block_m), ("num_splits", args.num_splits)) if v is not None}
+    tuning = {k: v for k, v in (("block_m", args.block_m), ("block_n", args.block_n), ("num_splits", args.num_splits))
+              if v is not None}
     memory = device_memory()
 
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
@@ -413,7 +418,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-            mosaic_out = None if op.mosaic is None else jax.block_until_ready(op.mosaic(*op.args))
+            mosaic_out = None if op.mosaic is None or args.no_mosaic else jax.block_until_ready(op.mosaic(*op.args))
             xla_seconds = error = mosaic_error = None
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
             if not args.no_xla and fits:
@@ -426,8 +431,11 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
-            row(op.name, "pallas", pallas_seconds, op.bytes, op.flops, xla_seconds, error)
-            if op.mosaic is not None:
+            # A tuned Triton kernel's rows say their tuning ("pallas block_n=32"): only untuned rows
+            # calibrate the projection (benchmarks/gpu_report.py).
+            pallas = " ".join(["pallas", *(f"{k}={v}" for k, v in tuning.items())]) if op.name in TUNED_OPS else "pallas"
+            row(op.name, pallas, pallas_seconds, op.bytes, op.flops, xla_seconds, error)
+            if op.mosaic is not None and not args.no_mosaic:
                 mosaic_seconds = timed(op.mosaic, *op.args, iters=args.iters, warmup=args.warmup)
                 row(op.name, "mosaic", mosaic_seconds, op.bytes, op.flops, xla_seconds, mosaic_error)
                 del mosaic_out
