@@ -168,9 +168,9 @@ def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array, at: jax.Array | No
                 per_token: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [B, Q, D] (the last block's output) -> (logits [B, Q, V] float32, norm(x) [B, Q, D] in x's dtype).
 
-    at: None, or [B, L] int32 window positions: the logits of those rows only, [B, L, V] (the
-    head's product is the largest of a prefill's temporaries at DeepSeek's vocabulary, and a
-    prefill keeps one row of it). per_token: each position computed alone (`per_position`).
+    at: None, or [B, L] int32 window positions: the logits of those rows only, [B, L, V] (a
+    prefill reads one row of a prompt's; the others were [B, P, V] float32 products computed for
+    nothing). per_token: each position computed alone (`per_position`).
 
     The logits that greedy decoding and acceptance compare are computed in float32 from x: the
     norm's float32 output times the float32 head, never rounded to bfloat16 in between (as
@@ -178,8 +178,10 @@ def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array, at: jax.Array | No
     near-ties would otherwise become exact ties or flip order on the last rounding.
     """
     normed = per_position(lambda x: norm(x.astype(jnp.float32)), x, enabled=per_token)
-    weight = lm_head.weight[...].astype(jnp.float32)
-    logits = per_position(lambda rows: rows @ weight, window_rows(normed, at), enabled=per_token)
+    # The head is cast inside the product, where XLA fuses the cast into the GEMM: cast outside a
+    # per-position loop it would be a float32 copy of the head made before the loop.
+    logits = per_position(lambda rows: rows @ lm_head.weight[...].astype(jnp.float32), window_rows(normed, at),
+                          enabled=per_token)
     return logits, normed.astype(x.dtype)
 
 

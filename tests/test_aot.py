@@ -144,3 +144,15 @@ def test_reduced_depth_v32_decode_step_aliases_its_caches(h100):
     assert len(launches) == len(aot.pallas_calls(compiled))  # every kernel launch found in the dump
     assert {aot.kernel_name(k.name) for k in launches} >= {"indexer_scores", "sparse_mla_attention"}
     assert all(k.shared_memory <= SHARED_MEMORY_LIMIT and k.spill_stores == 0 for k in launches)
+
+
+@pytest.mark.slow
+def test_window_invariant_step_makes_no_float32_copy_of_the_head(h100):
+    """One full-width V3.2 layer, window-invariant k = 3 step: the logits run per position (a
+    loop), and the float32 head they multiply is cast inside each product, where XLA fuses the cast
+    into the GEMM. Cast once before the loop, it was a float32 copy of the [7168, 129280] head in
+    the step's temporaries (3.73 GB of them)."""
+    compiled = compile_model(reduced_depth(V32, 1), DecodeConfig(num_draft=3, backend="pallas", window_invariant=True),
+                             phase="decode", batch=8, context=CONTEXT, devices=h100)
+    head_float32 = V32.hidden_size * V32.vocab_size * 4
+    assert aot.memory(compiled).temp < head_float32 / 4
