@@ -57,7 +57,7 @@ from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_ch
 from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.drafting import Draft, draft
-from jaxspec.models.interface import DecodeCache, DecoderModel
+from jaxspec.models.interface import DecodeCache, DecoderModel, window_rows
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params
 from jaxspec.sharding import (DEFAULT_PLAN, any_row, cache_specs, check_mesh, on_mesh, param_specs, row_block,
@@ -112,11 +112,6 @@ class DecodeState:
 
 def _argmax(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def _row_gather(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x [B, Q, ...], index [B] -> x[b, index[b]] [B, ...]."""
-    return jax.vmap(lambda row, i: row[i])(x, index)
 
 
 def _row_keys(rng_key: jax.Array, step: jax.Array | int, batch: int) -> jax.Array:
@@ -188,7 +183,7 @@ def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_
                                                         form="expanded", backend=config.backend,
                                                         logits_at=last[:, None])
         seed_logits = mtp_logits[:, 0]
-        seed_hidden = _row_gather(mtp_hidden, last)
+        seed_hidden = window_rows(mtp_hidden, last[:, None])[:, 0]
     return first_token, seed_logits, seed_hidden, target_cache, mtp_cache
 
 
@@ -220,14 +215,9 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
     last = prompt_lens - 1
     offsets = jnp.arange(chunk, dtype=jnp.int32)
 
-    def last_in_chunk(j):
-        """Whether each row's last prompt position falls in chunk j [B], and its index there [B]
-        (clipped into the chunk where it does not)."""
-        return (last >= j * chunk) & (last < (j + 1) * chunk), jnp.clip(last - j * chunk, 0, chunk - 1)
-
-    def run_chunk(j, target_cache, mtp_cache):
-        """Chunk j through the target and the MTP -> (logits [B, 1, V] at `last_in_chunk`, hidden
-        [B, C, H], caches)."""
+    def run_chunk(j, index, target_cache, mtp_cache):
+        """Chunk j through the target and the MTP -> (logits [B, 1, V] at each row's chunk position
+        `index` [B], hidden [B, C, H], caches)."""
         model = nnx.merge(graphdef, params)
         start = j * chunk
         positions = jnp.broadcast_to(start + offsets, (batch, chunk))
@@ -235,7 +225,7 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
             jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1), positions, target_cache,
             _chunk_visibility(start, prompt_lens, chunk), form="absorbed", backend=config.backend,
             window_invariant=config.window_invariant, unroll_layers=config.unroll_layers,
-            logits_at=last_in_chunk(j)[1][:, None])
+            logits_at=index[:, None])
         if drafting:
             _, _, mtp_cache = model.draft(jax.lax.dynamic_slice_in_dim(tokens, start + 1, chunk, axis=1), hidden,
                                           positions, mtp_cache, _chunk_visibility(start, last, chunk),
@@ -244,14 +234,17 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
 
     def body(j, carry):
         last_logits, last_hidden, target_cache, mtp_cache = carry
-        logits, hidden, target_cache, mtp_cache = run_chunk(j, target_cache, mtp_cache)
-        here, index = last_in_chunk(j)
-        return (jnp.where(here[:, None], logits[:, 0], last_logits),
-                jnp.where(here[:, None], _row_gather(hidden, index), last_hidden), target_cache, mtp_cache)
+        # Whether each row's last prompt position falls in this chunk, and where (clipped into the
+        # chunk where it does not).
+        here = ((last >= j * chunk) & (last < (j + 1) * chunk))[:, None]
+        index = jnp.clip(last - j * chunk, 0, chunk - 1)
+        logits, hidden, target_cache, mtp_cache = run_chunk(j, index, target_cache, mtp_cache)
+        return (jnp.where(here, logits[:, 0], last_logits),
+                jnp.where(here, window_rows(hidden, index[:, None])[:, 0], last_hidden), target_cache, mtp_cache)
 
     # The carried rows' shapes and dtypes are the model's outputs' (V4's hidden state is its
     # hyper-connection streams, flattened), taken from an abstract trace of one chunk.
-    logits_shape, hidden_shape, _, _ = jax.eval_shape(run_chunk, 0, target_cache, mtp_cache)
+    logits_shape, hidden_shape, _, _ = jax.eval_shape(run_chunk, 0, last, target_cache, mtp_cache)
     init = (jnp.zeros((batch, logits_shape.shape[-1]), logits_shape.dtype),
             jnp.zeros((batch, hidden_shape.shape[-1]), hidden_shape.dtype), target_cache, mtp_cache)
     last_logits, last_hidden, target_cache, mtp_cache = jax.lax.fori_loop(0, num_chunks, body, init)
@@ -439,7 +432,8 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
     if prompt is not None:
         # A prompt's tokens are all committed in window order; the step emits the first token
         # after its last one, which also completes the last MTP pair.
-        first = _first_token(_row_gather(logits, jnp.maximum(prompt.length - 1, 0)), keys, config)
+        last_fed = jnp.maximum(prompt.length - 1, 0)
+        first = _first_token(window_rows(logits, last_fed[:, None])[:, 0], keys, config)
         node = jnp.arange(config.max_depth + 1, dtype=jnp.int32)[None, :]
         fed = node < prompt.length[:, None]
         pairs = jnp.where(prompt.last[:, None] & (node == prompt.length[:, None] - 1), first[:, None],
@@ -473,7 +467,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
                                                         logits_at=last_pair[:, None])
         mtp_cache = mtp_cache.commit(new_len)
         seed_logits = jnp.where(active[:, None], mtp_logits[:, 0], seed_logits)
-        seed_hidden = jnp.where(active[:, None], _row_gather(mtp_hidden, last_pair), seed_hidden)
+        seed_hidden = jnp.where(active[:, None], window_rows(mtp_hidden, last_pair[:, None])[:, 0], seed_hidden)
 
     # A row's last token changes when it emits: a verification's bonus, or its prompt's first token.
     emits = decoding if prompt is None else decoding | prompt.last

@@ -48,8 +48,8 @@ from jaxspec.pallas_kernels import Visibility
 from jaxspec.pallas_kernels.fp8_cache import check_cache_dtype
 
 from .hyper_connections import HyperConnection, HyperHead
-from .interface import check_head_split
-from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position, window_rows
+from .interface import check_head_split, window_rows
+from .layers import Linear, RMSNorm, compute_dtype, embedding, head_logits, per_position
 from .moe import MoE, prefill_temp_bytes
 from .stack import LayerRun, layer_slice, repeating_runs, run_layers, run_of, stack_layers
 from .v4_attention import V4Attention

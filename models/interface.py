@@ -15,6 +15,7 @@ import math
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxspec.model_config import ModelConfig
@@ -78,6 +79,14 @@ class DecodeCache(Protocol):
     def partition_specs(self, rows: PartitionSpec) -> "DecodeCache":
         """The same pytree with a `PartitionSpec` per leaf, given `rows`, the spec of an array whose
         leading axis is rows or a row's pages (`jaxspec.sharding.row_spec`)."""
+
+
+def window_rows(x: jax.Array, at: jax.Array | None) -> jax.Array:
+    """x [B, Q, ...] at the window positions `at` [B, L] int32 (each in [0, Q)) -> [B, L, ...];
+    x itself where `at` is None: the rows a model call's `logits_at` selects."""
+    if at is None:
+        return x
+    return jnp.take_along_axis(x, at.reshape(*at.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
 @runtime_checkable

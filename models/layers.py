@@ -13,6 +13,7 @@ from flax import nnx
 from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
 from jaxspec.pallas_kernels.block_fp8 import FP8, dequantize, quantize
 
+from .interface import window_rows
 from .stack import StackRow, in_place
 
 
@@ -154,14 +155,6 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
-
-
-def window_rows(x: jax.Array, at: jax.Array | None) -> jax.Array:
-    """x [B, Q, ...] at the window positions `at` [B, L] int32 (each in [0, Q)) -> [B, L, ...];
-    x itself where `at` is None (a model call's `logits_at`)."""
-    if at is None:
-        return x
-    return jnp.take_along_axis(x, at.reshape(*at.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
 def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array, at: jax.Array | None = None, *,

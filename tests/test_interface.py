@@ -21,8 +21,7 @@ from flax import nnx
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.models import DeepseekV3, DeepseekV4, model_class
-from jaxspec.models.interface import DecodeCache, DecoderModel
-from jaxspec.models.layers import window_rows
+from jaxspec.models.interface import DecodeCache, DecoderModel, window_rows
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
 

@@ -85,11 +85,8 @@ def _zero_sized_operands(jaxpr) -> list[str]:
         for var in eqn.invars:
             if 0 in getattr(var.aval, "shape", ()):
                 found.append(f"{eqn.primitive} {var.aval.str_short()} at {source_info_util.summarize(eqn.source_info)}")
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _zero_sized_operands(inner)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _zero_sized_operands(sub)
     return found
 
 
