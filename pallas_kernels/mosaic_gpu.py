@@ -149,19 +149,6 @@ def dequantize_rows(values, scales, dtype):
     return (values.astype(jnp.float32) * jax.lax.broadcast_in_dim(scales, values.shape, [0])).astype(dtype)
 
 
-def tile_scores(q_smem, kv_smem, shape: tuple[int, int], scale, bias):
-    """One key tile's scores in a warpgroup: q_smem [M, D] . kv_smem [T, D]^T on the tensor cores
-    (float32 accumulator, shape = (M, T)), times `scale`, plus bias [T] (0 for a seen key, -inf for
-    an unseen one) on every row -> [M, T] float32. The sparse gathers share it: a key list's tile is
-    scored the same way whatever the keys are."""
-    def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, kv_smem.transpose((1, 0)))
-        return acc_ref[...]
-
-    s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-    return s * scale + jax.lax.broadcast_in_dim(bias, s.shape, [1])
-
-
 def check_fp8_latent(name: str, pool: Fp8Pool) -> None:
     """ValueError unless `pool` is an FP8 latent pool a Mosaic kernel reads: e4m3 values in whole
     blocks of SCALE_BLOCK (one float32 scale each) and a bfloat16 RoPE part (the entries' dtype,

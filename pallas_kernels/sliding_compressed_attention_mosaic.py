@@ -44,8 +44,9 @@ could arrive as page slices; one gather path for all three runs keeps the kernel
 
 Warpgroups: warpgroup 0 gathers, computes `S = Q K^T` and the softmax, and hands P (in the keys'
 dtype) and the rescale to warpgroup 1 through SMEM; each accumulates `P V` over its own out_block
-columns. At D = 512, two column-block programs each compute `S`. Interpreted, one warpgroup
-owns all the program's columns and the handshake is left out (see `_sliding_compressed`).
+columns (`gathered_softmax_mosaic`, the loop and handshake sparse MLA's kernel runs too, here
+starting at the sink). At D = 512, two column-block programs each compute `S`. Interpreted, one
+warpgroup owns all the program's columns and the handshake is left out (see `_sliding_compressed`).
 
 Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
 64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), the tile's bias,
@@ -68,8 +69,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments
+from .gathered_softmax_mosaic import accumulate_values, follower, scorer
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import compiler_params, interpret_params, interpreting, tile_scores
+from .mosaic_gpu import compiler_params, interpret_params, interpreting
 from .paged import slot_address
 from .sparse_mla_attention_mosaic import copy_width, staging_pad
 from .visibility import Visibility, query_valid, ring_visible
@@ -129,17 +131,10 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
         bias_smem, alpha_smem, sinks_smem = vectors.at[0], vectors.at[1], vectors.at[2]
         own = 2 * out_block // warpgroups  # output columns of this warpgroup
         columns = pl.ds(2 * column_block * out_block + wg * own, own)
-        handshake = warpgroups == 2
+        handshake_barriers = dict(alpha_smem=alpha_smem, p_ready=p_ready, consumed=consumed)
 
         def accumulate(acc, alpha):
-            """acc * alpha + P V over this warpgroup's columns of the tile (a fresh accumulator:
-            jax 0.10.2's interpreter runs neither `pl.run_state` nor accumulator stores)."""
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[:, columns])
-                return acc_ref[...]
-
-            tile_out = pl.run_scoped(values, plgpu.ACC((BLOCK_M, own), jnp.float32))
-            return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + tile_out
+            return accumulate_values(acc, alpha, p_smem, kv_smem.at[:, columns])
 
         def store(acc, denom):
             out = acc / jax.lax.broadcast_in_dim(denom, acc.shape, [0])  # denom >= exp(sink - max) > 0
@@ -149,69 +144,34 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
 
         @pl.when(wg == 0)
         def _scorer():
-            """Gathers, scores, runs the softmax and shares P and its rescale with warpgroup 1."""
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
             pl.when(num_tiles > 0)(lambda: gather(0, staging, bias_smem, gathered))
             plgpu.barrier_wait(q_barrier)
 
-            def step(i, carry):
-                row_max, denom, acc = carry
-                plgpu.barrier_wait(gathered)
-
-                if handshake:  # warpgroup 1 is done with the last tile's keys and P
-                    pl.when(i > 0)(lambda: plgpu.barrier_wait(consumed))
-
+            def prepare(_):
                 keep = plgpu.layout_cast(bias_smem[...], row_layout) == 0.0
                 for c in range(width // 64):  # staging -> registers -> swizzled tile, unseen rows zeroed
                     chunk = plgpu.layout_cast(staging[:, pl.ds(c * 64, 64)], plgpu.Layout.WGMMA)
                     kv_smem[:, pl.ds(c * 64, 64)] = jnp.where(
                         jax.lax.broadcast_in_dim(keep, (TILE, 64), [0]), chunk, jnp.zeros_like(chunk))
-                bias = plgpu.layout_cast(bias_smem[...], column_layout)
-                plgpu.commit_smem()
-
-                @pl.when(i + 1 < num_tiles)
-                def _():
-                    gather(i + 1, staging, bias_smem, gathered)
-
-                s = tile_scores(q_smem, kv_smem, (BLOCK_M, TILE), scale, bias)
-                # row_max starts at the sink, so it is finite: no guard against -inf - -inf.
-                new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
-                alpha = jnp.exp(row_max - new_max)
-                p = jnp.exp(s - jax.lax.broadcast_in_dim(new_max, s.shape, [0]))
-                p_smem[...] = p.astype(p_smem.dtype)
-                if handshake:
-                    alpha_smem[...] = alpha
-                plgpu.commit_smem()
-                if handshake:
-                    plgpu.barrier_arrive(p_ready)
-                return new_max, denom * alpha + jnp.sum(p, axis=1), accumulate(acc, alpha)
+                return plgpu.layout_cast(bias_smem[...], column_layout)
 
             # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
             init = (plgpu.layout_cast(sinks_smem[...], row_layout),
                     plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), acc0)
-            _, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
-            if handshake:  # warpgroup 1 has read the last rescale: hand it the denominator
-                pl.when(num_tiles > 0)(lambda: plgpu.barrier_wait(consumed))
-                alpha_smem[...] = denom
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
+            _, denom, acc = scorer(
+                num_tiles=num_tiles, init=init, prepare=prepare,
+                prefetch=lambda i: gather(i, staging, bias_smem, gathered), accumulate=accumulate, q_smem=q_smem,
+                kv_smem=kv_smem, p_smem=p_smem, scale=scale, gathered=gathered, handshake=warpgroups == 2,
+                **handshake_barriers)
             store(acc, denom)
 
-        def second_columns():
-            """Warpgroup 1: P V over its columns with warpgroup 0's P and rescales, then its denominator."""
-            def step(_, acc):
-                plgpu.barrier_wait(p_ready)
-                acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
-                plgpu.barrier_arrive(consumed)
-                return acc
-
-            acc = jax.lax.fori_loop(0, num_tiles, step, acc0)
-            plgpu.barrier_wait(p_ready)
-            store(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
-
-        if handshake:
-            pl.when(wg == 1)(second_columns)
+        if warpgroups == 2:
+            @pl.when(wg == 1)
+            def _second_columns():
+                store(*follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate, row_layout=row_layout,
+                                **handshake_barriers))
 
     pl.run_scoped(
         body,

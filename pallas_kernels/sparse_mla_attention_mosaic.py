@@ -16,6 +16,7 @@ never on B or Q: invariant by construction (B 32, Q 1 already makes 128 programs
 Warpgroups (FlashMLA's split of the 512-wide output). Warpgroup 0 gathers, computes `S`, runs the
 softmax and hands P and the rescale to warpgroup 1 through SMEM (barriers `p_ready` / `consumed`);
 each then accumulates `P V` over its own OUT_BLOCK columns, so `S` is computed once per program.
+The loop and its handshake are `gathered_softmax_mosaic`'s, which DeepSeek-V4's kernel shares.
 
 Reading scattered slots. Hopper has no TMA gather, and a wgmma operand must sit in SMEM as 8-row
 swizzled tiles, which a copy per slot cannot fill (a copy's SMEM destination is whole tiles). So
@@ -70,8 +71,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, entry_dtype
+from .gathered_softmax_mosaic import accumulate_values, follower, scorer
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_latent, compiler_params, dequantize_rows, interpreting, tile_scores
+from .mosaic_gpu import check_fp8_latent, compiler_params, dequantize_rows, interpreting
 from .paged import read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -155,18 +157,10 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
         # The tile's mask and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
         # starts on a 1 KiB boundary, and two would not fit beside the three 72 KiB tiles.
         bias_smem, alpha_smem = vectors.at[0], vectors.at[1]
+        handshake = warpgroups == 2
+
         def columns(block):  # the output columns of warpgroup `block`'s share
             return pl.ds((2 * column_block + block) * out_block, out_block)
-
-        def accumulate(acc, alpha, block):
-            """acc * alpha + P V over the tile's columns of `block` (a fresh accumulator: jax
-            0.10.2's interpreter runs neither `pl.run_state` nor accumulator stores)."""
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, kv_smem.at[:, columns(block)])
-                return acc_ref[...]
-
-            tile_out = pl.run_scoped(values, plgpu.ACC((BLOCK_M, out_block), jnp.float32))
-            return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + tile_out
 
         def store(acc, denom, block):
             safe = jnp.where(denom > 0, denom, 1.0)
@@ -177,70 +171,42 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
         owned = range(3 - warpgroups)
 
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, out_block), jnp.float32), plgpu.Layout.WGMMA)
+        handshake_barriers = dict(alpha_smem=alpha_smem, p_ready=p_ready, consumed=consumed)
 
         @pl.when(wg == 0)
         def _scorer():
-            """Gathers, scores, runs the softmax and shares P and its rescale with warpgroup 1."""
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             gather(0, stagings, bias_smem, scales, gathered)
             plgpu.barrier_wait(q_barrier)
 
-            def step(tile, carry):
-                row_max, denom, acc = carry
-                plgpu.barrier_wait(gathered)
-
-                if warpgroups == 2:
-                    @pl.when(tile > 0)  # warpgroup 1 is done with the last tile's kv and P
-                    def _():
-                        plgpu.barrier_wait(consumed)
-
+            def prepare(tile):
                 to_operand(stagings, scales, kv_smem, plgpu.layout_cast(bias_smem[...], row_layout) == 0.0)
-                bias = plgpu.layout_cast(bias_smem[...], column_layout)
-                plgpu.commit_smem()
+                return plgpu.layout_cast(bias_smem[...], column_layout)
 
-                @pl.when(tile + 1 < num_tiles)
-                def _():
-                    gather(tile + 1, stagings, bias_smem, scales, gathered)
-
-                s = tile_scores(q_smem, kv_smem, (BLOCK_M, TILE), softmax_scale, bias)
-                new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
-                safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-                alpha = jnp.exp(row_max - safe_max)
-                p = jnp.exp(s - jax.lax.broadcast_in_dim(safe_max, s.shape, [0]))
-                p_smem[...] = p.astype(p_smem.dtype)
-                if warpgroups == 2:
-                    alpha_smem[...] = alpha
-                plgpu.commit_smem()
-                if warpgroups == 2:
-                    plgpu.barrier_arrive(p_ready)
-                return (new_max, denom * alpha + jnp.sum(p, axis=1),
-                        tuple(accumulate(a, alpha, block) for a, block in zip(acc, owned)))
+            def accumulate(acc, alpha):
+                return tuple(accumulate_values(a, alpha, p_smem, kv_smem.at[:, columns(block)])
+                             for a, block in zip(acc, owned))
 
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), (acc0,) * len(owned))
-            row_max, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
-            if warpgroups == 2:
-                plgpu.barrier_wait(consumed)  # warpgroup 1 has read the last rescale: hand it the denominator
-                alpha_smem[...] = denom
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
+            row_max, denom, acc = scorer(
+                num_tiles=num_tiles, init=init, prepare=prepare,
+                prefetch=lambda tile: gather(tile, stagings, bias_smem, scales, gathered), accumulate=accumulate,
+                q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=softmax_scale, gathered=gathered,
+                handshake=handshake, **handshake_barriers)
             for a, block in zip(acc, owned):
                 store(a, denom, block)
             seen = denom > 0
             lse_ref[token, heads] = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE)
 
-        if warpgroups == 2:
+        if handshake:
             @pl.when(wg == 1)
             def _second_columns():
-                def step(tile, acc):
-                    plgpu.barrier_wait(p_ready)
-                    acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout), 1)
-                    plgpu.barrier_arrive(consumed)
-                    return acc
-
-                acc = jax.lax.fori_loop(0, num_tiles, step, acc0)
-                plgpu.barrier_wait(p_ready)
-                store(acc, plgpu.layout_cast(alpha_smem[...], row_layout), 1)
+                acc, denom = follower(
+                    num_tiles=num_tiles, acc0=acc0, row_layout=row_layout,
+                    accumulate=lambda acc, alpha: accumulate_values(acc, alpha, p_smem, kv_smem.at[:, columns(1)]),
+                    **handshake_barriers)
+                store(acc, denom, 1)
 
     operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
     copies_per_slot = sum(part.shape[-1] // copy_width(part.shape[-1]) for part in parts)
