@@ -32,6 +32,13 @@ erased: whatever a rejected draft wrote (a ring
 slot, an entry closed by a draft) is either out of every later query's view or rewritten by the
 call that processes that position again before anyone reads it (`models.v4_attention`).
 
+FP8 (`init_v4_cache(cache_dtype="fp8")`): the window ring and the CSA / HCA entries are
+`fp8_cache.Fp8Pool`s in FlashMLA's MODEL1 token (head_dim - 64 values in e4m3 with a power-of-two
+scale per 64, the 64 RoPE values in bfloat16; `fp8_cache.V4_RULE`), quantized per token as they
+are written, as vLLM and SGLang serve V4. The projection rings stay float32 and the indexer's keys
+stay in the compute dtype (docs/fp8-caches.md says why). Rings move between slots as their stored
+bytes, never requantized.
+
 All pools of one structure are stacked over the layers that have it, `[n, num_pages, page_size,
 width]`: `window` over every layer, the CSA structures over the CSA layers, the HCA ones over the HCA
 layers, a layer's row being its rank among the layers of its kind (`row`). Why stacked: the decoder
@@ -55,6 +62,8 @@ from jax.sharding import PartitionSpec
 
 from jaxspec.cache import check_geometry, pages_per_row, row_page_table, stacked_pages
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
+from jaxspec.pallas_kernels.fp8_cache import V4_RULE, Fp8Pool, check_cache_dtype, check_v4_fp8_widths, init_pool
+from jaxspec.pallas_kernels.fp8_cache import write_entries
 from jaxspec.pallas_kernels.paged import read_slots, write_slots
 
 # The pools by layer kind (a field of `V4Cache` each), and the page table each pool's rows use.
@@ -90,7 +99,7 @@ def kind_rows(layer_types: tuple[str, ...]) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class V4Cache:
     """Pools stacked over the layers of their kind (None where no layer has that kind):
-    window [L, Pw, page, head_dim]; csa_state [n_csa, Ps, page, 4 * head_dim] float32;
+    window [L, Pw, page, head_dim] (an `Fp8Pool` with FP8 caches, as are the two entry pools); csa_state [n_csa, Ps, page, 4 * head_dim] float32;
     csa_entries [n_csa, Pe, page, head_dim]; csa_index_state [n_csa, Ps, page, 4 * index_head_dim]
     float32; csa_index_entries [n_csa, Pe, page, index_head_dim]; hca_state [n_hca, Ps', page,
     2 * head_dim] float32; hca_entries [n_hca, Pe', page, head_dim]. page_table: {"window":
@@ -100,13 +109,13 @@ class V4Cache:
     of one call, lookback: the slots before a call whose blocks it re-closes, layer_types: each
     layer's attention kind (static)."""
 
-    window: jax.Array
+    window: jax.Array | Fp8Pool
     csa_state: jax.Array | None
-    csa_entries: jax.Array | None
+    csa_entries: jax.Array | Fp8Pool | None
     csa_index_state: jax.Array | None
     csa_index_entries: jax.Array | None
     hca_state: jax.Array | None
-    hca_entries: jax.Array | None
+    hca_entries: jax.Array | Fp8Pool | None
     page_table: dict
     lengths: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
@@ -132,9 +141,10 @@ class V4Cache:
     def partition_specs(self, rows):
         """A `PartitionSpec` per leaf: every pool split by pages (its axis 1, after the stacked
         layers) like `rows`, the spec of an array whose leading axis is rows; the per-structure page
-        tables and lengths by rows. None stays None (a kind no layer has)."""
+        tables and lengths by rows (an `Fp8Pool`'s every part alike). None stays None (a kind no layer
+        has)."""
         pools = PartitionSpec(None, *rows)
-        return self.replace(**{name: None if getattr(self, name) is None else pools for name in POOL_TABLE},
+        return self.replace(**{name: jax.tree.map(lambda _: pools, getattr(self, name)) for name in POOL_TABLE},
                             page_table={name: rows for name in self.page_table}, lengths=rows)
 
     def row(self, name: str, layer) -> jax.Array | int:
@@ -154,10 +164,10 @@ class V4Cache:
         return stacked_pages(getattr(self, name), self.page_table[POOL_TABLE[name]], self.row(name, layer))
 
     def write_pages(self, name: str, layer, slots: jax.Array, values: jax.Array) -> "V4Cache":
-        """Write values [B, Q, W] at page slots [B, Q] (-1 = skip) of layer `layer`'s pool `name`."""
+        """Write values [B, Q, W] at page slots [B, Q] (-1 = skip) of layer `layer`'s pool `name`
+        (an FP8 pool quantizes them per token: `fp8_cache.write_entries`)."""
         flat, pages = self.layer_pages(name, layer)
-        pool = getattr(self, name)
-        return self.replace(**{name: write_slots(flat, pages, slots, values).reshape(pool.shape)})
+        return self._unflatten(name, write_entries(flat, pages, slots, values))
 
     def write_ring(self, name: str, layer, slots: jax.Array, values: jax.Array) -> "V4Cache":
         """Write values [B, Q, W] at ring slots [B, Q] (-1 = skip) of layer `layer`'s ring `name`."""
@@ -169,6 +179,10 @@ class V4Cache:
 
     def _ring(self, name: str, slots: jax.Array) -> jax.Array:
         return ring_slots(slots, self.page_table[POOL_TABLE[name]], self.page_size)
+
+    def _unflatten(self, name: str, flat) -> "V4Cache":
+        """This cache with pool `name` set from its flattened form (`layer_pages`' first result)."""
+        return self.replace(**{name: jax.tree.map(lambda new, old: new.reshape(old.shape), flat, getattr(self, name))})
 
     def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "V4Cache":
         """Copy every layer's ring entries (window, compressor and indexer projections) from
@@ -182,8 +196,7 @@ class V4Cache:
                 continue
             pages = self.page_table[POOL_TABLE[name]]
             src, dst = self._ring(name, src_slots), self._ring(name, dst_slots)
-            changes[name] = jax.vmap(lambda pool: write_slots(pool, pages, dst, read_slots(pool, pages, src)))(
-                getattr(self, name))
+            changes[name] = jax.vmap(lambda pool: copy_slots(pool, pages, src, dst))(getattr(self, name))
         return self.replace(**changes)
 
     def move_layer(self, src_slots: jax.Array, dst_slots: jax.Array, layer, kind: str) -> "V4Cache":
@@ -191,8 +204,16 @@ class V4Cache:
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
         cache = self
         for name in RINGS[kind]:
-            cache = cache.write_ring(name, layer, dst_slots, self.read_ring(name, layer, src_slots))
+            flat, pages = self.layer_pages(name, layer)
+            cache = cache._unflatten(name, copy_slots(flat, pages, self._ring(name, src_slots),
+                                                      self._ring(name, dst_slots)))
         return cache
+
+
+def copy_slots(pool, pages: jax.Array, src: jax.Array, dst: jax.Array):
+    """pool [P, page, W] (or an `Fp8Pool`: every part, its stored bytes) with page slots src [B, L]
+    copied to dst [B, L] (-1 = skip), every source read before anything is written."""
+    return jax.tree.map(lambda part: write_slots(part, pages, dst, read_slots(part, pages, src)), pool)
 
 
 def ring_capacities(config: ModelConfig, capacity: int, max_window: int, page_size: int) -> dict[str, int]:
@@ -211,7 +232,7 @@ def ring_capacities(config: ModelConfig, capacity: int, max_window: int, page_si
 def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_window: int,
                   lookback: int | None = None, page_size: int = 64, mtp: bool = False, layer_types: tuple[str, ...] | None = None,
                   page_table: Mapping[str, jax.Array] | None = None, row_shards: int = 1,
-                  dtype=jnp.float32) -> V4Cache:
+                  dtype=jnp.float32, cache_dtype: str | None = None) -> V4Cache:
     """An empty V4 cache for `batch_size` rows of up to `capacity` positions.
 
     max_window: the largest number of tokens Q of any call (prefill chunk, k + 1, tree size): the
@@ -222,10 +243,15 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     (`ring_capacities` gives each M); the others get rows' consecutive pages. row_shards: as in
     `jaxspec.cache.init_cache` (pages numbered within each block of rows; no page_table then).
     dtype: of the window and entry pages (the projection rings are float32, as DeepSeek's
-    compressor state).
+    compressor state). cache_dtype: None, or "fp8": the window and the CSA / HCA entries as
+    `Fp8Pool`s in FlashMLA's MODEL1 token (the module docstring; `check_v4_fp8_widths` says which
+    widths fit); the indexer's keys stay in `dtype`.
     """
     if not config.is_v4:
         raise ValueError(f"config.model_type={config.model_type!r}: init_v4_cache needs deepseek_v4")
+    check_cache_dtype(cache_dtype)
+    if cache_dtype == "fp8":
+        check_v4_fp8_widths(head_dim=config.head_dim, rope_dim=config.qk_rope_head_dim)
     check_geometry(batch_size, capacity, row_shards, page_table)
     if max_window < 1:
         raise ValueError(f"max_window={max_window}: must be >= 1 (the largest Q of a call)")
@@ -254,16 +280,22 @@ def init_v4_cache(config: ModelConfig, batch_size: int, capacity: int, *, max_wi
     if unknown:
         raise ValueError(f"page_table has {unknown}: this cache's structures are {sorted(needed)}")
 
-    def stack(name: str, width: int, pool_dtype) -> jax.Array | None:
+    def stack(name: str, width: int, pool_dtype) -> jax.Array | Fp8Pool | None:
         count = sum(kind in POOL_KINDS[name] for kind in layer_types)
-        table = POOL_TABLE[name]
-        return jnp.zeros((count, batch_size * counts[table], page_size, width), pool_dtype) if count else None
+        if not count:
+            return None
+        pages = batch_size * counts[POOL_TABLE[name]]
+        if pool_dtype == "fp8":
+            rope = config.qk_rope_head_dim
+            return init_pool(pages, page_size, width - rope, rope, rule=V4_RULE, stack=(count,))
+        return jnp.zeros((count, pages, page_size, width), pool_dtype)
 
     d, di = config.head_dim, config.index_head_dim
-    return V4Cache(window=stack("window", d, dtype),
-                   csa_state=stack("csa_state", 4 * d, jnp.float32), csa_entries=stack("csa_entries", d, dtype),
+    kv_dtype = dtype if cache_dtype is None else cache_dtype
+    return V4Cache(window=stack("window", d, kv_dtype),
+                   csa_state=stack("csa_state", 4 * d, jnp.float32), csa_entries=stack("csa_entries", d, kv_dtype),
                    csa_index_state=stack(INDEX_STATE, 4 * di, jnp.float32),
                    csa_index_entries=stack(INDEX_ENTRIES, di, dtype),
-                   hca_state=stack("hca_state", 2 * d, jnp.float32), hca_entries=stack("hca_entries", d, dtype),
+                   hca_state=stack("hca_state", 2 * d, jnp.float32), hca_entries=stack("hca_entries", d, kv_dtype),
                    page_table=tables, lengths=jnp.zeros((batch_size,), jnp.int32), capacity=capacity,
                    max_window=max_window, lookback=lookback, layer_types=tuple(layer_types))

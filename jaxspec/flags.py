@@ -69,8 +69,9 @@ def add_cache_dtype_flag(parser: argparse.ArgumentParser) -> None:
     """--cache-dtype: `DecodeConfig.cache_dtype` (None when absent: the model's compute dtype)."""
     parser.add_argument("--cache-dtype", choices=("fp8",),
                         help="store the caches as DeepSeek serves V3.2: the MLA latent in FlashMLA's FP8 token "
-                             "(656 bytes at DeepSeek's widths), the indexer keys rotated and in FP8 (default: the "
-                             "model's compute dtype)")
+                             "(656 bytes at DeepSeek's widths), the indexer keys rotated and in FP8; for DeepSeek-V4 "
+                             "the window and compressed entries in FlashMLA's V4 token (584 bytes packed) (default: "
+                             "the model's compute dtype)")
 
 
 def add_prefill_flag(parser: argparse.ArgumentParser) -> None:

@@ -44,6 +44,7 @@ from flax import nnx
 from jaxspec.cache_v4 import ENTRIES, INDEX_ENTRIES, INDEX_STATE, STATE, V4Cache
 from jaxspec.model_config import CSA, ModelConfig
 from jaxspec.pallas_kernels import Visibility, gather_rows, query_valid, select_topk
+from jaxspec.pallas_kernels.fp8_cache import as_stored, entry_dtype
 from jaxspec.pallas_kernels.indexer import score_keys
 
 from .layers import Linear, RMSNorm, compute_dtype, param, per_position
@@ -121,7 +122,7 @@ class Compressor(nnx.Module):
         source = (block + 1)[..., None] * m - span + jnp.arange(span, dtype=jnp.int32)  # [B, N, span]
         present = source >= 0
         rows = cache.read_ring(self.state_pool, layer, jnp.where(present & closes[..., None], source, -1))
-        dtype = cache.window.dtype
+        dtype = entry_dtype(getattr(cache, self.entry_pool))
         pooled = per_position(lambda r, p, s: self.pool(r, p, s, dtype), rows, present, block * m,
                               enabled=window_invariant)
         return cache.write_pages(self.entry_pool, layer, jnp.where(closes, block, -1), pooled)
@@ -150,8 +151,11 @@ class Compressor(nnx.Module):
         rows = cache.read_ring(self.state_pool, layer, slot.reshape(batch, -1))
         rows = rows.reshape(batch, -1, span, rows.shape[-1])  # [B, Q * X, span, W]
         start = jnp.broadcast_to(block * m, closed.shape).reshape(batch, -1)
-        pooled = self.pool(rows, present.reshape(batch, -1, span), start, cache.window.dtype)
-        return pooled.reshape(*closed.shape, -1), closed
+        entries = getattr(cache, self.entry_pool)
+        pooled = self.pool(rows, present.reshape(batch, -1, span), start, entry_dtype(entries))
+        # As the cache would hold them once written (an FP8 pool's quantized and read back), so a
+        # tree's branch sees the bits a chain call reads from the pool.
+        return as_stored(entries, pooled).reshape(*closed.shape, -1), closed
 
 
 def branch_slots(positions: jax.Array, vis: Visibility) -> jax.Array:

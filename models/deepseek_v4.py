@@ -45,7 +45,6 @@ from flax import nnx
 from jaxspec.cache_v4 import V4Cache, init_v4_cache
 from jaxspec.model_config import HCA, ModelConfig
 from jaxspec.pallas_kernels import Visibility
-from jaxspec.pallas_kernels.fp8_cache import check_cache_dtype
 
 from .hyper_connections import HyperConnection, HyperHead
 from .interface import check_head_split, window_rows
@@ -153,17 +152,14 @@ class DeepseekV4(nnx.Module):
                    page_table=None, row_shards: int = 1, max_window: int | None = None,
                    lookback: int | None = None, cache_dtype: str | None = None) -> V4Cache:
         """An empty `V4Cache` for the target (or, with `mtp=True`, the one-layer MTP module).
-        cache_dtype: None only; "fp8" is a ValueError (FP8 V4 caches are not implemented: docs/fp8-caches.md).
+        cache_dtype: None (the model's dtype) or "fp8" (the window and compressed entries in
+        FlashMLA's MODEL1 token: `jaxspec.cache_v4`, docs/fp8-caches.md).
         max_window: the most tokens one call will process (prefill chunk, k + 1, tree size), which
         the rings leave room for; None = `capacity` (any call fits: the rings never wrap inside a
         call). lookback, page_table, row_shards: as `jaxspec.cache_v4.init_v4_cache`."""
-        if cache_dtype is not None:
-            check_cache_dtype(cache_dtype)
-            raise ValueError(f"cache_dtype={cache_dtype!r}: DeepSeek-V4 caches are kept in the compute dtype "
-                             "(FP8 V4 caches are not implemented; docs/fp8-caches.md lists them)")
         return init_v4_cache(self.config, batch_size, capacity, max_window=capacity if max_window is None else max_window,
                              lookback=lookback, page_size=page_size, mtp=mtp, page_table=page_table, row_shards=row_shards,
-                             dtype=self.dtype)
+                             dtype=self.dtype, cache_dtype=cache_dtype)
 
     @property
     def hidden_width(self) -> int:

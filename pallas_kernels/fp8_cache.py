@@ -1,6 +1,6 @@
-"""FP8 caches as DeepSeek serves V3.2: the layout, its quantizers and the Hadamard rotation.
+"""FP8 caches as DeepSeek serves V3.2 and V4: the layouts, their quantizers and the Hadamard rotation.
 
-Two kinds of paged pool hold FP8 entries, both an `Fp8Pool`:
+Three kinds of paged pool hold FP8 entries, each an `Fp8Pool`:
 
 * the MLA latent, FlashMLA's sparse FP8 decode token: the kv_lora_rank (Dq = 512) latent values in
   e4m3, one float32 scale per 128 of them (4), and the Dr = 64 RoPE values in bfloat16, 656 bytes
@@ -8,6 +8,16 @@ Two kinds of paged pool hold FP8 entries, both an `Fp8Pool`:
   writer of the cache FlashMLA reads: s = max(amax / 448, FLT_MIN) per 128-value tile, not rounded
   to a power of two (`quantize_latent`; the division is amax * f32(1 / 448), as XLA computes any
   division by a constant, so a scale may sit one float32 ulp from vLLM's IEEE quotient).
+* DeepSeek-V4's K=V entries (the sliding-window ring and the CSA / HCA compressed entries),
+  FlashMLA's `MODEL1_FP8Sparse` token (its `tests/quant.py`, read by its sm90 sparse FP8 decode):
+  the head_dim - 64 = 448 leading values in e4m3 with one power-of-two scale per 64 of them (7),
+  and the 64 RoPE values in bfloat16, 584 bytes a token packed (`pack_model1`). The scales follow
+  the writers that serve V4 (vLLM's `fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`, SGLang's
+  `cast_to_ue8m0`): amax clamped to >= 1e-4, s = 2 ** ceil(log2(amax / 448)), which is
+  `quantize_act` with power-of-two scales on 64-value blocks (`V4_RULE`). FlashMLA's own test
+  clamps the scale instead (s >= 1e-4), which differs only for blocks whose amax is below about
+  0.045. FlashMLA multiplies e4m3 by the scale in bfloat16; the scale is a power of two, so that
+  product is exact and equals `entries`' float32 product rounded to bfloat16.
 * the DSA indexer keys: Hadamard-rotated (`rotate`), then e4m3 with one float32 scale per 128 values
   by DeepSeek's `act_quant` (DeepSeek-V3.2-Exp `inference/kernel.py`): amax clamped to >= 1e-4,
   s = amax * (1 / 448), rounded up to a power of two where the config sets `scale_fmt` ("ue8m0"
@@ -18,10 +28,13 @@ A pool keeps the three parts of a token as three arrays with the token's bytes (
 [P, page, Dq] e4m3, scales [P, page, Dq / block] float32, rope [P, page, Dr] bfloat16), not one
 [P, page, 656] uint8 array: the Triton kernels would have to rebuild each float32 scale from four
 loaded bytes, and Pallas' Triton lowering bitcasts only between types of one width (jax 0.10).
-`pack_flashmla` / `unpack_flashmla` convert to and from FlashMLA's packed token, byte for byte.
+A V4 pool's power-of-two scales are float32 too (FlashMLA's byte is the exponent + 127).
+`pack_flashmla` / `unpack_flashmla` and `pack_model1` / `unpack_model1` convert to and from
+FlashMLA's packed tokens, byte for byte.
 
-Widths. A quantization block is 128 values, or the whole width where it is narrower (the small
-test models: kv_lora_rank 48 is one block of 48). `check_fp8_widths` says which models fit.
+Widths. A quantization block is the rule's (`scale_block`: 128 values, 64 for V4's entries), or the
+whole width where that is narrower (the small test models: kv_lora_rank 48 is one block of 48).
+`check_fp8_widths` and `check_v4_fp8_widths` say which models fit.
 
 Quantization is per token, so an entry's bytes never depend on the window that wrote it: greedy
 speculation stays equal to plain greedy with FP8 caches.
@@ -40,20 +53,25 @@ from .paged import gather_rows, read_slots, write_slots
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
-# Values per float32 scale (FlashMLA's tile, DeepSeek's act_quant block).
+# Values per float32 scale (FlashMLA's V3.2 tile, DeepSeek's act_quant block).
 SCALE_BLOCK = 128
+# Values per scale of a DeepSeek-V4 entry (FlashMLA's MODEL1 tile).
+V4_SCALE_BLOCK = 64
 # The latent's RoPE part stays in bfloat16 (FlashMLA's token).
 ROPE_DTYPE = jnp.bfloat16
 # Scale rules (`Fp8Pool.rule`): FlashMLA's latent tiles; DeepSeek's act_quant with power-of-two
-# scales (its config's `scale_fmt` "ue8m0", V3.2's release) or with amax / 448 (no `scale_fmt`).
-LATENT_RULE, INDEX_RULE, PLAIN_INDEX_RULE = "flashmla", "act_quant_ue8m0", "act_quant"
+# scales (its config's `scale_fmt` "ue8m0", V3.2's release) or with amax / 448 (no `scale_fmt`);
+# DeepSeek-V4's entries (FlashMLA's MODEL1 token: act_quant's power-of-two scales on 64-value blocks).
+LATENT_RULE, INDEX_RULE, PLAIN_INDEX_RULE, V4_RULE = "flashmla", "act_quant_ue8m0", "act_quant", "flashmla_model1"
+RULES = (LATENT_RULE, INDEX_RULE, PLAIN_INDEX_RULE, V4_RULE)
 INDEX_RULES = {"ue8m0": INDEX_RULE, None: PLAIN_INDEX_RULE}
 CACHE_DTYPES = (None, "fp8")
 
 
-def scale_block(width: int) -> int:
-    """Values per scale for a quantized part `width` wide: 128, or the width where it is narrower."""
-    return min(SCALE_BLOCK, width)
+def scale_block(width: int, rule: str = LATENT_RULE) -> int:
+    """Values per scale for a quantized part `width` wide under `rule`: the rule's block (128, or
+    64 for V4_RULE), or the width where it is narrower."""
+    return min(V4_SCALE_BLOCK if rule == V4_RULE else SCALE_BLOCK, width)
 
 
 def check_cache_dtype(cache_dtype) -> None:
@@ -75,14 +93,26 @@ def check_fp8_widths(*, kv_lora_rank: int, index_head_dim: int = 0) -> None:
                          f"rotation) and <= {SCALE_BLOCK} (one scale per indexer key)")
 
 
+def check_v4_fp8_widths(*, head_dim: int, rope_dim: int) -> None:
+    """ValueError unless DeepSeek-V4's entries fit FP8 caches: head_dim - rope_dim (the quantized
+    part) must be <= 64 or a multiple of 64 (whole scale blocks: 448 = 7 x 64 at DeepSeek's widths)."""
+    quant_dim = head_dim - rope_dim
+    if quant_dim < 1 or (quant_dim > V4_SCALE_BLOCK and quant_dim % V4_SCALE_BLOCK):
+        raise ValueError(f"cache_dtype='fp8': head_dim - qk_rope_head_dim = {head_dim} - {rope_dim} = {quant_dim} "
+                         f"must be positive and <= {V4_SCALE_BLOCK} or a multiple of {V4_SCALE_BLOCK} (one "
+                         f"power-of-two scale per {V4_SCALE_BLOCK} values, FlashMLA's MODEL1 token)")
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales", "rope"], meta_fields=["rule"])
 @dataclasses.dataclass(frozen=True)
 class Fp8Pool:
     """One layer's paged pool of FP8 entries (or, inside a kernel, the refs of one).
 
     values: [P, page, Dq] float8_e4m3fn; scales: [P, page, Dq / block] float32 (block =
-    `scale_block(Dq)`); rope: [P, page, Dr] bfloat16, or None (indexer keys); rule: how `write`
-    picks the scales (LATENT_RULE, or INDEX_RULE / PLAIN_INDEX_RULE for indexer keys). An entry reads as
+    `scale_block(Dq, rule)`); rope: [P, page, Dr] bfloat16, or None (indexer keys); rule: how
+    `write` picks the scales (LATENT_RULE, INDEX_RULE / PLAIN_INDEX_RULE for indexer keys, V4_RULE
+    for DeepSeek-V4's entries). Any leading shape works the same ([n, P, page, ...] stacked over
+    layers, or gathered rows). An entry reads as
     `concat[values * scales (per block), rope]`, [Dq + Dr] (`dequantize`).
     """
 
@@ -98,8 +128,14 @@ class Fp8Pool:
         return (*self.values.shape[:-1], self.values.shape[-1] + rope)
 
     @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes one slot takes: 656 for DeepSeek's latent (512 + 4 * 4 + 64 * 2), 132 for its keys."""
+        """Bytes one slot takes: 656 for DeepSeek's latent (512 + 4 * 4 + 64 * 2), 132 for its keys,
+        604 for a V4 entry (448 + 7 * 4 + 64 * 2; FlashMLA's packed token holds the 7 scales in a
+        byte each, 584)."""
         return sum(a.shape[-1] * a.dtype.itemsize for a in jax.tree.leaves(self))
 
 
@@ -108,19 +144,20 @@ def key_rule(keys) -> str | None:
     return keys.rule if isinstance(keys, Fp8Pool) else None
 
 
-def init_pool(num_pages: int, page_size: int, quant_dim: int, rope_dim: int = 0, *, rule: str = LATENT_RULE) -> Fp8Pool:
-    """An all-zero pool of [num_pages, page_size] slots: quant_dim values in e4m3 (and their scales),
-    rope_dim values in bfloat16 (0: no rope part, `rope` is None)."""
-    slots = (num_pages, page_size)
+def init_pool(num_pages: int, page_size: int, quant_dim: int, rope_dim: int = 0, *, rule: str = LATENT_RULE,
+              stack: tuple[int, ...] = ()) -> Fp8Pool:
+    """An all-zero pool of [*stack, num_pages, page_size] slots: quant_dim values in e4m3 (and
+    their scales, `scale_block(quant_dim, rule)` values each), rope_dim values in bfloat16 (0: no
+    rope part, `rope` is None)."""
+    slots = (*stack, num_pages, page_size)
     return Fp8Pool(values=jnp.zeros((*slots, quant_dim), E4M3),
-                   scales=jnp.zeros((*slots, quant_dim // scale_block(quant_dim)), jnp.float32),
+                   scales=jnp.zeros((*slots, quant_dim // scale_block(quant_dim, rule)), jnp.float32),
                    rope=jnp.zeros((*slots, rope_dim), ROPE_DTYPE) if rope_dim else None, rule=rule)
 
 
-def _blocks(x: jax.Array) -> jax.Array:
+def _blocks(x: jax.Array, block: int) -> jax.Array:
     """[..., D] -> [..., D / block, block] float32."""
-    width = x.shape[-1]
-    return x.astype(jnp.float32).reshape(*x.shape[:-1], width // scale_block(width), scale_block(width))
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
 def _to_e4m3(blocks: jax.Array, scales: jax.Array) -> jax.Array:
@@ -133,17 +170,19 @@ def quantize_latent(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """FlashMLA's latent quantization (vLLM `concat_and_cache_ds_mla_kernel`): x [..., Dq] ->
     (e4m3 [..., Dq], scales [..., Dq / block] float32), s = max(amax * f32(1 / 448), FLT_MIN) per
     block (XLA rewrites amax / 448 into that product; written so, it says what runs)."""
-    blocks = _blocks(x)
+    blocks = _blocks(x, scale_block(x.shape[-1]))
     scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1) * jnp.float32(1 / E4M3_MAX), jnp.finfo(jnp.float32).tiny)
     return _to_e4m3(blocks, scales), scales
 
 
-def quantize_act(x: jax.Array, *, pow2_scales: bool = True) -> tuple[jax.Array, jax.Array]:
+def quantize_act(x: jax.Array, *, pow2_scales: bool = True, block: int = SCALE_BLOCK) -> tuple[jax.Array, jax.Array]:
     """DeepSeek's `act_quant` (V3.2-Exp `inference/kernel.py`): x [..., D] -> (e4m3 [..., D],
-    scales [..., D / block] float32). amax = max(max|x|, 1e-4) per block, s = amax * f32(1 / 448);
-    pow2_scales (`scale_fmt` set, "ue8m0"): s = 2 ** ceil(log2(s)), which the kernel takes from the
-    float's bits (exponent, plus one if any mantissa bit is set); `jnp.frexp` gives the same."""
-    blocks = _blocks(x)
+    scales [..., D / block] float32), block = min(block, D). amax = max(max|x|, 1e-4) per block,
+    s = amax * f32(1 / 448); pow2_scales (`scale_fmt` set, "ue8m0"): s = 2 ** ceil(log2(s)), which
+    the kernel takes from the float's bits (exponent, plus one if any mantissa bit is set);
+    `jnp.frexp` gives the same. With power-of-two scales, dividing by s and multiplying by 1 / s
+    (vLLM's V4 writer) are the same exact operation."""
+    blocks = _blocks(x, min(block, x.shape[-1]))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)
     scales = amax * jnp.float32(1 / E4M3_MAX)
     if pow2_scales:
@@ -184,8 +223,10 @@ def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> tuple[jax.
         quantized, scales = quantize_latent(values[..., :quant_dim])
     elif rule in (INDEX_RULE, PLAIN_INDEX_RULE):
         quantized, scales = quantize_act(values[..., :quant_dim], pow2_scales=rule == INDEX_RULE)
+    elif rule == V4_RULE:  # rounded to bfloat16 first, as vLLM's V4 writers quantize the entry
+        quantized, scales = quantize_act(values[..., :quant_dim].astype(ROPE_DTYPE), block=V4_SCALE_BLOCK)
     else:
-        raise ValueError(f"Fp8Pool.rule={rule!r}: must be one of {(LATENT_RULE, INDEX_RULE, PLAIN_INDEX_RULE)}")
+        raise ValueError(f"Fp8Pool.rule={rule!r}: must be one of {RULES}")
     rope = values[..., quant_dim:].astype(ROPE_DTYPE) if values.shape[-1] > quant_dim else None
     return quantized, scales, rope
 
@@ -217,6 +258,14 @@ def as_entries(rows) -> jax.Array:
     """Gathered rows (`read_parts` / `gather_parts`) -> entries [..., D]: an FP8 pool's dequantized
     (`entries`, bfloat16), a plain pool's as they are."""
     return entries(rows) if isinstance(rows, Fp8Pool) else rows
+
+
+def as_stored(cache, values: jax.Array) -> jax.Array:
+    """values [..., D] as `cache` (a plain pool or an `Fp8Pool`) would read them back once written:
+    cast to a plain pool's dtype, or quantized by an FP8 pool's rule and dequantized (`entries`)."""
+    if not isinstance(cache, Fp8Pool):
+        return values.astype(cache.dtype)
+    return entries(Fp8Pool(*quantize_entries(values, cache.rule, cache.values.shape[-1]), rule=cache.rule))
 
 
 def entry_dtype(cache):
@@ -259,6 +308,52 @@ def unpack_flashmla(packed: jax.Array, quant_dim: int, rope_dim: int) -> Fp8Pool
     rope = jax.lax.bitcast_convert_type(packed[..., quant_dim + 4 * num_scales:].reshape(*lead, rope_dim, 2),
                                         ROPE_DTYPE)
     return Fp8Pool(values=values, scales=scales, rope=rope, rule=LATENT_RULE)
+
+
+# FlashMLA's MODEL1 page: its tokens' values and RoPE parts, then a byte per scale (and one pad byte) for
+# each token, the page padded to whole 576-byte units (`tests/quant.py`, `quantize_k_cache`).
+MODEL1_SCALE_BYTES, MODEL1_PAGE_UNIT = 8, 576
+
+
+def pack_model1(pool: Fp8Pool) -> jax.Array:
+    """A V4 pool (V4_RULE) [P, page, ...] -> [P, bytes] uint8, FlashMLA's `MODEL1_FP8Sparse` page
+    byte for byte: page x (Dq e4m3 values, then Dr bfloat16 RoPE values little-endian), then page
+    x (Dq / 64 scale bytes, each the power-of-two scale's exponent + 127 (`float8_e8m0fnu`), and a
+    0 pad byte to 8), zeros to a multiple of 576 bytes (584 bytes a token at DeepSeek's widths)."""
+    if pool.rule != V4_RULE or pool.rope is None:
+        raise ValueError(f"pack_model1: needs a V4 entry pool (rule {V4_RULE!r}, with a RoPE part), got rule "
+                         f"{pool.rule!r}{'' if pool.rope is not None else ' without a RoPE part'}")
+    num_pages, page_size = pool.values.shape[:2]
+    num_scales = pool.scales.shape[-1]
+    if num_scales >= MODEL1_SCALE_BYTES:
+        raise ValueError(f"pack_model1: {num_scales} scales a token do not fit FlashMLA's {MODEL1_SCALE_BYTES} bytes")
+    as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape[:-1], -1)
+    # A power-of-two float32's biased exponent is its e8m0 byte: the bits above the 23-bit mantissa.
+    exponents = (jax.lax.bitcast_convert_type(pool.scales, jnp.uint32) >> 23).astype(jnp.uint8)
+    scale_bytes = jnp.pad(exponents, [(0, 0), (0, 0), (0, MODEL1_SCALE_BYTES - num_scales)])
+    tokens = jnp.concatenate([as_bytes(pool.values), as_bytes(pool.rope)], axis=-1)
+    page = jnp.concatenate([tokens.reshape(num_pages, -1), scale_bytes.reshape(num_pages, -1)], axis=-1)
+    return jnp.pad(page, [(0, 0), (0, -page.shape[1] % MODEL1_PAGE_UNIT)])
+
+
+def unpack_model1(packed: jax.Array, page_size: int, quant_dim: int, rope_dim: int) -> Fp8Pool:
+    """The inverse of `pack_model1`: [P, bytes] uint8 pages of `page_size` tokens -> the V4 pool of
+    those widths (ValueError if the page's size is not FlashMLA's for them)."""
+    num_scales = quant_dim // scale_block(quant_dim, V4_RULE)
+    token = quant_dim + 2 * rope_dim
+    used = page_size * (token + MODEL1_SCALE_BYTES)
+    expected = used + -used % MODEL1_PAGE_UNIT
+    if packed.ndim != 2 or packed.shape[1] != expected:
+        raise ValueError(f"packed pages of shape {tuple(packed.shape)}: expected [P, {expected}] for page_size="
+                         f"{page_size}, quant_dim={quant_dim}, rope_dim={rope_dim}")
+    num_pages = packed.shape[0]
+    tokens = packed[:, :page_size * token].reshape(num_pages, page_size, token)
+    exponents = packed[:, page_size * token:used].reshape(num_pages, page_size, MODEL1_SCALE_BYTES)[..., :num_scales]
+    return Fp8Pool(values=jax.lax.bitcast_convert_type(tokens[..., :quant_dim], E4M3),
+                   scales=jax.lax.bitcast_convert_type(exponents.astype(jnp.uint32) << 23, jnp.float32),
+                   rope=jax.lax.bitcast_convert_type(tokens[..., quant_dim:].reshape(num_pages, page_size, rope_dim, 2),
+                                                     ROPE_DTYPE),
+                   rule=V4_RULE)
 
 
 # -- the indexer's rotation ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
 from .contracts import check_arguments
-from .paged import gather_rows, read_slots
+from .fp8_cache import as_entries, gather_parts, read_parts
 from .visibility import Visibility, query_valid, ring_visible
 
 
@@ -59,15 +59,15 @@ def sliding_compressed_attention_reference(q, window_kv, window_pages, positions
                     extra_valid=extra_valid)
     batch, num_queries = q.shape[:2]
     valid = query_valid(vis, num_queries)[:, :, None]  # [B, Q, 1]
-    ring_kv = gather_rows(window_kv, window_pages)[:, None]  # [B, 1, R, D]
+    ring_kv = as_entries(gather_parts(window_kv, window_pages))[:, None]  # [B, 1, R, D]
     keys = [(ring_kv, ring_visible(positions, vis, ring_kv.shape[2], sliding_window=sliding_window))]
     if compressed_indices is not None:
         capacity = compressed_pages.shape[1] * compressed_kv.shape[1]
-        entries = read_slots(compressed_kv, compressed_pages, compressed_indices.reshape(batch, -1))
+        entries = as_entries(read_parts(compressed_kv, compressed_pages, compressed_indices.reshape(batch, -1)))
         entries = entries.reshape(*compressed_indices.shape, -1)  # [B, Q, K, D]
         keys.append((entries, (compressed_indices >= 0) & (compressed_indices < capacity) & valid))
     elif compressed_count is not None:
-        entries = gather_rows(compressed_kv, compressed_pages)[:, None]  # [B, 1, E, D]
+        entries = as_entries(gather_parts(compressed_kv, compressed_pages))[:, None]  # [B, 1, E, D]
         number = jnp.arange(entries.shape[2], dtype=jnp.int32)[None, None, :]
         keys.append((entries, (number < compressed_count[:, :, None]) & valid))
     if extra_kv is not None:
@@ -100,7 +100,9 @@ def sliding_compressed_attention(q, window_kv, window_pages, positions, vis: Vis
 
     Args:
       q: [B, Q, H, D] queries (after q_b_norm and RoPE on their last rope dims).
-      window_kv: [P, page, D] the ring pages (K = V, after kv_norm and RoPE).
+      window_kv: [P, page, D] the ring pages (K = V, after kv_norm and RoPE), or an
+        `fp8_cache.Fp8Pool` of that shape (FlashMLA's MODEL1 token, read as `fp8_cache.entries`;
+        compressed_kv alike).
       window_pages: [B, R // page] int32, the ring's page table; R >= sliding_window - 1 + Q.
       positions: [B, Q] int32, each token's position (slot = position for committed tokens and a
         chain; prefix_len + depth in a tree).

@@ -69,6 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments
+from .fp8_cache import Fp8Pool
 from .gathered_softmax_mosaic import accumulate_values, follower, scorer
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import compiler_params, interpret_params, interpreting
@@ -244,6 +245,10 @@ def check_operands(q, window_kv, compressed_kv=None, extra_kv=None) -> None:
     """ValueError, naming the argument and what is allowed, for operands the kernel cannot take."""
     keys = {name: array for name, array in (("window_kv", window_kv), ("compressed_kv", compressed_kv),
                                             ("extra_kv", extra_kv)) if array is not None}
+    for name, array in keys.items():
+        if isinstance(array, Fp8Pool):
+            raise ValueError(f"sliding_compressed_attention_mosaic: {name} is an FP8 pool, which this kernel does "
+                             "not read yet; the pallas (Triton) and xla backends do")
     check_mosaic_operands("sliding_compressed_attention_mosaic", q, *keys.values())
     for name, array in keys.items():
         if array.dtype != window_kv.dtype:
@@ -266,7 +271,7 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
     extra_valid [B, Q, X] -> [B, Q, H, D] in q's dtype.
 
     Allowed (ValueError otherwise, before tracing): bfloat16 / float16 q and keys, the keys of one
-    dtype; D a multiple of 128 (of 256 when wider).
+    dtype; D a multiple of 128 (of 256 when wider); no FP8 pools (`fp8_cache.Fp8Pool`).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,

@@ -25,6 +25,11 @@ A program's keys are up to three runs of tiles, numbered one after the other:
   * extra tiles: each token's extra keys in turn, like the index lists.
 For small batches the tiles are cut into `num_parts` parts (flash-decoding split-KV); the sink
 goes into part 0 only, and `flash_decoding.combine_parts` merges the parts by log-sum-exp.
+
+FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's MODEL1 token): the ring and the compressed entries are
+read as their e4m3 values, power-of-two scales and bfloat16 RoPE values, and dequantized in
+registers as `fp8_cache.entries` defines an entry (`_load_keys`); extra keys come dequantized
+already (the model reads them back as the pool would, `fp8_cache.as_stored`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from jax.experimental import pallas as pl
 from .cost import array_bytes
 from .flash_decoding import MIN_PART_SLOTS, combine_parts, online_softmax_step, part_shapes, part_start, store_part
 from .contracts import check_arguments
+from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .tiling import (block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector, num_parts,
                      slot_rows, tile_range, visible)
 from .visibility import Visibility, kv_bound
@@ -49,6 +55,11 @@ from .visibility import Visibility, kv_bound
 # registers a thread and it spills at V4-Flash shapes (8 warps, sm_90a; 16 warps cap a thread at
 # 128 registers and spill more); at 32 x 512 and 8 warps it needs 166-187 (block_n 32 or 64).
 ACCUMULATOR = 32 * 512
+# With FP8 pools a key tile is dequantized from three [block_n, D] loads (values, each column's
+# scale, the RoPE part), which at 32 x 512 spills about 930 bytes (block_n 32 or 16) and at
+# 16 x 512 with block_n 32 about 600; 16 x 512 with 16-key tiles fits (254-255 registers, 4 warps,
+# 99,392 bytes shared memory, V4-Flash, sm_90a).
+FP8_ACCUMULATOR, FP8_BLOCK_N = 16 * 512, 16
 
 
 class Layout(NamedTuple):
@@ -117,7 +128,7 @@ def _kernel(q_ref, sinks_ref, window_ref, window_pages_ref, bound_ref, positions
 
     def attend(carry, ref, rows, readable, sees):
         """rows [BN] of ref (zeros where not readable), sees [BM, BN] -> the carry after that tile."""
-        keys = load_block(ref, rows, columns, readable, column_valid).astype(layout.dtype)
+        keys = _load_keys(ref, rows, readable, columns, column_valid).astype(layout.dtype)
         scores = jnp.where(sees, dot_nt(queries, keys) * layout.scale, -jnp.inf)
         return online_softmax_step(carry, scores, keys)
 
@@ -162,6 +173,24 @@ def _kernel(q_ref, sinks_ref, window_ref, window_pages_ref, bound_ref, positions
                                   carry)
         offset = offset + num_tiles
     store_part(out_ref, lse_ref, part_start(seq, part, layout.parts, layout.rows_padded, first_row), *carry)
+
+
+def _load_keys(ref, rows, readable, columns, column_valid):
+    """Key rows [BN] of ref [rows, D] (or an `Fp8Pool` of refs: values [rows, Dq], scales
+    [rows, Dq / block], rope [rows, D - Dq]) at `columns` [D block] -> [BN, D block], zeros where
+    not readable or not a column. An FP8 row's values are multiplied by their block's scale and
+    rounded to bfloat16 (`fp8_cache.entries`); the RoPE columns come from the rope part."""
+    if not isinstance(ref, Fp8Pool):
+        return load_block(ref, rows, columns, readable, column_valid)
+    quant_dim, rope_dim = ref.values.shape[1], ref.rope.shape[1]
+    in_quant = columns < quant_dim
+    quant_cols = jnp.minimum(columns, quant_dim - 1)
+    block_of_column = jax.lax.div(quant_cols, quant_dim // ref.scales.shape[1])
+    values = load_block(ref.values, rows, quant_cols, readable, in_quant).astype(jnp.float32)
+    scales = load_block(ref.scales, rows, block_of_column, readable, in_quant)
+    in_rope = ~in_quant if column_valid is None else ~in_quant & column_valid
+    rope = load_block(ref.rope, rows, jnp.clip(columns - quant_dim, 0, rope_dim - 1), readable, in_rope)
+    return jnp.where(in_quant[None, :], (values * scales).astype(rope.dtype), rope)
 
 
 def _num_tiles(keys, block_n: int):
@@ -234,11 +263,11 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
     q [B, Q, H, D], window_kv [P, page, D], window_pages [B, R / page], positions [B, Q], sinks [H],
     compressed_kv [Pc, page, D] with compressed_pages [B, E / page] and compressed_indices
     [B, Q, K] or compressed_count [B, Q], extra_kv [B, Q, X, D] with extra_valid [B, Q, X]
-    -> [B, Q, H, D] in q's dtype.
+    -> [B, Q, H, D] in q's dtype. window_kv and compressed_kv may be `Fp8Pool`s (both or neither).
 
     Tuning (static): block_m query rows per program and block_n keys per tile (powers of two
     >= 16; default 64 x 32 for 2-byte inputs and 32 x 16 for float32, as `flash_decoding`, but
-    block_m at most ACCUMULATOR / D: 32 at D = 512), num_splits parts of a program's tiles
+    block_m at most ACCUMULATOR / D: 32 at D = 512; with FP8 pools FP8_ACCUMULATOR / D x 16), num_splits parts of a program's tiles
     (default: enough programs for the GPU, parts of at least MIN_PART_SLOTS keys), num_warps
     (default 8 for a full ACCUMULATOR, else 4), num_stages of the Triton pipeline; interpret None
     = interpret mode off a GPU, False forces the Triton lowering.
@@ -249,11 +278,16 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
                     extra_valid=extra_valid)
     batch, num_queries, heads, dim = q.shape
     rows = num_queries * heads
-    dtype = jnp.promote_types(q.dtype, window_kv.dtype)
+    if compressed_kv is not None and isinstance(compressed_kv, Fp8Pool) != isinstance(window_kv, Fp8Pool):
+        raise ValueError("sliding_compressed_attention_pallas: window_kv and compressed_kv must both be FP8 pools "
+                         "or both arrays")
+    dtype = jnp.promote_types(q.dtype, entry_dtype(window_kv))
     dim_block = block_size(dim)
     narrow = jnp.dtype(dtype).itemsize <= 2
-    block_m = block_m or block_size(rows, min(64 if narrow else 32, ACCUMULATOR // dim_block))
-    block_n = block_n or (32 if narrow else 16)
+    fp8 = isinstance(window_kv, Fp8Pool)
+    accumulator = FP8_ACCUMULATOR if fp8 else ACCUMULATOR
+    block_m = block_m or block_size(rows, min(64 if narrow else 32, accumulator // dim_block))
+    block_n = block_n or (FP8_BLOCK_N if fp8 else 32 if narrow else 16)
     num_warps = num_warps or (8 if block_m * dim_block >= ACCUMULATOR else 4)
     row_blocks = pl.cdiv(rows, block_m)
     compressed = None if compressed_kv is None else "indices" if compressed_indices is not None else "count"
@@ -284,12 +318,12 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
                   vis.prefix_len.astype(jnp.int32)]
     if layout.tree:
         window_ops.append(vis.tree_mask.reshape(batch * num_queries, num_queries).astype(jnp.int32))
-    operands = [q.reshape(batch * rows, dim), sinks.astype(jnp.float32), window_kv.reshape(-1, dim), *window_ops]
+    operands = [q.reshape(batch * rows, dim), sinks.astype(jnp.float32), flat_pool(window_kv), *window_ops]
     small = [*operands[:2], *window_ops]  # everything but the keys, which `key_reads` counts
     if compressed:
         selection = (compressed_indices.reshape(batch * num_queries, -1) if compressed == "indices"
                      else compressed_count).astype(jnp.int32)
-        operands += [compressed_kv.reshape(-1, dim), compressed_pages.astype(jnp.int32), selection]
+        operands += [flat_pool(compressed_kv), compressed_pages.astype(jnp.int32), selection]
         small += operands[-2:]
     if extra:
         operands += [extra_kv.reshape(-1, dim), extra_valid.reshape(batch * num_queries, -1).astype(jnp.int32)]
@@ -302,7 +336,7 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
                  + num_queries * extra_keys)  # per sequence row; its row blocks share them through L2
     cost = pl.CostEstimate(
         flops=4 * batch * rows * keys_per_row * dim, transcendentals=batch * rows * keys_per_row,
-        bytes_accessed=batch * key_reads * dim * window_kv.dtype.itemsize
+        bytes_accessed=batch * key_reads * cache_token_bytes(window_kv)
         + array_bytes(*small, *out_shape))
     out, lse = launch(functools.partial(_kernel, layout=layout), out_shape=out_shape,
                       grid=(row_blocks, parts, batch), num_warps=num_warps,

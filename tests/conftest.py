@@ -126,7 +126,7 @@ def _release_compiled_programs():
 # after these.
 HEAVIEST_FIRST = ["test_v4_loop.py", "test_tree_decoding.py", "test_sharding.py", "test_hf_parity.py", "test_loop.py",
                   "test_exactness.py", "test_examples.py", "test_gpu_report.py", "test_checkpoint.py",
-                  "test_fp8_cache.py", "test_sparse_mosaic.py", "test_mla_mosaic.py", "test_model.py",
+                  "test_fp8_cache.py", "test_fp8_cache_v4.py", "test_sparse_mosaic.py", "test_mla_mosaic.py", "test_model.py",
                   "test_sharding_v4.py", "test_multihost.py", "test_aot.py", "test_pallas_backend.py",
                   "test_chunked_prefill.py", "test_prefill_in_loop.py", "test_v4_attention.py", "test_v4_layers.py", "test_public_api.py",
                   "test_notebook.py", "test_default_model.py", "test_fp8.py", "test_grouped_matmul.py",

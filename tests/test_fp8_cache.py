@@ -28,7 +28,7 @@ from flax import nnx
 from jaxspec.aot.model import reduced_depth
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
-from jaxspec.models import DeepseekV3, DeepseekV4
+from jaxspec.models import DeepseekV3
 from jaxspec.models.interface import CacheGeometry, cache_bytes
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, indexer_topk, mla_attention,
                                     mla_attention_reference, sparse_mla_attention, sparse_mla_attention_reference)
@@ -333,12 +333,6 @@ def test_widths_that_do_not_fit_the_layout_are_refused(overrides, message):
     model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny", **overrides), rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=message):
         model.init_cache(2, 16, cache_dtype="fp8")
-
-
-def test_fp8_caches_are_refused_for_deepseek_v4():
-    v4 = nnx.eval_shape(lambda: DeepseekV4(preset("tiny-v4"), rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="DeepSeek-V4 caches are kept in the compute dtype"):
-        v4.init_cache(2, 16, cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("scale_fmt,rule", [(None, fp8_cache.PLAIN_INDEX_RULE), ("ue8m0", fp8_cache.INDEX_RULE)])

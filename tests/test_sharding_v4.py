@@ -17,6 +17,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -50,15 +51,21 @@ def test_every_v4_parameter_maps_under_both_plans():
     assert tp["layer_groups.0.0.mlp.tid2eid"] == PartitionSpec(None, None, None)  # every device looks up its own tokens
 
 
-def test_v4_cache_split_by_rows():
-    cache = jax.eval_shape(lambda: init_v4_cache(preset("tiny-v4"), 4, 64, max_window=4, page_size=8, row_shards=2))
+@pytest.mark.parametrize("cache_dtype", [None, "fp8"])
+def test_v4_cache_split_by_rows(cache_dtype):
+    cache = jax.eval_shape(lambda: init_v4_cache(preset("tiny-v4"), 4, 64, max_window=4, page_size=8, row_shards=2,
+                                                 cache_dtype=cache_dtype))
     for plan in sharding.PLANS:
         specs = sharding.cache_specs(cache, plan)
         leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         assert len(leaves) == len(jax.tree.leaves(cache))
         rows = sharding.row_spec(plan)
-        # Every pool split by pages (axis 1, after the stacked layers), page tables and lengths by rows.
-        assert specs.window == specs.csa_index_entries == specs.hca_state == PartitionSpec(None, *rows)
+        # Every pool split by pages (axis 1, after the stacked layers), an FP8 pool's every part
+        # alike; page tables and lengths by rows.
+        pools = PartitionSpec(None, *rows)
+        assert specs.csa_index_entries == specs.hca_state == pools
+        assert jax.tree.leaves(specs.window, is_leaf=lambda x: isinstance(x, PartitionSpec)) == (
+            [pools] * (3 if cache_dtype else 1))
         assert specs.lengths == specs.page_table["window"] == rows
 
 

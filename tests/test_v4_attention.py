@@ -89,9 +89,9 @@ def run(model, kind, x, start, lengths, cache, window_invariant=False, depths=No
     return step_fn(kind, window_invariant)(nnx.state(model), x, positions, cache, vis)
 
 
-def fresh_cache(kind, batch=1, max_window=CHUNK):
+def fresh_cache(kind, batch=1, max_window=CHUNK, cache_dtype=None):
     return init_v4_cache(config_for(kind), batch, CAPACITY, max_window=max_window, page_size=PAGE,
-                         layer_types=(kind,))
+                         layer_types=(kind,), cache_dtype=cache_dtype)
 
 
 def inputs(batch, length, seed=3):
@@ -108,12 +108,12 @@ def prefill(model, kind, x, lengths=None):
     return out[:, :length], cache
 
 
-def chunked(model, kind, x, lengths, widths=()):
+def chunked(model, kind, x, lengths, widths=(), cache_dtype=None):
     """Row b's first lengths[b] tokens of x [B, T, D] from an empty cache with small rings, in
     CHUNK-wide calls with `widths` real tokens each (then CHUNK) -> (outputs [lengths[b], D] per
     row, cache)."""
     batch = x.shape[0]
-    cache, done = fresh_cache(kind, batch), np.zeros(batch, int)
+    cache, done = fresh_cache(kind, batch, cache_dtype=cache_dtype), np.zeros(batch, int)
     got = [[] for _ in range(batch)]
     widths = list(widths)
     while (done < lengths).any():
@@ -310,15 +310,25 @@ def ancestors_of(parents) -> np.ndarray:
     return mask
 
 
-def tree_case(kind):
+def tree_case(kind, cache_dtype=None):
     """The trees' setup: a layer, 30 inputs, 5 tree nodes, rows committed to 13 and 11 tokens in
     chunks -> (model, x, nodes, prefix [B], cache, PARENTS' ancestor mask, depths)."""
     model = model_for(kind)
     x, nodes = inputs(2, 30), inputs(2, 5, seed=13)
     prefix = np.array([13, 11])
-    _, cache = chunked(model, kind, x, prefix)
+    _, cache = chunked(model, kind, x, prefix, cache_dtype=cache_dtype)
     mask = ancestors_of(PARENTS)
     return model, x, nodes, prefix, cache, mask, mask.sum(1) - 1
+
+
+def check_nodes_equal_branches(model, kind, nodes, prefix, cache, mask, out):
+    """Every node's output in a tree call `out` [B, N, D] equals the chain call of its branch."""
+    for node in range(len(mask)):
+        branch = np.nonzero(mask[node])[0]
+        window = jnp.pad(nodes[:, branch], ((0, 0), (0, CHUNK - len(branch)), (0, 0)))
+        chain, _ = run(model, kind, window, prefix, [len(branch)] * 2, cache)
+        np.testing.assert_allclose(np.asarray(out[:, node]), np.asarray(chain[:, len(branch) - 1]), rtol=1e-5,
+                                   atol=1e-5, err_msg=f"node {node}")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -329,12 +339,7 @@ def test_tree_equals_its_branches_and_commits(kind):
     equals a recompute of the committed tokens, as does every cache row a later query reads."""
     model, x, nodes, prefix, cache, mask, depths = tree_case(kind)
     out, tree_cache = run(model, kind, nodes, prefix, [5, 5], cache, depths=depths, tree_mask=mask)
-    for node in range(5):
-        branch = np.nonzero(mask[node])[0]
-        window = jnp.pad(nodes[:, branch], ((0, 0), (0, CHUNK - len(branch)), (0, 0)))
-        chain, _ = run(model, kind, window, prefix, [len(branch)] * 2, cache)
-        np.testing.assert_allclose(np.asarray(out[:, node]), np.asarray(chain[:, len(branch) - 1]), rtol=1e-5,
-                                   atol=1e-5, err_msg=f"node {node}")
+    check_nodes_equal_branches(model, kind, nodes, prefix, cache, mask, out)
 
     accepted = np.array([0, 2, 4])
     moved = tree_cache.move(jnp.asarray(prefix[:, None] + accepted), jnp.asarray(prefix[:, None] + np.arange(3)))
