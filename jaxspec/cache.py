@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULES, LATENT_RULE, Fp8Pool, check_cache_dtype, init_pool,
-                                              write_entries)
-from jaxspec.pallas_kernels.paged import read_slots, write_slots
+from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULES, LATENT_RULE, Fp8Pool, check_cache_dtype, copy_slots,
+                                              init_pool, write_entries)
 
 
 @jax.tree_util.register_dataclass
@@ -93,11 +92,8 @@ class PagedCache:
         move as their stored bytes (every part of the pool), never requantized."""
         dst_slots = jnp.where(src_slots >= 0, dst_slots, -1)
 
-        def moved(layer_pool):
-            return write_slots(layer_pool, self.page_table, dst_slots,
-                               read_slots(layer_pool, self.page_table, src_slots))
-
-        each_layer = lambda pool: jax.tree.map(jax.vmap(moved), pool)
+        each_layer = lambda pool: jax.tree.map(jax.vmap(  # noqa: E731
+            lambda layer_pool: copy_slots(layer_pool, self.page_table, src_slots, dst_slots)), pool)
         return self.replace(latent=each_layer(self.latent), index_keys=each_layer(self.index_keys))
 
 

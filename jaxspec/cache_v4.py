@@ -62,9 +62,9 @@ from jax.sharding import PartitionSpec
 
 from jaxspec.cache import check_geometry, pages_per_row, row_page_table, stacked_pages
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
-from jaxspec.pallas_kernels.fp8_cache import V4_RULE, Fp8Pool, check_cache_dtype, check_v4_fp8_widths, init_pool
-from jaxspec.pallas_kernels.fp8_cache import write_entries
-from jaxspec.pallas_kernels.paged import read_slots, write_slots
+from jaxspec.pallas_kernels.fp8_cache import (V4_RULE, Fp8Pool, check_cache_dtype, check_v4_fp8_widths, copy_slots,
+                                               init_pool, write_entries)
+from jaxspec.pallas_kernels.paged import read_slots
 
 # The pools by layer kind (a field of `V4Cache` each), and the page table each pool's rows use.
 STATE = {CSA: "csa_state", HCA: "hca_state"}
@@ -174,7 +174,8 @@ class V4Cache:
         return self.write_pages(name, layer, self._ring(name, slots), values)
 
     def read_ring(self, name: str, layer, slots: jax.Array) -> jax.Array:
-        """Layer `layer`'s ring `name` at slots [B, ...] (-1 = none: zeros) -> [B, ..., W]."""
+        """Layer `layer`'s ring `name` (a plain pool: the projection rings) at slots [B, ...] (-1 =
+        none: zeros) -> [B, ..., W]."""
         return read_slots(*self.layer_pages(name, layer), self._ring(name, slots))
 
     def _ring(self, name: str, slots: jax.Array) -> jax.Array:
@@ -208,12 +209,6 @@ class V4Cache:
             cache = cache._unflatten(name, copy_slots(flat, pages, self._ring(name, src_slots),
                                                       self._ring(name, dst_slots)))
         return cache
-
-
-def copy_slots(pool, pages: jax.Array, src: jax.Array, dst: jax.Array):
-    """pool [P, page, W] (or an `Fp8Pool`: every part, its stored bytes) with page slots src [B, L]
-    copied to dst [B, L] (-1 = skip), every source read before anything is written."""
-    return jax.tree.map(lambda part: write_slots(part, pages, dst, read_slots(part, pages, src)), pool)
 
 
 def ring_capacities(config: ModelConfig, capacity: int, max_window: int, page_size: int) -> dict[str, int]:

@@ -249,6 +249,14 @@ def read_parts(cache, page_table: jax.Array, slots: jax.Array):
     return jax.tree.map(lambda pool: read_slots(pool, page_table, slots), cache)
 
 
+def copy_slots(cache, page_table: jax.Array, src_slots: jax.Array, dst_slots: jax.Array):
+    """A plain pool [P, page, D] or an `Fp8Pool` with slots src_slots copied to dst_slots (both
+    [B, L] int32, -1 = skip): every part's stored bytes, never requantized; every source is read
+    before anything is written, so a destination may be another pair's source."""
+    return jax.tree.map(lambda part: write_slots(part, page_table, dst_slots, read_slots(part, page_table, src_slots)),
+                        cache)
+
+
 def gather_parts(cache, page_table: jax.Array):
     """`paged.gather_rows` of every part: [B, S, D] for a plain pool, an `Fp8Pool` of [B, S, ...]."""
     return jax.tree.map(lambda pool: gather_rows(pool, page_table), cache)

@@ -115,7 +115,7 @@ def sliding_compressed_attention(q, window_kv, window_pages, positions, vis: Vis
         (entry numbers, -1 = skip: CSA) and compressed_count [B, Q] int32 (entries [0, count): HCA).
       extra_kv: [B, Q, X, D] per-query extra keys with extra_valid [B, Q, X] bool (trees), or None.
       backend: "xla" (reference), "pallas" (Triton), "mosaic" (Mosaic GPU: bfloat16 / float16, D a
-        multiple of 128) or "auto" (`backend.resolve_backend`).
+        multiple of 128, no FP8 pools) or "auto" (`backend.resolve_backend`).
 
     Returns:
       [B, Q, H, D] in q's dtype; 0 for padding tokens and tokens that see no key.
