@@ -198,6 +198,22 @@ def test_fp8_tree_nodes_equal_their_branches(kind):
     check_nodes_equal_branches(model, kind, nodes, prefix, cache, mask, out)
 
 
+@pytest.mark.parametrize("kind", [CSA, HCA])
+def test_fp8_window_invariant_tree_nodes_equal_their_branches_decoded_alone(kind):
+    """window_invariant=True with FP8 caches: every node of a tree call is bit for bit its branch
+    decoded one token per call. Each node runs on a view whose ring rows were moved to its
+    branch's slots (`V4Cache.move_layer`: the FP8 parts' bytes) and closes its blocks from them, as
+    the one-token calls do, so quantization happens on the same rows either way."""
+    model, _, nodes, prefix, cache, mask, depths = tree_case(kind, cache_dtype="fp8")
+    out, _ = run(model, kind, nodes, prefix, [5, 5], cache, window_invariant=True, depths=depths, tree_mask=mask)
+    for node in range(len(mask)):
+        step_cache = cache
+        for depth, ancestor in enumerate(np.nonzero(mask[node])[0]):
+            step, step_cache = run(model, kind, nodes[:, ancestor:ancestor + 1], prefix + depth, [1, 1], step_cache,
+                                   window_invariant=True)
+        np.testing.assert_array_equal(np.asarray(out[:, node]), np.asarray(step[:, 0]), err_msg=f"node {node}")
+
+
 PROMPTS = [list(b"the quick"), list(b"fox jumps over the lazy dog and"), list(b"zq"), list(b"brown cat ov")]
 
 
