@@ -98,8 +98,9 @@ def kind_rows(layer_types: tuple[str, ...]) -> tuple[int, ...]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class V4Cache:
-    """Pools stacked over the layers of their kind (None where no layer has that kind):
-    window [L, Pw, page, head_dim] (an `Fp8Pool` with FP8 caches, as are the two entry pools); csa_state [n_csa, Ps, page, 4 * head_dim] float32;
+    """Pools stacked over the layers of their kind (None where no layer has that kind; with FP8
+    caches the window and both entry pools are `Fp8Pool`s of these shapes):
+    window [L, Pw, page, head_dim]; csa_state [n_csa, Ps, page, 4 * head_dim] float32;
     csa_entries [n_csa, Pe, page, head_dim]; csa_index_state [n_csa, Ps, page, 4 * index_head_dim]
     float32; csa_index_entries [n_csa, Pe, page, index_head_dim]; hca_state [n_hca, Ps', page,
     2 * head_dim] float32; hca_entries [n_hca, Pe', page, head_dim]. page_table: {"window":

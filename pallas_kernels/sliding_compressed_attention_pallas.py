@@ -267,7 +267,8 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
 
     Tuning (static): block_m query rows per program and block_n keys per tile (powers of two
     >= 16; default 64 x 32 for 2-byte inputs and 32 x 16 for float32, as `flash_decoding`, but
-    block_m at most ACCUMULATOR / D: 32 at D = 512; with FP8 pools FP8_ACCUMULATOR / D x 16), num_splits parts of a program's tiles
+    block_m at most ACCUMULATOR / D: 32 at D = 512; with FP8 pools at most FP8_ACCUMULATOR / D by
+    FP8_BLOCK_N: 16 x 16), num_splits parts of a program's tiles
     (default: enough programs for the GPU, parts of at least MIN_PART_SLOTS keys), num_warps
     (default 8 for a full ACCUMULATOR, else 4), num_stages of the Triton pipeline; interpret None
     = interpret mode off a GPU, False forces the Triton lowering.
