@@ -80,7 +80,7 @@ class PagedCache:
         [B, Q, Di] (an FP8 pool quantizes them per token: `fp8_cache.write_entries`)."""
         def written(pool, values):
             flat, table = self.layer_pages(pool, layer)
-            return jax.tree.map(lambda new, old: new.reshape(old.shape), write_entries(flat, table, slots, values), pool)
+            return unstacked_pages(write_entries(flat, table, slots, values), pool)
 
         keys = self.index_keys if index_key is None else written(self.index_keys, index_key)
         return self.replace(latent=written(self.latent, latent), index_keys=keys)
@@ -104,6 +104,12 @@ def stacked_pages(pool, page_table: jax.Array, row):
     num_rows, num_pages = pool.shape[:2]
     flat = jax.tree.map(lambda a: a.reshape(num_rows * num_pages, *a.shape[2:]), pool)
     return flat, page_table + row * num_pages
+
+
+def unstacked_pages(flat, pool):
+    """The inverse of `stacked_pages`' flattening: `flat` (every part [n * P, page, ...]) in the
+    stacked shape of `pool` [n, P, page, ...], each part a free reshape."""
+    return jax.tree.map(lambda new, old: new.reshape(old.shape), flat, pool)
 
 
 def pages_per_row(capacity: int, page_size: int) -> int:

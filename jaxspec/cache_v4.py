@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxspec.cache import check_geometry, pages_per_row, row_page_table, stacked_pages
+from jaxspec.cache import check_geometry, pages_per_row, row_page_table, stacked_pages, unstacked_pages
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
 from jaxspec.pallas_kernels.fp8_cache import (V4_RULE, Fp8Pool, check_cache_dtype, check_v4_fp8_widths, copy_slots,
                                                init_pool, write_entries)
@@ -184,7 +184,7 @@ class V4Cache:
 
     def _unflatten(self, name: str, flat) -> "V4Cache":
         """This cache with pool `name` set from its flattened form (`layer_pages`' first result)."""
-        return self.replace(**{name: jax.tree.map(lambda new, old: new.reshape(old.shape), flat, getattr(self, name))})
+        return self.replace(**{name: unstacked_pages(flat, getattr(self, name))})
 
     def move(self, src_slots: jax.Array, dst_slots: jax.Array) -> "V4Cache":
         """Copy every layer's ring entries (window, compressor and indexer projections) from

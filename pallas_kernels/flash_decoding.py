@@ -83,19 +83,25 @@ def load_latent(cache_ref, rows, readable, dims: LatentDims):
     """
     latent_cols, latent_valid = column_span(0, dims.latent, dims.latent_block)
     if isinstance(cache_ref, Fp8Pool):
-        num_blocks = cache_ref.scales.shape[1]
-        block_of_column = jax.lax.div(latent_cols, cache_ref.values.shape[1] // num_blocks)
-        values = load_block(cache_ref.values, rows, latent_cols, readable, latent_valid).astype(jnp.float32)
-        scales = load_block(cache_ref.scales, rows, block_of_column, readable)
+        latent = load_dequantized(cache_ref, rows, latent_cols, readable, latent_valid)
         rope_cols, rope_valid = column_span(0, dims.rope, dims.rope_block)
         rope_key = load_block(cache_ref.rope, rows, rope_cols, readable, rope_valid)
-        # Rounded to bfloat16 as `fp8_cache.entries` defines the entry, whatever the compute dtype.
-        latent = (values * scales).astype(rope_key.dtype)
         return latent.astype(dims.dtype), rope_key.astype(dims.dtype)
     rope_cols, rope_valid = column_span(dims.latent, dims.rope, dims.rope_block)
     latent = load_block(cache_ref, rows, latent_cols, readable, latent_valid)
     rope_key = load_block(cache_ref, rows, rope_cols, readable, rope_valid)
     return latent.astype(dims.dtype), rope_key.astype(dims.dtype)
+
+
+def load_dequantized(pool_ref, rows, columns, readable, column_valid):
+    """An `Fp8Pool` of refs (values [rows, Dq], scales [rows, Dq / block], rope) at rows [BN] and
+    in-range value columns [C] -> [BN, C]: each value times its column's block scale (a [BN, C]
+    gather of the row's scales), rounded to the RoPE dtype as `fp8_cache.entries` defines an entry
+    whatever the compute dtype; zeros where a row is not readable or a column not valid."""
+    block_of_column = jax.lax.div(columns, pool_ref.values.shape[1] // pool_ref.scales.shape[1])
+    values = load_block(pool_ref.values, rows, columns, readable, column_valid).astype(jnp.float32)
+    scales = load_block(pool_ref.scales, rows, block_of_column, readable)
+    return (values * scales).astype(pool_ref.rope.dtype)
 
 
 def online_softmax_step(carry, scores, values):

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .cost import array_bytes
-from .flash_decoding import MIN_PART_SLOTS, combine_parts, online_softmax_step, part_shapes, part_start, store_part
+from .flash_decoding import (MIN_PART_SLOTS, combine_parts, load_dequantized, online_softmax_step, part_shapes,
+                             part_start, store_part)
 from .contracts import check_arguments
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .tiling import (block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector, num_parts,
@@ -184,13 +185,10 @@ def _load_keys(ref, rows, readable, columns, column_valid):
         return load_block(ref, rows, columns, readable, column_valid)
     quant_dim, rope_dim = ref.values.shape[1], ref.rope.shape[1]
     in_quant = columns < quant_dim
-    quant_cols = jnp.minimum(columns, quant_dim - 1)
-    block_of_column = jax.lax.div(quant_cols, quant_dim // ref.scales.shape[1])
-    values = load_block(ref.values, rows, quant_cols, readable, in_quant).astype(jnp.float32)
-    scales = load_block(ref.scales, rows, block_of_column, readable, in_quant)
+    values = load_dequantized(ref, rows, jnp.minimum(columns, quant_dim - 1), readable, in_quant)
     in_rope = ~in_quant if column_valid is None else ~in_quant & column_valid
     rope = load_block(ref.rope, rows, jnp.clip(columns - quant_dim, 0, rope_dim - 1), readable, in_rope)
-    return jnp.where(in_quant[None, :], (values * scales).astype(rope.dtype), rope)
+    return jnp.where(in_quant[None, :], values, rope)
 
 
 def _num_tiles(keys, block_n: int):
