@@ -44,7 +44,7 @@ from flax import nnx
 from jaxspec.cache_v4 import ENTRIES, INDEX_ENTRIES, INDEX_STATE, STATE, V4Cache
 from jaxspec.model_config import CSA, ModelConfig
 from jaxspec.pallas_kernels import Visibility, gather_rows, query_valid, select_topk
-from jaxspec.pallas_kernels.fp8_cache import as_stored, entry_dtype
+from jaxspec.pallas_kernels.fp8_cache import entry_dtype
 from jaxspec.pallas_kernels.indexer import score_keys
 
 from .layers import Linear, RMSNorm, compute_dtype, param, per_position
@@ -153,9 +153,9 @@ class Compressor(nnx.Module):
         start = jnp.broadcast_to(block * m, closed.shape).reshape(batch, -1)
         entries = getattr(cache, self.entry_pool)
         pooled = self.pool(rows, present.reshape(batch, -1, span), start, entry_dtype(entries))
-        # As the cache would hold them once written (an FP8 pool's quantized and read back), so a
-        # tree's branch sees the bits a chain call reads from the pool.
-        return as_stored(entries, pooled).reshape(*closed.shape, -1), closed
+        # Raw: the attention op reads them as the entries' pool would store them
+        # (`contracts.stored_extra_keys`), so a tree's branch sees the bits a chain call reads back.
+        return pooled.reshape(*closed.shape, -1), closed
 
 
 def branch_slots(positions: jax.Array, vis: Visibility) -> jax.Array:

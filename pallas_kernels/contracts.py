@@ -1,5 +1,6 @@
 """What an op's reference and its Pallas kernels must share: argument checks, the log-sum-exp of
-a row that sees nothing, and top-k selection with its tie rule.
+a row that sees nothing, top-k selection with its tie rule, and the form V4 attention reads its
+extra keys in.
 
 Each op's module (`mla_attention`, `indexer`, `grouped_matmul`, `sliding_compressed_attention`)
 loads its Pallas kernels lazily, so the kernels read these from here rather than from the op's
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import block_fp8
+from .fp8_cache import Fp8Pool, as_stored
 from .visibility import Visibility
 
 # Log-sum-exp of a query that sees nothing: finite (no NaN or inf leaves a padding row), and
@@ -104,3 +106,19 @@ def check_arguments(q, window_kv, window_pages, positions, vis: Visibility, sink
     if extra_kv is not None:
         _check_shape("extra_kv", extra_kv, (batch, num_queries, None, dim))
         _check_shape("extra_valid", extra_valid, (batch, num_queries, extra_kv.shape[2]), boolean=True)
+
+
+def extra_key_pool(window_kv, compressed_kv):
+    """The pool whose storage `sliding_compressed_attention` reads its extra keys as: the compressed
+    entries' (extra keys are entries a tree's branch closes inside the window), the ring's for a
+    layer without."""
+    return window_kv if compressed_kv is None else compressed_kv
+
+
+def stored_extra_keys(extra_kv: jax.Array, window_kv, compressed_kv) -> jax.Array:
+    """extra_kv [B, Q, X, D] as every backend of `sliding_compressed_attention` reads them: with an
+    FP8 pool (`extra_key_pool`), as that pool would store them (`fp8_cache.as_stored`), so a
+    tree's branch sees the bits a chain call reads back and the Mosaic kernel can take them in the
+    pool's own token, as FlashMLA takes a call's extra keys; with a plain pool, as given."""
+    pool = extra_key_pool(window_kv, compressed_kv)
+    return as_stored(pool, extra_kv) if isinstance(pool, Fp8Pool) else extra_kv

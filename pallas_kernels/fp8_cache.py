@@ -288,8 +288,9 @@ def cache_token_bytes(cache) -> int:
 
 
 def flat_pool(cache):
-    """A pool [P, page, ...] as its kernels read it: every part [P * page, ...]."""
-    return jax.tree.map(lambda pool: pool.reshape(pool.shape[0] * pool.shape[1], -1), cache)
+    """A pool [P, page, ...] (or any keys [..., width], plain or an `Fp8Pool`) as its kernels read
+    it: every part [rows, width], its leading dims flattened."""
+    return jax.tree.map(lambda pool: pool.reshape(-1, pool.shape[-1]), cache)
 
 
 # -- FlashMLA's packed token ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The online softmax of the Mosaic GPU kernels that gather their keys, in two warpgroups.
+"""What the Mosaic GPU kernels that gather their keys share: the copies and register moves that
+fill a key tile, and the online softmax in two warpgroups.
 
 `sparse_mla_attention_mosaic` (a token's top-k slots) and `sliding_compressed_attention_mosaic`
 (DeepSeek-V4's ring, compressed entries and extra keys) both run a program as one token's 64 heads
@@ -6,8 +7,15 @@ over a list of gathered key tiles, and split the output's columns between two wa
 FlashMLA does: warpgroup 0 (`scorer`) waits for a tile's copies, moves the tile into the wgmma's
 operand, issues the next tile's copies, computes `S = Q K^T` and the float32 online softmax, and
 hands P and the rescale to warpgroup 1 (`follower`) through SMEM; each accumulates `P V` over its
-own columns. The kernels differ in how a tile is gathered and moved (their callbacks) and in where
-the softmax starts (a sink, or nothing); the handshake is this module's, once.
+own columns. The kernels differ in where a tile's keys come from (their callbacks) and in where
+the softmax starts (a sink, or nothing); the rest is this module's, once.
+
+Gathering a tile. Hopper has no TMA gather, and a wgmma operand sits in SMEM as 8-row swizzled
+tiles, which a copy per key cannot fill (a copy's SMEM destination is whole tiles). So each key's
+row arrives by one bulk copy per part (`copy_key`: the entry, or an FP8 entry's e4m3 values and
+its RoPE values) into a row-major staging tile, and `to_operand` moves the staging tile through
+registers into the swizzled tile the wgmma reads, zeroing unseen keys' rows and dequantizing FP8
+values on the way.
 
 The handshake, per tile t (barriers of one arrival each):
 
@@ -32,6 +40,82 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .mosaic_gpu import dequantize_rows
+
+# Columns a register move handles: one 128-byte swizzle row of bfloat16.
+CHUNK = 64
+# A copy's bytes are a multiple of this (see `copy_key`).
+COPY_BYTES = 128
+# Staging rows are padded by 16 bytes so that the warpgroup's reads of a 64-column chunk hit
+# different banks (a 1152-byte row stride would put 8 rows on the same 4 banks); every row still
+# starts 16-byte aligned, as the bulk copies need.
+STAGING_PAD_BYTES = 16
+
+
+def staging(rows: int, width: int, dtype) -> plgpu.SMEM:
+    """A row-major staging tile [rows, width + 16 bytes] for one part of the gathered keys."""
+    return plgpu.SMEM((rows, width + STAGING_PAD_BYTES // jnp.dtype(dtype).itemsize), dtype)
+
+
+def pieces(width: int, dtype) -> tuple[tuple[int, int], ...]:
+    """(start, length) in elements of the copies that bring a key's part `width` wide: one when its
+    bytes are a multiple of COPY_BYTES, else the whole COPY_BYTES blocks and a last COPY_BYTES
+    ending at the row's end (DeepSeek-V4's 448 e4m3 values: [0, 384) and [320, 448)); the two
+    write the same bytes where they overlap, so the staging row is the part's row either way."""
+    itemsize = jnp.dtype(dtype).itemsize
+    whole = width * itemsize // COPY_BYTES * COPY_BYTES // itemsize
+    if whole == width:
+        return ((0, width),)
+    return (0, whole), (width - COPY_BYTES // itemsize, COPY_BYTES // itemsize)
+
+
+def check_part_width(name: str, arg: str, width: int, dtype) -> None:
+    """ValueError unless `copy_key` can bring a part `width` wide: at least COPY_BYTES, in whole
+    16 bytes (a bulk copy's alignment)."""
+    size = width * jnp.dtype(dtype).itemsize
+    if size < COPY_BYTES or size % 16:
+        raise ValueError(f"{name}: {arg} rows of {width} {jnp.dtype(dtype).name} ({size} bytes) must be at least "
+                         f"{COPY_BYTES} bytes, in whole 16 bytes (one key's row comes in bulk copies of "
+                         f"multiples of {COPY_BYTES} bytes)")
+
+
+def copy_key(parts, stagings, row, barrier) -> None:
+    """Issue one key's copies: each part, a GMEM ref [W] at the key's row, into row `row` of its
+    staging tile (`pieces`: one or two copies), arriving on `barrier` with their bytes.
+
+    A contiguous copy into an unswizzled buffer that asks for no out-of-bounds zero fill lowers to
+    `cp.async.bulk`, which wants 16-byte aligned addresses and sizes and has no 256-element box
+    limit; the tensor copy (`cp.async.bulk.tensor`) that zero fill needs wants its SMEM address
+    128-byte aligned, which a padded staging row is not. Pallas' Lane lowering splits a copy's
+    expected bytes evenly over the warpgroup's 128 threads, hence COPY_BYTES. Rows are in bounds by
+    construction; `OOBFillMode.UNDEFINED` still clamps a copy at its array's end."""
+    for part, stage in zip(parts, stagings):
+        for start, length in pieces(part.shape[-1], part.dtype):
+            plgpu.copy_gmem_to_smem(part.at[pl.ds(start, length)], stage.at[row, pl.ds(start, length)], barrier,
+                                    oob_mode=plgpu.OOBFillMode.UNDEFINED)
+
+
+def to_operand(stagings, widths, kv_smem, keep, scales=None) -> None:
+    """Move a gathered tile into the wgmma's operand: each part's staging tile (`staging`), `widths`
+    its columns, goes through registers in CHUNK-column pieces into its columns of kv_smem
+    [T, sum(widths)] (swizzled, in the parts' order), the rows where keep [T] (WGMMA row layout) is
+    False zeroed on the way: stale or never-written memory never meets a zero probability.
+
+    scales: for FP8 keys, [widths[0] / block, T] float32, the block scales of the first part, whose
+    e4m3 values are dequantized on the way (`mosaic_gpu.dequantize_rows`, the bits of
+    `fp8_cache.entries`); block, widths[0] / scales.shape[0], is a multiple of CHUNK."""
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    rows = jax.lax.broadcast_in_dim(keep, (kv_smem.shape[0], CHUNK), [0])
+    first = 0
+    for part, (stage, width) in enumerate(zip(stagings, widths)):
+        for c in range(0, width, CHUNK):
+            chunk = plgpu.layout_cast(stage[:, pl.ds(c, CHUNK)], plgpu.Layout.WGMMA)
+            if scales is not None and part == 0:
+                block = width // scales.shape[0]
+                chunk = dequantize_rows(chunk, plgpu.layout_cast(scales[c // block], row_layout), kv_smem.dtype)
+            kv_smem[:, pl.ds(first + c, CHUNK)] = jnp.where(rows, chunk, jnp.zeros_like(chunk))
+        first += width
 
 
 def tile_scores(q_smem, kv_smem, shape: tuple[int, int], scale, bias):

@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
 from .fp8_cache import SCALE_BLOCK, Fp8Pool
-from .mosaic_gpu import check_fp8_latent, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
+from .mosaic_gpu import check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
 BLOCK_M = 64  # query rows per thread block: wgmma's M
@@ -87,7 +87,7 @@ def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
     fp8 = isinstance(latent_cache, Fp8Pool)
     if fp8:
-        check_fp8_latent("mla_attention_mosaic", latent_cache)
+        check_fp8_pool("mla_attention_mosaic", latent_cache)
         if latent % FP8_LATENT_MULTIPLE:
             raise ValueError(f"q_nope last dim (Dl) = {latent}: with an FP8 cache it must be a multiple of "
                              f"{FP8_LATENT_MULTIPLE} (a tile's scales arrive by TMA, whose rows are at least "

@@ -148,20 +148,20 @@ def dequantize_rows(values, scales, dtype):
     return (values.astype(jnp.float32) * jax.lax.broadcast_in_dim(scales, values.shape, [0])).astype(dtype)
 
 
-def check_fp8_latent(name: str, pool: Fp8Pool) -> None:
-    """ValueError unless `pool` is an FP8 latent pool a Mosaic kernel reads: e4m3 values in whole
-    blocks of SCALE_BLOCK (one float32 scale each) and a bfloat16 RoPE part (the entries' dtype,
-    which the tensor cores read)."""
-    latent = pool.values.shape[-1]
+def check_fp8_pool(name: str, pool: Fp8Pool, *, what: str = "latent", block: int = SCALE_BLOCK) -> None:
+    """ValueError unless `pool` is an FP8 pool a Mosaic kernel reads: e4m3 values in whole blocks
+    of `block` (one float32 scale each), and a bfloat16 RoPE part (the entries' dtype, which the
+    tensor cores read). what: the pool's name in the message."""
+    width = pool.values.shape[-1]
     if pool.rope is None or jnp.dtype(pool.rope.dtype) != jnp.dtype(jnp.bfloat16):
-        raise ValueError(f"{name}: an FP8 latent cache needs a bfloat16 rope part, got "
+        raise ValueError(f"{name}: an FP8 {what} cache needs a bfloat16 rope part, got "
                          f"{None if pool.rope is None else pool.rope.dtype}")
     if jnp.dtype(pool.values.dtype) != jnp.dtype(E4M3) or jnp.dtype(pool.scales.dtype) != jnp.dtype(jnp.float32):
         raise ValueError(f"{name}: FP8 cache values must be float8_e4m3fn and scales float32, got "
                          f"{pool.values.dtype} and {pool.scales.dtype}")
-    if latent % SCALE_BLOCK or pool.scales.shape[-1] != latent // SCALE_BLOCK:
-        raise ValueError(f"{name}: FP8 latent width Dl={latent} must be a multiple of {SCALE_BLOCK} with one "
-                         f"scale per {SCALE_BLOCK} values (scales last dim {pool.scales.shape[-1]})")
+    if width % block or pool.scales.shape[-1] != width // block:
+        raise ValueError(f"{name}: FP8 {what} width {width} must be a multiple of {block} with one scale per "
+                         f"{block} values (scales last dim {pool.scales.shape[-1]})")
 
 
 def swizzled(dtype, width: int):

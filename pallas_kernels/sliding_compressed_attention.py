@@ -17,7 +17,9 @@ Shared-KV multi-query attention: one `[D]` entry per key serves as key and value
     compressed_count[b, q])` (HCA), read through `compressed_pages`; numbers past the row's entry
     pages are skipped;
   * extra keys `extra_kv[b, q, x]` where `extra_valid[b, q, x]` (entries a tree branch closed in the
-    window, computed by the caller).
+    window, computed by the caller). With FP8 pools they are read as the entries' pool would store
+    them (`contracts.stored_extra_keys`), as FlashMLA takes a call's extra keys in the cache's
+    token: a branch then sees the bits a chain call reads back from the pool.
 
 The softmax runs in float32 over those keys plus the head's sink logit, which adds `exp(sink_h)` to
 the denominator only (transformers' `eager_attention_forward` for DeepSeek-V4), so a token that
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from .backend import interpret_mode, resolve_backend
-from .contracts import check_arguments
+from .contracts import check_arguments, stored_extra_keys
 from .fp8_cache import as_entries, gather_parts, read_parts
 from .visibility import Visibility, query_valid, ring_visible
 
@@ -71,7 +73,7 @@ def sliding_compressed_attention_reference(q, window_kv, window_pages, positions
         number = jnp.arange(entries.shape[2], dtype=jnp.int32)[None, None, :]
         keys.append((entries, (number < compressed_count[:, :, None]) & valid))
     if extra_kv is not None:
-        keys.append((extra_kv, extra_valid & valid))
+        keys.append((stored_extra_keys(extra_kv, window_kv, compressed_kv), extra_valid & valid))
 
     keys = [(_zero_unseen(kv, mask), mask) for kv, mask in keys]
     qf = q.astype(jnp.float32)
@@ -113,9 +115,11 @@ def sliding_compressed_attention(q, window_kv, window_pages, positions, vis: Vis
       compressed_kv: [Pc, page, D] compressed entries (K = V), or None for a sliding-only layer;
         compressed_pages: [B, E // page] int32; exactly one of compressed_indices [B, Q, K] int32
         (entry numbers, -1 = skip: CSA) and compressed_count [B, Q] int32 (entries [0, count): HCA).
-      extra_kv: [B, Q, X, D] per-query extra keys with extra_valid [B, Q, X] bool (trees), or None.
+      extra_kv: [B, Q, X, D] per-query extra keys with extra_valid [B, Q, X] bool (trees), or None;
+        with FP8 pools read as stored (`contracts.stored_extra_keys`).
       backend: "xla" (reference), "pallas" (Triton), "mosaic" (Mosaic GPU: bfloat16 / float16, D a
-        multiple of 128, no FP8 pools) or "auto" (`backend.resolve_backend`).
+        multiple of 128, the ring and entries both FP8 pools or neither) or "auto"
+        (`backend.resolve_backend`).
 
     Returns:
       [B, Q, H, D] in q's dtype; 0 for padding tokens and tokens that see no key.

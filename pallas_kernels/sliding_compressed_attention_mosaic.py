@@ -31,16 +31,25 @@ depend on B, Q, the chain or tree around it: invariant by construction. The ring
 token rather than once per sequence row (up to Q times the ring's bytes in a verify step, from L2
 after the first token); that buys the invariance and the kernel's simplicity.
 
-Reading the keys. Each seen key row (D contiguous elements) arrives by TMA in copies of at most 256
-elements (a TMA box's limit) into a row-major staging tile, is moved through registers into the
-swizzled tile the wgmma reads with unseen rows zeroed on the way (stale or never-written memory
-never meets a zero probability), and the next tile's copies are issued before this tile's GEMMs.
-An unseen key is not read (its copies' barrier arrivals are made without bytes), and a tile with no
-seen key is skipped (XLA lists each token's seen tiles first, in order): padding tokens, ring tiles
-outside the window and entries past an HCA count cost nothing.
-Hopper has no TMA gather, and a wgmma operand's 8-row swizzled tiles cannot take one row per copy
-(`sparse_mla_attention_mosaic` says more). Ring and HCA keys are contiguous within a page and
+Reading the keys (`gathered_softmax_mosaic`). Each seen key's row arrives in bulk copies
+(`copy_key`) into a row-major staging tile, is moved through registers into the swizzled tile the
+wgmma reads with unseen rows zeroed on the way (stale or never-written memory never meets a zero
+probability), and the next tile's copies are issued before this tile's GEMMs. An unseen key is not
+read (its copies' barrier arrivals are made without bytes), and a tile with no seen key is skipped
+(XLA lists each token's seen tiles first, in order): padding tokens, ring tiles outside the window
+and entries past an HCA count cost nothing. Hopper has no TMA gather, and a wgmma operand's 8-row
+swizzled tiles cannot take one row per copy. Ring and HCA keys are contiguous within a page and
 could arrive as page slices; one gather path for all three runs keeps the kernel small.
+
+FP8 pools (`fp8_cache.Fp8Pool`, FlashMLA's MODEL1 token: 448 e4m3 values with a float32 scale per
+64, 64 bfloat16 RoPE values). A key arrives as its e4m3 values, in two copies (a copy moves a
+multiple of 128 bytes: [0, 384) and [320, 448), which overlap), and its RoPE values, into two
+staging tiles; the move to the swizzled tile dequantizes each value with its block's scale
+(`mosaic_gpu.dequantize_rows`, the bits of `fp8_cache.entries`), so the kernel on FP8 pools equals
+itself on their entries bit for bit. The listed keys' scales are gathered before the call
+(`listed_scales`, 28 bytes a key) and arrive one copy per tile. Both pools must be FP8, or
+neither; the extra keys are quantized by the entries' pool's rule before the call, which is how
+the op reads them beside FP8 pools (`contracts.stored_extra_keys`), so every run has one format.
 
 Warpgroups: warpgroup 0 gathers, computes `S = Q K^T` and the softmax, and hands P (in the keys'
 dtype) and the rescale to warpgroup 1 through SMEM; each accumulates `P V` over its own out_block
@@ -51,11 +60,13 @@ warpgroup owns all the program's columns and the handshake is left out (see `_sl
 Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
 64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), the tile's bias,
 the rescale and the sinks (1 KiB): 208,928 bytes by Mosaic GPU's count, of the 232,448 (227 KiB)
-a block may claim on sm_90.
+a block may claim on sm_90. With FP8 pools the staging holds e4m3 rows (29 KiB) and RoPE rows
+(9 KiB), plus the tile's scales (2 KiB): 183,328 bytes.
 
 Constraints (ValueError, before tracing): q and every key array bfloat16 or float16, the key
-arrays of one dtype; D a multiple of 128, and of 256 when wider than 256. Any page size, any H
-(padded to a multiple of 64 with zero queries).
+arrays of one dtype; D a multiple of 128, and of 256 when wider than 256. FP8 pools: both of them,
+float32 scales per 64 values, bfloat16 RoPE values, RoPE width a multiple of 64 and the values at
+least 128 (a copy's bytes). Any page size, any H (padded to a multiple of 64 with zero queries).
 """
 
 from __future__ import annotations
@@ -68,13 +79,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .contracts import check_arguments
-from .fp8_cache import Fp8Pool
-from .gathered_softmax_mosaic import accumulate_values, follower, scorer
+from .contracts import check_arguments, extra_key_pool
+from .fp8_cache import Fp8Pool, entry_dtype, flat_pool, quantize_entries
+from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copy_key, follower, pieces, scorer,
+                                      staging, to_operand)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import compiler_params, interpret_params, interpreting
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting
 from .paged import slot_address
-from .sparse_mla_attention_mosaic import copy_width, staging_pad
 from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -82,51 +93,55 @@ TILE = 64  # keys per tile
 OUT_BLOCK = 128  # output columns per warpgroup (at most): 64 x 128 float32 accumulators
 
 
-def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], scale: float, out_block: int,
-            warpgroups: int):
+def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...],
+            fp8: bool, scale: float, out_block: int, warpgroups: int):
     """One (column block, head block, token) program of two warpgroups.
 
     q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE] int32
     (each key's row in its array, -1 unseen), bias_ref [B * Q, T * TILE] float32 (0 seen, -inf not),
     tiles_ref [B * Q, T] int32 (the tiles holding a seen key, in order, then anything), count_ref
-    [B * Q] int32 (how many of them); then one
-    key array [rows, D] per run (tiles [runs[i - 1], runs[i]) of the list read array i); out_ref
-    [B * Q, Hp, D]. With two warpgroups, warpgroup w owns the output columns
-    [(2 * column block + w) * out_block, + out_block); with one (interpreted), it owns both blocks.
+    [B * Q] int32 (how many of them); with FP8 keys scales_ref [Dq / 64, B * Q, T * TILE] float32
+    (each listed key's block scales, `listed_scales`); then per run its keys [rows, D], or
+    with FP8 keys their e4m3 values [rows, Dq] and bfloat16 RoPE values [rows, D - Dq] (tiles
+    [runs[i - 1], runs[i]) of the list read run i); out_ref [B * Q, Hp, D]. With two warpgroups,
+    warpgroup w owns the output columns [(2 * column block + w) * out_block, + out_block); with one
+    (interpreted), it owns both blocks.
     """
-    *sources, out_ref = refs
+    scales_ref = refs[0] if fp8 else None
+    *arrays, out_ref = refs[1:] if fp8 else refs
+    parts = 2 if fp8 else 1
+    sources = [arrays[i:i + parts] for i in range(0, len(arrays), parts)]
+    widths = [array.shape[-1] for array in sources[0]]
+    copies = sum(len(pieces(array.shape[-1], array.dtype)) for array in sources[0])  # per key
     column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
-    copy = copy_width(width)
     num_tiles = count_ref[token]  # tiles with no seen key are skipped: an exact no-op anyway
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     column_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    def gather(step, staging, bias, barrier):
-        """TMA the token's `step`-th seen tile into `staging` and its bias into `bias`."""
+    def gather(step, stagings, bias, scales, barrier):
+        """Issue the copies of the token's `step`-th seen tile into `stagings`, its bias into `bias`
+        and its keys' scales into `scales`."""
         tile = tiles_ref[token, step]
         plgpu.copy_gmem_to_smem(bias_ref.at[token, pl.ds(tile * TILE, TILE)], bias, barrier)
+        if fp8:
+            plgpu.copy_gmem_to_smem(scales_ref.at[:, token, pl.ds(tile * TILE, TILE)], scales, barrier)
         for run, source in enumerate(sources):
             @pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))
             def _(source=source):
                 @pl.loop(0, TILE)
                 def _(i):
                     row = rows_ref[token, tile * TILE + i]
-
-                    @pl.when(row >= 0)
-                    def _():
-                        for piece in range(0, width, copy):
-                            plgpu.copy_gmem_to_smem(source.at[row, pl.ds(piece, copy)],
-                                                    staging.at[i, pl.ds(piece, copy)], barrier)
+                    pl.when(row >= 0)(lambda: copy_key([array.at[row] for array in source], stagings, i, barrier))
 
                     @pl.when(row < 0)  # an unseen key: no read, its arrivals without bytes
                     def _():
-                        for _ in range(0, width, copy):
+                        for _ in range(copies):
                             plgpu.barrier_arrive(barrier)
 
-    def body(q_smem, staging, kv_smem, p_smem, vectors, q_barrier, gathered, p_ready, consumed):
+    def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
         # The tile's bias, the rescale handed to warpgroup 1 and the sinks share one buffer: every
         # SMEM buffer starts on a 1 KiB boundary.
         bias_smem, alpha_smem, sinks_smem = vectors.at[0], vectors.at[1], vectors.at[2]
@@ -147,15 +162,11 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
-            pl.when(num_tiles > 0)(lambda: gather(0, staging, bias_smem, gathered))
+            pl.when(num_tiles > 0)(lambda: gather(0, stagings, bias_smem, scales, gathered))
             plgpu.barrier_wait(q_barrier)
 
             def prepare(_):
-                keep = plgpu.layout_cast(bias_smem[...], row_layout) == 0.0
-                for c in range(width // 64):  # staging -> registers -> swizzled tile, unseen rows zeroed
-                    chunk = plgpu.layout_cast(staging[:, pl.ds(c * 64, 64)], plgpu.Layout.WGMMA)
-                    kv_smem[:, pl.ds(c * 64, 64)] = jnp.where(
-                        jax.lax.broadcast_in_dim(keep, (TILE, 64), [0]), chunk, jnp.zeros_like(chunk))
+                to_operand(stagings, widths, kv_smem, plgpu.layout_cast(bias_smem[...], row_layout) == 0.0, scales)
                 return plgpu.layout_cast(bias_smem[...], column_layout)
 
             # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
@@ -163,9 +174,9 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
                     plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), acc0)
             _, denom, acc = scorer(
                 num_tiles=num_tiles, init=init, prepare=prepare,
-                prefetch=lambda i: gather(i, staging, bias_smem, gathered), accumulate=accumulate, q_smem=q_smem,
-                kv_smem=kv_smem, p_smem=p_smem, scale=scale, gathered=gathered, handshake=warpgroups == 2,
-                **handshake_barriers)
+                prefetch=lambda i: gather(i, stagings, bias_smem, scales, gathered), accumulate=accumulate,
+                q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=scale, gathered=gathered,
+                handshake=warpgroups == 2, **handshake_barriers)
             store(acc, denom)
 
         if warpgroups == 2:
@@ -177,14 +188,15 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
     pl.run_scoped(
         body,
         plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((TILE, width + staging_pad(q_ref.dtype)), q_ref.dtype),
         plgpu.SMEM((TILE, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_M, TILE), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((3, TILE), jnp.float32),
+        plgpu.SMEM((scales_ref.shape[0], TILE), jnp.float32) if fp8 else None,
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=TILE * (width // copy) + 1),
+        plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
         plgpu.Barrier(),
         plgpu.Barrier(),
+        *(staging(TILE, w, array.dtype) for w, array in zip(widths, sources[0])),
         collective_axes="wg",
     )
 
@@ -207,17 +219,19 @@ def _run(rows: jax.Array, seen: jax.Array):
 def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_window: int, compressed_kv=None,
               compressed_pages=None, compressed_indices=None, compressed_count=None, extra_kv=None, extra_valid=None):
     """Every token's key list (the module docstring): rows [B, Q, T * TILE] int32, bias
-    [B, Q, T * TILE] float32, and the runs' ends in tiles (one per key array: ring, compressed,
-    extra), with the key arrays flattened to [rows, D] in the same order."""
+    [B, Q, T * TILE] float32, the runs' ends in tiles, and one key array per run (ring,
+    compressed, extra) with its rows flattened: [rows, D], or an `Fp8Pool` of [rows, ...] parts
+    (FP8 pools; the extra keys are then quantized as the entries' pool stores them,
+    `extra_key_pool`)."""
     batch, num_queries = positions.shape
     valid = query_valid(vis, num_queries)[:, :, None]
-    num_pages, page_size, dim = window_kv.shape
+    num_pages, page_size = window_kv.shape[:2]
     ring = window_pages.shape[1] * page_size
     ring_rows, _ = _rows_in_pages(window_pages, jnp.broadcast_to(jnp.arange(ring, dtype=jnp.int32), (batch, ring)),
                                   page_size, num_pages)
     runs = [_run(jnp.broadcast_to(ring_rows[:, None], (batch, num_queries, ring)),
                  ring_visible(positions, vis, ring, sliding_window=sliding_window))]
-    sources = [window_kv.reshape(-1, dim)]
+    sources = [flat_pool(window_kv)]
     if compressed_kv is not None:
         entry_pages, entry_page_size = compressed_pages.shape[1], compressed_kv.shape[1]
         if compressed_indices is not None:
@@ -229,35 +243,63 @@ def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_wi
             rows, _ = _rows_in_pages(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
             listed = entries < compressed_count[:, :, None]
         runs.append(_run(rows, listed & valid))
-        sources.append(compressed_kv.reshape(-1, dim))
+        sources.append(flat_pool(compressed_kv))
     if extra_kv is not None:
         width = extra_kv.shape[2]
         rows = jnp.arange(batch * num_queries * width, dtype=jnp.int32).reshape(batch, num_queries, width)
         runs.append(_run(rows, extra_valid & valid))
-        sources.append(extra_kv.reshape(-1, dim))
+        pool = extra_key_pool(window_kv, compressed_kv)
+        if isinstance(pool, Fp8Pool):
+            extra_kv = Fp8Pool(*quantize_entries(extra_kv, pool.rule, pool.values.shape[-1]), rule=pool.rule)
+        sources.append(flat_pool(extra_kv))
     ends = tuple(itertools.accumulate(r.shape[2] // TILE for r, _ in runs))
     rows = jnp.concatenate([r for r, _ in runs], axis=2)
     bias = jnp.concatenate([b for _, b in runs], axis=2)
     return rows, bias, ends, sources
 
 
+def listed_scales(rows: jax.Array, ends: tuple[int, ...], sources) -> jax.Array:
+    """rows [B * Q, T * TILE] (`key_lists`), FP8 sources -> each listed key's block scales,
+    [Dq / 64, B * Q, T * TILE] float32 (0 for unseen keys), 28 bytes a key beside the 576 the
+    kernel reads. Gathered before the call because a copy moves whole 128 bytes (`copy_key`), so
+    the kernel cannot fetch one key's 28; a tile's then arrive in one copy. Block-major so that the
+    runs' gathers land in place: a token-major layout costs XLA a transpose and a second copy."""
+    starts = (0, *ends[:-1])
+    per_run = [jnp.take(source.scales.T, jnp.maximum(rows[:, start * TILE:end * TILE], 0), axis=1)
+               for start, end, source in zip(starts, ends, sources)]
+    return jnp.where(rows >= 0, jnp.concatenate(per_run, axis=2), 0.0)
+
+
 def check_operands(q, window_kv, compressed_kv=None, extra_kv=None) -> None:
     """ValueError, naming the argument and what is allowed, for operands the kernel cannot take."""
-    keys = {name: array for name, array in (("window_kv", window_kv), ("compressed_kv", compressed_kv),
-                                            ("extra_kv", extra_kv)) if array is not None}
-    for name, array in keys.items():
-        if isinstance(array, Fp8Pool):
-            raise ValueError(f"sliding_compressed_attention_mosaic: {name} is an FP8 pool, which this kernel does "
-                             "not read yet; the pallas (Triton) and xla backends do")
-    check_mosaic_operands("sliding_compressed_attention_mosaic", q, *keys.values())
-    for name, array in keys.items():
-        if array.dtype != window_kv.dtype:
-            raise ValueError(f"sliding_compressed_attention_mosaic: {name}.dtype={array.dtype} must equal "
-                             f"window_kv.dtype={window_kv.dtype} (one wgmma operand type)")
+    name = "sliding_compressed_attention_mosaic"
+    pools = {arg: array for arg, array in (("window_kv", window_kv), ("compressed_kv", compressed_kv))
+             if array is not None}
+    fp8 = [isinstance(pool, Fp8Pool) for pool in pools.values()]
+    if any(fp8) and not all(fp8):
+        raise ValueError(f"{name}: window_kv and compressed_kv must both be FP8 pools or both plain arrays "
+                         f"(one staging layout), got {', '.join(type(pool).__name__ for pool in pools.values())}")
+    if all(fp8):
+        for arg, pool in pools.items():
+            check_fp8_pool(name, pool, what=arg, block=CHUNK)
+            if pool.rope.shape[-1] % CHUNK:
+                raise ValueError(f"{name}: {arg}.rope width {pool.rope.shape[-1]} must be a multiple of {CHUNK}")
+            check_part_width(name, f"{arg}.values", pool.values.shape[-1], pool.values.dtype)
+        if compressed_kv is not None and compressed_kv.values.shape[-1] != window_kv.values.shape[-1]:
+            raise ValueError(f"{name}: compressed_kv's FP8 width {compressed_kv.values.shape[-1]} must equal "
+                             f"window_kv's {window_kv.values.shape[-1]} (one staging layout)")
+        keys = {"q": q, **{f"{arg}.rope": pool.rope for arg, pool in pools.items()}}
+    else:
+        keys = {"q": q, **pools, **({} if extra_kv is None else {"extra_kv": extra_kv})}
+    check_mosaic_operands(name, *keys.values())
+    if not all(fp8):
+        for arg, array in keys.items():
+            if arg != "q" and array.dtype != window_kv.dtype:
+                raise ValueError(f"{name}: {arg}.dtype={array.dtype} must equal window_kv.dtype={window_kv.dtype} "
+                                 "(one wgmma operand type)")
     dim = q.shape[-1]
     if dim % 128 or (dim > 2 * OUT_BLOCK and dim % (2 * OUT_BLOCK)):
-        raise ValueError(f"sliding_compressed_attention_mosaic: q last dim D={dim} must be a multiple of 128 "
-                         f"(of {2 * OUT_BLOCK} when wider)")
+        raise ValueError(f"{name}: q last dim D={dim} must be a multiple of 128 (of {2 * OUT_BLOCK} when wider)")
 
 
 def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, vis: Visibility, sinks, *,
@@ -270,8 +312,14 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
     compressed_indices [B, Q, K] or compressed_count [B, Q], extra_kv [B, Q, X, D] with
     extra_valid [B, Q, X] -> [B, Q, H, D] in q's dtype.
 
-    Allowed (ValueError otherwise, before tracing): bfloat16 / float16 q and keys, the keys of one
-    dtype; D a multiple of 128 (of 256 when wider); no FP8 pools (`fp8_cache.Fp8Pool`).
+    window_kv and compressed_kv may be `fp8_cache.Fp8Pool`s (FlashMLA's MODEL1 token: e4m3 values
+    with one float32 scale per 64, bfloat16 RoPE values), both or neither; the kernel dequantizes
+    in registers as `fp8_cache.entries` does, so it equals itself on the pools' entries bit for
+    bit (and on the extra keys as those pools store them, as the op defines).
+
+    Allowed (ValueError otherwise, before tracing): bfloat16 / float16 q and keys, the key arrays
+    of one dtype (FP8 pools: a bfloat16 RoPE part and e4m3 values each a multiple of 64 wide, the
+    values at least 128); D a multiple of 128 (of 256 when wider).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,
@@ -297,22 +345,26 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     warpgroups = 1 if interpret else 2
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
+    fp8 = isinstance(window_kv, Fp8Pool)
     rows, bias, runs, sources = key_lists(
         window_kv, window_pages, positions, vis, sliding_window=sliding_window, compressed_kv=compressed_kv,
         compressed_pages=compressed_pages, compressed_indices=compressed_indices, compressed_count=compressed_count,
         extra_kv=extra_kv, extra_valid=extra_valid)
-    queries = pad_to(q, 2, BLOCK_M).reshape(tokens, -1, dim).astype(window_kv.dtype)
+    rows, bias = rows.reshape(tokens, -1), bias.reshape(tokens, -1)
+    queries = pad_to(q, 2, BLOCK_M).reshape(tokens, -1, dim).astype(entry_dtype(window_kv))
     heads_padded = queries.shape[1]
     out_block = min(dim // 2, OUT_BLOCK)  # columns per warpgroup
+    arrays = [part for source in sources for part in ((source.values, source.rope) if fp8 else (source,))]
     kernel = plgpu.kernel(
-        functools.partial(_kernel, runs=runs, scale=scale, out_block=out_block, warpgroups=warpgroups),
+        functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block,
+                          warpgroups=warpgroups),
         out_type=jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype),
         grid=(dim // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
-    bias = bias.reshape(tokens, -1)
     seen = jnp.any(bias.reshape(tokens, -1, TILE) == 0.0, axis=2)  # [B * Q, T]
     tiles = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # the seen tiles first, in order
-    out = kernel(queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.reshape(tokens, -1), bias, tiles,
-                 jnp.sum(seen, axis=1, dtype=jnp.int32), *sources)
+    scales = (listed_scales(rows, runs, sources),) if fp8 else ()
+    out = kernel(queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows, bias, tiles,
+                 jnp.sum(seen, axis=1, dtype=jnp.int32), *scales, *arrays)
     return out[:, :heads].reshape(batch, num_queries, heads, dim)

@@ -28,8 +28,8 @@ goes into part 0 only, and `flash_decoding.combine_parts` merges the parts by lo
 
 FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's MODEL1 token): the ring and the compressed entries are
 read as their e4m3 values, power-of-two scales and bfloat16 RoPE values, and dequantized in
-registers as `fp8_cache.entries` defines an entry (`_load_keys`); extra keys come dequantized
-already (the model reads them back as the pool would, `fp8_cache.as_stored`).
+registers as `fp8_cache.entries` defines an entry (`_load_keys`); the extra keys are read as the
+entries' pool stores them (`contracts.stored_extra_keys`, before the call).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from .cost import array_bytes
 from .flash_decoding import (MIN_PART_SLOTS, combine_parts, load_dequantized, online_softmax_step, part_shapes,
                              part_start, store_part)
-from .contracts import check_arguments
+from .contracts import check_arguments, stored_extra_keys
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .tiling import (block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector, num_parts,
                      slot_rows, tile_range, visible)
@@ -325,6 +325,7 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
         operands += [flat_pool(compressed_kv), compressed_pages.astype(jnp.int32), selection]
         small += operands[-2:]
     if extra:
+        extra_kv = stored_extra_keys(extra_kv, window_kv, compressed_kv)
         operands += [extra_kv.reshape(-1, dim), extra_valid.reshape(batch * num_queries, -1).astype(jnp.int32)]
         small += operands[-1:]
 

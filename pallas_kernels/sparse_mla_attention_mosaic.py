@@ -18,16 +18,16 @@ softmax and hands P and the rescale to warpgroup 1 through SMEM (barriers `p_rea
 each then accumulates `P V` over its own OUT_BLOCK columns, so `S` is computed once per program.
 The loop and its handshake are `gathered_softmax_mosaic`'s, which DeepSeek-V4's kernel shares.
 
-Reading scattered slots. Hopper has no TMA gather, and a wgmma operand must sit in SMEM as 8-row
-swizzled tiles, which a copy per slot cannot fill (a copy's SMEM destination is whole tiles). So
-each selected slot's row (576 bf16, contiguous in its page) arrives by TMA, in three 192-wide
-copies (a TMA box spans at most 256 elements), into a row-major staging tile; the warpgroup then
-moves the staging tile through registers into the swizzled tile the wgmma reads, zeroing the rows
-of unselected slots on the way (stale cache memory never meets a zero probability), and issues the
-next tile's copies before this tile's GEMMs: the gather of tile t + 1 overlaps the tensor cores'
-work on tile t. Staging rows are padded by 16 bytes so that those register reads are free of bank
-conflicts. FlashMLA's sparse decode gathers with per-thread 16-byte loads instead; Pallas Mosaic
-GPU has no gathering register load, and whole-row TMA copies use every HBM sector they fetch.
+Reading scattered slots (`gathered_softmax_mosaic`). Hopper has no TMA gather, and a wgmma operand
+must sit in SMEM as 8-row swizzled tiles, which a copy per slot cannot fill. So each selected
+slot's row (576 bf16, contiguous in its page) arrives in one bulk copy (`copy_key`) into a
+row-major staging tile; the warpgroup then moves the staging tile through registers into the
+swizzled tile the wgmma reads, zeroing the rows of unselected slots on the way (stale cache memory
+never meets a zero probability), and issues the next tile's copies before this tile's GEMMs: the
+gather of tile t + 1 overlaps the tensor cores' work on tile t. Staging rows are padded by 16
+bytes so that those register reads are free of bank conflicts. FlashMLA's sparse decode gathers
+with per-thread 16-byte loads instead; Pallas Mosaic GPU has no gathering register load, and
+whole-row copies use every HBM sector they fetch.
 
 Per tile: `S = Q K^T` ([64, 576] x [576, 64], the tile read transposed: a bit of the wgmma on the
 GPU), the scale, the mask and the online softmax in registers, P to SMEM in the cache's dtype, then
@@ -39,12 +39,12 @@ register file (64 K a SM) holds two warpgroups' 64 x 128 float32 pairs, so the t
 programs both compute `S`.
 
 FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A selected slot arrives as its 512 e4m3 values
-(two 256-byte copies) and its 64 bfloat16 RoPE values (one copy) into two staging tiles, and the
-move to the swizzled tile dequantizes each value with its block's scale in registers
-(`mosaic_gpu.dequantize_rows`: the bits of `fp8_cache.entries`), so the kernel on an FP8 pool
-equals itself on the pool's dequantized entries bit for bit. The selected slots' scales (16 bytes
-a slot) are gathered in XLA before the call, `[B * Q, Dl / 128, K]`, and arrive one copy per tile:
-a TMA copy moves a multiple of 128 bytes, so a slot's 16 cannot come on their own. That is 2.5%
+and its 64 bfloat16 RoPE values (a copy each) into two staging tiles, and the move to the swizzled
+tile dequantizes each value with its block's scale in registers (`mosaic_gpu.dequantize_rows`: the
+bits of `fp8_cache.entries`), so the kernel on an FP8 pool equals itself on the pool's dequantized
+entries bit for bit. The selected slots' scales (16 bytes a slot) are gathered in XLA before the
+call, `[B * Q, Dl / 128, K]`, and arrive one copy per tile: a copy moves a multiple of 128 bytes,
+so a slot's 16 cannot come on their own. That is 2.5%
 beside the 640 bytes a slot the kernel reads; no dequantized copy of the cache exists in HBM.
 
 Shared memory at DeepSeek's widths: queries, staging and swizzled tiles of 64 x 576 bf16
@@ -70,30 +70,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .fp8_cache import SCALE_BLOCK, Fp8Pool, entry_dtype
-from .gathered_softmax_mosaic import accumulate_values, follower, scorer
+from .fp8_cache import Fp8Pool, entry_dtype
+from .gathered_softmax_mosaic import accumulate_values, copy_key, follower, pieces, scorer, staging, to_operand
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_latent, compiler_params, dequantize_rows, interpreting
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting
 from .paged import read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
 OUT_BLOCK = 128  # latent output columns per warpgroup (at most)
-# Staging rows are padded by 16 bytes so that the warpgroup's reads of a 64-column block hit
-# different banks (a 1152-byte row stride would put 8 rows on the same 4 banks).
-STAGING_PAD_BYTES = 16
-
-
-def copy_width(width: int) -> int:
-    """Elements per TMA copy of a slot's row part `width` wide (a multiple of 64): the widest
-    multiple of 64 that divides it within the 256 a TMA box spans a dimension. DeepSeek's 576 bf16
-    entry takes three copies of 192; an FP8 entry's 512 e4m3 values two of 256, its 64 RoPE values one."""
-    return max(piece for piece in range(64, 257, 64) if width % piece == 0)
-
-
-def staging_pad(dtype) -> int:
-    """Elements a staging row is padded by: 16 bytes (see STAGING_PAD_BYTES)."""
-    return STAGING_PAD_BYTES // jnp.dtype(dtype).itemsize
 
 
 def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_queries: int, page_size: int,
@@ -131,27 +116,7 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
         def _(i):
             slot = indices_ref[token, tile * TILE + i]
             page = page_table_ref[row, jax.lax.div(slot, page_size)]
-            offset = jax.lax.rem(slot, page_size)
-            for part_ref, staging in zip(parts, stagings):
-                part_width = part_ref.shape[-1]
-                copy = copy_width(part_width)
-                for piece in range(0, part_width, copy):
-                    plgpu.copy_gmem_to_smem(part_ref.at[page, offset, pl.ds(piece, copy)],
-                                            staging.at[i, pl.ds(piece, copy)], barrier)
-
-    def to_operand(stagings, scales, kv_smem, keep):
-        """The gathered tile, staging -> registers -> swizzled tile, unselected rows zeroed; an FP8
-        cache's values are dequantized on the way (`mosaic_gpu.dequantize_rows`)."""
-        first = 0
-        for part, (part_ref, staging) in enumerate(zip(parts, stagings)):
-            for c in range(0, part_ref.shape[-1], 64):
-                chunk = plgpu.layout_cast(staging[:, pl.ds(c, 64)], plgpu.Layout.WGMMA)
-                if fp8 and part == 0:  # the e4m3 values; the RoPE part is bfloat16 already
-                    block_scales = plgpu.layout_cast(scales[c // SCALE_BLOCK], row_layout)
-                    chunk = dequantize_rows(chunk, block_scales, kv_smem.dtype)
-                kv_smem[:, pl.ds(first + c, 64)] = jnp.where(
-                    jax.lax.broadcast_in_dim(keep, (TILE, 64), [0]), chunk, jnp.zeros_like(chunk))
-            first += part_ref.shape[-1]
+            copy_key([part.at[page, jax.lax.rem(slot, page_size)] for part in parts], stagings, i, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
         # The tile's mask and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
@@ -180,7 +145,8 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
             plgpu.barrier_wait(q_barrier)
 
             def prepare(tile):
-                to_operand(stagings, scales, kv_smem, plgpu.layout_cast(bias_smem[...], row_layout) == 0.0)
+                to_operand(stagings, [part.shape[-1] for part in parts], kv_smem,
+                           plgpu.layout_cast(bias_smem[...], row_layout) == 0.0, scales)
                 return plgpu.layout_cast(bias_smem[...], column_layout)
 
             def accumulate(acc, alpha):
@@ -209,7 +175,6 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
                 store(acc, denom, 1)
 
     operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
-    copies_per_slot = sum(part.shape[-1] // copy_width(part.shape[-1]) for part in parts)
     pl.run_scoped(
         body,
         plgpu.SMEM((BLOCK_M, width), operand_dtype, transforms=SWIZZLED),
@@ -218,10 +183,11 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
         plgpu.SMEM((2, TILE), jnp.float32),
         None if scales_ref is None else plgpu.SMEM((scales_ref.shape[1], TILE), jnp.float32),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=TILE * copies_per_slot + 1 + (scales_ref is not None)),
+        plgpu.Barrier(num_arrivals=TILE * sum(len(pieces(part.shape[-1], part.dtype)) for part in parts) + 1
+                      + (scales_ref is not None)),
         plgpu.Barrier(),
         plgpu.Barrier(),
-        *(plgpu.SMEM((TILE, part.shape[-1] + staging_pad(part.dtype)), part.dtype) for part in parts),
+        *(staging(TILE, part.shape[-1], part.dtype) for part in parts),
         collective_axes="wg",
     )
 
@@ -240,7 +206,7 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     """
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
     if isinstance(latent_cache, Fp8Pool):
-        check_fp8_latent("sparse_mla_attention_mosaic", latent_cache)
+        check_fp8_pool("sparse_mla_attention_mosaic", latent_cache)
         check_mosaic_operands("sparse_mla_attention_mosaic", q_nope, q_rope, latent_cache.rope)
     else:
         check_mosaic_operands("sparse_mla_attention_mosaic", q_nope, q_rope, latent_cache)

@@ -1,6 +1,6 @@
 """FP8 caches for DeepSeek-V4 (`init_v4_cache(cache_dtype="fp8")`): FlashMLA's MODEL1 token
-(`fp8_cache.V4_RULE`, `pack_model1`), the attention op reading FP8 pools on the reference and
-Triton backends, and greedy speculation equal to plain greedy with them."""
+(`fp8_cache.V4_RULE`, `pack_model1`), the attention op reading FP8 pools on the reference, Triton
+and Mosaic GPU backends, and greedy speculation equal to plain greedy with them."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from jaxspec.pallas_kernels.fp8_cache import V4_RULE, Fp8Pool
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.presets import preset
-from test_sliding_compressed_attention import make_case
+from test_sliding_compressed_attention import make_case, v4_pool
 from test_v4_attention import check_nodes_equal_branches, run, tree_case
 
 
@@ -74,23 +74,23 @@ def test_v4_pool_is_flashmlas_model1_page_byte_for_byte(dim, rope):
         fp8_cache.unpack_model1(jnp.asarray(packed[:, :-1]), page, dim - rope, rope)
 
 
-def fp8_case(dim: int, rope: int, **options):
-    """`make_case`'s arguments with the ring and entries as V4 FP8 pools (NaN memory stays NaN)
-    and the extra keys as such a pool reads them back; and the same with the pools' entries as
-    plain bfloat16 arrays (`fp8_cache.entries`)."""
+def fp8_case(dim: int, rope: int, dtype=jnp.float32, **options):
+    """`make_case`'s arguments in `dtype` with the ring and entries as V4 FP8 pools (NaN memory
+    stays NaN); and the same with the pools' entries as plain bfloat16 arrays
+    (`fp8_cache.entries`) and the extra keys as the entries' pool would store them
+    (`fp8_cache.as_stored`), which is how the op reads extra keys beside FP8 pools."""
     case = make_case(np.random.default_rng(11), dim=dim, **options)
-    args, kwargs = case.args(jnp.float32)
-    pool = lambda x: Fp8Pool(*fp8_cache.quantize_entries(x, V4_RULE, dim - rope), rule=V4_RULE)  # noqa: E731
-    window = pool(args[1])
-    args_fp8 = (args[0], window, *args[2:])
+    args, kwargs = case.args(dtype)
+    pool = functools.partial(v4_pool, rope=rope)
+    args_fp8 = (args[0], pool(args[1]), *args[2:])
     kwargs_fp8 = dict(kwargs)
     if kwargs["compressed_kv"] is not None:
         kwargs_fp8["compressed_kv"] = pool(kwargs["compressed_kv"])
-    if kwargs["extra_kv"] is not None:
-        kwargs_fp8["extra_kv"] = fp8_cache.as_stored(window, kwargs["extra_kv"])
     plain = lambda x: fp8_cache.entries(x) if isinstance(x, Fp8Pool) else x  # noqa: E731
     args_plain = tuple(plain(a) for a in args_fp8)
     kwargs_plain = {k: plain(v) for k, v in kwargs_fp8.items()}
+    if kwargs["extra_kv"] is not None:
+        kwargs_plain["extra_kv"] = fp8_cache.as_stored(kwargs_fp8["compressed_kv"], kwargs["extra_kv"])
     return case, (args_fp8, kwargs_fp8), (args_plain, kwargs_plain)
 
 
@@ -124,9 +124,46 @@ def test_fp8_pools_read_as_their_entries(options, dim, rope):
     assert (got[padding] == 0).all()
 
 
-def test_mosaic_kernel_names_the_fp8_pool_it_does_not_read():
-    _, (args, kwargs), _ = fp8_case(128, 64, heads=4)
-    with pytest.raises(ValueError, match="window_kv is an FP8 pool"):
+MOSAIC_FP8_CASES = {
+    "tree-csa-extra-page8": dict(tree=True, num_queries=3, heads=4, extra=2, topk=40, page=8, ring_pages=2, window=8),
+    "chain-hca": dict(num_queries=2, heads=4, compressed="count", page=16, ring_pages=1, window=12),
+}
+
+
+@pytest.mark.parametrize("options", MOSAIC_FP8_CASES.values(), ids=MOSAIC_FP8_CASES.keys())
+def test_mosaic_kernel_reads_fp8_pools(options):
+    """The Mosaic kernel (interpreted) on V4 FP8 pools of three scale blocks (D 256 = 192 + 64, so
+    each 64-column move takes its own block's scale), raw extra keys beside them: bit for bit the
+    kernel on the pools' entries and the extra keys as stored (its dequantization is
+    `fp8_cache.entries`', its extra keys the op's), and the reference within bfloat16's
+    tolerance; finite, padding tokens 0."""
+    case, (args, kwargs), (plain_args, plain_kwargs) = fp8_case(256, 64, jnp.bfloat16, **options)
+    static = {name: kwargs.pop(name) for name in ("sliding_window", "scale")}
+    plain_kwargs = {k: v for k, v in plain_kwargs.items() if k not in static}
+    call = functools.partial(sliding_compressed_attention_mosaic, interpret=True, **static)
+    got = np.asarray(call(*args, **kwargs), np.float32)
+    np.testing.assert_array_equal(got, np.asarray(call(*plain_args, **plain_kwargs), np.float32))
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(jax.jit(functools.partial(sliding_compressed_attention, backend="xla", **static))(
+            *args, **kwargs), np.float32)
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
+    assert padding.any() and (got[padding] == 0).all()
+
+
+@pytest.mark.parametrize("change, match", [
+    ("plain-entries", r"window_kv and compressed_kv must both be FP8 pools or both plain arrays"),
+    ("narrow", r"FP8 window_kv width 32 must be a multiple of 64 with one scale per 64 values"),
+    ("short", r"window_kv.values rows of 64 float8_e4m3fn \(64 bytes\) must be at least 128 bytes"),
+], ids=["mixed-pools", "narrow-blocks", "short-rows"])
+def test_mosaic_kernel_refuses_fp8_pools_it_cannot_tile(change, match):
+    rope = {"narrow": 96, "short": 64}.get(change, 64)
+    _, (args, kwargs), (_, plain_kwargs) = fp8_case(128 if change != "plain-entries" else 256, rope, jnp.bfloat16,
+                                                    heads=4)
+    if change == "plain-entries":
+        kwargs["compressed_kv"] = plain_kwargs["compressed_kv"]
+    with pytest.raises(ValueError, match=match):
         sliding_compressed_attention_mosaic(*args, **kwargs, interpret=True)
 
 
@@ -137,16 +174,8 @@ def test_triton_kernel_on_fp8_pools_compiles_for_h100_without_spills(h100):
     spill) and within sm_90's shared memory."""
     from jaxspec import aot
     from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, abstract_call
-    spec = jax.ShapeDtypeStruct
-
-    def pool(entries):
-        lead, quant = entries.shape[:-1], entries.shape[-1] - 64
-        return Fp8Pool(spec((*lead, quant), fp8_cache.E4M3), spec((*lead, quant // 64), jnp.float32),
-                       spec((*lead, 64), jnp.bfloat16), V4_RULE)
-
-    args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed="indices", tree=True, extra=2)
-    kwargs["compressed_kv"] = pool(kwargs["compressed_kv"])
-    compiled = aot.compile_gpu(sliding_compressed_attention_pallas, args[0], pool(args[1]), *args[2:], devices=h100,
+    args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed="indices", tree=True, extra=2, fp8=True)
+    compiled = aot.compile_gpu(sliding_compressed_attention_pallas, *args, devices=h100,
                                interpret=False, static_argnames=("sliding_window", "scale", "interpret"), **kwargs)
     (launch,) = aot.kernel_launches(compiled)
     assert launch.spill_stores == launch.spill_loads == 0 and launch.registers <= 255

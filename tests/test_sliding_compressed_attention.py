@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention, sliding_compressed_attention_reference
+from jaxspec.pallas_kernels import Visibility, fp8_cache, sliding_compressed_attention, sliding_compressed_attention_reference
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from cuda_lowering import triton_calls
 
@@ -109,6 +110,11 @@ def make_case(rng, *, batch=4, num_queries=4, heads=4, dim=32, page=4, ring_page
                 positions, np.array(prefix, np.int32), np.array(query_len, np.int32), ancestors, tree,
                 rng.normal(size=heads).astype(np.float32), window, dim ** -0.5, compressed_kv, compressed_pages,
                 indices, count, extra_kv, extra_valid)
+
+
+def v4_pool(kv: jax.Array, rope: int) -> Fp8Pool:
+    """kv [..., D] written to a V4 FP8 pool (FlashMLA's MODEL1 token, `rope` bfloat16 RoPE values)."""
+    return Fp8Pool(*fp8_cache.quantize_entries(kv, fp8_cache.V4_RULE, kv.shape[-1] - rope), rule=fp8_cache.V4_RULE)
 
 
 def naive(case: Case) -> np.ndarray:
@@ -304,18 +310,28 @@ SHARED_MEMORY_LIMIT = 232448  # bytes a block may opt into on sm_90 (227 KB), as
 FLASH = dict(heads=64, dim=512, window=128, topk=512, batch=32, page=64, context=4096)
 
 
-def abstract_call(*, heads, dim, window, topk, batch, page, context, num_queries, compressed, tree, extra):
+def abstract_call(*, heads, dim, window, topk, batch, page, context, num_queries, compressed, tree, extra,
+                  fp8=False):
     """(abstract args, keyword args) of a bf16 call: a ring of W - 1 + Q slots in whole pages,
-    the compressed entries of `context` tokens (every 4th for CSA's indices, every 128th for HCA)."""
+    the compressed entries of `context` tokens (every 4th for CSA's indices, every 128th for HCA);
+    fp8: the ring and the entries V4 FP8 pools (e4m3 values, a float32 scale per 64, 64 bfloat16
+    RoPE values)."""
     ring_pages = -(-(window - 1 + num_queries) // page)
     entry_pages = -(-context // (4 if compressed == "indices" else 128) // page)
     vis = Visibility(SPEC((batch,), jnp.int32), SPEC((batch,), jnp.int32),
                      SPEC((batch, num_queries, num_queries), jnp.bool_) if tree else None)
-    args = (SPEC((batch, num_queries, heads, dim), jnp.bfloat16), SPEC((batch * ring_pages, page, dim), jnp.bfloat16),
+
+    def pool(pages):
+        if not fp8:
+            return SPEC((pages, page, dim), jnp.bfloat16)
+        quant = dim - 64
+        return Fp8Pool(SPEC((pages, page, quant), fp8_cache.E4M3), SPEC((pages, page, quant // 64), jnp.float32),
+                       SPEC((pages, page, 64), jnp.bfloat16), fp8_cache.V4_RULE)
+
+    args = (SPEC((batch, num_queries, heads, dim), jnp.bfloat16), pool(batch * ring_pages),
             SPEC((batch, ring_pages), jnp.int32), SPEC((batch, num_queries), jnp.int32), vis,
             SPEC((heads,), jnp.float32))
-    kwargs = dict(sliding_window=window, scale=dim ** -0.5, compressed_kv=SPEC((batch * entry_pages, page, dim),
-                                                                               jnp.bfloat16),
+    kwargs = dict(sliding_window=window, scale=dim ** -0.5, compressed_kv=pool(batch * entry_pages),
                   compressed_pages=SPEC((batch, entry_pages), jnp.int32))
     if compressed == "indices":
         kwargs["compressed_indices"] = SPEC((batch, num_queries, topk), jnp.int32)

@@ -279,7 +279,7 @@ def test_sparse_mla_dispatches_to_mosaic():
     (jnp.bfloat16, 64, 64, r"Dl=64 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
     (jnp.bfloat16, 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
     (jnp.bfloat16, 128, 32, r"Dl=128 must be a multiple of 128 \(of 256 when wider\) and Dr=32 of 64"),
-    ("fp8", 64, 64, r"FP8 latent width Dl=64 must be a multiple of 128"),
+    ("fp8", 64, 64, r"FP8 latent width 64 must be a multiple of 128 with one scale per 128 values"),
     ("fp8", 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\)"),
     ("fp8-float32-rope", 128, 64, r"an FP8 latent cache needs a bfloat16 rope part, got float32"),
 ], ids=["float32", "dl64", "dl384", "dr32", "fp8-dl64", "fp8-dl384", "fp8-float32-rope"])

@@ -1,7 +1,8 @@
 """DeepSeek-V4's `sliding_compressed_attention` as a Mosaic GPU kernel
 (`sliding_compressed_attention_mosaic.py`): interpreted on the CPU against the reference, a token's
 output bits whatever window it shares a call with, the argument checks, the `backend="mosaic"`
-dispatch, and its compile for an H100 (sm_90a) at DeepSeek-V4-Flash's widths without a GPU.
+dispatch, and its compile for an H100 (sm_90a) at DeepSeek-V4-Flash's widths without a GPU, on
+bfloat16 arrays and FP8 pools (the kernel's FP8 reads: `tests/test_fp8_cache_v4.py`).
 
 Interpret mode simulates every TMA copy and wgmma in Python, so the shapes are small.
 """
@@ -9,8 +10,8 @@ Interpret mode simulates every TMA copy and wgmma in Python, so the shapes are s
 from __future__ import annotations
 
 import functools
+import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from jaxspec import aot
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
 from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
-from test_sliding_compressed_attention import FLASH, abstract_call, make_case, run
+from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, abstract_call, make_case, run, v4_pool
 
 MOSAIC_CASES = {
     # a tree window, CSA top-k (-1 and entries past the row's pages mixed in), extra keys, 8-slot
@@ -62,14 +63,19 @@ def test_mosaic_token_seeing_nothing_returns_zero():
     assert np.abs(got[0, 0]).max() > 0
 
 
-def test_mosaic_output_does_not_depend_on_the_window():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mosaic_output_does_not_depend_on_the_window(fp8):
     """Token 1 of a row gives the same bits decoded alone (Q = 1, the token before it committed),
     inside a chain window (Q = 4), and as a node of a tree (root 0 with children 1 and 2, node 3
     under 2): same ring, entry list and extra keys; random float inputs, so any change of the
-    order of summation would show."""
-    case = make_case(np.random.default_rng(62), batch=1, num_queries=4, heads=4, dim=128, extra=2, topk=40, page=8,
-                     ring_pages=2, window=9)
+    order of summation would show. fp8: the ring and entries V4 FP8 pools (D 256: 192 e4m3 values,
+    at least a copy's 128 bytes)."""
+    case = make_case(np.random.default_rng(62), batch=1, num_queries=4, heads=4, dim=256 if fp8 else 128, extra=2,
+                     topk=40, page=8, ring_pages=2, window=9)
     args, kwargs = case.args(jnp.bfloat16)
+    if fp8:
+        args = (args[0], v4_pool(args[1], 64), *args[2:])
+        kwargs["compressed_kv"] = v4_pool(kwargs["compressed_kv"], 64)
     q, window_kv, window_pages, positions, vis, sinks = args
     prefix = int(case.prefix_len[0])
     call = functools.partial(sliding_compressed_attention_mosaic, interpret=True)
@@ -120,15 +126,42 @@ def test_backend_choice():
         assert resolve_backend("mosaic", "sliding_compressed_attention") == "mosaic"
 
 
-@pytest.mark.parametrize("compressed", ["indices", "count"], ids=["csa", "hca"])
-def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed):
+@functools.cache
+def v4_flash_compile(compressed: str, fp8: bool):
     """V4-Flash widths (64 heads, D = 512, window 128, top-512), B = 32, a verification tree of 8
-    with extra keys: the real Mosaic GPU lowering (TMA boxes, wgmma shapes, and Mosaic's check that
-    the declared shared memory fits the 227 KiB a block may claim on sm_90, which raises otherwise)
-    and XLA's compile around it: one Mosaic launch, output [B, Q, H, D] bf16. Registers and spills
-    are only known once the cubin is built, on a device."""
-    args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2)
-    compiled = aot.compile_gpu(sliding_compressed_attention_mosaic, *args, devices=h100,
-                               static_argnames=("sliding_window", "scale"), **kwargs)
-    assert compiled.as_text().count('custom_call_target="mosaic_gpu') == 1
-    assert aot.memory(compiled).output == FLASH["batch"] * 8 * FLASH["heads"] * FLASH["dim"] * 2
+    with extra keys, the ring and entries bfloat16 or V4 FP8 pools, compiled for one H100. Cached:
+    the FP8 case compares itself with the bfloat16 one."""
+    args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
+    return aot.compile_gpu(sliding_compressed_attention_mosaic, *args, devices=aot.gpu_devices("h100"),
+                           static_argnames=("sliding_window", "scale"), **kwargs)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("compressed", ["indices", "count"], ids=["csa", "hca"])
+def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
+    """`v4_flash_compile`: the real Mosaic GPU lowering (copies, wgmma shapes, and Mosaic's check
+    that the declared shared memory fits the 227 KiB a block may claim on sm_90, which raises
+    otherwise) and XLA's compile around it: one Mosaic launch of two warpgroups, a block per
+    (column block, head block, token), output [B, Q, H, D] bf16. With FP8 the staging holds e4m3
+    rows, so the block claims less shared memory, and the temporaries exceed the bfloat16
+    program's by at most the listed keys' gathered scales (28 bytes a key), the pools' scale tables
+    (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists. Registers and spills are only known
+    once the cubin is built, on a device."""
+    compiled = v4_flash_compile(compressed, fp8)
+    [launch] = aot.mosaic_launches(compiled)
+    tokens = FLASH["batch"] * 8
+    assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * tokens
+    assert launch.shared_memory <= SHARED_MEMORY_LIMIT
+    assert aot.memory(compiled).output == tokens * FLASH["heads"] * FLASH["dim"] * 2
+    if fp8:
+        bf16_compiled = v4_flash_compile(compressed, False)
+        args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=True)
+        entries = kwargs["compressed_indices"].shape[-1] if compressed == "indices" else math.prod(
+            kwargs["compressed_kv"].shape[:2])
+        listed = sum(-(-n // 64) * 64 for n in (FLASH["window"] - 1 + 8, entries, 2))  # keys, in whole tiles
+        blocks = (FLASH["dim"] - 64) // 64
+        scales = tokens * listed * blocks * 4
+        tables = sum(math.prod(pool.scales.shape) * 4 for pool in (args[1], kwargs["compressed_kv"]))
+        extra_parts = tokens * 2 * (FLASH["dim"] - 64 + blocks * 4 + 64 * 2)
+        assert launch.shared_memory < aot.mosaic_launches(bf16_compiled)[0].shared_memory
+        assert aot.memory(compiled).temp <= aot.memory(bf16_compiled).temp + scales + tables + extra_parts
