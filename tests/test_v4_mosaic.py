@@ -146,13 +146,18 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     rows, so the block claims less shared memory, and the temporaries exceed the bfloat16
     program's by at most the listed keys' gathered scales (28 bytes a key), the pools' scale tables
     (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists. Registers and spills are only known
-    once the cubin is built, on a device."""
+    once the cubin is built, on a device; `jaxspec aot` lists the launch with them."""
     compiled = v4_flash_compile(compressed, fp8)
     [launch] = aot.mosaic_launches(compiled)
     tokens = FLASH["batch"] * 8
     assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * tokens
     assert launch.shared_memory <= SHARED_MEMORY_LIMIT
     assert aot.memory(compiled).output == tokens * FLASH["heads"] * FLASH["dim"] * 2
+    # `jaxspec aot`'s kernel table keeps its columns under the header, whatever a kernel's name
+    header, *rows = [line for line in aot.report(compiled, "v4").splitlines()
+                     if line.startswith(("Pallas kernel", "_sliding_compressed"))]
+    sites = header.index("sites") + len("sites")
+    assert rows and all(row[sites - 1].isdigit() and row[sites:sites + 2] == "  " for row in rows)
     if fp8:
         bf16_compiled = v4_flash_compile(compressed, False)
         args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=True)

@@ -46,13 +46,15 @@ def report(compiled: GpuCompiled, title: str) -> str:
     launches = Counter((kernel_name(k.name), k.grid, k.threads, k.shared_memory, k.registers, k.spill_stores,
                         k.spill_loads)
                        for k in kernel_launches(compiled))
-    lines.append(f"{'Pallas kernel':<24}{'sites':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}{'spills':>8}")
+    mosaic = Counter((k.name + " (Mosaic)", k.grid, k.threads, k.shared_memory) for k in mosaic_launches(compiled))
+    width = max([24] + [len(key[0]) + 2 for key in (*launches, *mosaic)])  # the name column, names apart
+    lines.append(f"{'Pallas kernel':<{width}}{'sites':>9}  {'grid':<16}{'threads':>8}{'smem B':>9}{'regs':>6}"
+                 f"{'spills':>8}")
     for (name, grid, threads, smem, registers, stores, loads), n in sorted(launches.items()):
-        lines.append(f"{name:<24}{n:>9}  {'x'.join(map(str, grid)):<16}{threads[0] * threads[1] * threads[2]:>8}"
+        lines.append(f"{name:<{width}}{n:>9}  {'x'.join(map(str, grid)):<16}{threads[0] * threads[1] * threads[2]:>8}"
                      f"{smem:>9}{registers:>6}{stores + loads:>8}")
-    mosaic = Counter((k.name, k.grid, k.threads, k.shared_memory) for k in mosaic_launches(compiled))
     for (name, grid, threads, smem), n in sorted(mosaic.items()):
-        lines.append(f"{name + ' (Mosaic)':<24}{n:>9}  {'x'.join(map(str, grid)):<16}{math.prod(threads):>8}"
+        lines.append(f"{name:<{width}}{n:>9}  {'x'.join(map(str, grid)):<16}{math.prod(threads):>8}"
                      f"{smem:>9}{'-':>6}{'-':>8}")
     if mosaic:
         lines.append("Mosaic GPU kernels: registers and spills are known once a device builds their cubins (-)")
