@@ -96,6 +96,44 @@ def copy_key(parts, stagings, row, barrier) -> None:
                                     oob_mode=plgpu.OOBFillMode.UNDEFINED)
 
 
+def copies_per_key(parts) -> int:
+    """The copies `copy_key` issues for one key of these parts (refs [..., W])."""
+    return sum(len(pieces(part.shape[-1], part.dtype)) for part in parts)
+
+
+def issue_keys(rows, parts_at, stagings, copies: int, barrier) -> None:
+    """Issue a tile's key copies: rows, an SMEM ref [T] float32, holds each key's row in its
+    arrays (an exact float32 integer; -1 for no key); parts_at(row) -> the GMEM refs [W] of the
+    key's parts. A key's copies go into its staging rows (`copy_key`); for no key, its `copies`
+    arrivals on `barrier` are made without bytes, so nothing is read for it.
+
+    The rows are in SMEM, arrived with the tile before, because a key's copies cannot be issued
+    before its row is known: read from global memory, every key would wait a load's latency in
+    turn (hundreds of cycles, 64 times a tile)."""
+    @pl.loop(0, rows.shape[0])
+    def _(i):
+        row = rows[i].astype(jnp.int32)
+        pl.when(row >= 0)(lambda: copy_key(parts_at(row), stagings, i, barrier))
+
+        @pl.when(row < 0)
+        def _():
+            for _ in range(copies):
+                plgpu.barrier_arrive(barrier)
+
+
+def seen_bias(rows) -> jax.Array:
+    """rows, an SMEM ref [T] float32 as `issue_keys` reads it -> bias [T] float32 in the WGMMA
+    column layout: 0 where a key was gathered, -inf where none."""
+    seen = plgpu.layout_cast(rows[...], plgpu.Layout.WGMMA.reduce(0)) >= 0
+    return jnp.where(seen, 0.0, -jnp.inf)
+
+
+def seen_rows(rows) -> jax.Array:
+    """rows as in `seen_bias` -> [T] bool in the WGMMA row layout (`to_operand`'s keep). A load of
+    its own: a value loaded in one layout does not convert to the other."""
+    return plgpu.layout_cast(rows[...], plgpu.Layout.WGMMA.reduce(1)) >= 0
+
+
 def to_operand(stagings, widths, kv_smem, keep, scales=None) -> None:
     """Move a gathered tile into the wgmma's operand: each part's staging tile (`staging`), `widths`
     its columns, goes through registers in CHUNK-column pieces into its columns of kv_smem

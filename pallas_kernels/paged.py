@@ -25,6 +25,13 @@ def slot_address(page_table: jax.Array, slots: jax.Array, page_size: int, num_pa
     return page, safe % page_size, valid
 
 
+def flat_rows(page_table: jax.Array, slots: jax.Array, page_size: int, num_pages: int):
+    """page_table [B, M], slots [B, ...] -> (each slot's row in the pool flattened to
+    [P * page, ...], 0 where invalid; valid [B, ...]: the slot is in the row's pages)."""
+    page, offset, valid = slot_address(page_table, slots, page_size, num_pages)
+    return jnp.where(valid, page * page_size + offset, 0), valid
+
+
 def write_slots(cache: jax.Array, page_table: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
     """cache [P, page, D], slots [B, Q] (-1 = skip), values [B, Q, D] -> updated cache."""
     num_pages, page_size, _ = cache.shape

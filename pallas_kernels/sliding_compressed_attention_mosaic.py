@@ -11,10 +11,11 @@ tiles of TILE (64) keys, each run read from its own array:
     masked) or every entry of the row's pages (HCA; those at or past the token's count masked);
   * the extra keys `extra_kv[b, q, :]` (masked by `extra_valid`).
 
-XLA builds them before the launch as two small arrays per token: the row of each key in its
-array (`[P * page, D]` flattened) and a bias (0 seen, -inf not), `[B * Q, T * TILE]`. The kernel
+XLA builds them before the launch as one small array per token: the row of each key in its array
+(`[P * page, D]` flattened), -1 for a key the token does not see, `[B * Q, T * TILE]`. The kernel
 then needs no visibility logic at all: the ring, a top-k list, a count and the extra keys are all
-"gather these rows, add this bias". Padding tokens' lists are all -inf.
+"gather these rows; -1 scores -inf". Padding tokens' lists are all -1. A tile's rows reach SMEM
+with the tile before it, so the copies of its keys are issued from SMEM (`issue_keys`).
 
 Work unit and invariance. As in `sparse_mla_attention_mosaic` (whose structure this kernel
 shares): a program holds one token's block of BLOCK_M (64) heads as the wgmma's M rows and
@@ -58,7 +59,7 @@ starting at the sink). At D = 512, two column-block programs each compute `S`. I
 warpgroup owns all the program's columns and the handshake is left out (see `_sliding_compressed`).
 
 Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
-64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), the tile's bias,
+64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), two tiles' rows,
 the rescale and the sinks (1 KiB): 208,928 bytes by Mosaic GPU's count, of the 232,448 (227 KiB)
 a block may claim on sm_90. With FP8 pools the staging holds e4m3 rows (29 KiB) and RoPE rows
 (9 KiB), plus the tile's scales (2 KiB): 183,328 bytes.
@@ -73,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,24 +83,26 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments, extra_key_pool
 from .fp8_cache import Fp8Pool, entry_dtype, flat_pool, quantize_entries
-from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copy_key, follower, pieces, scorer,
-                                      staging, to_operand)
+from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, follower,
+                                      issue_keys, scorer, seen_bias, seen_rows, staging, to_operand)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting
-from .paged import slot_address
+from .paged import flat_rows
 from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # keys per tile
 OUT_BLOCK = 128  # output columns per warpgroup (at most): 64 x 128 float32 accumulators
+# Rows one key array may hold: the kernel takes key rows as float32, whose integers are exact to here.
+MAX_ROWS = 2 ** 24
 
 
-def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...],
-            fp8: bool, scale: float, out_block: int, warpgroups: int):
+def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], fp8: bool,
+            scale: float, out_block: int, warpgroups: int):
     """One (column block, head block, token) program of two warpgroups.
 
-    q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE] int32
-    (each key's row in its array, -1 unseen), bias_ref [B * Q, T * TILE] float32 (0 seen, -inf not),
+    q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE]
+    float32 (each key's row in its array as an exact float32 integer, -1 unseen: `key_rows`),
     tiles_ref [B * Q, T] int32 (the tiles holding a seen key, in order, then anything), count_ref
     [B * Q] int32 (how many of them); with FP8 keys scales_ref [Dq / 64, B * Q, T * TILE] float32
     (each listed key's block scales, `listed_scales`); then per run its keys [rows, D], or
@@ -106,45 +110,50 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
     [runs[i - 1], runs[i]) of the list read run i); out_ref [B * Q, Hp, D]. With two warpgroups,
     warpgroup w owns the output columns [(2 * column block + w) * out_block, + out_block); with one
     (interpreted), it owns both blocks.
+
+    A tile's rows sit in SMEM before its keys are gathered: tile s's arrive with tile s - 1's keys
+    (the first before the loop), in two alternating buffers, so that issuing a key's copies reads
+    its row from SMEM rather than waiting on a global load, key after key.
     """
     scales_ref = refs[0] if fp8 else None
     *arrays, out_ref = refs[1:] if fp8 else refs
     parts = 2 if fp8 else 1
     sources = [arrays[i:i + parts] for i in range(0, len(arrays), parts)]
     widths = [array.shape[-1] for array in sources[0]]
-    copies = sum(len(pieces(array.shape[-1], array.dtype)) for array in sources[0])  # per key
+    copies = copies_per_key(sources[0])
     column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
     num_tiles = count_ref[token]  # tiles with no seen key are skipped: an exact no-op anyway
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    column_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    def gather(step, stagings, bias, scales, barrier):
-        """Issue the copies of the token's `step`-th seen tile into `stagings`, its bias into `bias`
-        and its keys' scales into `scales`."""
+    def fetch_rows(step, rows_smem, barrier):
+        """Copy the rows of the token's `step`-th seen tile into rows_smem.at[step % 2]."""
         tile = tiles_ref[token, step]
-        plgpu.copy_gmem_to_smem(bias_ref.at[token, pl.ds(tile * TILE, TILE)], bias, barrier)
+        plgpu.copy_gmem_to_smem(rows_ref.at[token, pl.ds(tile * TILE, TILE)], rows_smem.at[jax.lax.rem(step, 2)],
+                                barrier)
+
+    def gather(step, stagings, rows_smem, scales, barrier):
+        """Issue the copies of the token's `step`-th seen tile (its rows already in SMEM) into
+        `stagings` and its keys' scales into `scales`, and of the next tile's rows, all arriving
+        on `barrier` (the next tile's rows without bytes after the last tile)."""
+        tile = tiles_ref[token, step]
+        rows = rows_smem.at[jax.lax.rem(step, 2)]
         if fp8:
             plgpu.copy_gmem_to_smem(scales_ref.at[:, token, pl.ds(tile * TILE, TILE)], scales, barrier)
         for run, source in enumerate(sources):
-            @pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))
-            def _(source=source):
-                @pl.loop(0, TILE)
-                def _(i):
-                    row = rows_ref[token, tile * TILE + i]
-                    pl.when(row >= 0)(lambda: copy_key([array.at[row] for array in source], stagings, i, barrier))
+            pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))(functools.partial(
+                issue_keys, rows, lambda row, source=source: [array.at[row] for array in source], stagings, copies,
+                barrier))
 
-                    @pl.when(row < 0)  # an unseen key: no read, its arrivals without bytes
-                    def _():
-                        for _ in range(copies):
-                            plgpu.barrier_arrive(barrier)
+        pl.when(step + 1 < num_tiles)(lambda: fetch_rows(step + 1, rows_smem, barrier))
+        pl.when(step + 1 >= num_tiles)(lambda: plgpu.barrier_arrive(barrier))
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
-        # The tile's bias, the rescale handed to warpgroup 1 and the sinks share one buffer: every
+        # Two tiles' rows, the rescale handed to warpgroup 1 and the sinks share one buffer: every
         # SMEM buffer starts on a 1 KiB boundary.
-        bias_smem, alpha_smem, sinks_smem = vectors.at[0], vectors.at[1], vectors.at[2]
+        rows_smem, alpha_smem, sinks_smem = vectors.at[0:2], vectors.at[2], vectors.at[3]
         own = 2 * out_block // warpgroups  # output columns of this warpgroup
         columns = pl.ds(2 * column_block * out_block + wg * own, own)
         handshake_barriers = dict(alpha_smem=alpha_smem, p_ready=p_ready, consumed=consumed)
@@ -162,19 +171,22 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
-            pl.when(num_tiles > 0)(lambda: gather(0, stagings, bias_smem, scales, gathered))
+            pl.when(num_tiles > 0)(lambda: fetch_rows(0, rows_smem, q_barrier))
+            pl.when(num_tiles == 0)(lambda: plgpu.barrier_arrive(q_barrier))
             plgpu.barrier_wait(q_barrier)
+            pl.when(num_tiles > 0)(lambda: gather(0, stagings, rows_smem, scales, gathered))
 
-            def prepare(_):
-                to_operand(stagings, widths, kv_smem, plgpu.layout_cast(bias_smem[...], row_layout) == 0.0, scales)
-                return plgpu.layout_cast(bias_smem[...], column_layout)
+            def prepare(step):
+                rows = rows_smem.at[jax.lax.rem(step, 2)]
+                to_operand(stagings, widths, kv_smem, seen_rows(rows), scales)
+                return seen_bias(rows)
 
             # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
             init = (plgpu.layout_cast(sinks_smem[...], row_layout),
                     plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), acc0)
             _, denom, acc = scorer(
                 num_tiles=num_tiles, init=init, prepare=prepare,
-                prefetch=lambda i: gather(i, stagings, bias_smem, scales, gathered), accumulate=accumulate,
+                prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered), accumulate=accumulate,
                 q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=scale, gathered=gathered,
                 handshake=warpgroups == 2, **handshake_barriers)
             store(acc, denom)
@@ -190,9 +202,9 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
         plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((TILE, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_M, TILE), q_ref.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((3, TILE), jnp.float32),
+        plgpu.SMEM((4, TILE), jnp.float32),
         plgpu.SMEM((scales_ref.shape[0], TILE), jnp.float32) if fp8 else None,
-        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
         plgpu.Barrier(),
         plgpu.Barrier(),
@@ -201,25 +213,17 @@ def _kernel(q_ref, sinks_ref, rows_ref, bias_ref, tiles_ref, count_ref, *refs, r
     )
 
 
-def _rows_in_pages(pages: jax.Array, entries: jax.Array, page_size: int, num_pages: int):
-    """pages [B, M], entries [B, ...] (row-local numbers) -> (row in the flattened [P * page, D]
-    array, 0 where invalid; valid: the number is in the row's pages)."""
-    page, offset, valid = slot_address(pages, entries, page_size, num_pages)
-    return jnp.where(valid, page * page_size + offset, 0), valid
-
-
-def _run(rows: jax.Array, seen: jax.Array):
-    """rows [B, Q, N] int32, seen [B, Q, N] bool -> (rows, -1 where unseen; bias float32, 0 where
-    seen, -inf not), padded to whole tiles with unseen keys."""
-    pad = [(0, 0), (0, 0), (0, -rows.shape[2] % TILE)]
-    return (jnp.pad(jnp.where(seen, rows, -1).astype(jnp.int32), pad, constant_values=-1),
-            jnp.pad(jnp.where(seen, 0.0, -jnp.inf).astype(jnp.float32), pad, constant_values=-jnp.inf))
+def _run(rows: jax.Array, seen: jax.Array) -> jax.Array:
+    """rows [B, Q, N] int32, seen [B, Q, N] bool -> rows, -1 where unseen, padded to whole tiles
+    with unseen keys."""
+    return jnp.pad(jnp.where(seen, rows, -1).astype(jnp.int32), [(0, 0), (0, 0), (0, -rows.shape[2] % TILE)],
+                   constant_values=-1)
 
 
 def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_window: int, compressed_kv=None,
               compressed_pages=None, compressed_indices=None, compressed_count=None, extra_kv=None, extra_valid=None):
-    """Every token's key list (the module docstring): rows [B, Q, T * TILE] int32, bias
-    [B, Q, T * TILE] float32, the runs' ends in tiles, and one key array per run (ring,
+    """Every token's key list (the module docstring): rows [B, Q, T * TILE] int32 (-1 unseen), the
+    runs' ends in tiles, and one key array per run (ring,
     compressed, extra) with its rows flattened: [rows, D], or an `Fp8Pool` of [rows, ...] parts
     (FP8 pools; the extra keys are then quantized as the entries' pool stores them,
     `extra_key_pool`)."""
@@ -227,7 +231,7 @@ def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_wi
     valid = query_valid(vis, num_queries)[:, :, None]
     num_pages, page_size = window_kv.shape[:2]
     ring = window_pages.shape[1] * page_size
-    ring_rows, _ = _rows_in_pages(window_pages, jnp.broadcast_to(jnp.arange(ring, dtype=jnp.int32), (batch, ring)),
+    ring_rows, _ = flat_rows(window_pages, jnp.broadcast_to(jnp.arange(ring, dtype=jnp.int32), (batch, ring)),
                                   page_size, num_pages)
     runs = [_run(jnp.broadcast_to(ring_rows[:, None], (batch, num_queries, ring)),
                  ring_visible(positions, vis, ring, sliding_window=sliding_window))]
@@ -236,11 +240,11 @@ def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_wi
         entry_pages, entry_page_size = compressed_pages.shape[1], compressed_kv.shape[1]
         if compressed_indices is not None:
             entries = compressed_indices.astype(jnp.int32)
-            rows, listed = _rows_in_pages(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
+            rows, listed = flat_rows(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
         else:
             capacity = entry_pages * entry_page_size
             entries = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, num_queries, capacity))
-            rows, _ = _rows_in_pages(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
+            rows, _ = flat_rows(compressed_pages, entries, entry_page_size, compressed_kv.shape[0])
             listed = entries < compressed_count[:, :, None]
         runs.append(_run(rows, listed & valid))
         sources.append(flat_pool(compressed_kv))
@@ -252,10 +256,8 @@ def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_wi
         if isinstance(pool, Fp8Pool):
             extra_kv = Fp8Pool(*quantize_entries(extra_kv, pool.rule, pool.values.shape[-1]), rule=pool.rule)
         sources.append(flat_pool(extra_kv))
-    ends = tuple(itertools.accumulate(r.shape[2] // TILE for r, _ in runs))
-    rows = jnp.concatenate([r for r, _ in runs], axis=2)
-    bias = jnp.concatenate([b for _, b in runs], axis=2)
-    return rows, bias, ends, sources
+    ends = tuple(itertools.accumulate(r.shape[2] // TILE for r in runs))
+    return jnp.concatenate(runs, axis=2), ends, sources
 
 
 def listed_scales(rows: jax.Array, ends: tuple[int, ...], sources) -> jax.Array:
@@ -300,6 +302,10 @@ def check_operands(q, window_kv, compressed_kv=None, extra_kv=None) -> None:
     dim = q.shape[-1]
     if dim % 128 or (dim > 2 * OUT_BLOCK and dim % (2 * OUT_BLOCK)):
         raise ValueError(f"{name}: q last dim D={dim} must be a multiple of 128 (of {2 * OUT_BLOCK} when wider)")
+    for arg, array in (*pools.items(), ("extra_kv", extra_kv)):
+        if array is not None and math.prod(array.shape[:-1]) > MAX_ROWS:
+            raise ValueError(f"{name}: {arg} holds {math.prod(array.shape[:-1])} keys: at most {MAX_ROWS} (key rows "
+                             "reach the kernel as float32, exact integers to 2**24)")
 
 
 def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, vis: Visibility, sinks, *,
@@ -346,11 +352,11 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
     fp8 = isinstance(window_kv, Fp8Pool)
-    rows, bias, runs, sources = key_lists(
+    rows, runs, sources = key_lists(
         window_kv, window_pages, positions, vis, sliding_window=sliding_window, compressed_kv=compressed_kv,
         compressed_pages=compressed_pages, compressed_indices=compressed_indices, compressed_count=compressed_count,
         extra_kv=extra_kv, extra_valid=extra_valid)
-    rows, bias = rows.reshape(tokens, -1), bias.reshape(tokens, -1)
+    rows = rows.reshape(tokens, -1)
     queries = pad_to(q, 2, BLOCK_M).reshape(tokens, -1, dim).astype(entry_dtype(window_kv))
     heads_padded = queries.shape[1]
     out_block = min(dim // 2, OUT_BLOCK)  # columns per warpgroup
@@ -362,9 +368,10 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
         grid=(dim // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
-    seen = jnp.any(bias.reshape(tokens, -1, TILE) == 0.0, axis=2)  # [B * Q, T]
+    seen = jnp.any(rows.reshape(tokens, -1, TILE) >= 0, axis=2)  # [B * Q, T]
     tiles = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # the seen tiles first, in order
     scales = (listed_scales(rows, runs, sources),) if fp8 else ()
-    out = kernel(queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows, bias, tiles,
+    # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the float32 vectors.
+    out = kernel(queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.astype(jnp.float32), tiles,
                  jnp.sum(seen, axis=1, dtype=jnp.int32), *scales, *arrays)
     return out[:, :heads].reshape(batch, num_queries, heads, dim)

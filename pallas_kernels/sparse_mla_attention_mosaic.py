@@ -19,9 +19,11 @@ each then accumulates `P V` over its own OUT_BLOCK columns, so `S` is computed o
 The loop and its handshake are `gathered_softmax_mosaic`'s, which DeepSeek-V4's kernel shares.
 
 Reading scattered slots (`gathered_softmax_mosaic`). Hopper has no TMA gather, and a wgmma operand
-must sit in SMEM as 8-row swizzled tiles, which a copy per slot cannot fill. So each selected
-slot's row (576 bf16, contiguous in its page) arrives in one bulk copy (`copy_key`) into a
-row-major staging tile; the warpgroup then moves the staging tile through registers into the
+must sit in SMEM as 8-row swizzled tiles, which a copy per slot cannot fill. XLA resolves every
+selected slot to its row of the flattened cache before the launch (-1 for `-1` and slots past the
+row's pages, which are then not read), a tile's rows reach SMEM with the tile before it, and each
+selected slot's row (576 bf16, contiguous in its page) arrives in one bulk copy (`copy_key`,
+issued from SMEM: `issue_keys`) into a row-major staging tile; the warpgroup then moves the staging tile through registers into the
 swizzled tile the wgmma reads, zeroing the rows of unselected slots on the way (stale cache memory
 never meets a zero probability), and issues the next tile's copies before this tile's GEMMs: the
 gather of tile t + 1 overlaps the tensor cores' work on tile t. Staging rows are padded by 16
@@ -48,16 +50,16 @@ so a slot's 16 cannot come on their own. That is 2.5%
 beside the 640 bytes a slot the kernel reads; no dequantized copy of the cache exists in HBM.
 
 Shared memory at DeepSeek's widths: queries, staging and swizzled tiles of 64 x 576 bf16
-(72 KiB each, the staging 1 KiB more for its padding), P (8 KiB), the tile's mask and the rescale
-(one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use, so the cross-warp reduction
+(72 KiB each, the staging 1 KiB more for its padding), P (8 KiB), two tiles' rows and the
+rescale (one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use, so the cross-warp reduction
 scratch is turned off (every reduction here stays inside a warp). With FP8 the staging holds e4m3
 rows (33 KiB) and RoPE rows (9 KiB), plus the tile's scales: 200,736 bytes.
 
 Interpreted on the CPU, warpgroup 0 does both warpgroups' work (`_sparse_mla`).
 
 Constraints (ValueError): bfloat16 / float16 operands (an FP8 pool: e4m3 values, float32 scales,
-a bfloat16 RoPE part); Dl a multiple of 128 (of 2 * OUT_BLOCK when wider), Dr of 64. Any page
-size. Heads are padded to a multiple of 64.
+a bfloat16 RoPE part); Dl a multiple of 128 (of 2 * OUT_BLOCK when wider), Dr of 64; at most
+MAX_ROWS slots in the cache. Any page size. Heads are padded to a multiple of 64.
 """
 
 from __future__ import annotations
@@ -70,58 +72,61 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .fp8_cache import Fp8Pool, entry_dtype
-from .gathered_softmax_mosaic import accumulate_values, copy_key, follower, pieces, scorer, staging, to_operand
+from .fp8_cache import Fp8Pool, entry_dtype, flat_pool
+from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, follower, issue_keys, scorer, seen_bias,
+                                      seen_rows, staging, to_operand)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting
-from .paged import read_slots
+from .paged import flat_rows, read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
 OUT_BLOCK = 128  # latent output columns per warpgroup (at most)
+# Slots the cache may hold: the kernel takes slot rows as float32, whose integers are exact to here.
+MAX_ROWS = 2 ** 24
 
 
-def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_queries: int, page_size: int,
-                       fp8: bool, warpgroups: int):
+def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, fp8: bool, warpgroups: int):
     """One (column block, head block, token) program of two warpgroups (one interpreted, owning both
     column blocks: see `_sparse_mla`).
 
-    q_ref [B * Q, Hp, Dl + Dr]; then the cache: cache_ref [P, page, Dl + Dr], or for an FP8 cache
-    values_ref [P, page, Dl] e4m3 and rope_ref [P, page, Dr] bfloat16; page_table_ref [B, M],
-    indices_ref [B * Q, K] (clamped, in range), bias_ref [B * Q, K] float32 (0 selected, -inf
-    not), for an FP8 cache scales_ref [B * Q, Dl / 128, K] float32 (each selected slot's block
-    scales); out_ref [B * Q, Hp, Dl] (q_nope's dtype), lse_ref [B * Q, Hp]. Warpgroup w owns the
-    output columns [block + w * out_block, + out_block)."""
-    if fp8:
-        values_ref, rope_ref, page_table_ref, indices_ref, bias_ref, scales_ref, out_ref, lse_ref = refs
-        parts = (values_ref, rope_ref)
-    else:
-        cache_ref, page_table_ref, indices_ref, bias_ref, out_ref, lse_ref = refs
-        parts, scales_ref = (cache_ref,), None
+    q_ref [B * Q, Hp, Dl + Dr]; rows_ref [B * Q, K] float32 (each selected slot's row in the
+    flattened cache as an exact float32 integer, -1 for none); for an FP8 cache scales_ref
+    [B * Q, Dl / 128, K] float32 (each selected slot's block scales); then the cache, flattened:
+    cache_ref [P * page, Dl + Dr], or for an FP8 cache values_ref [P * page, Dl] e4m3 and rope_ref
+    [P * page, Dr] bfloat16; out_ref [B * Q, Hp, Dl] (q_nope's dtype), lse_ref [B * Q, Hp].
+    Warpgroup w owns the output columns [block + w * out_block, + out_block).
+
+    A tile's rows sit in SMEM before its slots are gathered (`issue_keys`): tile t's arrive with
+    tile t - 1's slots (the first before the loop), in two alternating buffers."""
+    scales_ref = refs[0] if fp8 else None
+    *parts, out_ref, lse_ref = refs[1:] if fp8 else refs
+    copies = copies_per_key(parts)
     column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
     wg = jax.lax.axis_index("wg")
-    row = jax.lax.div(token, num_queries)
     width = q_ref.shape[-1]
-    num_tiles = indices_ref.shape[1] // TILE
+    num_tiles = rows_ref.shape[1] // TILE
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    column_layout = plgpu.Layout.WGMMA.reduce(0)
 
-    def gather(tile, stagings, bias, scales, barrier):
-        plgpu.copy_gmem_to_smem(bias_ref.at[token, pl.ds(tile * TILE, TILE)], bias, barrier)
+    def fetch_rows(tile, rows_smem, barrier):
+        plgpu.copy_gmem_to_smem(rows_ref.at[token, pl.ds(tile * TILE, TILE)], rows_smem.at[jax.lax.rem(tile, 2)],
+                                barrier)
+
+    def gather(tile, stagings, rows_smem, scales, barrier):
+        """Issue tile `tile`'s copies (its rows already in SMEM), its scales' and the next tile's rows',
+        all arriving on `barrier` (the next rows without bytes after the last tile)."""
         if scales_ref is not None:
             plgpu.copy_gmem_to_smem(scales_ref.at[token, :, pl.ds(tile * TILE, TILE)], scales, barrier)
-
-        @pl.loop(0, TILE)
-        def _(i):
-            slot = indices_ref[token, tile * TILE + i]
-            page = page_table_ref[row, jax.lax.div(slot, page_size)]
-            copy_key([part.at[page, jax.lax.rem(slot, page_size)] for part in parts], stagings, i, barrier)
+        issue_keys(rows_smem.at[jax.lax.rem(tile, 2)], lambda row: [part.at[row] for part in parts], stagings,
+                   copies, barrier)
+        pl.when(tile + 1 < num_tiles)(lambda: fetch_rows(tile + 1, rows_smem, barrier))
+        pl.when(tile + 1 >= num_tiles)(lambda: plgpu.barrier_arrive(barrier))
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
-        # The tile's mask and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
+        # Two tiles' rows and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
         # starts on a 1 KiB boundary, and two would not fit beside the three 72 KiB tiles.
-        bias_smem, alpha_smem = vectors.at[0], vectors.at[1]
+        rows_smem, alpha_smem = vectors.at[0:2], vectors.at[2]
         handshake = warpgroups == 2
 
         def columns(block):  # the output columns of warpgroup `block`'s share
@@ -141,13 +146,14 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
         @pl.when(wg == 0)
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
-            gather(0, stagings, bias_smem, scales, gathered)
+            fetch_rows(0, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
+            gather(0, stagings, rows_smem, scales, gathered)
 
             def prepare(tile):
-                to_operand(stagings, [part.shape[-1] for part in parts], kv_smem,
-                           plgpu.layout_cast(bias_smem[...], row_layout) == 0.0, scales)
-                return plgpu.layout_cast(bias_smem[...], column_layout)
+                rows = rows_smem.at[jax.lax.rem(tile, 2)]
+                to_operand(stagings, [part.shape[-1] for part in parts], kv_smem, seen_rows(rows), scales)
+                return seen_bias(rows)
 
             def accumulate(acc, alpha):
                 return tuple(accumulate_values(a, alpha, p_smem, kv_smem.at[:, columns(block)])
@@ -157,7 +163,7 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), (acc0,) * len(owned))
             row_max, denom, acc = scorer(
                 num_tiles=num_tiles, init=init, prepare=prepare,
-                prefetch=lambda tile: gather(tile, stagings, bias_smem, scales, gathered), accumulate=accumulate,
+                prefetch=lambda tile: gather(tile, stagings, rows_smem, scales, gathered), accumulate=accumulate,
                 q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=softmax_scale, gathered=gathered,
                 handshake=handshake, **handshake_barriers)
             for a, block in zip(acc, owned):
@@ -180,11 +186,10 @@ def _sparse_mla_kernel(q_ref, *refs, softmax_scale: float, out_block: int, num_q
         plgpu.SMEM((BLOCK_M, width), operand_dtype, transforms=SWIZZLED),
         plgpu.SMEM((TILE, width), operand_dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_M, TILE), operand_dtype, transforms=SWIZZLED),
-        plgpu.SMEM((2, TILE), jnp.float32),
+        plgpu.SMEM((3, TILE), jnp.float32),
         None if scales_ref is None else plgpu.SMEM((scales_ref.shape[1], TILE), jnp.float32),
-        plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=TILE * sum(len(pieces(part.shape[-1], part.dtype)) for part in parts) + 1
-                      + (scales_ref is not None)),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
         plgpu.Barrier(),
         plgpu.Barrier(),
         *(staging(TILE, part.shape[-1], part.dtype) for part in parts),
@@ -216,6 +221,10 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     if latent % 128 or rope % 64 or (latent > 2 * OUT_BLOCK and latent % (2 * OUT_BLOCK)):
         raise ValueError(f"sparse_mla_attention_mosaic: Dl={latent} must be a multiple of 128 (of "
                          f"{2 * OUT_BLOCK} when wider) and Dr={rope} of 64")
+    slots = latent_cache.shape[0] * latent_cache.shape[1]
+    if slots > MAX_ROWS:
+        raise ValueError(f"sparse_mla_attention_mosaic: latent_cache holds {slots} slots: at most {MAX_ROWS} (slot "
+                         "rows reach the kernel as float32, exact integers to 2**24)")
     run = functools.partial(_sparse_mla, q_nope, q_rope, latent_cache, page_table, indices,
                             softmax_scale=softmax_scale, interpret=interpret)
     if not interpret:
@@ -233,29 +242,27 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
     warpgroups = 1 if interpret else 2
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
-    capacity = page_table.shape[1] * page_size
     tokens = batch * num_queries
     fp8 = isinstance(latent_cache, Fp8Pool)
     q = pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
     q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype(latent_cache))
     indices = pad_to(indices.astype(jnp.int32) + 1, 2, TILE) - 1  # pad with -1
+    rows, selected = flat_rows(page_table, indices.reshape(batch, -1), page_size, latent_cache.shape[0])
+    rows = jnp.where(selected, rows, -1).reshape(tokens, -1)  # -1 and slots past the row's pages: none
     if fp8:
         # Each selected slot's block scales, [B * Q, Dl / 128, K]: 16 bytes a slot beside its 640 in
-        # the kernel. Gathered here because a TMA copy moves a multiple of 128 bytes, so the kernel
+        # the kernel. Gathered here because a copy moves a multiple of 128 bytes, so the kernel
         # cannot fetch one slot's 16; a tile's scales then arrive in one copy, a block's as a row.
         scales = read_slots(latent_cache.scales, page_table, indices.reshape(batch, -1))
-        cache_operands = (latent_cache.values, latent_cache.rope)
         scale_operands = (jnp.swapaxes(scales.reshape(tokens, indices.shape[-1], -1), 1, 2),)
+        cache_operands = (latent_cache.values, latent_cache.rope)
     else:
         cache_operands, scale_operands = (latent_cache,), ()
-    indices = indices.reshape(tokens, -1)
-    selected = (indices >= 0) & (indices < capacity)
-    bias = jnp.where(selected, 0.0, -jnp.inf).astype(jnp.float32)
     out_block = min(latent // 2, OUT_BLOCK)  # columns per warpgroup
     heads_padded = q.shape[1]
     kernel = plgpu.kernel(
-        functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block,
-                          num_queries=num_queries, page_size=page_size, fp8=fp8, warpgroups=warpgroups),
+        functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, fp8=fp8,
+                          warpgroups=warpgroups),
         out_type=(jax.ShapeDtypeStruct((tokens, heads_padded, latent), q_nope.dtype),
                   jax.ShapeDtypeStruct((tokens, heads_padded), jnp.float32)),
         grid=(latent // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
@@ -263,7 +270,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.
         compiler_params=compiler_params(reduction_scratch_bytes=0))
-    out, lse = kernel(q, *cache_operands, page_table.astype(jnp.int32), jnp.where(selected, indices, 0), bias,
-                      *scale_operands)
+    # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the rescale.
+    out, lse = kernel(q, rows.astype(jnp.float32), *scale_operands, *(flat_pool(part) for part in cache_operands))
     out = out[:, :heads].reshape(batch, num_queries, heads, latent)
     return out, lse[:, :heads].reshape(batch, num_queries, heads)

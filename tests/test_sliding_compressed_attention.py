@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.pallas_kernels import Visibility, fp8_cache, sliding_compressed_attention, sliding_compressed_attention_reference
+from jaxspec.pallas_kernels import (Visibility, fp8_cache, sliding_compressed_attention,
+                                    sliding_compressed_attention_reference)
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from cuda_lowering import triton_calls

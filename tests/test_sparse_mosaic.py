@@ -296,6 +296,15 @@ def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, matc
                                     softmax_scale=0.1, interpret=True)
 
 
+def test_sparse_mla_mosaic_refuses_a_cache_past_exact_float32_rows():
+    """Slot rows reach the kernel as float32: a cache of more than 2**24 slots is refused before
+    tracing (abstract arrays: nothing is allocated)."""
+    with pytest.raises(ValueError, match=r"latent_cache holds 16777280 slots: at most 16777216"):
+        sparse_mla_attention_mosaic(Spec((1, 1, 64, 512), jnp.bfloat16), Spec((1, 1, 64, 64), jnp.bfloat16),
+                                    Spec((2 ** 18 + 1, 64, 576), jnp.bfloat16), Spec((1, 4), jnp.int32),
+                                    Spec((1, 1, 64), jnp.int32), softmax_scale=0.1)
+
+
 @functools.cache
 def sparse_mla_compile(num_queries: int, fp8: bool):
     """DeepSeek-V3.2's sparse MLA (128 heads, 512 + 64 in 64-slot pages, bfloat16 or FlashMLA's FP8

@@ -20,7 +20,7 @@ from jaxspec import aot
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
 from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
-from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, abstract_call, make_case, run, v4_pool
+from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
 
 MOSAIC_CASES = {
     # a tree window, CSA top-k (-1 and entries past the row's pages mixed in), extra keys, 8-slot
@@ -113,6 +113,15 @@ def test_mosaic_refuses_what_it_cannot_tile(change, match):
         sliding_compressed_attention_mosaic(*args, **kwargs, interpret=True)
 
 
+def test_mosaic_refuses_key_arrays_past_exact_float32_rows():
+    """Key rows reach the kernel as float32: an entry pool of more than 2**24 keys is refused before
+    tracing (abstract arrays: nothing is allocated)."""
+    args, kwargs, _ = abstract_call(**FLASH, num_queries=1, compressed="indices", tree=False, extra=0)
+    kwargs["compressed_kv"] = SPEC((2 ** 18 + 1, FLASH["page"], FLASH["dim"]), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"compressed_kv holds 16777280 keys: at most 16777216"):
+        sliding_compressed_attention_mosaic(*args, **kwargs)
+
+
 def test_backend_choice():
     """"mosaic" runs this kernel (a float32 call reaches its dtype check); "auto" stays on Triton
     on a GPU (no measurement has picked Mosaic) and on the reference off one."""
@@ -145,8 +154,9 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     (column block, head block, token), output [B, Q, H, D] bf16. With FP8 the staging holds e4m3
     rows, so the block claims less shared memory, and the temporaries exceed the bfloat16
     program's by at most the listed keys' gathered scales (28 bytes a key), the pools' scale tables
-    (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists. Registers and spills are only known
-    once the cubin is built, on a device; `jaxspec aot` lists the launch with them."""
+    (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists.
+    Registers and spills are only known once the cubin is built, on a device; `jaxspec aot` lists
+    the launch with them."""
     compiled = v4_flash_compile(compressed, fp8)
     [launch] = aot.mosaic_launches(compiled)
     tokens = FLASH["batch"] * 8
