@@ -46,15 +46,16 @@ from jaxspec import progress
 from jaxspec.cache_v4 import ring_capacities
 from jaxspec.memory_plan import device_memory
 from jaxspec.model_config import CSA, HCA, ModelConfig
+from jaxspec.pallas_kernels import fp8_cache
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
+from jaxspec.pallas_kernels.fp8_cache import LATENT_RULE, V4_RULE, Fp8Pool, cache_token_bytes
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
-from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import (check_operands as check_v4_mosaic,
-                                                                     sliding_compressed_attention_mosaic)
+from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
 from jaxspec.presets import preset
@@ -86,6 +87,12 @@ PEAKS = {"NVIDIA H100 80GB HBM3": (3.35e12, 989e12), "NVIDIA H200": (4.8e12, 989
 # Keep inputs plus the largest intermediate under this fraction of device memory.
 MEMORY_FRACTION = 0.7
 ITEM = 2  # bf16 bytes
+
+
+def as_fp8(entries: jax.Array, rule: str, quant_dim: int) -> Fp8Pool:
+    """entries [P, page, D] as `cache_dtype="fp8"` stores them: an FP8 pool of `rule`, its first
+    quant_dim values e4m3."""
+    return Fp8Pool(*fp8_cache.quantize_entries(entries, rule, quant_dim), rule=rule)
 
 
 def gpu_or_smoke(script: str, smoke: bool) -> bool:
@@ -141,8 +148,10 @@ class Case(NamedTuple):
     queries: int
 
 
-def inputs(case: Case, dims: Dims, key):
-    """Device arrays for one shape: a chain window of Q tokens at the end of `context` slots."""
+def inputs(case: Case, dims: Dims, key, cache_dtype=None):
+    """Device arrays for one shape: a chain window of Q tokens at the end of `context` slots; the
+    latent cache an FP8 pool (FlashMLA's token) with cache_dtype="fp8" (the indexer's keys stay
+    bfloat16: their FP8 scores need FP8 queries too, which this benchmark does not build)."""
     batch, context, queries = case
     pages_per_row = -(-context // dims.page_size)
     num_pages = batch * pages_per_row
@@ -154,10 +163,11 @@ def inputs(case: Case, dims: Dims, key):
     slot_scores = jax.random.uniform(keys[1], (batch, queries, pages_per_row * dims.page_size))
     slot_scores = jnp.where(jnp.arange(slot_scores.shape[-1]) < context, slot_scores, -1.0)
     indices = jax.lax.top_k(slot_scores, min(dims.topk, context))[1].astype(jnp.int32)
+    latent_cache = normal(keys[4], (num_pages, dims.page_size, dims.latent + dims.rope))
     return dict(
         q_nope=normal(keys[2], (batch, queries, dims.heads, dims.latent)),
         q_rope=normal(keys[3], (batch, queries, dims.heads, dims.rope)),
-        latent_cache=normal(keys[4], (num_pages, dims.page_size, dims.latent + dims.rope)),
+        latent_cache=as_fp8(latent_cache, LATENT_RULE, dims.latent) if cache_dtype == "fp8" else latent_cache,
         q_idx=normal(keys[5], (batch, queries, dims.index_heads, dims.index_dim)),
         weights=jax.random.normal(keys[6], (batch, queries, dims.index_heads), jnp.float32),
         key_cache=normal(keys[7], (num_pages, dims.page_size, dims.index_dim)),
@@ -184,6 +194,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     scale = width ** -0.5
     topk = arrays["indices"].shape[-1]
     q_bytes = rows * width * ITEM + rows * dims.latent * ITEM  # queries in, outputs out
+    slot_bytes = cache_token_bytes(arrays["latent_cache"])  # 1152 in bfloat16, 656 in FP8
     latent_args = (arrays["q_nope"], arrays["q_rope"], arrays["latent_cache"], arrays["page_table"])
     index_args = (arrays["q_idx"], arrays["weights"], arrays["key_cache"], arrays["page_table"], arrays["vis"])
     interpret = jax.default_backend() != "gpu"  # the Mosaic kernels run on the CPU simulator off a GPU
@@ -192,7 +203,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
            jax.jit(functools.partial(mla_attention_pallas, softmax_scale=scale, **tuning)),
            jax.jit(functools.partial(mla_attention_reference, softmax_scale=scale)),
            (*latent_args, arrays["vis"]),
-           bytes=batch * context * width * ITEM + q_bytes,
+           bytes=batch * context * slot_bytes + q_bytes,
            flops=2 * rows * context * (width + dims.latent),
            xla_bytes=4 * (batch * context * width + 2 * rows * context),
            mosaic=functools.partial(mla_attention_mosaic, softmax_scale=scale,
@@ -201,7 +212,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
            jax.jit(functools.partial(sparse_mla_attention_pallas, softmax_scale=scale, **tuning)),
            jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale)),
            (*latent_args, arrays["indices"]),
-           bytes=batch * queries * topk * (width * ITEM + 4) + q_bytes,
+           bytes=batch * queries * topk * (slot_bytes + 4) + q_bytes,
            flops=2 * rows * topk * (width + dims.latent),
            xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk),
            mosaic=functools.partial(sparse_mla_attention_mosaic, softmax_scale=scale, interpret=interpret)),
@@ -213,27 +224,39 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     ]
 
 
-def v4_input_bytes(case: Case, config: ModelConfig, page_size: int) -> int:
+def v4_slot_bytes(config: ModelConfig, cache_dtype=None) -> int:
+    """Bytes a V4 entry takes: head_dim bfloat16 values, or FlashMLA's MODEL1 token with FP8 caches
+    (e4m3 values, a float32 scale per 64, bfloat16 RoPE values: 604 at V4-Flash)."""
+    if cache_dtype != "fp8":
+        return config.head_dim * ITEM
+    quant = config.head_dim - config.qk_rope_head_dim
+    return quant + quant // fp8_cache.scale_block(quant, V4_RULE) * 4 + config.qk_rope_head_dim * ITEM
+
+
+def v4_input_bytes(case: Case, config: ModelConfig, page_size: int, cache_dtype=None) -> int:
     """Bytes of the V4 ops' inputs at one shape: each row's window ring and both entry arrays."""
     pages = ring_capacities(config, case.context, case.queries, page_size)
     slots = pages["window"] + pages["csa_entries"] + pages["hca_entries"]
-    return case.batch * slots * page_size * config.head_dim * ITEM
+    return case.batch * slots * page_size * v4_slot_bytes(config, cache_dtype)
 
 
-def v4_inputs(case: Case, config: ModelConfig, page_size: int, key) -> dict:
+def v4_inputs(case: Case, config: ModelConfig, page_size: int, key, cache_dtype=None) -> dict:
     """Device arrays for V4's attention at one shape: a chain of Q tokens at positions
     [context - Q, context), the window ring and the CSA / HCA entries paged as `jaxspec.cache_v4`
-    sizes them (random page order), CSA's indices as the indexer gives them (each token's top-k of
-    the entries it sees, entry j closing at position (j + 1) * rate - 1; -1 padded) and HCA's
-    counts (every entry the token sees)."""
+    sizes them (random page order; FP8 pools of FlashMLA's MODEL1 token with cache_dtype="fp8"),
+    CSA's indices as the indexer gives them (each token's top-k of the entries it sees, entry j
+    closing at position (j + 1) * rate - 1; -1 padded) and HCA's counts (every entry the token
+    sees)."""
     batch, context, queries = case
     pages = ring_capacities(config, context, queries, page_size)
     rates = dict(config.compress_rates)
     keys = jax.random.split(key, 6)
 
-    def paged(k, count):  # [B * count, page, D] bf16 pages and a [B, count] table over them
+    def paged(k, count):  # [B * count, page, D] pages (bf16 or FP8) and a [B, count] table over them
         kv_key, table_key = jax.random.split(k)
         kv = jax.random.normal(kv_key, (batch * count, page_size, config.head_dim), jnp.bfloat16)
+        if cache_dtype == "fp8":
+            kv = as_fp8(kv, V4_RULE, config.head_dim - config.qk_rope_head_dim)
         return kv, jax.random.permutation(table_key, batch * count).reshape(batch, count).astype(jnp.int32)
 
     positions = jnp.broadcast_to(jnp.arange(context - queries, context, dtype=jnp.int32), (batch, queries))
@@ -266,16 +289,17 @@ def v4_op(name: str, config: ModelConfig, arrays: dict) -> Op:
     entry_kv, entry_pages, selection = arrays[kind]
     batch, queries, heads, dim = q.shape
     ring = arrays["window_pages"].shape[1] * arrays["window_kv"].shape[1]
+    slot_bytes = cache_token_bytes(arrays["window_kv"])
     window_keys = int(jnp.sum(jnp.minimum(positions + 1, config.sliding_window)))  # ring keys, summed over tokens
     if kind == CSA:  # each token's own selected entries: every distinct one read once, every number read
         chosen = np.asarray(selection).reshape(batch, -1)
         entry_keys = int(np.sum(chosen >= 0))
         distinct = sum(np.unique(numbers[numbers >= 0]).size for numbers in chosen)
-        entry_bytes = distinct * dim * ITEM + chosen.size * 4
+        entry_bytes = distinct * slot_bytes + chosen.size * 4
         xla_keys = queries * selection.shape[-1]  # the reference gathers [B, Q, K, D]
     else:  # the tokens share one prefix of entries
         entry_keys = int(jnp.sum(selection))
-        entry_bytes = batch * int(jnp.max(selection)) * dim * ITEM
+        entry_bytes = batch * int(jnp.max(selection)) * slot_bytes
         xla_keys = entry_pages.shape[1] * entry_kv.shape[1]  # [B, 1, E, D]
     slots = min(config.sliding_window - 1 + queries, int(positions[0, -1]) + 1)  # ring slots a row's tokens see
 
@@ -285,15 +309,11 @@ def v4_op(name: str, config: ModelConfig, arrays: dict) -> Op:
             q, kv, pages, pos, vis, sinks, sliding_window=config.sliding_window, scale=dim ** -0.5,
             compressed_kv=entries, compressed_pages=entry_pages, **{option: selection}))
 
-    try:  # the Mosaic kernel where it takes these shapes (not tiny-v4's D = 32 under --smoke)
-        check_v4_mosaic(q, arrays["window_kv"], entry_kv)
-        mosaic = call(functools.partial(sliding_compressed_attention_mosaic, interpret=jax.default_backend() != "gpu"))
-    except ValueError:
-        mosaic = None
+    mosaic = call(functools.partial(sliding_compressed_attention_mosaic, interpret=jax.default_backend() != "gpu"))
     return Op(name, call(sliding_compressed_attention_pallas), call(sliding_compressed_attention_reference),
               (q, arrays["window_kv"], arrays["window_pages"], positions, arrays["vis"], arrays["sinks"],
                entry_kv, entry_pages, selection),
-              bytes=batch * slots * dim * ITEM + entry_bytes + 2 * q.size * ITEM,  # K = V: each key read once
+              bytes=batch * slots * slot_bytes + entry_bytes + 2 * q.size * ITEM,  # K = V: each key read once
               flops=4 * heads * dim * (window_keys + entry_keys),  # scores and values, D wide each
               xla_bytes=4 * (batch * (ring + xla_keys) * dim + 2 * batch * queries * heads * (ring + xla_keys)),
               mosaic=mosaic)
@@ -345,6 +365,9 @@ def main(argv=None) -> int:
                         help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels")
+    parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
+                        help="fp8: the attention ops read FP8 caches (FlashMLA's tokens; the indexer's keys stay "
+                             "bfloat16)")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
@@ -360,7 +383,8 @@ def main(argv=None) -> int:
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
     copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s "
-          f"(read + write of {copy_bytes >> 20} MiB); page {dims.page_size}")
+          f"(read + write of {copy_bytes >> 20} MiB); page {dims.page_size}; "
+          f"{'FP8' if args.cache_dtype == 'fp8' else 'bfloat16'} caches")
     if set(args.ops) & set(V32_OPS):
         print(f"V3.2: heads {dims.heads}, latent {dims.latent}+{dims.rope}, indexer {dims.index_heads}x"
               f"{dims.index_dim}, top-k {dims.topk}")
@@ -394,7 +418,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
 
     def row(op, impl, seconds, nbytes, flops, xla_seconds=None, error=None):
         timed_rows.append(dict(op=op, impl=impl, batch=batch, context=context, queries=queries, seconds=seconds,
-                               bytes=nbytes, flops=flops))
+                               bytes=nbytes, flops=flops, cache_dtype=args.cache_dtype or "bfloat16"))
         bandwidth = nbytes / seconds
         speedup = f"{xla_seconds / seconds:>7.2f}x" if xla_seconds else f"{'':>8}"
         err = f"{error:>10.2e}" if error is not None else ""
@@ -403,12 +427,14 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
 
     families = []  # (name, input bytes, the family's ops at this shape)
     if set(args.ops) & set(V32_OPS):
-        families.append(("(V3.2)", batch * context * (dims.latent + dims.rope + dims.index_dim) * ITEM,
-                         lambda: ops(case, dims, inputs(case, dims, key), tuning)))
+        latent_bytes = ((dims.latent + dims.latent // fp8_cache.SCALE_BLOCK * 4 + dims.rope * ITEM)
+                        if args.cache_dtype == "fp8" else (dims.latent + dims.rope) * ITEM)
+        families.append(("(V3.2)", batch * context * (latent_bytes + dims.index_dim * ITEM),
+                         lambda: ops(case, dims, inputs(case, dims, key, args.cache_dtype), tuning)))
     if set(args.ops) & set(V4_OPS):
         # V4's caches in pages of the V3.2 cache's size (64, init_v4_cache's default).
-        families.append(("(V4)", v4_input_bytes(case, v4, dims.page_size),
-                         lambda: v4_ops(v4, v4_inputs(case, v4, dims.page_size, key))))
+        families.append(("(V4)", v4_input_bytes(case, v4, dims.page_size, args.cache_dtype),
+                         lambda: v4_ops(v4, v4_inputs(case, v4, dims.page_size, key, args.cache_dtype))))
     for family, input_bytes, build in families:
         if memory is not None and input_bytes > MEMORY_FRACTION * memory:
             print(f"{family:<16}{'skipped: memory':<18}{label}")
@@ -418,7 +444,13 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-            mosaic_out = None if op.mosaic is None or args.no_mosaic else jax.block_until_ready(op.mosaic(*op.args))
+            mosaic_out = None
+            if op.mosaic is not None and not args.no_mosaic:
+                try:  # a Mosaic kernel refuses shapes it cannot tile (tiny-v4's D 32, FP8 dense MLA below 512)
+                    mosaic_out = jax.block_until_ready(op.mosaic(*op.args))
+                except ValueError as refused:
+                    print(f"{op.name:<16}{'mosaic: refused':<18}{label}  {str(refused)[:120]}")
+                    op = op._replace(mosaic=None)
             xla_seconds = error = mosaic_error = None
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
             if not args.no_xla and fits:
