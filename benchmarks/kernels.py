@@ -46,10 +46,9 @@ from jaxspec import progress
 from jaxspec.cache_v4 import ring_capacities
 from jaxspec.memory_plan import device_memory
 from jaxspec.model_config import CSA, HCA, ModelConfig
-from jaxspec.pallas_kernels import fp8_cache
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
-from jaxspec.pallas_kernels.fp8_cache import LATENT_RULE, V4_RULE, Fp8Pool, cache_token_bytes
+from jaxspec.pallas_kernels.fp8_cache import LATENT_RULE, V4_RULE, cache_token_bytes, quantize_entries
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
@@ -89,10 +88,13 @@ MEMORY_FRACTION = 0.7
 ITEM = 2  # bf16 bytes
 
 
-def as_fp8(entries: jax.Array, rule: str, quant_dim: int) -> Fp8Pool:
-    """entries [P, page, D] as `cache_dtype="fp8"` stores them: an FP8 pool of `rule`, its first
-    quant_dim values e4m3."""
-    return Fp8Pool(*fp8_cache.quantize_entries(entries, rule, quant_dim), rule=rule)
+def slot_bytes(width: int, rope: int, rule: str, cache_dtype=None) -> int:
+    """Bytes a cache slot of `width` values takes: bfloat16, or with cache_dtype="fp8" the token of
+    a pool of `rule` with `rope` bfloat16 RoPE values (the pool's own count, `Fp8Pool.token_bytes`)."""
+    if cache_dtype != "fp8":
+        return width * ITEM
+    return cache_token_bytes(jax.eval_shape(
+        lambda: quantize_entries(jnp.zeros((1, 1, width), jnp.bfloat16), rule, width - rope)))
 
 
 def gpu_or_smoke(script: str, smoke: bool) -> bool:
@@ -167,7 +169,8 @@ def inputs(case: Case, dims: Dims, key, cache_dtype=None):
     return dict(
         q_nope=normal(keys[2], (batch, queries, dims.heads, dims.latent)),
         q_rope=normal(keys[3], (batch, queries, dims.heads, dims.rope)),
-        latent_cache=as_fp8(latent_cache, LATENT_RULE, dims.latent) if cache_dtype == "fp8" else latent_cache,
+        latent_cache=(quantize_entries(latent_cache, LATENT_RULE, dims.latent) if cache_dtype == "fp8"
+                      else latent_cache),
         q_idx=normal(keys[5], (batch, queries, dims.index_heads, dims.index_dim)),
         weights=jax.random.normal(keys[6], (batch, queries, dims.index_heads), jnp.float32),
         key_cache=normal(keys[7], (num_pages, dims.page_size, dims.index_dim)),
@@ -224,20 +227,12 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     ]
 
 
-def v4_slot_bytes(config: ModelConfig, cache_dtype=None) -> int:
-    """Bytes a V4 entry takes: head_dim bfloat16 values, or FlashMLA's MODEL1 token with FP8 caches
-    (e4m3 values, a float32 scale per 64, bfloat16 RoPE values: 604 at V4-Flash)."""
-    if cache_dtype != "fp8":
-        return config.head_dim * ITEM
-    quant = config.head_dim - config.qk_rope_head_dim
-    return quant + quant // fp8_cache.scale_block(quant, V4_RULE) * 4 + config.qk_rope_head_dim * ITEM
-
-
 def v4_input_bytes(case: Case, config: ModelConfig, page_size: int, cache_dtype=None) -> int:
     """Bytes of the V4 ops' inputs at one shape: each row's window ring and both entry arrays."""
     pages = ring_capacities(config, case.context, case.queries, page_size)
     slots = pages["window"] + pages["csa_entries"] + pages["hca_entries"]
-    return case.batch * slots * page_size * v4_slot_bytes(config, cache_dtype)
+    entry_bytes = slot_bytes(config.head_dim, config.qk_rope_head_dim, V4_RULE, cache_dtype)
+    return case.batch * slots * page_size * entry_bytes
 
 
 def v4_inputs(case: Case, config: ModelConfig, page_size: int, key, cache_dtype=None) -> dict:
@@ -256,7 +251,7 @@ def v4_inputs(case: Case, config: ModelConfig, page_size: int, key, cache_dtype=
         kv_key, table_key = jax.random.split(k)
         kv = jax.random.normal(kv_key, (batch * count, page_size, config.head_dim), jnp.bfloat16)
         if cache_dtype == "fp8":
-            kv = as_fp8(kv, V4_RULE, config.head_dim - config.qk_rope_head_dim)
+            kv = quantize_entries(kv, V4_RULE, config.head_dim - config.qk_rope_head_dim)
         return kv, jax.random.permutation(table_key, batch * count).reshape(batch, count).astype(jnp.int32)
 
     positions = jnp.broadcast_to(jnp.arange(context - queries, context, dtype=jnp.int32), (batch, queries))
@@ -427,8 +422,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
 
     families = []  # (name, input bytes, the family's ops at this shape)
     if set(args.ops) & set(V32_OPS):
-        latent_bytes = ((dims.latent + dims.latent // fp8_cache.SCALE_BLOCK * 4 + dims.rope * ITEM)
-                        if args.cache_dtype == "fp8" else (dims.latent + dims.rope) * ITEM)
+        latent_bytes = slot_bytes(dims.latent + dims.rope, dims.rope, LATENT_RULE, args.cache_dtype)
         families.append(("(V3.2)", batch * context * (latent_bytes + dims.index_dim * ITEM),
                          lambda: ops(case, dims, inputs(case, dims, key, args.cache_dtype), tuning)))
     if set(args.ops) & set(V4_OPS):

@@ -217,8 +217,9 @@ def entries(pool: Fp8Pool) -> jax.Array:
     return latent if pool.rope is None else jnp.concatenate([latent, pool.rope], axis=-1)
 
 
-def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Entries [..., Dq + Dr] -> the parts a pool stores: (e4m3 [..., Dq], scales, rope [..., Dr] or None)."""
+def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> Fp8Pool:
+    """Entries [..., Dq + Dr] -> what a pool of `rule` stores for them: an `Fp8Pool` of e4m3
+    [..., Dq], scales and rope [..., Dr] (or None)."""
     if rule == LATENT_RULE:
         quantized, scales = quantize_latent(values[..., :quant_dim])
     elif rule in (INDEX_RULE, PLAIN_INDEX_RULE):
@@ -228,7 +229,7 @@ def quantize_entries(values: jax.Array, rule: str, quant_dim: int) -> tuple[jax.
     else:
         raise ValueError(f"Fp8Pool.rule={rule!r}: must be one of {RULES}")
     rope = values[..., quant_dim:].astype(ROPE_DTYPE) if values.shape[-1] > quant_dim else None
-    return quantized, scales, rope
+    return Fp8Pool(quantized, scales, rope, rule)
 
 
 # -- paged access: plain arrays and FP8 pools alike --------------------------------------------------
@@ -238,9 +239,8 @@ def write_entries(cache, page_table: jax.Array, slots: jax.Array, values: jax.Ar
     values [B, Q, Dq + Dr] per token by its rule first."""
     if not isinstance(cache, Fp8Pool):
         return write_slots(cache, page_table, slots, values)
-    parts = quantize_entries(values, cache.rule, cache.values.shape[-1])
     return jax.tree.map(lambda pool, part: write_slots(pool, page_table, slots, part), cache,
-                        Fp8Pool(*parts, rule=cache.rule))
+                        quantize_entries(values, cache.rule, cache.values.shape[-1]))
 
 
 def read_parts(cache, page_table: jax.Array, slots: jax.Array):
@@ -273,7 +273,7 @@ def as_stored(cache, values: jax.Array) -> jax.Array:
     cast to a plain pool's dtype, or quantized by an FP8 pool's rule and dequantized (`entries`)."""
     if not isinstance(cache, Fp8Pool):
         return values.astype(cache.dtype)
-    return entries(Fp8Pool(*quantize_entries(values, cache.rule, cache.values.shape[-1]), rule=cache.rule))
+    return entries(quantize_entries(values, cache.rule, cache.values.shape[-1]))
 
 
 def entry_dtype(cache):

@@ -121,17 +121,28 @@ def issue_keys(rows, parts_at, stagings, copies: int, barrier) -> None:
                 plgpu.barrier_arrive(barrier)
 
 
-def seen_bias(rows) -> jax.Array:
-    """rows, an SMEM ref [T] float32 as `issue_keys` reads it -> bias [T] float32 in the WGMMA
-    column layout: 0 where a key was gathered, -inf where none."""
+def rows_buffer(rows_smem, step):
+    """Of rows_smem [2, T] float32, the buffer tile `step`'s rows use (they alternate)."""
+    return rows_smem.at[jax.lax.rem(step, 2)]
+
+
+def fetch_rows(rows_at, step, num_tiles, rows_smem, barrier) -> None:
+    """Issue the copy of tile `step`'s rows, rows_at(step) (a GMEM ref [T] float32, read only when
+    the tile exists), into its buffer, arriving on `barrier`; past the last tile, the arrival
+    without bytes, so that the barrier's count does not depend on where the loop stands."""
+    pl.when(step < num_tiles)(lambda: plgpu.copy_gmem_to_smem(rows_at(step), rows_buffer(rows_smem, step), barrier))
+    pl.when(step >= num_tiles)(lambda: plgpu.barrier_arrive(barrier))
+
+
+def prepare_tile(stagings, widths, kv_smem, rows_smem, step, scales=None) -> jax.Array:
+    """`scorer`'s prepare: tile `step`'s gathered keys into kv_smem (`to_operand`, the rows that got
+    no key zeroed) -> its bias [T] float32 in the WGMMA column layout, 0 where a key was gathered,
+    -inf where none. The rows are loaded once per layout: a loaded value does not convert between
+    the two."""
+    rows = rows_buffer(rows_smem, step)
+    to_operand(stagings, widths, kv_smem, plgpu.layout_cast(rows[...], plgpu.Layout.WGMMA.reduce(1)) >= 0, scales)
     seen = plgpu.layout_cast(rows[...], plgpu.Layout.WGMMA.reduce(0)) >= 0
     return jnp.where(seen, 0.0, -jnp.inf)
-
-
-def seen_rows(rows) -> jax.Array:
-    """rows as in `seen_bias` -> [T] bool in the WGMMA row layout (`to_operand`'s keep). A load of
-    its own: a value loaded in one layout does not convert to the other."""
-    return plgpu.layout_cast(rows[...], plgpu.Layout.WGMMA.reduce(1)) >= 0
 
 
 def to_operand(stagings, widths, kv_smem, keep, scales=None) -> None:

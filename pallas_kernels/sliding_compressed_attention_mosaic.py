@@ -83,8 +83,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments, extra_key_pool
 from .fp8_cache import Fp8Pool, entry_dtype, flat_pool, quantize_entries
-from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, follower,
-                                      issue_keys, scorer, seen_bias, seen_rows, staging, to_operand)
+from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, fetch_rows,
+                                      follower, issue_keys, prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting
 from .paged import flat_rows
@@ -128,27 +128,22 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def fetch_rows(step, rows_smem, barrier):
-        """Copy the rows of the token's `step`-th seen tile into rows_smem.at[step % 2]."""
-        tile = tiles_ref[token, step]
-        plgpu.copy_gmem_to_smem(rows_ref.at[token, pl.ds(tile * TILE, TILE)], rows_smem.at[jax.lax.rem(step, 2)],
-                                barrier)
+    def rows_at(step):  # the rows of the token's `step`-th seen tile
+        return rows_ref.at[token, pl.ds(tiles_ref[token, step] * TILE, TILE)]
 
     def gather(step, stagings, rows_smem, scales, barrier):
         """Issue the copies of the token's `step`-th seen tile (its rows already in SMEM) into
         `stagings` and its keys' scales into `scales`, and of the next tile's rows, all arriving
         on `barrier` (the next tile's rows without bytes after the last tile)."""
         tile = tiles_ref[token, step]
-        rows = rows_smem.at[jax.lax.rem(step, 2)]
+        rows = rows_buffer(rows_smem, step)
         if fp8:
             plgpu.copy_gmem_to_smem(scales_ref.at[:, token, pl.ds(tile * TILE, TILE)], scales, barrier)
         for run, source in enumerate(sources):
             pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))(functools.partial(
                 issue_keys, rows, lambda row, source=source: [array.at[row] for array in source], stagings, copies,
                 barrier))
-
-        pl.when(step + 1 < num_tiles)(lambda: fetch_rows(step + 1, rows_smem, barrier))
-        pl.when(step + 1 >= num_tiles)(lambda: plgpu.barrier_arrive(barrier))
+        fetch_rows(rows_at, step + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
         # Two tiles' rows, the rescale handed to warpgroup 1 and the sinks share one buffer: every
@@ -171,21 +166,16 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
-            pl.when(num_tiles > 0)(lambda: fetch_rows(0, rows_smem, q_barrier))
-            pl.when(num_tiles == 0)(lambda: plgpu.barrier_arrive(q_barrier))
+            fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
             pl.when(num_tiles > 0)(lambda: gather(0, stagings, rows_smem, scales, gathered))
-
-            def prepare(step):
-                rows = rows_smem.at[jax.lax.rem(step, 2)]
-                to_operand(stagings, widths, kv_smem, seen_rows(rows), scales)
-                return seen_bias(rows)
 
             # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
             init = (plgpu.layout_cast(sinks_smem[...], row_layout),
                     plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), acc0)
             _, denom, acc = scorer(
-                num_tiles=num_tiles, init=init, prepare=prepare,
+                num_tiles=num_tiles, init=init,
+                prepare=functools.partial(prepare_tile, stagings, widths, kv_smem, rows_smem, scales=scales),
                 prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered), accumulate=accumulate,
                 q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=scale, gathered=gathered,
                 handshake=warpgroups == 2, **handshake_barriers)
@@ -254,7 +244,7 @@ def key_lists(window_kv, window_pages, positions, vis: Visibility, *, sliding_wi
         runs.append(_run(rows, extra_valid & valid))
         pool = extra_key_pool(window_kv, compressed_kv)
         if isinstance(pool, Fp8Pool):
-            extra_kv = Fp8Pool(*quantize_entries(extra_kv, pool.rule, pool.values.shape[-1]), rule=pool.rule)
+            extra_kv = quantize_entries(extra_kv, pool.rule, pool.values.shape[-1])
         sources.append(flat_pool(extra_kv))
     ends = tuple(itertools.accumulate(r.shape[2] // TILE for r in runs))
     return jnp.concatenate(runs, axis=2), ends, sources

@@ -73,8 +73,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
 from .fp8_cache import Fp8Pool, entry_dtype, flat_pool
-from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, follower, issue_keys, scorer, seen_bias,
-                                      seen_rows, staging, to_operand)
+from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_rows, follower, issue_keys,
+                                      prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting
 from .paged import flat_rows, read_slots
@@ -109,19 +109,17 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def fetch_rows(tile, rows_smem, barrier):
-        plgpu.copy_gmem_to_smem(rows_ref.at[token, pl.ds(tile * TILE, TILE)], rows_smem.at[jax.lax.rem(tile, 2)],
-                                barrier)
+    def rows_at(tile):
+        return rows_ref.at[token, pl.ds(tile * TILE, TILE)]
 
     def gather(tile, stagings, rows_smem, scales, barrier):
         """Issue tile `tile`'s copies (its rows already in SMEM), its scales' and the next tile's rows',
         all arriving on `barrier` (the next rows without bytes after the last tile)."""
         if scales_ref is not None:
             plgpu.copy_gmem_to_smem(scales_ref.at[token, :, pl.ds(tile * TILE, TILE)], scales, barrier)
-        issue_keys(rows_smem.at[jax.lax.rem(tile, 2)], lambda row: [part.at[row] for part in parts], stagings,
-                   copies, barrier)
-        pl.when(tile + 1 < num_tiles)(lambda: fetch_rows(tile + 1, rows_smem, barrier))
-        pl.when(tile + 1 >= num_tiles)(lambda: plgpu.barrier_arrive(barrier))
+        issue_keys(rows_buffer(rows_smem, tile), lambda row: [part.at[row] for part in parts], stagings, copies,
+                   barrier)
+        fetch_rows(rows_at, tile + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
         # Two tiles' rows and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
@@ -146,14 +144,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         @pl.when(wg == 0)
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
-            fetch_rows(0, rows_smem, q_barrier)
+            fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
             gather(0, stagings, rows_smem, scales, gathered)
-
-            def prepare(tile):
-                rows = rows_smem.at[jax.lax.rem(tile, 2)]
-                to_operand(stagings, [part.shape[-1] for part in parts], kv_smem, seen_rows(rows), scales)
-                return seen_bias(rows)
 
             def accumulate(acc, alpha):
                 return tuple(accumulate_values(a, alpha, p_smem, kv_smem.at[:, columns(block)])
@@ -162,7 +155,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), (acc0,) * len(owned))
             row_max, denom, acc = scorer(
-                num_tiles=num_tiles, init=init, prepare=prepare,
+                num_tiles=num_tiles, init=init,
+                prepare=functools.partial(prepare_tile, stagings, [part.shape[-1] for part in parts], kv_smem,
+                                          rows_smem, scales=scales),
                 prefetch=lambda tile: gather(tile, stagings, rows_smem, scales, gathered), accumulate=accumulate,
                 q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=softmax_scale, gathered=gathered,
                 handshake=handshake, **handshake_barriers)

@@ -219,7 +219,7 @@ def test_latent_pool_is_flashmlas_token_byte_for_byte():
 
 def fp8_pool_of(cache: jax.Array, latent: int) -> Fp8Pool:
     """A compute-dtype latent cache [P, page, Dl + Dr] quantized as the cache stores it."""
-    return Fp8Pool(*fp8_cache.quantize_entries(cache, fp8_cache.LATENT_RULE, latent), rule=fp8_cache.LATENT_RULE)
+    return fp8_cache.quantize_entries(cache, fp8_cache.LATENT_RULE, latent)
 
 
 @pytest.mark.parametrize("latent,rope,dtype", [(48, 16, jnp.bfloat16), (512, 64, jnp.float32)],

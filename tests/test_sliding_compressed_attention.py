@@ -115,7 +115,7 @@ def make_case(rng, *, batch=4, num_queries=4, heads=4, dim=32, page=4, ring_page
 
 def v4_pool(kv: jax.Array, rope: int) -> Fp8Pool:
     """kv [..., D] written to a V4 FP8 pool (FlashMLA's MODEL1 token, `rope` bfloat16 RoPE values)."""
-    return Fp8Pool(*fp8_cache.quantize_entries(kv, fp8_cache.V4_RULE, kv.shape[-1] - rope), rule=fp8_cache.V4_RULE)
+    return fp8_cache.quantize_entries(kv, fp8_cache.V4_RULE, kv.shape[-1] - rope)
 
 
 def naive(case: Case) -> np.ndarray:
