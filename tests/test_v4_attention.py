@@ -143,7 +143,7 @@ def hf_layer(kind, model):
     with torch.no_grad():
         for name, p in layer.named_parameters():
             value = ours[name].T if name.endswith("proj.weight") else ours[name]
-            p.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+            p.copy_(torch.from_numpy(np.array(value)))  # np.array: a writable copy, which torch can wrap
     return layer, config, DeepseekV4RotaryEmbedding(config)
 
 
@@ -156,7 +156,7 @@ def hf_call(layer, rotary, config, x, start, cache):
     key_pos = torch.arange(start - past, start + q)
     allowed = (key_pos[None] <= positions[0, :, None]) & (key_pos[None] > positions[0, :, None] - WINDOW)
     mask = torch.where(allowed, 0.0, float("-inf"))[None, None]
-    xt = torch.from_numpy(np.asarray(x))
+    xt = torch.from_numpy(np.array(x))
     embeddings = {kind: rotary(xt, positions, layer_type=kind) for kind in ("main", "compress")}
     with torch.no_grad():
         out, _ = layer(xt, embeddings, positions, mask, past_key_values=cache)
