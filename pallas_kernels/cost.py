@@ -10,13 +10,20 @@ backend config (`serialized_metadata`), which survives into the optimized HLO, w
 `metadata=cost_metadata(cost)` itself. Pallas's batching rule scales `cost_estimate` but not
 `metadata`, so a kernel must not be vmapped: state the cost of the batched launch instead (none of
 ours is).
+
+Mosaic GPU's lowering drops `metadata` (jax 0.10 and 0.11), so a Mosaic GPU kernel is launched
+inside `stating(cost, name)` instead: the same entries, and the op's name, become XLA frontend
+attributes of its custom call (`jax.experimental.xla_metadata`), which also survive into the
+optimized HLO.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from jax.experimental import pallas as pl
+from jax.experimental.xla_metadata import set_xla_metadata
 
 # Keys of the metadata entries (flat strings: `metadata` is a str -> str mapping).
 _FIELDS = ("flops", "transcendentals", "bytes_accessed")
@@ -34,9 +41,27 @@ def read_cost_metadata(serialized: str) -> pl.CostEstimate | None:
         entries = json.loads(serialized)
     except ValueError:
         return None
-    if not isinstance(entries, dict) or any(_PREFIX + field not in entries for field in _FIELDS):
+    return cost_of(entries) if isinstance(entries, dict) else None
+
+
+def cost_of(entries: dict[str, str]) -> pl.CostEstimate | None:
+    """The cost `cost_metadata` wrote into `entries` (str -> str), or None if they hold none."""
+    if any(_PREFIX + field not in entries for field in _FIELDS):
         return None
     return pl.CostEstimate(**{field: int(entries[_PREFIX + field]) for field in _FIELDS})
+
+
+# The frontend attribute naming a Mosaic GPU kernel's op (`stating`).
+KERNEL_ATTRIBUTE = _PREFIX + "kernel"
+
+
+@contextlib.contextmanager
+def stating(cost: pl.CostEstimate, name: str):
+    """Launch a Mosaic GPU kernel inside: its custom call carries `cost` and the op's `name` (the
+    Triton kernel's name for the same op, so both count in the same op class) as frontend
+    attributes. Every op traced inside gets them, so hold only the launch."""
+    with set_xla_metadata(**cost_metadata(cost), **{KERNEL_ATTRIBUTE: name}):
+        yield
 
 
 def array_bytes(*arrays) -> int:

@@ -55,7 +55,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import select_topk
-from .fp8_cache import E4M3, Fp8Pool
+from .cost import array_bytes, stating
+from .fp8_cache import E4M3, Fp8Pool, cache_token_bytes
 from .mosaic_gpu import compiler_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
@@ -256,12 +257,20 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
     w = pad_to(weights.astype(jnp.float32), 2, 64).reshape(batch * num_queries, -1)
     bound = kv_bound(vis, num_queries)
 
+    out_type = jax.ShapeDtypeStruct((batch * num_queries, chunks * chunk_tiles * TILE), jnp.float32)
     kernel = plgpu.kernel(
         functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries,
                           fp8=fp8),
-        out_type=jax.ShapeDtypeStruct((batch * num_queries, chunks * chunk_tiles * TILE), jnp.float32),
-        grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"), compiler_params=compiler_params())
-    scores = kernel(q_t, w, *keys, page_table.astype(jnp.int32), bound)
+        out_type=out_type, grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"),
+        compiler_params=compiler_params())
+    small = (q_t, w, page_table.astype(jnp.int32), bound)
+    # As the Triton kernel states it: at capacity, a head's logit a Di-long dot, then ReLU, weight
+    # and sum; a row's keys read from HBM once.
+    cost = pl.CostEstimate(flops=batch * num_queries * heads * num_slots * (2 * dim + 3), transcendentals=0,
+                           bytes_accessed=batch * num_slots * cache_token_bytes(key_cache)
+                           + array_bytes(*small, out_type))
+    with stating(cost, "indexer_scores"):
+        scores = kernel(q_t, w, *keys, *small[2:])
     scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]
     if vis.tree_mask is None:
         return scores

@@ -54,7 +54,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .fp8_cache import SCALE_BLOCK, Fp8Pool
+from .cost import array_bytes, stating
+from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
 from .mosaic_gpu import check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
@@ -410,16 +411,23 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     table = jnp.pad(page_table.astype(jnp.int32), [(0, 0), (0, -page_table.shape[1] % COPY_WORDS)])
     table = jnp.clip(table, 0, num_pages - 1).reshape(batch, -1, COPY_WORDS)
     bound, bits, meta = _row_operands(vis, num_queries, heads, rows_padded)
+    out_type = (jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
+                jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
                           softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret, fp8=fp8),
-        out_type=(jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
-                  jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32)),
-        grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
+        out_type=out_type, grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
-    operands = (queries, *cache_operands, table, meta, bound) + (() if bits is None else (bits,))
-    out, lse = kernel(*operands)
+    small = (table, meta, bound) + (() if bits is None else (bits,))
+    # As the Triton kernel states it: at capacity, each row scoring Dl + Dr features and averaging
+    # Dl per slot, a batch row's slots read from HBM once (its row blocks and parts share L2).
+    cost = pl.CostEstimate(flops=2 * batch * rows * capacity * (latent + width),
+                           transcendentals=batch * rows * capacity,
+                           bytes_accessed=batch * capacity * cache_token_bytes(latent_cache)
+                           + array_bytes(queries, *small, *out_type))
+    with stating(cost, "mla_attention"):
+        out, lse = kernel(queries, *cache_operands, *small)
     out, lse = combine_parts(out, lse, q_nope.dtype)
     return (out[:, :rows].reshape(batch, num_queries, heads, latent),
             lse[:, :rows].reshape(batch, num_queries, heads))

@@ -82,7 +82,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments, extra_key_pool
-from .fp8_cache import Fp8Pool, entry_dtype, flat_pool, quantize_entries
+from .cost import array_bytes, stating
+from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
 from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, fetch_rows,
                                       follower, issue_keys, prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
@@ -351,10 +352,11 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     heads_padded = queries.shape[1]
     out_block = min(dim // 2, OUT_BLOCK)  # columns per warpgroup
     arrays = [part for source in sources for part in ((source.values, source.rope) if fp8 else (source,))]
+    out_type = jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype)
     kernel = plgpu.kernel(
         functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block,
                           warpgroups=warpgroups),
-        out_type=jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype),
+        out_type=out_type,
         grid=(dim // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
@@ -362,6 +364,13 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     tiles = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # the seen tiles first, in order
     scales = (listed_scales(rows, runs, sources),) if fp8 else ()
     # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the float32 vectors.
-    out = kernel(queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.astype(jnp.float32), tiles,
-                 jnp.sum(seen, axis=1, dtype=jnp.int32), *scales, *arrays)
+    small = (queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.astype(jnp.float32), tiles,
+             jnp.sum(seen, axis=1, dtype=jnp.int32))
+    # Stated at capacity: every listed key (tile padding included, as the tensor cores run it)
+    # scored and averaged over D by every head, read once per token (tokens gather their own keys;
+    # an FP8 key's bytes hold its scales).
+    cost = pl.CostEstimate(flops=4 * heads * rows.size * dim, transcendentals=heads * rows.size,
+                           bytes_accessed=rows.size * cache_token_bytes(window_kv) + array_bytes(*small, out_type))
+    with stating(cost, "sliding_compressed_attention"):
+        out = kernel(*small, *scales, *arrays)
     return out[:, :heads].reshape(batch, num_queries, heads, dim)

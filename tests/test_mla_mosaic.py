@@ -27,7 +27,7 @@ from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic, nu
 from jaxspec.presets import preset
 from test_fp8_cache import fp8_pool_of
 from test_kernels import assert_attention_close, latent_inputs, make_window, scale_for
-from test_sparse_mosaic import SM90_SMEM
+from test_sparse_mosaic import SM90_SMEM, assert_costed
 
 LATENT, ROPE, PAGE = 128, 64, 64
 
@@ -184,6 +184,7 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
     [launch] = aot.mosaic_launches(compiled)
     assert launch.threads == (256, 1, 1) and launch.shared_memory <= SM90_SMEM
     assert math.prod(launch.grid) == num_queries * heads // 64 * num_parts(4096) * batch
+    assert_costed(compiled, "mla_attention", 2 * batch * num_queries * heads * 4096 * (2 * latent + 64))
     memory, rows = aot.memory(compiled), batch * num_queries * heads
     assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
     # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).

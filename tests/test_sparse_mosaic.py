@@ -37,6 +37,17 @@ Spec = jax.ShapeDtypeStruct
 SM90_SMEM = 232448
 
 
+def assert_costed(compiled, name: str, flops: int) -> None:
+    """The program's one Pallas kernel is a Mosaic kernel that names its op `name` and states
+    `flops` (the Triton kernel's count for the op), and `jaxspec.aot` counts it: no Mosaic call
+    left uncounted, and the attention class holds exactly its stated cost."""
+    [call] = aot.pallas_calls(compiled)
+    assert (call.lowering, call.name, call.flops) == ("mosaic", name, flops)
+    uncounted = aot.program_cost(compiled).uncounted
+    assert not [target for target in uncounted if target.startswith(("mosaic", "pallas"))], uncounted
+    assert aot.op_class_costs(compiled)["attention"] == (call.flops, call.bytes_accessed)
+
+
 def fp8_keys(rng, keys: jax.Array) -> Fp8Pool:
     """An FP8 key pool from integer-valued keys [P, page, Di] (exact in e4m3; NaN stays NaN) with
     random power-of-two scales, so every FP8 score is exact in float32 whatever the summation order."""
@@ -185,7 +196,8 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
     [launch] = aot.mosaic_launches(compiled)
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
     assert launch.threads == (128, 1, 1) and launch.shared_memory <= SM90_SMEM
-    table_row = r"^_indexer_scores \(Mosaic\)\s+1\s+\S+\s+128\s+(\d+)\s+-\s+-$"  # `jaxspec aot`'s kernel table
+    assert_costed(compiled, "indexer_scores", BATCH * num_queries * heads * CONTEXT * (2 * dim + 3))
+    table_row = r"^indexer_scores \(Mosaic\)\s+1\s+\S+\s+128\s+(\d+)\s+-\s+-$"  # `jaxspec aot`'s kernel table
     row = re.search(table_row, aot.report(compiled, "indexer"), re.M)
     assert row and int(row.group(1)) == launch.shared_memory
     if fp8:
@@ -334,6 +346,9 @@ def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp
     [launch] = aot.mosaic_launches(compiled)
     assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * 2 * BATCH * num_queries
     assert launch.shared_memory <= SM90_SMEM
+    heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
+    assert_costed(compiled, "sparse_mla_attention",
+                  2 * BATCH * num_queries * heads * V32.index_topk * (2 * latent + rope))
     if fp8:
         bf16_compiled = sparse_mla_compile(num_queries, False)
         gathered_scales = BATCH * num_queries * V32.index_topk * (V32.kv_lora_rank // 128) * 4

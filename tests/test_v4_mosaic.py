@@ -21,6 +21,7 @@ from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
 from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
+from test_sparse_mosaic import assert_costed
 
 MOSAIC_CASES = {
     # a tree window, CSA top-k (-1 and entries past the row's pages mixed in), extra keys, 8-slot
@@ -163,17 +164,18 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * tokens
     assert launch.shared_memory <= SHARED_MEMORY_LIMIT
     assert aot.memory(compiled).output == tokens * FLASH["heads"] * FLASH["dim"] * 2
+    args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
+    entries = kwargs["compressed_indices"].shape[-1] if compressed == "indices" else (
+        kwargs["compressed_pages"].shape[1] * kwargs["compressed_kv"].shape[1])  # a row's whole capacity
+    listed = sum(-(-n // 64) * 64 for n in (FLASH["window"] - 1 + 8, entries, 2))  # keys, in whole tiles
+    assert_costed(compiled, "sliding_compressed_attention", 4 * FLASH["heads"] * tokens * listed * FLASH["dim"])
     # `jaxspec aot`'s kernel table keeps its columns under the header, whatever a kernel's name
     header, *rows = [line for line in aot.report(compiled, "v4").splitlines()
-                     if line.startswith(("Pallas kernel", "_sliding_compressed"))]
+                     if line.startswith(("Pallas kernel", "sliding_compressed_attention"))]
     sites = header.index("sites") + len("sites")
     assert rows and all(row[sites - 1].isdigit() and row[sites:sites + 2] == "  " for row in rows)
     if fp8:
         bf16_compiled = v4_flash_compile(compressed, False)
-        args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=True)
-        entries = kwargs["compressed_indices"].shape[-1] if compressed == "indices" else math.prod(
-            kwargs["compressed_kv"].shape[:2])
-        listed = sum(-(-n // 64) * 64 for n in (FLASH["window"] - 1 + 8, entries, 2))  # keys, in whole tiles
         blocks = (FLASH["dim"] - 64) // 64
         scales = tokens * listed * blocks * 4
         tables = sum(math.prod(pool.scales.shape) * 4 for pool in (args[1], kwargs["compressed_kv"]))

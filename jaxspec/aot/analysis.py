@@ -34,7 +34,7 @@ from collections import Counter
 
 import jax
 
-from jaxspec.pallas_kernels.cost import read_cost_metadata
+from jaxspec.pallas_kernels.cost import KERNEL_ATTRIBUTE, cost_of, read_cost_metadata
 
 from .compile import GpuCompiled
 from .hlo_loops import HloModuleText, executions, module_with_entry, parse_module
@@ -42,6 +42,8 @@ from .hlo_loops import HloModuleText, executions, module_with_entry, parse_modul
 # Custom-call targets of a Pallas kernel lowered through Triton: jaxlib <= 0.10.2 (metadata in
 # `serialized_metadata`) and later (metadata inside the zlib-compressed `opaque` kernel proto).
 _TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+# A Mosaic GPU kernel's custom call ("mosaic_gpu", "mosaic_gpu_v2" by jaxlib).
+_MOSAIC_TARGET = 'custom_call_target="mosaic_gpu'
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                 "collective-permute", "collective-broadcast")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
@@ -71,11 +73,19 @@ def _attribute(line: str, name: str) -> str | None:
     return None if match is None else match.group(1)
 
 
+def _frontend_attributes(line: str) -> dict[str, str]:
+    """An HLO instruction's `frontend_attributes={key="value",...}` (empty when it has none)."""
+    match = re.search(r"\bfrontend_attributes=\{([^}]*)\}", line)
+    return {} if match is None else dict(re.findall(r'([\w.]+)="([^"]*)"', match.group(1)))
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasCall:
     """One Pallas kernel launch in the optimized HLO: its name, result shape text, stated cost of
-    one launch (None when the kernel states none), and how many times it runs in one execution of
-    the program (`runs`: the product of the known trip counts of the loops around it)."""
+    one launch (None when the kernel states none), how many times it runs in one execution of the
+    program (`runs`: the product of the known trip counts of the loops around it), and its
+    lowering ("triton", or "mosaic" for Mosaic GPU, whose kernels name their op: the Triton
+    kernel's name for it)."""
 
     name: str
     result: str
@@ -83,6 +93,7 @@ class PallasCall:
     transcendentals: int | None
     bytes_accessed: int | None
     runs: int = 1
+    lowering: str = "triton"
 
 
 def _optimized_hlo(compiled) -> str:
@@ -107,14 +118,25 @@ def _instructions(text: str):
 
 
 def pallas_calls(compiled) -> list[PallasCall]:
-    """The Pallas (Triton) kernel launches of a compiled program, in HLO order."""
+    """The Pallas kernel launches (Triton and Mosaic GPU) of a compiled program, in HLO order."""
     return _pallas_calls(_optimized_hlo(compiled))
 
 
 def _pallas_calls(text: str) -> list[PallasCall]:
     calls = []
     for line, runs in _instructions(text):
-        if "custom-call(" not in line or not any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
+        if "custom-call(" not in line:
+            continue
+        if _MOSAIC_TARGET in line:
+            line = re.sub(r'\bmodule = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
+            match, attributes = _INSTRUCTION.match(line), _frontend_attributes(line)
+            cost = cost_of(attributes)  # `cost.stating`: Mosaic GPU drops a kernel's metadata
+            calls.append(PallasCall(name=attributes.get(KERNEL_ATTRIBUTE, "mosaic_gpu"),
+                                    result=match.group(2) if match else "", flops=cost and cost.flops,
+                                    transcendentals=cost and cost.transcendentals,
+                                    bytes_accessed=cost and cost.bytes_accessed, runs=runs, lowering="mosaic"))
+            continue
+        if not any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
             continue
         line = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
         match = _INSTRUCTION.match(line)
@@ -244,7 +266,7 @@ def program_cost(compiled) -> ProgramCost:
     unknown = sum(targets.values())
     calls = _pallas_calls(text)
     stated = [c for c in calls if c.flops is not None]
-    uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS}
+    uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS and not t.startswith("mosaic_gpu")}
     if len(stated) < len(calls):
         uncounted["pallas kernels without a stated cost"] = sum(c.runs for c in calls if c.flops is None)
     kernel_flops = sum(c.flops * c.runs for c in stated)
@@ -413,7 +435,7 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
     Only the PTX files that define a Pallas kernel go through ptxas (a full model has thousands
     of XLA fusions).
     """
-    kernel_names = {call.name for call in pallas_calls(compiled)}
+    kernel_names = {call.name for call in pallas_calls(compiled) if call.lowering == "triton"}
     thunks = []
     for path in _dump_files(compiled, "thunk_sequence.txt"):
         with open(path) as f:
@@ -436,10 +458,10 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLaunch:
-    """A Mosaic GPU kernel launch of the optimized HLO: the jitted function around it (a Mosaic
-    kernel has no name of its own), grid, threads per block and shared memory (bytes a block
-    claims, Mosaic GPU's count). Registers and spills are not known: Mosaic GPU builds the cubin
-    when XLA loads the program on a device."""
+    """A Mosaic GPU kernel launch of the optimized HLO: the op it runs (the name the kernel states,
+    `cost.stating`; else the jitted function around it: a Mosaic kernel has no name of its own),
+    grid, threads per block and shared memory (bytes a block claims, Mosaic GPU's count). Registers
+    and spills are not known: Mosaic GPU builds the cubin when XLA loads the program on a device."""
 
     name: str
     grid: tuple[int, int, int]
@@ -447,7 +469,6 @@ class MosaicLaunch:
     shared_memory: int
 
 
-_MOSAIC_TARGET = 'custom_call_target="mosaic_gpu'
 _LAUNCH = "gpu.launch"
 
 
@@ -478,8 +499,8 @@ def mosaic_launches(compiled: GpuCompiled) -> list[MosaicLaunch]:
             sizes = [int(ir.IntegerAttr(operand.owner.attributes["value"]).value)
                      for operand in found[0].operands[1:8]]
         names = re.findall(r"jit\(([^)]*)\)", op_name.group(1)) if op_name else []
-        launches.append(MosaicLaunch(names[-1] if names else "mosaic_gpu", tuple(sizes[:3]), tuple(sizes[3:6]),
-                                     sizes[6]))
+        name = _frontend_attributes(line).get(KERNEL_ATTRIBUTE, names[-1] if names else "mosaic_gpu")
+        launches.append(MosaicLaunch(name, tuple(sizes[:3]), tuple(sizes[3:6]), sizes[6]))
     return launches
 
 
