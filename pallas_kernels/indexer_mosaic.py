@@ -263,14 +263,14 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
                           fp8=fp8),
         out_type=out_type, grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"),
         compiler_params=compiler_params())
-    small = (q_t, w, page_table.astype(jnp.int32), bound)
+    tables = (page_table.astype(jnp.int32), bound)
     # As the Triton kernel states it: at capacity, a head's logit a Di-long dot, then ReLU, weight
     # and sum; a row's keys read from HBM once.
     cost = pl.CostEstimate(flops=batch * num_queries * heads * num_slots * (2 * dim + 3), transcendentals=0,
                            bytes_accessed=batch * num_slots * cache_token_bytes(key_cache)
-                           + array_bytes(*small, out_type))
+                           + array_bytes(q_t, w, *tables, out_type))
     with stating(cost, "indexer_scores"):
-        scores = kernel(q_t, w, *keys, *small[2:])
+        scores = kernel(q_t, w, *keys, *tables)
     scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]
     if vis.tree_mask is None:
         return scores
