@@ -29,9 +29,10 @@ OUT/report.md is rewritten from the JSON at the end of every run.
 
 Calibration: from the kernel, MoE and matmul rows, the fraction of the roofline each op class
 reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak) of the device's
-target over measured time, summed over the class's rows); report.json's "calibration" is the input
-of `projection.py --calibration` and of the e2e part's calibrated column. Collectives are not
-measured on one GPU and stay at 1.0 (said so).
+target over measured time, summed over the class's rows; attention from the rows of the kernel
+backend="auto" runs for each op on the device, as the e2e step does); report.json's "calibration"
+is the input of `projection.py --calibration` and of the e2e part's calibrated column. Collectives
+are not measured on one GPU and stay at 1.0 (said so).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ import time
 import xml.etree.ElementTree as ElementTree
 
 from projection import load_calibration, note, target_peaks
+
+from jaxspec.pallas_kernels.backend import AUTO_KERNELS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
@@ -83,10 +86,14 @@ MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-ne
                   None if k == 0 else ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k),
                                        "--max-new-tokens", "2"])
                  for k in (0, 3)]
-# Which benchmark rows calibrate which op class: (part, op name prefix, impl).
-CLASS_ROWS = {"attention": [("kernels", ("mla_attention", "sparse_mla", "indexer_scores"), "pallas")],
+# Which benchmark rows calibrate which op class: (part, op name prefix, impl). impl "auto": the
+# implementation backend="auto" runs for the row's op on the report's device (`AUTO_KERNELS`, Triton
+# where it names none), which is what the e2e step runs.
+CLASS_ROWS = {"attention": [("kernels", ("mla_attention", "sparse_mla", "indexer_scores"), "auto")],
               "grouped_matmul": [("moe", ("moe_layer",), "pallas"), ("matmuls", ("linear_fp8",), "pallas")],
               "xla": [("matmuls", ("linear_bf16",), "xla")]}
+# kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
+AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
 TAIL = 4000  # characters of a command's output kept in the report
 
 
@@ -306,6 +313,15 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
 # --- calibration and the markdown report ---------------------------------------------------------
 
 
+def auto_impl(device: str, op: str, impl: str) -> str:
+    """`impl`, or for "auto" the implementation backend="auto" picks for kernels.py's row `op` on
+    `device` (nvidia-smi's name, which is JAX's device kind)."""
+    if impl != "auto":
+        return impl
+    prefix = next(name for name in AUTO_OPS if op.startswith(name))
+    return AUTO_KERNELS.get(device, {}).get(AUTO_OPS[prefix], "pallas")
+
+
 def calibration(report: Report) -> dict | None:
     """Per op class, roofline time / measured time summed over the class's rows (CLASS_ROWS), on
     the target whose peaks match this device; None without any rows."""
@@ -316,7 +332,7 @@ def calibration(report: Report) -> dict | None:
         for part, ops, impl in sources:
             rows = (report.units.get(part, {}).get("json") or {}).get("rows", [])
             for row in rows:
-                if row["op"].startswith(ops) and row["impl"] == impl:
+                if row["op"].startswith(ops) and row["impl"] == auto_impl(report.device, row["op"], impl):
                     roofline += max(row["bytes"] / bandwidth, row["flops"] / peak)
                     measured += row["seconds"]
                     counts[name] = counts.get(name, 0) + 1

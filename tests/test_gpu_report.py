@@ -128,6 +128,25 @@ def test_calibration_is_roofline_over_measured_time_per_class():
     assert found["not_measured"] == ["collectives", "xla"]
 
 
+def test_attention_calibrates_from_the_kernels_auto_runs_on_the_device(monkeypatch):
+    """Once a measurement moves an op's "auto" to its Mosaic kernel (`backend.AUTO_KERNELS`), the
+    attention class is calibrated from that op's Mosaic rows, on that device only: what the e2e
+    step, which runs backend="auto", then runs."""
+    report = gpu_report.Report.__new__(gpu_report.Report)
+    report.data = {}
+    bandwidth, _ = target_peaks("h100")
+    row = lambda op, impl, seconds: dict(op=op, impl=impl, seconds=seconds, bytes=bandwidth * 1e-3, flops=1.0)
+    rows = [row("mla_attention", "pallas", 4e-3), row("mla_attention", "mosaic", 2e-3),
+            row("indexer_scores", "pallas", 1e-3), row("indexer_scores", "mosaic", 5e-3)]
+    report.units = {"kernels": {"json": {"rows": rows}}}
+    monkeypatch.setitem(gpu_report.AUTO_KERNELS, "NVIDIA H100 80GB HBM3", {"mla_attention": "mosaic"})
+    report.device = "NVIDIA H100 80GB HBM3"  # Mosaic MLA (2 ms) and Triton indexer (1 ms)
+    assert gpu_report.calibration(report)["fractions"]["attention"] == pytest.approx(2e-3 / 3e-3)
+    report.device = "NVIDIA H200"  # no entry: Triton for both (4 ms and 1 ms), against the H200's bandwidth
+    roofline = 2 * bandwidth * 1e-3 / target_peaks("h200")[0]
+    assert gpu_report.calibration(report)["fractions"]["attention"] == pytest.approx(roofline / 5e-3)
+
+
 def test_junit_outcomes_count_each_module(tmp_path):
     path = tmp_path / "junit.xml"
     path.write_text("""<testsuites><testsuite>
