@@ -86,14 +86,14 @@ MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-ne
                   None if k == 0 else ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k),
                                        "--max-new-tokens", "2"])
                  for k in (0, 3)]
+# kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
+AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
 # Which benchmark rows calibrate which op class: (part, op name prefix, impl). impl "auto": the
 # implementation backend="auto" runs for the row's op on the report's device (`AUTO_KERNELS`, Triton
 # where it names none), which is what the e2e step runs.
-CLASS_ROWS = {"attention": [("kernels", ("mla_attention", "sparse_mla", "indexer_scores"), "auto")],
+CLASS_ROWS = {"attention": [("kernels", tuple(AUTO_OPS), "auto")],
               "grouped_matmul": [("moe", ("moe_layer",), "pallas"), ("matmuls", ("linear_fp8",), "pallas")],
               "xla": [("matmuls", ("linear_bf16",), "xla")]}
-# kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
-AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
 TAIL = 4000  # characters of a command's output kept in the report
 
 

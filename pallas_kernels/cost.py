@@ -67,3 +67,24 @@ def stating(cost: pl.CostEstimate, name: str):
 def array_bytes(*arrays) -> int:
     """Total bytes of arrays or `jax.ShapeDtypeStruct`s (a kernel's operands and outputs)."""
     return sum(x.size * x.dtype.itemsize for x in arrays)
+
+
+def attention_cost(groups: int, rows: int, keys: int, width: int, key_bytes: int, *arrays,
+                   reads: int | None = None) -> pl.CostEstimate:
+    """An attention kernel's statement, at capacity: `groups` groups of `rows` query rows, each row
+    scoring and averaging `keys` keys over `width` features in all (score plus value: Dl + Dr + Dl
+    for MLA, 2 D for V4), a group reading `reads` keys (default `keys`) of `key_bytes` from HBM
+    once (its row blocks share them through L2), and `arrays` (the other operands and the outputs)
+    once."""
+    return pl.CostEstimate(flops=2 * groups * rows * keys * width, transcendentals=groups * rows * keys,
+                           bytes_accessed=groups * (keys if reads is None else reads) * key_bytes
+                           + array_bytes(*arrays))
+
+
+def indexer_cost(batch: int, num_queries: int, heads: int, slots: int, dim: int, key_bytes: int,
+                 *arrays) -> pl.CostEstimate:
+    """An indexer scores kernel's statement, at capacity: each head's logit a `dim`-long dot, then
+    ReLU, weight and sum, for every slot of a row; a row's keys (`key_bytes` each) read from HBM
+    once, and `arrays` (the other operands and the output) once."""
+    return pl.CostEstimate(flops=batch * num_queries * heads * slots * (2 * dim + 3), transcendentals=0,
+                           bytes_accessed=batch * slots * key_bytes + array_bytes(*arrays))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .cost import array_bytes
+from .cost import attention_cost
 from .contracts import EMPTY_LSE
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .tiling import block_size, column_span, dot_nn, dot_nt, launch, load_block, num_parts
@@ -223,11 +223,8 @@ def flash_decode(kernel, *, name: str, q_nope, q_rope, latent_cache, page_table,
     # Stated at full capacity (every slot visible; the real loop stops at each row's length). A
     # group's query rows score Dl + Dr features and average Dl per slot; its slots come from HBM
     # once (its row blocks share them through L2).
-    cost = pl.CostEstimate(
-        flops=2 * groups * rows * num_slots * (2 * dims.latent + dims.rope),
-        transcendentals=groups * rows * num_slots,
-        bytes_accessed=groups * num_slots * cache_token_bytes(latent_cache)
-        + array_bytes(q_nope, q_rope, page_table, *operands, *out_shape))
+    cost = attention_cost(groups, rows, num_slots, 2 * dims.latent + dims.rope, cache_token_bytes(latent_cache),
+                          q_nope, q_rope, page_table, *operands, *out_shape)
     out, lse = launch(kernel, out_shape=out_shape, grid=(row_blocks, parts, groups),
                       num_warps=num_warps or default_warps(block_m), num_stages=num_stages, name=name,
                       interpret=interpret, cost=cost)(

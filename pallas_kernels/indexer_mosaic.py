@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import select_topk
-from .cost import array_bytes, stating
+from .cost import indexer_cost, stating
 from .fp8_cache import E4M3, Fp8Pool, cache_token_bytes
 from .mosaic_gpu import compiler_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
@@ -264,11 +264,8 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
         out_type=out_type, grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"),
         compiler_params=compiler_params())
     tables = (page_table.astype(jnp.int32), bound)
-    # As the Triton kernel states it: at capacity, a head's logit a Di-long dot, then ReLU, weight
-    # and sum; a row's keys read from HBM once.
-    cost = pl.CostEstimate(flops=batch * num_queries * heads * num_slots * (2 * dim + 3), transcendentals=0,
-                           bytes_accessed=batch * num_slots * cache_token_bytes(key_cache)
-                           + array_bytes(q_t, w, *tables, out_type))
+    cost = indexer_cost(batch, num_queries, heads, num_slots, dim, cache_token_bytes(key_cache), q_t, w, *tables,
+                        out_type)
     with stating(cost, "indexer_scores"):
         scores = kernel(q_t, w, *keys, *tables)
     scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]

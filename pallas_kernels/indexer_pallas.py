@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .cost import array_bytes
+from .cost import indexer_cost
 from .contracts import select_topk
 from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
@@ -137,10 +137,8 @@ def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
     vis_operands = visibility_operands(vis, num_queries)
     # Stated at full capacity (every slot visible): a row's keys come from HBM once; each head's
     # logit is a Di-long dot, then ReLU, weight and sum.
-    cost = pl.CostEstimate(
-        flops=batch * num_queries * heads * num_slots * (2 * dim + 3), transcendentals=0,
-        bytes_accessed=batch * num_slots * cache_token_bytes(key_cache)
-        + array_bytes(q_idx, weights, page_table, *vis_operands, out_shape))
+    cost = indexer_cost(batch, num_queries, heads, num_slots, dim, cache_token_bytes(key_cache), q_idx, weights,
+                        page_table, *vis_operands, out_shape)
     scores = launch(kernel, out_shape=out_shape, grid=(token_blocks, chunks, batch), num_warps=num_warps,
                     num_stages=num_stages, name="indexer_scores", interpret=interpret, cost=cost)(
         q_idx.reshape(-1, dim), weights.reshape(-1), _flat_keys(key_cache), page_table.astype(jnp.int32), *vis_operands)

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .cost import array_bytes, stating
+from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
 from .mosaic_gpu import check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
@@ -420,12 +420,9 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
     small = (table, meta, bound) + (() if bits is None else (bits,))
-    # As the Triton kernel states it: at capacity, each row scoring Dl + Dr features and averaging
-    # Dl per slot, a batch row's slots read from HBM once (its row blocks and parts share L2).
-    cost = pl.CostEstimate(flops=2 * batch * rows * capacity * (latent + width),
-                           transcendentals=batch * rows * capacity,
-                           bytes_accessed=batch * capacity * cache_token_bytes(latent_cache)
-                           + array_bytes(queries, *small, *out_type))
+    # As the Triton kernel states it: a batch row's slots read once, by all its rows and parts.
+    cost = attention_cost(batch, rows, capacity, latent + width, cache_token_bytes(latent_cache), queries, *small,
+                          *out_type)
     with stating(cost, "mla_attention"):
         out, lse = kernel(queries, *cache_operands, *small)
     out, lse = combine_parts(out, lse, q_nope.dtype)

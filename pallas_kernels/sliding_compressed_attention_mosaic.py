@@ -82,7 +82,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import check_arguments, extra_key_pool
-from .cost import array_bytes, stating
+from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
 from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, fetch_rows,
                                       follower, issue_keys, prepare_tile, rows_buffer, scorer, staging)
@@ -366,11 +366,9 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the float32 vectors.
     small = (queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.astype(jnp.float32), tiles,
              jnp.sum(seen, axis=1, dtype=jnp.int32))
-    # Stated at capacity: every listed key (tile padding included, as the tensor cores run it)
-    # scored and averaged over D by every head, read once per token (tokens gather their own keys;
-    # an FP8 key's bytes hold its scales).
-    cost = pl.CostEstimate(flops=4 * heads * rows.size * dim, transcendentals=heads * rows.size,
-                           bytes_accessed=rows.size * cache_token_bytes(window_kv) + array_bytes(*small, out_type))
+    # Every listed key (tile padding included, as the tensor cores run it) read once per token
+    # (tokens gather their own keys), by all its heads; an FP8 key's bytes hold its scales.
+    cost = attention_cost(tokens, heads, rows.shape[-1], 2 * dim, cache_token_bytes(window_kv), *small, out_type)
     with stating(cost, "sliding_compressed_attention"):
         out = kernel(*small, *scales, *arrays)
     return out[:, :heads].reshape(batch, num_queries, heads, dim)

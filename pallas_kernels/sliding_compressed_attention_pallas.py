@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .cost import array_bytes
+from .cost import attention_cost
 from .flash_decoding import (MIN_PART_SLOTS, combine_parts, load_dequantized, online_softmax_step, part_shapes,
                              part_start, store_part)
 from .contracts import check_arguments, stored_extra_keys
@@ -334,10 +334,8 @@ def sliding_compressed_attention_pallas(q, window_kv, window_pages, positions, v
     keys_per_row = ring_keys + entries + extra_keys
     key_reads = (ring_keys + (num_queries * entries if compressed == "indices" else entries)
                  + num_queries * extra_keys)  # per sequence row; its row blocks share them through L2
-    cost = pl.CostEstimate(
-        flops=4 * batch * rows * keys_per_row * dim, transcendentals=batch * rows * keys_per_row,
-        bytes_accessed=batch * key_reads * cache_token_bytes(window_kv)
-        + array_bytes(*small, *out_shape))
+    cost = attention_cost(batch, rows, keys_per_row, 2 * dim, cache_token_bytes(window_kv), *small, *out_shape,
+                          reads=key_reads)
     out, lse = launch(functools.partial(_kernel, layout=layout), out_shape=out_shape,
                       grid=(row_blocks, parts, batch), num_warps=num_warps,
                       num_stages=num_stages, name="sliding_compressed_attention", interpret=interpret,

@@ -72,7 +72,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .contracts import EMPTY_LSE
-from .cost import array_bytes, stating
+from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_rows, follower, issue_keys,
                                       prepare_tile, rows_buffer, scorer, staging)
@@ -242,7 +242,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
     fp8 = isinstance(latent_cache, Fp8Pool)
     q = pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
     q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype(latent_cache))
-    listed = tokens * indices.shape[-1]  # slots the tokens list (-1 entries included)
+    topk = indices.shape[-1]
     indices = pad_to(indices.astype(jnp.int32) + 1, 2, TILE) - 1  # pad with -1
     rows, selected = flat_rows(page_table, indices.reshape(batch, -1), page_size, latent_cache.shape[0])
     rows = jnp.where(selected, rows, -1).reshape(tokens, -1)  # -1 and slots past the row's pages: none
@@ -270,11 +270,10 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
         compiler_params=compiler_params(reduction_scratch_bytes=0))
     # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the rescale.
     rows = rows.astype(jnp.float32)
-    # As the Triton kernel states it: each listed slot scored over Dl + Dr and averaged over Dl by
-    # every head, and read once per token.
-    cost = pl.CostEstimate(flops=2 * heads * listed * (2 * latent + q_rope.shape[-1]), transcendentals=heads * listed,
-                           bytes_accessed=listed * cache_token_bytes(latent_cache)
-                           + array_bytes(q, rows, *out_type))  # the slots' bytes hold their scales
+    # As the Triton kernel states it: a token's listed slots (-1 entries included) read once, by all
+    # its heads; an FP8 slot's bytes hold its scales, so the gathered scales are not added.
+    cost = attention_cost(tokens, heads, topk, 2 * latent + q_rope.shape[-1], cache_token_bytes(latent_cache), q,
+                          rows, *out_type)
     with stating(cost, "sparse_mla_attention"):
         out, lse = kernel(q, rows, *scale_operands, *(flat_pool(part) for part in cache_operands))
     out = out[:, :heads].reshape(batch, num_queries, heads, latent)

@@ -43,7 +43,8 @@ from .hlo_loops import HloModuleText, executions, module_with_entry, parse_modul
 # `serialized_metadata`) and later (metadata inside the zlib-compressed `opaque` kernel proto).
 _TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 # A Mosaic GPU kernel's custom call ("mosaic_gpu", "mosaic_gpu_v2" by jaxlib).
-_MOSAIC_TARGET = 'custom_call_target="mosaic_gpu'
+_MOSAIC_PREFIX = "mosaic_gpu"
+_MOSAIC_TARGET = f'custom_call_target="{_MOSAIC_PREFIX}'
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                 "collective-permute", "collective-broadcast")
 _SHAPE = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([0-9,]*)\]")
@@ -129,29 +130,31 @@ def _pallas_calls(text: str) -> list[PallasCall]:
             continue
         if _MOSAIC_TARGET in line:
             line = re.sub(r'\bmodule = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
-            match, attributes = _INSTRUCTION.match(line), _frontend_attributes(line)
-            cost = cost_of(attributes)  # `cost.stating`: Mosaic GPU drops a kernel's metadata
-            calls.append(PallasCall(name=attributes.get(KERNEL_ATTRIBUTE, "mosaic_gpu"),
-                                    result=match.group(2) if match else "", flops=cost and cost.flops,
-                                    transcendentals=cost and cost.transcendentals,
-                                    bytes_accessed=cost and cost.bytes_accessed, runs=runs, lowering="mosaic"))
+            attributes = _frontend_attributes(line)
+            # `cost.stating`: Mosaic GPU drops a kernel's metadata, so it rides as frontend attributes
+            name, cost, lowering = attributes.get(KERNEL_ATTRIBUTE, _MOSAIC_PREFIX), cost_of(attributes), "mosaic"
+        elif any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
+            line = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
+            name, cost, lowering = _attribute(line, "name") or "?", _triton_cost(line), "triton"
+        else:
             continue
-        if not any(f'custom_call_target="{t}"' in line for t in _TRITON_TARGETS):
-            continue
-        line = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", line)  # the kernel's MLIR bytecode
         match = _INSTRUCTION.match(line)
-        metadata = _attribute(line, "serialized_metadata")
-        if metadata is not None:
-            metadata = _unescape(metadata).decode()
-        elif (opaque := _attribute(line, "opaque")) is not None:
-            proto = zlib.decompress(_unescape(opaque))
-            found = re.search(rb'\{"jaxspec_[^{}]*\}', proto)
-            metadata = found.group(0).decode() if found else None
-        cost = None if metadata is None else read_cost_metadata(metadata)
-        calls.append(PallasCall(name=_attribute(line, "name") or "?", result=match.group(2) if match else "",
-                                flops=cost and cost.flops, transcendentals=cost and cost.transcendentals,
-                                bytes_accessed=cost and cost.bytes_accessed, runs=runs))
+        calls.append(PallasCall(name=name, result=match.group(2) if match else "", flops=cost and cost.flops,
+                                transcendentals=cost and cost.transcendentals,
+                                bytes_accessed=cost and cost.bytes_accessed, runs=runs, lowering=lowering))
     return calls
+
+
+def _triton_cost(line: str):
+    """The cost a Triton custom call's metadata carries (`cost.cost_metadata`), or None."""
+    metadata = _attribute(line, "serialized_metadata")
+    if metadata is not None:
+        metadata = _unescape(metadata).decode()
+    elif (opaque := _attribute(line, "opaque")) is not None:
+        proto = zlib.decompress(_unescape(opaque))
+        found = re.search(rb'\{"jaxspec_[^{}]*\}', proto)
+        metadata = found.group(0).decode() if found else None
+    return None if metadata is None else read_cost_metadata(metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +269,7 @@ def program_cost(compiled) -> ProgramCost:
     unknown = sum(targets.values())
     calls = _pallas_calls(text)
     stated = [c for c in calls if c.flops is not None]
-    uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS and not t.startswith("mosaic_gpu")}
+    uncounted = {t: n for t, n in targets.items() if t not in _TRITON_TARGETS and not t.startswith(_MOSAIC_PREFIX)}
     if len(stated) < len(calls):
         uncounted["pallas kernels without a stated cost"] = sum(c.runs for c in calls if c.flops is None)
     kernel_flops = sum(c.flops * c.runs for c in stated)
@@ -499,7 +502,7 @@ def mosaic_launches(compiled: GpuCompiled) -> list[MosaicLaunch]:
             sizes = [int(ir.IntegerAttr(operand.owner.attributes["value"]).value)
                      for operand in found[0].operands[1:8]]
         names = re.findall(r"jit\(([^)]*)\)", op_name.group(1)) if op_name else []
-        name = _frontend_attributes(line).get(KERNEL_ATTRIBUTE, names[-1] if names else "mosaic_gpu")
+        name = _frontend_attributes(line).get(KERNEL_ATTRIBUTE, names[-1] if names else _MOSAIC_PREFIX)
         launches.append(MosaicLaunch(name, tuple(sizes[:3]), tuple(sizes[3:6]), sizes[6]))
     return launches
 
