@@ -48,7 +48,8 @@ from jaxspec.memory_plan import device_memory
 from jaxspec.model_config import CSA, HCA, ModelConfig
 from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
-from jaxspec.pallas_kernels.fp8_cache import LATENT_RULE, V4_RULE, cache_token_bytes, quantize_entries
+from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, V4_RULE, cache_token_bytes, fp8_index_queries,
+                                              quantize_entries)
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
@@ -151,9 +152,10 @@ class Case(NamedTuple):
 
 
 def inputs(case: Case, dims: Dims, key, cache_dtype=None):
-    """Device arrays for one shape: a chain window of Q tokens at the end of `context` slots; the
-    latent cache an FP8 pool (FlashMLA's token) with cache_dtype="fp8" (the indexer's keys stay
-    bfloat16: their FP8 scores need FP8 queries too, which this benchmark does not build)."""
+    """Device arrays for one shape: a chain window of Q tokens at the end of `context` slots. With
+    cache_dtype="fp8", V3.2's FP8 caches as DeepSeek's release keeps them: the latent cache an FP8
+    pool (FlashMLA's token), the indexer keys e4m3 with one power-of-two scale each and the
+    indexer queries e4m3, their scales folded into the weights (`fp8_cache.fp8_index_queries`)."""
     batch, context, queries = case
     pages_per_row = -(-context // dims.page_size)
     num_pages = batch * pages_per_row
@@ -166,14 +168,19 @@ def inputs(case: Case, dims: Dims, key, cache_dtype=None):
     slot_scores = jnp.where(jnp.arange(slot_scores.shape[-1]) < context, slot_scores, -1.0)
     indices = jax.lax.top_k(slot_scores, min(dims.topk, context))[1].astype(jnp.int32)
     latent_cache = normal(keys[4], (num_pages, dims.page_size, dims.latent + dims.rope))
+    q_idx = normal(keys[5], (batch, queries, dims.index_heads, dims.index_dim))
+    raw_weights = jax.random.normal(keys[6], (batch, queries, dims.index_heads), jnp.float32)
+    key_cache = normal(keys[7], (num_pages, dims.page_size, dims.index_dim))
+    if cache_dtype == "fp8":
+        latent_cache = quantize_entries(latent_cache, LATENT_RULE, dims.latent)
+        key_cache = quantize_entries(key_cache, INDEX_RULE, dims.index_dim)
+        q_idx, weights = fp8_index_queries(q_idx, raw_weights, pow2_scales=True)
+    else:
+        weights = raw_weights
     return dict(
         q_nope=normal(keys[2], (batch, queries, dims.heads, dims.latent)),
         q_rope=normal(keys[3], (batch, queries, dims.heads, dims.rope)),
-        latent_cache=(quantize_entries(latent_cache, LATENT_RULE, dims.latent) if cache_dtype == "fp8"
-                      else latent_cache),
-        q_idx=normal(keys[5], (batch, queries, dims.index_heads, dims.index_dim)),
-        weights=jax.random.normal(keys[6], (batch, queries, dims.index_heads), jnp.float32),
-        key_cache=normal(keys[7], (num_pages, dims.page_size, dims.index_dim)),
+        latent_cache=latent_cache, q_idx=q_idx, weights=weights, key_cache=key_cache,
         page_table=page_table, vis=vis, indices=indices)
 
 
@@ -198,6 +205,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
     topk = arrays["indices"].shape[-1]
     q_bytes = rows * width * ITEM + rows * dims.latent * ITEM  # queries in, outputs out
     slot_bytes = cache_token_bytes(arrays["latent_cache"])  # 1152 in bfloat16, 656 in FP8
+    key_bytes = cache_token_bytes(arrays["key_cache"])  # 256 in bfloat16, 132 in FP8
     latent_args = (arrays["q_nope"], arrays["q_rope"], arrays["latent_cache"], arrays["page_table"])
     index_args = (arrays["q_idx"], arrays["weights"], arrays["key_cache"], arrays["page_table"], arrays["vis"])
     interpret = jax.default_backend() != "gpu"  # the Mosaic kernels run on the CPU simulator off a GPU
@@ -220,7 +228,7 @@ def ops(case: Case, dims: Dims, arrays: dict, tuning: dict) -> list[Op]:
            xla_bytes=4 * (batch * queries * topk * width + 2 * rows * topk),
            mosaic=functools.partial(sparse_mla_attention_mosaic, softmax_scale=scale, interpret=interpret)),
         Op("indexer_scores", jax.jit(indexer_scores_pallas), jax.jit(indexer_scores_reference), index_args,
-           bytes=batch * context * dims.index_dim * ITEM + batch * queries * context * 4,
+           bytes=batch * context * key_bytes + batch * queries * context * 4,
            flops=2 * batch * queries * dims.index_heads * context * dims.index_dim,
            xla_bytes=4 * (batch * context * dims.index_dim + batch * queries * dims.index_heads * context),
            mosaic=functools.partial(indexer_scores_mosaic, interpret=interpret)),
@@ -361,8 +369,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
-                        help="fp8: the attention ops read FP8 caches (FlashMLA's tokens; the indexer's keys stay "
-                             "bfloat16)")
+                        help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
+                             "and queries e4m3, as DeepSeek's release keeps them)")
     args = parser.parse_args(argv)
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
@@ -423,7 +431,8 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
     families = []  # (name, input bytes, the family's ops at this shape)
     if set(args.ops) & set(V32_OPS):
         latent_bytes = slot_bytes(dims.latent + dims.rope, dims.rope, LATENT_RULE, args.cache_dtype)
-        families.append(("(V3.2)", batch * context * (latent_bytes + dims.index_dim * ITEM),
+        key_bytes = slot_bytes(dims.index_dim, 0, INDEX_RULE, args.cache_dtype)
+        families.append(("(V3.2)", batch * context * (latent_bytes + key_bytes),
                          lambda: ops(case, dims, inputs(case, dims, key, args.cache_dtype), tuning)))
     if set(args.ops) & set(V4_OPS):
         # V4's caches in pages of the V3.2 cache's size (64, init_v4_cache's default).

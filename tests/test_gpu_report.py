@@ -174,18 +174,20 @@ def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
 def test_kernel_benchmark_reads_fp8_caches(tmp_path):
     """`benchmarks/kernels.py --cache-dtype fp8` (smoke, Triton kernels only): every row says so,
     and the bytes an op must move are its FP8 slots' (sparse MLA at the smoke widths: 128 e4m3
-    values, one float32 scale, 64 bfloat16 RoPE values = 260 bytes a slot, beside 384 in bfloat16)."""
+    values, one float32 scale, 64 bfloat16 RoPE values = 260 bytes a slot, beside 384 in bfloat16;
+    the indexer: 64 e4m3 values and their scale = 68 bytes a key, beside 128)."""
     import kernels
     path = tmp_path / "rows.json"
-    argv = ["--smoke", "--ops", "sparse_mla", "v4_hca", "--no-xla", "--no-mosaic", "--json", str(path)]
-    sparse_bytes = {}
+    argv = ["--smoke", "--ops", "sparse_mla", "indexer_scores", "v4_hca", "--no-xla", "--no-mosaic",
+            "--json", str(path)]
+    op_bytes = {}
     for cache_dtype in ("fp8", None):
         assert kernels.main(argv + (["--cache-dtype", cache_dtype] if cache_dtype else [])) == 0
         rows = json.loads(path.read_text())["rows"]
         assert {row["cache_dtype"] for row in rows} == {cache_dtype or "bfloat16"}
-        assert {row["op"] for row in rows} == {"sparse_mla", "v4_hca"}
-        [sparse] = [row for row in rows if row["op"] == "sparse_mla" and row["impl"] == "pallas"]
-        sparse_bytes[cache_dtype] = sparse["bytes"]
-    dims, (batch, queries) = kernels.SMOKE, (2, 2)
+        assert {row["op"] for row in rows} == {"sparse_mla", "indexer_scores", "indexer_topk", "v4_hca"}
+        op_bytes[cache_dtype] = {row["op"]: row["bytes"] for row in rows if row["impl"] == "pallas"}
+    dims, (batch, context, queries) = kernels.SMOKE, (2, 128, 2)
     selected = batch * queries * dims.topk  # every token's top-k slots, each read with its index
-    assert sparse_bytes[None] - sparse_bytes["fp8"] == selected * (384 - 260)
+    assert op_bytes[None]["sparse_mla"] - op_bytes["fp8"]["sparse_mla"] == selected * (384 - 260)
+    assert op_bytes[None]["indexer_scores"] - op_bytes["fp8"]["indexer_scores"] == batch * context * (128 - 68)
