@@ -24,8 +24,8 @@ from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.model_config import ModelConfig
-from jaxspec.pallas_kernels import (Visibility, attend_latent, mla_attention, resolve_backend, select_topk,
-                                    sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels import (Visibility, attend_latent, indexer_topk, mla_attention, resolve_backend,
+                                    select_topk, sparse_mla_attention, visible_mask, window_slots)
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, as_entries, gather_parts, key_rule, read_parts
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
@@ -97,8 +97,9 @@ class MLA(nnx.Module):
         layer: this layer's index in the cache's stacked pools (an int, or the scan's traced int32).
 
         window_invariant (absorbed form only): compute each token as if it were alone in its call
-        (`per_position` for the token-local projections, `_attend_alone` for attention, or, on the
-        "mosaic" backend without DSA, the invariant kernel: `_attend_invariant_kernel`), so its
+        (`per_position` for the token-local projections, `_attend_alone` for attention, or, where
+        the backend runs the layer's attention ops on the Mosaic GPU kernels, those kernels:
+        `_attend_invariant_kernel`), so its
         output is bit-identical whatever the window around it; see `DecodeConfig.window_invariant`.
 
         FP8 caches (`Fp8Pool` entries in `cache`) are read as such: the latent and the indexer keys
@@ -117,13 +118,15 @@ class MLA(nnx.Module):
         cache = cache.write(layer, window_slots(vis, num_queries), entry, index_key)
 
         w_uk, w_uv = self._up_projections()
-        if window_invariant and self.indexer is None and resolve_backend(backend, "mla_attention") == "mosaic":
-            out = self._attend_invariant_kernel(q_nope, q_rope, cache, layer, vis, w_uk, w_uv, backend)
-        elif window_invariant:
+        if window_invariant:
             index_queries = (None if self.indexer is None
                              else each(functools.partial(self.indexer.queries, key_rule=key_rule(cache.index_keys)),
                                        x, q_latent, cos, sin))
-            out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
+            if self._invariant_kernels(backend):
+                out = self._attend_invariant_kernel(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv,
+                                                    backend)
+            else:
+                out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
         else:
             indices = None
             if self.indexer is not None:
@@ -177,7 +180,7 @@ class MLA(nnx.Module):
         numbers at the same positions as the token decoded alone, and every reduction adds them in
         the same order. It is the pure-jnp definition of the attention ops (`attend_latent`,
         `score_keys`, `select_topk`) whatever the backend: the Triton kernels tile a window's
-        query rows together and are not window-invariant (the Mosaic one is: `_attend_invariant_kernel`).
+        query rows together and are not window-invariant (the Mosaic ones are: `_attend_invariant_kernel`).
         """
         c = self.config
         slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
@@ -198,43 +201,67 @@ class MLA(nnx.Module):
 
         return per_position(alone, q_nope, q_rope, index_queries, slots)
 
-    def _attend_invariant_kernel(self, q_nope, q_rope, cache: PagedCache, layer, vis: Visibility, w_uk, w_uv,
-                                 backend: str) -> jax.Array:
-        """Window-invariant absorbed attention on the Mosaic GPU kernel: q_nope [B, Q, H, Dn],
-        q_rope [B, Q, H, Dr] -> [B, Q, H, Dv], bit-identical to each token computed alone.
+    def _invariant_kernels(self, backend: str) -> bool:
+        """Whether `backend` runs this layer's attention ops on the Mosaic GPU kernels, which are
+        window-invariant by construction: `mla_attention`, or DSA's `indexer_topk` and
+        `sparse_mla_attention` (the Triton kernels tile a window's query rows together)."""
+        ops = ("mla_attention",) if self.indexer is None else ("indexer_topk", "sparse_mla_attention")
+        return all(resolve_backend(backend, op) == "mosaic" for op in ops)
 
-        The kernel is invariant by construction (`mla_attention_mosaic`): a query row's bits depend
-        only on its query, the slots it sees and the cache's capacity, not on B, Q or its
-        neighbours. So a chain window runs as one kernel call, as plain decoding does: token q sees
-        slots [0, prefix + q], where plain decoding stored the same entries. A tree node sees its
-        ancestors at scattered window slots, while decoded alone it met them contiguously, at other
-        places in the kernel's tiles (and a tile's sums run in a fixed order over its slots), so
-        each node gets its own call over a copy of the row laid out in plain decoding's order
-        (`ancestor_slots`, the layout `_attend_alone` reads), with the same capacity and page size.
-        The token-local query absorption and value projection run per position, as in plain decoding.
+    def _attend_invariant_kernel(self, q_nope, q_rope, index_queries, cache: PagedCache, layer, vis: Visibility,
+                                 w_uk, w_uv, backend: str) -> jax.Array:
+        """Window-invariant absorbed attention on the Mosaic GPU kernels: q_nope [B, Q, H, Dn],
+        q_rope [B, Q, H, Dr], index_queries (q_idx [B, Q, Hi, Di], weights [B, Q, Hi]) or None
+        -> [B, Q, H, Dv], bit-identical to each token computed alone.
+
+        The kernels are invariant by construction (`mla_attention_mosaic`, `indexer_mosaic`,
+        `sparse_mla_attention_mosaic`): a query row's bits depend only on its query, the slots it
+        sees (for sparse MLA, the slots it selected, in the order it selected them) and the cache's
+        capacity, not on B, Q or its neighbours; the top-k between them is exact (ties to the
+        lower slot). So a chain window runs as one call of each, as plain decoding does: token q
+        sees slots [0, prefix + q], where plain decoding stored the same entries. A tree node sees
+        its ancestors at scattered window slots, while decoded alone it met them contiguously, at
+        other places in the kernels' tiles (and a tile's sums run in a fixed order over its slots),
+        so each node gets its own calls over a copy of the row laid out in plain decoding's order
+        (`ancestor_slots`, the layout `_attend_alone` reads; the indexer keys copied beside the
+        latents), with the same capacity and page size. The order keeps the visible slots'
+        relative order, so the indexer's ties break as they did alone too. The token-local query
+        absorption and value projection run per position, as in plain decoding.
         """
         c = self.config
         each = functools.partial(per_position, enabled=True)
         q_absorbed = each(lambda q: absorb_query(q, w_uk), q_nope)
+
+        def attend(q_absorbed, q_rope, index_queries, latent_cache, index_keys, page_table, vis):
+            if index_queries is None:
+                return mla_attention(q_absorbed, q_rope, latent_cache, page_table, vis, softmax_scale=c.softmax_scale,
+                                     backend=backend)[0]
+            indices = indexer_topk(*index_queries, index_keys, page_table, vis, topk=c.index_topk, backend=backend)
+            return sparse_mla_attention(q_absorbed, q_rope, latent_cache, page_table, indices,
+                                        softmax_scale=c.softmax_scale, backend=backend)[0]
+
         latent_cache, page_table = cache.layer_pages(cache.latent, layer)
+        index_keys = None if index_queries is None else cache.layer_pages(cache.index_keys, layer)[0]
         if vis.tree_mask is None:
-            out_latent, _ = mla_attention(q_absorbed, q_rope, latent_cache, page_table, vis,
-                                          softmax_scale=c.softmax_scale, backend=backend)
+            out_latent = attend(q_absorbed, q_rope, index_queries, latent_cache, index_keys, page_table, vis)
         else:
             slots = ancestor_slots(vis, q_nope.shape[1], cache.capacity)  # [B, Q, S]
             batch, pages = cache.page_table.shape
             compact_table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
 
-            def alone(q_absorbed, q_rope, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
+            def compact(pool, visible):  # the row's visible entries in plain decoding's order, as a paged pool
+                rows = read_parts(pool, page_table, visible)  # [B, S, width] (or its FP8 parts)
+                return jax.tree.map(lambda part: part.reshape(batch * pages, cache.page_size, -1), rows)
+
+            def alone(q_absorbed, q_rope, index_queries, slots):  # one window position: [B, 1, ...], slots [B, 1, S]
                 visible = slots[:, 0]
-                kv = read_parts(latent_cache, page_table, visible)  # [B, S, R + Dr] (or its FP8 parts), in order
                 seen = jnp.sum(visible >= 0, axis=1, dtype=jnp.int32)
                 alone_vis = Visibility(jnp.maximum(seen - 1, 0), (seen > 0).astype(jnp.int32))
-                pool = jax.tree.map(lambda part: part.reshape(batch * pages, cache.page_size, -1), kv)
-                return mla_attention(q_absorbed, q_rope, pool, compact_table, alone_vis, softmax_scale=c.softmax_scale,
-                                     backend=backend)[0]
+                keys = None if index_queries is None else compact(index_keys, visible)
+                return attend(q_absorbed, q_rope, index_queries, compact(latent_cache, visible), keys, compact_table,
+                              alone_vis)
 
-            out_latent = each(alone, q_absorbed, q_rope, slots)
+            out_latent = each(alone, q_absorbed, q_rope, index_queries, slots)
         return each(lambda o: jnp.einsum("bqhr,rhv->bqhv", o, w_uv.astype(o.dtype)), out_latent)
 
     def _expanded(self, q_nope, q_rope, rows, vis, indices, w_uk, w_uv):

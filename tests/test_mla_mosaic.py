@@ -193,36 +193,54 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
         assert memory.temp == aot.memory(deepseek_compile(num_queries, False)).temp
 
 
-@functools.partial(nnx.jit, static_argnames=("backend",))
-def _window(model, tokens, positions, cache, prefix_len, tree_mask, backend):
+def _window_call(model, tokens, positions, cache, prefix_len, tree_mask, backend):
     vis = Visibility(prefix_len, jnp.full(prefix_len.shape, tokens.shape[1], jnp.int32), tree_mask)
     return model(tokens, positions, cache, vis, form="absorbed", backend=backend, window_invariant=True)
 
 
-def test_window_invariant_model_on_the_mosaic_kernel_equals_single_steps():
-    """A one-layer V3 model (dense MLA, Dl 128, Dr 64, bf16) with window_invariant on the "mosaic"
-    backend: a chain window runs as one kernel call, a tree node as one call over its ancestors in
-    plain decoding's order (`MLA._attend_invariant_kernel`); their logits and hidden states equal
-    the same tokens decoded one per call, bit for bit. (Interpreted, node 2 also matches without
-    the reordering: the CPU's sums happen not to depend on where the masked slots sit in a tile;
-    wgmma's and the warp reductions' do, which is why the kernel path reorders.)"""
-    config = preset("tiny-v3", num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=LATENT,
+_window = nnx.jit(_window_call, static_argnames=("backend",))
+
+
+# A one-layer model at widths the Mosaic kernels take (Dl 128, Dr 64; DSA's keys 64 wide, its
+# top-16 well under the 73 slots a row fills), and the names its window-invariant call's Mosaic
+# kernels carry in the jaxpr.
+INVARIANT_MODELS = {
+    "v3": (dict(name="tiny-v3"), None, ("name=_mla_attention_mosaic",)),
+    "v32": (dict(name="tiny", index_head_dim=64), None, ("name=_indexer_scores", "name=_sparse_mla")),
+    "v32-fp8": (dict(name="tiny", index_head_dim=64), "fp8", ("name=_indexer_scores", "name=_sparse_mla")),
+}
+
+
+@pytest.mark.parametrize("kind", list(INVARIANT_MODELS))
+def test_window_invariant_model_on_the_mosaic_kernels_equals_single_steps(kind):
+    """A one-layer V3 (dense MLA) or V3.2 (DSA: the indexer and sparse MLA kernels; bfloat16 or FP8
+    caches) model in bfloat16 with window_invariant on the "mosaic" backend: a chain window runs
+    as one call of each kernel, a tree node as one call over its ancestors in plain decoding's order
+    (`MLA._attend_invariant_kernel`); their logits and hidden states equal the same tokens decoded
+    one per call, bit for bit, and the window's program runs the Mosaic kernels (not
+    `_attend_alone`'s jnp). (Interpreted, tree nodes also match without the reordering: the CPU's
+    sums happen not to depend on where the masked slots sit in a tile; wgmma's and the warp
+    reductions' do, which is why the kernel path reorders.)"""
+    overrides, cache_dtype, kernels = INVARIANT_MODELS[kind]
+    config = preset(**overrides, num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=LATENT,
                     qk_rope_head_dim=ROPE)
     model = DeepseekV3(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     rng = np.random.default_rng(1)
     batch, width = 2, 70  # the window starts mid-page, in the second page
     tokens = jnp.asarray(rng.integers(3, 250, (batch, width + 3)), jnp.int32)
     prefix = jnp.full((batch,), width, jnp.int32)
-    cache = model.init_cache(batch, 2 * PAGE)
+    cache = model.init_cache(batch, 2 * PAGE, cache_dtype=cache_dtype)
     _, _, cache = _window(model, tokens[:, :width], jnp.arange(width)[None].repeat(batch, 0), cache,
                           jnp.zeros((batch,), jnp.int32), None, "xla")
     window = tokens[:, width:]
     depth = jnp.asarray([0, 1, 1])
     tree = jnp.broadcast_to(jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), (batch, 3, 3))  # parents -1, 0, 0
+    chain_args = (model, window, width + jnp.arange(3)[None].repeat(batch, 0), cache, prefix, None, "mosaic")
+    jaxpr = str(jax.make_jaxpr(functools.partial(_window_call, model, backend="mosaic"))(*chain_args[1:-1]))
+    assert all(kernel in jaxpr for kernel in kernels), kernels
     tree_logits, tree_hidden, _ = _window(model, window, width + depth[None].repeat(batch, 0), cache, prefix, tree,
                                           "mosaic")
-    chain_logits, chain_hidden, _ = _window(model, window, width + jnp.arange(3)[None].repeat(batch, 0), cache, prefix,
-                                            None, "mosaic")
+    chain_logits, chain_hidden, _ = _window(*chain_args)
     for path, (logits_of, hidden_of) in (([0, 1, 2], (chain_logits, chain_hidden)),
                                          ([0, 2], (tree_logits, tree_hidden))):
         step_cache = cache
