@@ -42,7 +42,7 @@ class DecodeConfig:
       plain [B, 1] decode step (`jaxspec.models.layers.per_position`: the window's positions run
       one after another through the token-local ops, and attention reads each token's entries in
       plain decoding's order with the pure-jnp reference ops; on the "mosaic" backend, with the
-      Mosaic GPU kernels of V3 / V3.2, which are window-invariant by construction: docs/kernels.md). Then
+      Mosaic GPU attention kernels, which are window-invariant by construction: docs/kernels.md). Then
       greedy speculative decoding emits exactly the tokens of plain greedy decoding with the same
       flag, batch and prompts, for every k and tree, in bfloat16 as in float32: guaranteed on
       XLA's CPU backend (tests/test_exactness.py). Without it the guarantee holds only up to

@@ -30,7 +30,8 @@ after the cached entries). After the loop made the accepted path contiguous (`V4
 next call closes its blocks from the rings.
 
 window_invariant=True: a chain call computes each token's projections and attention alone
-(`per_position`, `_attend_alone`). A tree call writes what a tree call writes (its tokens' ring rows,
+(`per_position`, `_attend_alone`), or its attention in one call on the Mosaic GPU kernel, which is
+window-invariant by construction. A tree call writes what a tree call writes (its tokens' ring rows,
 computed alone), then runs each node as a one-token chain call at its position on a view of the
 cache where its ancestors' ring rows sit at the slots plain decoding gives them (`_tree_alone`).
 
@@ -52,7 +53,8 @@ from flax import nnx
 
 from jaxspec.cache_v4 import V4Cache
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
-from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_attention, window_slots
+from jaxspec.pallas_kernels import (Visibility, query_valid, resolve_backend, sliding_compressed_attention,
+                                    window_slots)
 from jaxspec.sharding import current
 
 from .compressor import Compressor, CSACompressor, branch_slots
@@ -137,7 +139,10 @@ class V4Attention(nnx.Module):
 
         attend = functools.partial(sliding_compressed_attention, sliding_window=c.sliding_window,
                                    scale=c.head_dim ** -0.5, backend=backend)
-        if window_invariant:
+        # The Mosaic GPU kernel is window-invariant by construction (`sliding_compressed_attention_mosaic`:
+        # a token's bits depend on its query and the keys it sees, not on B or Q), so a chain window
+        # runs as one call, as plain decoding does; elsewhere attention runs once per window token.
+        if window_invariant and resolve_backend(backend, "sliding_compressed_attention") != "mosaic":
             out = self._attend_alone(attend, q, cache, layer, positions, vis, compressed)
         else:
             out = attend(q, *cache.layer_pages("window", layer), positions, vis, self.sinks[...], **compressed)

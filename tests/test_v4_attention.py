@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -135,7 +136,9 @@ def hf_layer(kind, model):
     transformers = pytest.importorskip("transformers")
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
-    config = transformers.DeepseekV4Config(**HF_FIELDS, layer_types=[kind])
+    # A deep copy: transformers standardizes rope_parameters in place (it would write this
+    # config's partial_rotary_factor into the shared dict other configs are built from).
+    config = transformers.DeepseekV4Config(**copy.deepcopy(HF_FIELDS), layer_types=[kind])
     config._attn_implementation = "eager"
     layer = DeepseekV4Attention(config, 0).eval()
     ours = {".".join(map(str, path)): np.asarray(v[...]) for path, v in nnx.iter_graph(model)

@@ -12,16 +12,22 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxspec import aot
+from jaxspec.cache_v4 import init_v4_cache
+from jaxspec.model_config import CSA, ModelConfig
+from jaxspec.models.v4_attention import V4Attention
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
 from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
 from test_sparse_mosaic import assert_costed
+from test_v4_attention import HF_FIELDS
 
 MOSAIC_CASES = {
     # a tree window, CSA top-k (-1 and entries past the row's pages mixed in), extra keys, 8-slot
@@ -134,6 +140,39 @@ def test_backend_choice():
     with gpu_lowering("NVIDIA H100 80GB HBM3"):
         assert resolve_backend("auto", "sliding_compressed_attention") == "pallas"
         assert resolve_backend("mosaic", "sliding_compressed_attention") == "mosaic"
+
+
+def test_window_invariant_chain_on_the_mosaic_kernel_equals_single_steps(monkeypatch):
+    """A bfloat16 CSA layer (D 128, the kernel's smallest width) with window_invariant on the
+    "mosaic" backend: a chain window of 5 tokens runs attention as one kernel call of 5 tokens
+    (not once per token) and its outputs equal the same tokens decoded one per call, bit for bit.
+    13..17 closes entry 3 inside the window."""
+    from jaxspec.pallas_kernels import sliding_compressed_attention_mosaic as module
+    widths = []  # the Q of every kernel call traced
+    kernel = module.sliding_compressed_attention_mosaic
+    monkeypatch.setattr(module, "sliding_compressed_attention_mosaic",
+                        lambda q, *args, **kwargs: widths.append(q.shape[1]) or kernel(q, *args, **kwargs))
+    config = ModelConfig.from_hf(dict(HF_FIELDS, head_dim=128, partial_rotary_factor=0.0625, layer_types=[CSA],
+                                      model_type="deepseek_v4"))
+    graphdef, params = nnx.split(V4Attention(config, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+
+    @functools.partial(jax.jit, static_argnames="backend")
+    def step(x, start, cache, backend):
+        start = jnp.full((x.shape[0],), start, jnp.int32)
+        positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+        vis = Visibility(start, jnp.full(start.shape, x.shape[1], jnp.int32))
+        return nnx.merge(graphdef, params)(x, positions, cache, 0, vis, backend=backend, window_invariant=True)
+
+    x = jax.random.normal(jax.random.key(3), (2, 18, config.hidden_size), jnp.bfloat16)
+    cache = init_v4_cache(config, 2, 32, max_window=13, page_size=8, layer_types=(CSA,), dtype=jnp.bfloat16)
+    _, cache = step(x[:, :13], 0, cache, "xla")
+    window, _ = step(x[:, 13:18], 13, cache, "mosaic")
+    assert widths == [5]
+    for t in range(13, 18):
+        alone, cache = step(x[:, t:t + 1], t, cache, "mosaic")
+        got = np.asarray(window[:, t - 13], np.float32)
+        assert np.isfinite(got).all() and np.abs(got).max() > 0
+        np.testing.assert_array_equal(np.asarray(alone[:, 0], np.float32), got)
 
 
 @functools.cache
