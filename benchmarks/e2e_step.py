@@ -3,6 +3,7 @@ same compiled program.
 
     python benchmarks/e2e_step.py --json e2e.json                    # B 1, 8, 32 x k 0, 1, 3 at ctx 4096
     python benchmarks/e2e_step.py --points 32,3 --layers 5
+    python benchmarks/e2e_step.py --points 32,3 --backend mosaic --cache-dtype fp8 --json e2e_mosaic.json
     python benchmarks/e2e_step.py --smoke --json e2e.json            # preset tiny, any machine
 
 The model: preset deepseek-v3.2 at full width with DeepSeek's FP8 weights (float8_e4m3fn, 128 x 128
@@ -24,10 +25,13 @@ throughput, i.e. projected time over measured time (1.0: the step runs at its ro
 reset to C (a separate tiny program, outside the timed region); each step is timed alone from
 dispatch to `block_until_ready`, after `--warmup` steps; the median of `--iters` is reported.
 With random weights drafts are rarely accepted; a step's work does not depend on it (the window
-and the catch-up have fixed widths).
+and the catch-up have fixed widths). `--backend` picks the attention kernels as
+`DecodeConfig.backend` does ("auto": what `AUTO_KERNELS` names for the device, Triton where it
+names none; "mosaic": the Mosaic GPU kernels), `--cache-dtype fp8` the FP8 caches DeepSeek's
+release keeps (drawn as bfloat16 entries and quantized by the pool's rule); each point records both.
 
-On a CPU the step runs through the XLA references (backend "auto") and the projection uses the
-H100's peaks: the ratio then only shows that the code path runs.
+On a CPU "auto" runs the XLA references ("pallas" and "mosaic" their kernels, interpreted) and
+the projection uses the H100's peaks: the ratio then only shows that the code path runs.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from jaxspec.decode_config import DecodeConfig
 from jaxspec.loop import DecodeState, _step, prefill
 from jaxspec.memory_plan import device_memory, plan_memory
 from jaxspec.orbax_io import abstract_model
+from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, quantize_entries
 from jaxspec.presets import preset
 from jaxspec.sampling import base_key
 
@@ -148,12 +154,19 @@ def _at_context(state, context: int):
 @functools.partial(jax.jit, donate_argnums=0)
 def _random_caches(state, key):
     """`state` with random entries in every cache page (the latents and indexer keys of both
-    caches): attention reads real-looking data, not the zeros `init_cache` wrote."""
+    caches; an FP8 pool's quantized by its rule): attention reads real-looking data, not the zeros
+    `init_cache` wrote."""
     def drawn(pool, key):  # a stacked pool [L, ...], drawn a layer at a time: float32 for one layer only
         if pool is None:
             return None
-        return jax.lax.map(lambda k: jax.random.normal(k, pool.shape[1:], jnp.float32).astype(pool.dtype),
-                           jax.random.split(key, pool.shape[0]))
+        keys = jax.random.split(key, jax.tree.leaves(pool)[0].shape[0])
+        if isinstance(pool, Fp8Pool):
+            quantized = pool.values.shape[-1]
+            width = quantized + (0 if pool.rope is None else pool.rope.shape[-1])
+            shape = pool.values.shape[1:-1] + (width,)
+            return jax.lax.map(lambda k: quantize_entries(jax.random.normal(k, shape, jnp.float32), pool.rule,
+                                                          quantized), keys)
+        return jax.lax.map(lambda k: jax.random.normal(k, pool.shape[1:], jnp.float32).astype(pool.dtype), keys)
 
     def fill(cache, key):
         if cache is None:
@@ -189,13 +202,16 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 
 @dataclasses.dataclass
 class Point:
-    """One measured point: batch, drafts, context, the model's depth, the step's median and spread
-    (seconds), the compiled program's flops and bytes, and the projections (seconds)."""
+    """One measured point: batch, drafts, context, the model's depth, the backend and cache dtype it
+    ran with, the step's median and spread (seconds), the compiled program's flops and bytes, and
+    the projections (seconds)."""
 
     batch: int
     drafts: int
     context: int
     layers: int
+    backend: str
+    cache_dtype: str
     measured_s: float
     spread_s: tuple[float, float]
     compile_s: float
@@ -215,9 +231,9 @@ class Point:
 
 
 def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
-                  calibration=ROOFLINE) -> Point:
+                  calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None) -> Point:
     """Build the state at `context`, compile the step, time it and project it (module docstring)."""
-    decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend="auto")
+    decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype)
     graphdef, params = nnx.split(model)
     state = _at_context(_random_caches(state_at(model, batch, decode), jax.random.key(drafts)), context)
     start = time.perf_counter()
@@ -235,6 +251,7 @@ def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, w
     target = target_of(jax.devices()[0])
     peaks = target_peaks(target)
     return Point(batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
+                 backend=backend, cache_dtype=cache_dtype or "bfloat16",
                  measured_s=statistics.median(times), spread_s=(min(times), max(times)), compile_s=compile_s,
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
                  projected_s=step_seconds(cost, peaks),
@@ -260,6 +277,10 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, help="committed tokens per row (default 4096; --smoke 64)")
     parser.add_argument("--layers", type=int, help="decoder layers (default: as many as fit, at least 4)")
     parser.add_argument("--iters", type=int, help="timed steps per point (default 10; --smoke 2)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="the kernels' implementation, as DecodeConfig.backend (default auto)")
+    parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
+                        help="fp8: FP8 caches (the latent in FlashMLA's tokens, the indexer keys e4m3)")
     parser.add_argument("--calibration", metavar="JSON", help="also project with this calibration (projection.py)")
     parser.add_argument("--json", metavar="PATH", help="write the points here as they finish (existing points kept)")
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
@@ -273,7 +294,8 @@ def main(argv=None) -> int:
         parser.error("--iters and --context must be >= 1")
     calibration = ROOFLINE if args.calibration is None else load_calibration(args.calibration)
     config = preset(setting["preset"])
-    widest = DecodeConfig(num_draft=max(k for _, k in points), max_new_tokens=context)
+    widest = DecodeConfig(num_draft=max(k for _, k in points), max_new_tokens=context, backend=args.backend,
+                          cache_dtype=args.cache_dtype)
     layers = args.layers or fitting_layers(config, widest, max(b for b, _ in points), device_memory())
     if not 1 + MIN_MOE_LAYERS <= layers <= config.num_hidden_layers and not args.smoke:
         parser.error(f"--layers {layers}: must be in [{1 + MIN_MOE_LAYERS}, {config.num_hidden_layers}]")
@@ -281,6 +303,7 @@ def main(argv=None) -> int:
     model = random_fp8_model(shallow(config, layers))
     print(f"device: {jax.devices()[0].device_kind}; {setting['preset']} FP8, {layers} layers (1 dense) + MTP, "
           f"random weights built in {time.perf_counter() - started:.1f} s; context {context}; "
+          f"backend {args.backend}; {'FP8' if args.cache_dtype else 'bfloat16'} caches; "
           f"calibration {calibration.describe()}", flush=True)
     print(f"{'B':>4} {'k':>2} {'measured ms':>11} {'min-max':>15} {'projected ms':>12} {'m/p':>6} "
           f"{'calibrated ms':>13} {'TFLOP':>7} {'GB':>7} {'compile s':>9}", flush=True)
@@ -293,14 +316,16 @@ def main(argv=None) -> int:
             print(f"deadline: B={batch} k={drafts} not started", flush=True)
             continue
         point = measure_point(model, batch, drafts, context, iters=iters, warmup=setting["warmup"],
-                              calibration=calibration)
+                              calibration=calibration, backend=args.backend, cache_dtype=args.cache_dtype)
         calibrated = f"{point.calibrated_s * 1e3:>13.3f}" if point.calibrated_s else f"{'-':>13}"
         print(f"{batch:>4} {drafts:>2} {point.measured_s * 1e3:>11.3f} "
               f"{point.spread_s[0] * 1e3:>7.2f}-{point.spread_s[1] * 1e3:<7.2f} {point.projected_s * 1e3:>12.3f} "
               f"{point.ratio:>6.2f} {calibrated} {point.flops / 1e12:>7.3f} {point.bytes / 1e9:>7.2f} "
               f"{point.compile_s:>9.1f}", flush=True)
         if args.json:
-            done[f"B={batch},k={drafts},ctx={context}"] = {**dataclasses.asdict(point), "ratio": point.ratio,
+            # Keyed by everything that sets the program, so runs with other settings add to the file.
+            key = f"B={batch},k={drafts},ctx={context},backend={args.backend},cache={point.cache_dtype}"
+            done[key] = {**dataclasses.asdict(point), "ratio": point.ratio,
                                                           "device": jax.devices()[0].device_kind}
             with open(args.json, "w") as f:
                 json.dump(done, f, indent=1)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,3 +192,33 @@ def test_kernel_benchmark_reads_fp8_caches(tmp_path):
     selected = batch * queries * dims.topk  # every token's top-k slots, each read with its index
     assert op_bytes[None]["sparse_mla"] - op_bytes["fp8"]["sparse_mla"] == selected * (384 - 260)
     assert op_bytes[None]["indexer_scores"] - op_bytes["fp8"]["indexer_scores"] == batch * context * (128 - 68)
+
+
+def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path):
+    """`benchmarks/e2e_step.py --backend pallas --cache-dtype fp8` (smoke): the caches it times are
+    FP8 pools holding random quantized entries (every page, both caches), its point records the
+    backend and cache dtype, and a point of other settings already in the JSON file is kept."""
+    import e2e_step
+
+    from jaxspec.decode_config import DecodeConfig
+    from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, entries
+
+    model = e2e_step.random_fp8_model(e2e_step.shallow(e2e_step.preset("tiny"), 2))
+    decode = DecodeConfig(num_draft=1, max_new_tokens=64, cache_dtype="fp8")
+    state = e2e_step._random_caches(e2e_step.state_at(model, 2, decode), e2e_step.jax.random.key(0))
+    pools = [pool for cache in (state.target_cache, state.mtp_cache) for pool in (cache.latent, cache.index_keys)]
+    assert len(pools) == 4 and all(isinstance(pool, Fp8Pool) for pool in pools)
+    for pool in pools:
+        values = np.asarray(entries(pool), np.float32)  # [L, P, page, width]: dequantized by the pool's scales
+        assert (values.std(axis=(-2, -1)) > 0.5).all()  # every page of every layer drawn, at unit scale
+        assert (np.asarray(pool.scales) > 0).all()
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"earlier": {"batch": 1}}))
+    argv = ["--smoke", "--points", "2,1", "--iters", "1", "--backend", "pallas", "--cache-dtype", "fp8",
+            "--json", str(path)]
+    assert e2e_step.main(argv) == 0
+    points = json.loads(path.read_text())
+    assert points["earlier"] == {"batch": 1}
+    [point] = [v for k, v in points.items() if k != "earlier"]
+    assert (point["backend"], point["cache_dtype"], point["batch"], point["drafts"]) == ("pallas", "fp8", 2, 1)
+    assert point["measured_s"] > 0 and point["bytes"] > 0
