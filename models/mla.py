@@ -99,8 +99,8 @@ class MLA(nnx.Module):
         window_invariant (absorbed form only): compute each token as if it were alone in its call
         (`per_position` for the token-local projections, `_attend_alone` for attention, or, where
         the backend runs the layer's attention ops on the Mosaic GPU kernels, those kernels:
-        `_attend_invariant_kernel`), so its
-        output is bit-identical whatever the window around it; see `DecodeConfig.window_invariant`.
+        `_attend_invariant_kernel`), so its output is bit-identical whatever the window around it;
+        see `DecodeConfig.window_invariant`.
 
         FP8 caches (`Fp8Pool` entries in `cache`) are read as such: the latent and the indexer keys
         are quantized as they are written, the indexer keys and queries rotated first (`Indexer`).
