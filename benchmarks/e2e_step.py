@@ -159,14 +159,14 @@ def _random_caches(state, key):
     def drawn(pool, key):  # a stacked pool [L, ...], drawn a layer at a time: float32 for one layer only
         if pool is None:
             return None
-        keys = jax.random.split(key, jax.tree.leaves(pool)[0].shape[0])
-        if isinstance(pool, Fp8Pool):
-            quantized = pool.values.shape[-1]
-            width = quantized + (0 if pool.rope is None else pool.rope.shape[-1])
-            shape = pool.values.shape[1:-1] + (width,)
-            return jax.lax.map(lambda k: quantize_entries(jax.random.normal(k, shape, jnp.float32), pool.rule,
-                                                          quantized), keys)
-        return jax.lax.map(lambda k: jax.random.normal(k, pool.shape[1:], jnp.float32).astype(pool.dtype), keys)
+
+        def layer(k):  # `Fp8Pool.shape` is its entries' (dequantized) shape, as a plain pool's
+            values = jax.random.normal(k, pool.shape[1:], jnp.float32)
+            if isinstance(pool, Fp8Pool):
+                return quantize_entries(values, pool.rule, pool.values.shape[-1])
+            return values.astype(pool.dtype)
+
+        return jax.lax.map(layer, jax.random.split(key, pool.shape[0]))
 
     def fill(cache, key):
         if cache is None:
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
               f"{point.compile_s:>9.1f}", flush=True)
         if args.json:
             # Keyed by everything that sets the program, so runs with other settings add to the file.
-            key = f"B={batch},k={drafts},ctx={context},backend={args.backend},cache={point.cache_dtype}"
+            key = f"B={batch},k={drafts},ctx={context},backend={point.backend},cache={point.cache_dtype}"
             done[key] = {**dataclasses.asdict(point), "ratio": point.ratio,
                                                           "device": jax.devices()[0].device_kind}
             with open(args.json, "w") as f:

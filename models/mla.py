@@ -24,8 +24,9 @@ from flax import nnx
 
 from jaxspec.cache import PagedCache
 from jaxspec.model_config import ModelConfig
-from jaxspec.pallas_kernels import (Visibility, attend_latent, indexer_topk, mla_attention, resolve_backend,
-                                    select_topk, sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels import (Visibility, attend_latent, indexer_topk, mla_attention, select_topk,
+                                    sparse_mla_attention, visible_mask, window_slots)
+from jaxspec.pallas_kernels.backend import window_invariant_kernels
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, as_entries, gather_parts, key_rule, read_parts
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.visibility import ancestor_slots
@@ -122,7 +123,8 @@ class MLA(nnx.Module):
             index_queries = (None if self.indexer is None
                              else each(functools.partial(self.indexer.queries, key_rule=key_rule(cache.index_keys)),
                                        x, q_latent, cos, sin))
-            if self._invariant_kernels(backend):
+            ops = ("mla_attention",) if self.indexer is None else ("indexer_topk", "sparse_mla_attention")
+            if window_invariant_kernels(backend, *ops):
                 out = self._attend_invariant_kernel(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv,
                                                     backend)
             else:
@@ -200,13 +202,6 @@ class MLA(nnx.Module):
             return jnp.einsum("bqhr,rhv->bqhv", out_latent, w_uv.astype(out_latent.dtype))
 
         return per_position(alone, q_nope, q_rope, index_queries, slots)
-
-    def _invariant_kernels(self, backend: str) -> bool:
-        """Whether `backend` runs this layer's attention ops on the Mosaic GPU kernels, which are
-        window-invariant by construction: `mla_attention`, or DSA's `indexer_topk` and
-        `sparse_mla_attention` (the Triton kernels tile a window's query rows together)."""
-        ops = ("mla_attention",) if self.indexer is None else ("indexer_topk", "sparse_mla_attention")
-        return all(resolve_backend(backend, op) == "mosaic" for op in ops)
 
     def _attend_invariant_kernel(self, q_nope, q_rope, index_queries, cache: PagedCache, layer, vis: Visibility,
                                  w_uk, w_uv, backend: str) -> jax.Array:

@@ -53,8 +53,8 @@ from flax import nnx
 
 from jaxspec.cache_v4 import V4Cache
 from jaxspec.model_config import CSA, HCA, SLIDING, ModelConfig
-from jaxspec.pallas_kernels import (Visibility, query_valid, resolve_backend, sliding_compressed_attention,
-                                    window_slots)
+from jaxspec.pallas_kernels import Visibility, query_valid, sliding_compressed_attention, window_slots
+from jaxspec.pallas_kernels.backend import window_invariant_kernels
 from jaxspec.sharding import current
 
 from .compressor import Compressor, CSACompressor, branch_slots
@@ -139,10 +139,9 @@ class V4Attention(nnx.Module):
 
         attend = functools.partial(sliding_compressed_attention, sliding_window=c.sliding_window,
                                    scale=c.head_dim ** -0.5, backend=backend)
-        # The Mosaic GPU kernel is window-invariant by construction (`sliding_compressed_attention_mosaic`:
-        # a token's bits depend on its query and the keys it sees, not on B or Q), so a chain window
-        # runs as one call, as plain decoding does; elsewhere attention runs once per window token.
-        if window_invariant and resolve_backend(backend, "sliding_compressed_attention") != "mosaic":
+        # On the window-invariant Mosaic kernel a chain window runs as one call, as plain decoding
+        # does; elsewhere attention runs once per window token.
+        if window_invariant and not window_invariant_kernels(backend, "sliding_compressed_attention"):
             out = self._attend_alone(attend, q, cache, layer, positions, vis, compressed)
         else:
             out = attend(q, *cache.layer_pages("window", layer), positions, vis, self.sinks[...], **compressed)

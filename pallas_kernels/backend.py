@@ -92,6 +92,15 @@ def resolve_backend(backend: str, op: str | None = None) -> str:
     return backend
 
 
+def window_invariant_kernels(backend: str, *ops: str) -> bool:
+    """Whether `backend` runs every one of `ops` on its Mosaic GPU kernel. Those kernels are
+    window-invariant by construction (fixed tiles, split counts set by the cache's capacity): a
+    query row's bits do not depend on B, Q or the rows beside it, so a window-invariant caller may
+    hand them a whole chain window in one call. The Triton kernels tile a window's query rows
+    together and are not; the references run under `per_position` instead."""
+    return all(resolve_backend(backend, op) == "mosaic" for op in ops)
+
+
 def interpret_mode() -> bool:
     """Pallas kernels run in interpret mode wherever there is no GPU (CPU tests), except inside
     `gpu_lowering`. The ops pass the answer to their jitted kernels as the static `interpret`

@@ -204,10 +204,11 @@ _window = nnx.jit(_window_call, static_argnames=("backend",))
 # A one-layer model at widths the Mosaic kernels take (Dl 128, Dr 64; DSA's keys 64 wide, its
 # top-16 well under the 73 slots a row fills), and the names its window-invariant call's Mosaic
 # kernels carry in the jaxpr.
+DSA_KERNELS = ("name=_indexer_scores", "name=_sparse_mla")
 INVARIANT_MODELS = {
     "v3": (dict(name="tiny-v3"), None, ("name=_mla_attention_mosaic",)),
-    "v32": (dict(name="tiny", index_head_dim=64), None, ("name=_indexer_scores", "name=_sparse_mla")),
-    "v32-fp8": (dict(name="tiny", index_head_dim=64), "fp8", ("name=_indexer_scores", "name=_sparse_mla")),
+    "v32": (dict(name="tiny", index_head_dim=64), None, DSA_KERNELS),
+    "v32-fp8": (dict(name="tiny", index_head_dim=64), "fp8", DSA_KERNELS),
 }
 
 
