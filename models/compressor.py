@@ -15,7 +15,8 @@ then RoPE ("compress" rope, interleaved, last qk_rope_head_dim dims) at position
 entry is written to slot j. Query p sees entry j iff `e_j <= p`. The lightning indexer runs the same
 CSA compressor at index_head_dim for its keys, and scores entry j for query p as
 `sum_h w_h relu(q_h . K_j)` (w = weights_proj(x) * Hi^-0.5 * Di^-0.5, q = q_b_proj(q_residual)
-rotated), keeping the top `index_topk` visible entries.
+rotated), keeping the top `index_topk` visible entries: V3.2's `indexer_topk` op over the entry
+pool, its kernels included, with the visible entries given as per-token counts.
 
 This is the pooling DeepSeek's V4 inference code and SGLang define; transformers 5.23 computes the
 same values. Top-k ties go to the lowest entry (`select_topk`: `lax.top_k` is stable) and
@@ -43,7 +44,8 @@ from flax import nnx
 
 from jaxspec.cache_v4 import ENTRIES, INDEX_ENTRIES, INDEX_STATE, STATE, V4Cache
 from jaxspec.model_config import CSA, ModelConfig
-from jaxspec.pallas_kernels import Visibility, gather_rows, query_valid, select_topk
+from jaxspec.pallas_kernels import Visibility, indexer_scores, indexer_topk, query_valid, select_topk
+from jaxspec.pallas_kernels.backend import window_invariant_kernels
 from jaxspec.pallas_kernels.fp8_cache import entry_dtype
 from jaxspec.pallas_kernels.indexer import score_keys
 
@@ -202,34 +204,40 @@ class Indexer(Compressor):
         return rotate_tail(q, cos, sin), weights
 
     def select(self, cache: V4Cache, layer, x, q_residual, cos, sin, positions: jax.Array, vis: Visibility, *,
-               window_invariant: bool, extra_keys: jax.Array | None = None, extra_closed: jax.Array | None = None):
+               backend: str, window_invariant: bool, extra_keys: jax.Array | None = None,
+               extra_closed: jax.Array | None = None):
         """The top `index_topk` entries each token sees -> [B, Q, index_topk] int32, -1 padded
         (padding tokens: all -1). Entry j is visible to position p iff (j + 1) m - 1 <= p.
+
+        The scores are the `indexer_topk` op's over the entry pool (`indexer_scores` for a tree),
+        the visible entries given as slot counts, on `backend`'s kernel. window_invariant: each
+        token selects alone (`per_position`), unless the op runs on its Mosaic kernel, which is
+        window-invariant by construction: then a chain window is one call, as plain decoding is.
 
         Trees: the cache holds the entries ending before prefix_len only; extra_keys [B, Q, X, Di]
         (valid where extra_closed [B, Q, X]) are the index keys of the entries j = prefix_len // m
         + x the query's branch closed. They are ranked after the cached ones (entry order, so ties go
         to the lowest entry as in a chain) and returned as (indices into the cache, -1 padded;
         extra_selected [B, Q, X] bool)."""
-        keys = gather_rows(*cache.layer_pages(self.entry_pool, layer))  # [B, E, Di]
-        entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
-        bound = (positions + 1) // self.rate if extra_keys is None else jnp.broadcast_to(
-            (vis.prefix_len // self.rate)[:, None], positions.shape)
-        visible = (entry[None, None] < bound[..., None]) & query_valid(vis, x.shape[1])[..., None]  # [B, Q, E]
-
-        def choose(x, q_residual, cos, sin, visible):
-            q, weights = self.queries(x, q_residual, cos, sin)
-            return select_topk(score_keys(q, weights, keys, visible), self.topk)
-
+        keys, pages = cache.layer_pages(self.entry_pool, layer)
+        valid = query_valid(vis, x.shape[1])
         if extra_keys is None:
-            return per_position(choose, x, q_residual, cos, sin, visible, enabled=window_invariant)
+            counts = jnp.where(valid, (positions + 1) // self.rate, 0)
+
+            def choose(x, q_residual, cos, sin, counts):
+                q, weights = self.queries(x, q_residual, cos, sin)
+                return indexer_topk(q, weights, keys, pages, counts, topk=self.topk, backend=backend)
+
+            alone = window_invariant and not window_invariant_kernels(backend, "indexer_topk")
+            return per_position(choose, x, q_residual, cos, sin, counts, enabled=alone)
+        counts = jnp.where(valid, (vis.prefix_len // self.rate)[:, None], 0)
         q, weights = self.queries(x, q_residual, cos, sin)
-        scores = score_keys(q, weights, keys, visible)
+        scores = indexer_scores(q, weights, keys, pages, counts, backend=backend)
         per_query = jax.vmap(lambda q, w, k, ok: score_keys(q[:, None], w[:, None], k, ok[:, None])[:, 0],
                              in_axes=1, out_axes=1)
+        num_cached = scores.shape[-1]
         scores = jnp.concatenate([scores, per_query(q, weights, extra_keys, extra_closed)], axis=-1)
         chosen = select_topk(scores, self.topk)
-        num_cached = keys.shape[1]
         extra = num_cached + jnp.arange(extra_keys.shape[2], dtype=jnp.int32)
         selected = jnp.any(chosen[..., None] == extra, axis=-2) & extra_closed
         return jnp.where(chosen < num_cached, chosen, -1), selected

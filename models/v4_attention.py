@@ -29,9 +29,10 @@ window reach the op as its extra keys (`Compressor.branch_entries`; for CSA the 
 after the cached entries). After the loop made the accepted path contiguous (`V4Cache.move`), the
 next call closes its blocks from the rings.
 
-window_invariant=True: a chain call computes each token's projections and attention alone
-(`per_position`, `_attend_alone`), or its attention in one call on the Mosaic GPU kernel, which is
-window-invariant by construction. A tree call writes what a tree call writes (its tokens' ring rows,
+window_invariant=True: a chain call computes each token's projections, CSA selection and
+attention alone (`per_position`, `_attend_alone`); the selection (`indexer_topk`) and the attention
+run as one call each where their op is on its Mosaic GPU kernel, which is window-invariant by
+construction. A tree call writes what a tree call writes (its tokens' ring rows,
 computed alone), then runs each node as a one-token chain call at its position on a view of the
 cache where its ancestors' ring rows sit at the slots plain decoding gives them (`_tree_alone`).
 
@@ -125,11 +126,12 @@ class V4Attention(nnx.Module):
                 if tree:
                     keys, keys_closed = indexer.branch_entries(cache, layer, positions, vis)
                     compressed["compressed_indices"], compressed["extra_valid"] = indexer.select(
-                        cache, layer, x, q_residual, cos, sin, positions, vis, window_invariant=False,
-                        extra_keys=keys, extra_closed=keys_closed)
+                        cache, layer, x, q_residual, cos, sin, positions, vis, backend=backend,
+                        window_invariant=False, extra_keys=keys, extra_closed=keys_closed)
                 else:
-                    compressed["compressed_indices"] = indexer.select(cache, layer, x, q_residual, cos, sin,
-                                                                      positions, vis, window_invariant=window_invariant)
+                    compressed["compressed_indices"] = indexer.select(
+                        cache, layer, x, q_residual, cos, sin, positions, vis, backend=backend,
+                        window_invariant=window_invariant)
             else:
                 rate = self.compressor.rate
                 visible = (jnp.broadcast_to(vis.prefix_len[:, None], positions.shape) if tree else positions + 1) // rate

@@ -20,13 +20,13 @@ import jax.numpy as jnp
 from .backend import interpret_mode, resolve_backend
 from .contracts import select_topk
 from .fp8_cache import Fp8Pool, gather_parts
-from .visibility import Visibility, visible_mask
+from .visibility import VisibleSlots, visible_mask
 
 
 def indexer_scores_reference(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array,
-                             page_table: jax.Array, vis: Visibility) -> jax.Array:
-    """q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] (or an FP8 pool of it)
-    -> scores [B, Q, S] float32.
+                             page_table: jax.Array, vis: VisibleSlots) -> jax.Array:
+    """q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] (or an FP8 pool of it),
+    vis a `Visibility` or slot counts [B, Q] -> scores [B, Q, S] float32.
 
     S = max_pages * page_size; invisible slots score -inf. Computed in float32.
     """
@@ -52,7 +52,7 @@ def indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, *, topk: 
 
 
 def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
-                 vis: Visibility, *, topk: int, backend: str = "auto") -> jax.Array:
+                 vis: VisibleSlots, *, topk: int, backend: str = "auto") -> jax.Array:
     """Select the `topk` visible slots with the highest indexer score, per query token.
 
     Args:
@@ -60,17 +60,27 @@ def indexer_topk(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, pag
       key_cache: [num_pages, page_size, Di] one layer's indexer keys, or an `fp8_cache.Fp8Pool` of
         them (then q_idx is e4m3 and weights carry the query scales: `models.indexer`);
         page_table: [B, max_pages].
-      vis: per-token visibility; topk: slots to keep; backend: "xla", "pallas", "mosaic" or "auto"
-        (`backend.resolve_backend`).
+      vis: per-token visibility, or slot counts [B, Q] int32 (token (b, q) sees slots
+        [0, counts[b, q]): DeepSeek-V4's compressed entries; `visibility.VisibleSlots`);
+      topk: slots to keep; backend: "xla", "pallas", "mosaic" or "auto" (`backend.resolve_backend`).
 
     Returns:
       indices [B, Q, topk] int32 row-local slots, best first; -1 where fewer than topk are visible.
     """
+    return select_topk(indexer_scores(q_idx, weights, key_cache, page_table, vis, backend=backend), topk)
+
+
+def indexer_scores(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
+                   vis: VisibleSlots, *, backend: str = "auto") -> jax.Array:
+    """The scores `indexer_topk` selects from: same arguments -> [B, Q, S] float32, -inf where not
+    visible (`indexer_scores_reference`). Every implementation computes the whole score matrix and
+    selects with `select_topk`, so a caller that ranks further keys beside the cached ones (V4's
+    tree windows) takes the scores themselves. backend: as `indexer_topk`'s, the same op."""
     implementation = resolve_backend(backend, "indexer_topk")
     if implementation == "mosaic":
-        from .indexer_mosaic import indexer_topk_mosaic
-        return indexer_topk_mosaic(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())
+        from .indexer_mosaic import indexer_scores_mosaic
+        return indexer_scores_mosaic(q_idx, weights, key_cache, page_table, vis, interpret=interpret_mode())
     if implementation == "pallas":
-        from .indexer_pallas import indexer_topk_pallas
-        return indexer_topk_pallas(q_idx, weights, key_cache, page_table, vis, topk=topk, interpret=interpret_mode())
-    return indexer_topk_reference(q_idx, weights, key_cache, page_table, vis, topk=topk)
+        from .indexer_pallas import indexer_scores_pallas
+        return indexer_scores_pallas(q_idx, weights, key_cache, page_table, vis, interpret=interpret_mode())
+    return indexer_scores_reference(q_idx, weights, key_cache, page_table, vis)

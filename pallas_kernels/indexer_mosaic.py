@@ -19,7 +19,7 @@ by side and the chunk comes from HBM once, the rest of its reads from L2. A toke
 function of its own queries, weights and keys only (fixed tiles, one wgmma per token and tile): they
 do not depend on B, Q or the chunking, bit for bit. Tiles wholly past a token's last visible slot
 are written as -inf without reading keys. Visibility inside the kernel is the chain bound
-(`kv_bound`); a tree's non-ancestor window slots (at most Q per token) are set to -inf afterwards by
+(`kv_bound`: of the window's `Visibility`, or the given slot counts); a tree's non-ancestor window slots (at most Q per token) are set to -inf afterwards by
 a scatter of B * Q * Q entries.
 
 FP8 keys (`fp8_cache.Fp8Pool`: e4m3, one float32 scale per key) arrive as e4m3 tiles and their
@@ -58,7 +58,7 @@ from .contracts import select_topk
 from .cost import indexer_cost, stating
 from .fp8_cache import E4M3, Fp8Pool, cache_token_bytes
 from .mosaic_gpu import compiler_params, interpreting, swizzled
-from .visibility import Visibility, kv_bound
+from .visibility import VisibleSlots, kv_bound, tree_mask_of
 
 # Slots per tile: the wgmma's M (one warpgroup).
 TILE = 64
@@ -200,12 +200,12 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def indexer_scores_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache, page_table: jax.Array,
-                          vis: Visibility, *, interpret: bool = False) -> jax.Array:
+                          vis: VisibleSlots, *, interpret: bool = False) -> jax.Array:
     """`indexer_scores_reference` as a Mosaic GPU kernel.
 
     q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] or an `fp8_cache.Fp8Pool`
     of FP8 keys (values [P, page, Di] e4m3, scales [P, page, 1] float32; q_idx then e4m3 or
-    bfloat16, `models.indexer`), page_table [B, max_pages]
+    bfloat16, `models.indexer`), page_table [B, max_pages], vis a `Visibility` or slot counts [B, Q]
     -> scores [B, Q, S] float32 (S = max_pages * page; -inf where not visible).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
@@ -269,17 +269,18 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
     with stating(cost, "indexer_scores"):
         scores = kernel(q_t, w, *keys, *tables)
     scores = scores.reshape(batch, num_queries, -1)[:, :, :num_slots]
-    if vis.tree_mask is None:
+    tree_mask = tree_mask_of(vis)
+    if tree_mask is None:
         return scores
     # Window slot prefix + j is visible to token q only if j is an ancestor of q.
     window = vis.prefix_len[:, None, None] + jnp.arange(num_queries, dtype=jnp.int32)
-    hidden = jnp.where(vis.tree_mask, num_slots, window)  # out of range -> dropped
+    hidden = jnp.where(tree_mask, num_slots, window)  # out of range -> dropped
     b, q = jnp.indices((batch, num_queries))
     return scores.at[b[..., None], q[..., None], hidden].set(-jnp.inf, mode="drop")
 
 
 def indexer_topk_mosaic(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
-                        vis: Visibility, *, topk: int, interpret: bool = False) -> jax.Array:
+                        vis: VisibleSlots, *, topk: int, interpret: bool = False) -> jax.Array:
     """`indexer_topk` with Mosaic GPU scores; same arguments and result as `indexer_topk_reference`.
 
     q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di], page_table [B, max_pages]

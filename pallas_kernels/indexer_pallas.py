@@ -36,7 +36,7 @@ from .contracts import select_topk
 from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
                      slot_rows, tile_range, visibility_operands, visible)
-from .visibility import Visibility
+from .visibility import VisibleSlots
 
 # Query rows (tokens x heads) per program: a 128 x 128 bf16 query block plus a 128 x 64 float32
 # score tile stay in registers at 4 warps.
@@ -105,12 +105,12 @@ def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, bound_ref, span
 
 @functools.partial(jax.jit, static_argnames=("block_n", "tiles_per_program", "num_warps", "num_stages", "interpret"))
 def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
-                          vis: Visibility, *, block_n: int = 64, tiles_per_program: int | None = None,
+                          vis: VisibleSlots, *, block_n: int = 64, tiles_per_program: int | None = None,
                           num_warps: int = 4, num_stages: int = 2, interpret: bool | None = None) -> jax.Array:
     """`indexer_scores_reference` as a Pallas kernel.
 
     q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di] (or an `Fp8Pool` of FP8 keys,
-    q_idx then e4m3), page_table [B, max_pages]
+    q_idx then e4m3), page_table [B, max_pages], vis a `Visibility` or slot counts [B, Q]
     -> scores [B, Q, S] float32 (S = max_pages * page; -inf where not visible).
 
     Tuning (static): block_n slots per key tile (power of two >= 16), tiles_per_program (default:
@@ -154,7 +154,7 @@ def _flat_keys(key_cache):
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret"))
 def indexer_topk_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.Array, page_table: jax.Array,
-                        vis: Visibility, *, topk: int, interpret: bool | None = None) -> jax.Array:
+                        vis: VisibleSlots, *, topk: int, interpret: bool | None = None) -> jax.Array:
     """`indexer_topk` with Pallas scores; same arguments and result as `indexer_topk_reference`.
 
     q_idx [B, Q, Hi, Di], weights [B, Q, Hi], key_cache [P, page, Di], page_table [B, max_pages]

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .backend import interpret_mode
 from .cost import cost_metadata
-from .visibility import Visibility, kv_bound
+from .visibility import VisibleSlots, kv_bound, tree_mask_of
 
 # Triton's tl.dot needs every extent >= 16, so a block is never smaller than that.
 MIN_BLOCK = 16
@@ -143,18 +143,19 @@ def dot_nn(a, b):
                                preferred_element_type=jnp.float32)
 
 
-def visibility_operands(vis: Visibility, num_queries: int) -> list[jax.Array]:
+def visibility_operands(vis: VisibleSlots, num_queries: int) -> list[jax.Array]:
     """Per-token visibility as kernel operands: what `visibility.visible_mask` says, in a form a block can read.
 
-    Chain: `[bound [B, Q], span [B]]` — the exclusive slot bound of each token (0 for padding) and
-    the largest bound of each row (the slots any of its tokens may see). A tree adds `prefix [B]`
-    and `ancestor [B * Q, Q]` int32 (the tree mask as 0/1). Kernels take them as `bound_ref,
-    span_ref, *tree_refs` and pass `tree_refs or (None, None)` on as (prefix_ref, ancestor_ref).
+    Chain (or slot counts): `[bound [B, Q], span [B]]` — the exclusive slot bound of each token (0
+    for padding) and the largest bound of each row (the slots any of its tokens may see). A tree
+    adds `prefix [B]` and `ancestor [B * Q, Q]` int32 (the tree mask as 0/1). Kernels take them as
+    `bound_ref, span_ref, *tree_refs` and pass `tree_refs or (None, None)` on as (prefix_ref, ancestor_ref).
     """
     bound = kv_bound(vis, num_queries)
     operands = [bound, jnp.max(bound, axis=1)]
-    if vis.tree_mask is not None:
-        operands += [vis.prefix_len.astype(jnp.int32), vis.tree_mask.reshape(-1, num_queries).astype(jnp.int32)]
+    tree_mask = tree_mask_of(vis)
+    if tree_mask is not None:
+        operands += [vis.prefix_len.astype(jnp.int32), tree_mask.reshape(-1, num_queries).astype(jnp.int32)]
     return operands
 
 

@@ -11,6 +11,11 @@ after its committed prefix: window token q of row b is written to slot `prefix_l
 Tokens q >= query_len[b] are padding: they see nothing and write nothing. Trees must list parents
 before children (so every ancestor j of q has j <= q, and `prefix_len + q + 1` bounds what any token
 can see); `tree_mask[b, q, q]` must be True for valid tokens.
+
+Slot counts. A pool the window does not write to, such as DeepSeek-V4's compressed entries (entry j
+is visible to position p iff (j + 1) m - 1 <= p), is seen through per-token counts instead:
+counts [B, Q] int32, token (b, q) sees slots [0, counts[b, q]), 0 for padding. `kv_bound` and
+`visible_mask` take either form (`VisibleSlots`); `indexer_topk` scores over both.
 """
 
 from __future__ import annotations
@@ -29,6 +34,16 @@ class Visibility(NamedTuple):
     tree_mask: jax.Array | None = None
 
 
+# What a scoring op may be told about the slots each token sees: the window's `Visibility`, or
+# per-token slot counts [B, Q] int32 (the module docstring).
+VisibleSlots = Visibility | jax.Array
+
+
+def tree_mask_of(vis: VisibleSlots) -> jax.Array | None:
+    """The tree mask [B, Q, Q] of a tree's `Visibility`; None for a chain and for slot counts."""
+    return vis.tree_mask if isinstance(vis, Visibility) else None
+
+
 def query_valid(vis: Visibility, num_queries: int) -> jax.Array:
     """[B, Q] bool: the window token is real (not padding)."""
     q = jnp.arange(num_queries, dtype=jnp.int32)
@@ -41,18 +56,23 @@ def window_slots(vis: Visibility, num_queries: int) -> jax.Array:
     return jnp.where(query_valid(vis, num_queries), vis.prefix_len[:, None] + q[None, :], -1)
 
 
-def kv_bound(vis: Visibility, num_queries: int) -> jax.Array:
+def kv_bound(vis: VisibleSlots, num_queries: int) -> jax.Array:
     """[B, Q] int32: exclusive upper bound of the slots a token may see (0 for padding).
 
     For a chain this is the whole visibility (`prefix_len + q + 1`); for a tree it is a bound the
-    kernels use to skip pages, refined by the mask inside the window.
+    kernels use to skip pages, refined by the mask inside the window. Slot counts are their own
+    bound (negative counts read as 0).
     """
+    if not isinstance(vis, Visibility):
+        return jnp.maximum(vis.astype(jnp.int32), 0)
     return jnp.maximum(window_slots(vis, num_queries) + 1, 0)
 
 
-def visible_mask(vis: Visibility, num_queries: int, num_slots: int) -> jax.Array:
+def visible_mask(vis: VisibleSlots, num_queries: int, num_slots: int) -> jax.Array:
     """[B, Q, S] bool: token (b, q) sees slot s. The dense definition the kernels must equal."""
     s = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]
+    if not isinstance(vis, Visibility):
+        return s < kv_bound(vis, num_queries)[:, :, None]
     prefix = vis.prefix_len[:, None, None]
     bound = kv_bound(vis, num_queries)[:, :, None]
     mask = (s < bound) & query_valid(vis, num_queries)[:, :, None]

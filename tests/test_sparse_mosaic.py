@@ -21,11 +21,12 @@ import pytest
 
 from jaxspec import aot
 from jaxspec.presets import preset
-from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, indexer_scores_reference, indexer_topk,
-                                    indexer_topk_reference, select_topk, sparse_mla_attention,
+from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, gather_rows, indexer_scores, indexer_scores_reference,
+                                    indexer_topk, indexer_topk_reference, select_topk, sparse_mla_attention,
                                     sparse_mla_attention_reference)
 from jaxspec.pallas_kernels import fp8_cache
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
+from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic, indexer_topk_mosaic
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from test_fp8_cache import fp8_pool_of
@@ -140,6 +141,29 @@ def test_indexer_mosaic_scores_do_not_depend_on_the_window(fp8):
     np.testing.assert_array_equal(chain, alone)
     np.testing.assert_array_equal(tree[:prefix + 2], alone[:prefix + 2])
     assert np.isneginf(tree[prefix + 2]) and tree[prefix + 3] == alone[prefix + 3]
+
+
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_indexer_scores_over_slot_counts(backend):
+    """Visibility as per-token slot counts (DeepSeek-V4's compressed entries: token (b, q) sees
+    slots [0, counts[b, q])), on each kernel through the op: counts of 0 and below (nothing seen),
+    mid-page, not monotone along the window, and past the row's capacity (every slot). Integer
+    inputs: scores and selection equal the reference's exactly, which equals the score over the
+    mask the counts describe; out-of-order pages with NaN in the pages no row owns."""
+    rng = np.random.default_rng(44)
+    window = make_window(rng, batch=3, num_queries=4, page_size=16, max_pages=5, tree=False)
+    q_idx, weights, keys = indexer_inputs(rng, window, 8, 64, jnp.bfloat16, True)
+    capacity = 5 * 16
+    counts = jnp.asarray([[0, 37, 16, 80], [-3, 1, capacity + 9, 50], [79, 5, 64, 0]], jnp.int32)
+    args = (q_idx, weights, keys, jnp.asarray(window.page_table), counts)
+    want = np.asarray(jax.jit(indexer_scores_reference)(*args))
+    slot = np.arange(capacity)
+    np.testing.assert_array_equal(np.isfinite(want), slot < np.asarray(counts)[..., None])
+    mask = jnp.asarray(slot < np.asarray(counts)[..., None])
+    np.testing.assert_array_equal(want, score_keys(q_idx, weights, gather_rows(keys, args[3]), mask))
+    np.testing.assert_array_equal(np.asarray(indexer_scores(*args, backend=backend)), want)
+    np.testing.assert_array_equal(np.asarray(indexer_topk(*args, topk=24, backend=backend)),
+                                  np.asarray(indexer_topk_reference(*args, topk=24)))
 
 
 def test_indexer_topk_dispatches_to_mosaic():

@@ -143,17 +143,24 @@ def test_backend_choice():
 
 
 def test_window_invariant_chain_on_the_mosaic_kernel_equals_single_steps(monkeypatch):
-    """A bfloat16 CSA layer (D 128, the kernel's smallest width) with window_invariant on the
-    "mosaic" backend: a chain window of 5 tokens runs attention as one kernel call of 5 tokens
-    (not once per token) and its outputs equal the same tokens decoded one per call, bit for bit.
-    13..17 closes entry 3 inside the window."""
-    from jaxspec.pallas_kernels import sliding_compressed_attention_mosaic as module
-    widths = []  # the Q of every kernel call traced
-    kernel = module.sliding_compressed_attention_mosaic
-    monkeypatch.setattr(module, "sliding_compressed_attention_mosaic",
-                        lambda q, *args, **kwargs: widths.append(q.shape[1]) or kernel(q, *args, **kwargs))
-    config = ModelConfig.from_hf(dict(HF_FIELDS, head_dim=128, partial_rotary_factor=0.0625, layer_types=[CSA],
-                                      model_type="deepseek_v4"))
+    """A bfloat16 CSA layer (D 128 and index_head_dim 64, the kernels' smallest widths) with
+    window_invariant on the "mosaic" backend: a chain window of 5 tokens runs the CSA selection
+    (`indexer_topk`) and the attention as one kernel call of 5 tokens each (not once per token),
+    and its outputs equal the same tokens decoded one per call, bit for bit. 13..17 closes entry 3
+    inside the window, so the window's last tokens rank 4 entries for index_topk 3."""
+    from jaxspec.pallas_kernels import indexer_mosaic
+    from jaxspec.pallas_kernels import sliding_compressed_attention_mosaic as attention_mosaic
+    widths = {"attention": [], "indexer": []}  # the Q of every kernel call traced
+
+    def record(module, name, kind):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda q, *args, **kwargs: widths[kind].append(q.shape[1])
+                            or kernel(q, *args, **kwargs))
+
+    record(attention_mosaic, "sliding_compressed_attention_mosaic", "attention")
+    record(indexer_mosaic, "indexer_scores_mosaic", "indexer")
+    config = ModelConfig.from_hf(dict(HF_FIELDS, head_dim=128, partial_rotary_factor=0.0625, index_head_dim=64,
+                                      layer_types=[CSA], model_type="deepseek_v4"))
     graphdef, params = nnx.split(V4Attention(config, 0, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
 
     @functools.partial(jax.jit, static_argnames="backend")
@@ -167,7 +174,7 @@ def test_window_invariant_chain_on_the_mosaic_kernel_equals_single_steps(monkeyp
     cache = init_v4_cache(config, 2, 32, max_window=13, page_size=8, layer_types=(CSA,), dtype=jnp.bfloat16)
     _, cache = step(x[:, :13], 0, cache, "xla")
     window, _ = step(x[:, 13:18], 13, cache, "mosaic")
-    assert widths == [5]
+    assert widths == {"attention": [5], "indexer": [5]}
     for t in range(13, 18):
         alone, cache = step(x[:, t:t + 1], t, cache, "mosaic")
         got = np.asarray(window[:, t - 13], np.float32)
