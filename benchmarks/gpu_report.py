@@ -4,13 +4,18 @@ projection, written to OUT/report.json and OUT/report.md.
 
     python benchmarks/gpu_report.py --out gpu-report                        # every part
     python benchmarks/gpu_report.py --out gpu-report --parts suite          # one part (or several: suite,e2e)
+    python benchmarks/gpu_report.py --out gpu-report --deadline 540 --parts suite:240,e2e:200,kernels
     python benchmarks/gpu_report.py --out /tmp/smoke --smoke                # every part at tiny sizes, any machine
 
-Parts, in order (each runs as its own subprocess, so this process never holds the GPU):
+Parts run in the order --parts lists them (by default the order below); `part:SECONDS` gives a part
+at most that many seconds of the run, so that a short lease moves every listed part forward.
+Each part runs its work as subprocesses, so this process never holds the GPU:
   suite      pytest on the GPU (`-n --workers`), in chunks of --suite-chunk test modules heaviest
              first, each module's outcome recorded as its chunk ends (smoke: `--collect-only` of
              one module);
-  kernels    benchmarks/kernels.py (V3.2 and V4 attention ops) at B 1, 8, 32, context 4096, Q 1, 4;
+  kernels    benchmarks/kernels.py, one unit per op (V3.2's mla_attention, sparse_mla, indexer_scores,
+             V4's v4_csa, v4_hca) at B 32, 8, 1, context 4096, Q 1, 4, each row with its error
+             against the reference;
   moe        benchmarks/moe.py (one V3.2 MoE layer, 8 to 1024 tokens);
   matmuls    benchmarks/matmuls.py (bf16 and FP8 linear layers at decode shapes);
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
@@ -22,17 +27,22 @@ Parts, in order (each runs as its own subprocess, so this process never holds th
 
 Resuming: every finished unit (a test module, a benchmark, an e2e point) goes into OUT/report.json
 at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
-same kind of device skips what is there, so a run cut short loses only the unit in flight
-(`--retry-failed` runs the failed units again, after a fix; `--redo` everything).
+same kind of device skips what is there, so a run cut short loses only the unit in flight, and a
+benchmark cut short keeps the rows it finished (recorded as incomplete: the next run measures it
+again). `--retry-failed` runs the failed units again, after a fix; `--redo` everything.
 `--deadline` (seconds) stops starting units near the end of a time limit; what is left is listed.
-OUT/report.md is rewritten from the JSON at the end of every run.
+`--unit-timeout` (seconds) ends one subprocess that runs longer (a kernel that hangs on the device:
+the Mosaic kernels' warpgroup handshakes run on a GPU only) and records it as failed, so the next
+run goes past it; a suite chunk ended so marks its modules, and `--retry-failed` runs them one per
+chunk to find the one that hangs. OUT/report.md is rewritten from the JSON at the end of every run.
 
 Calibration: from the kernel, MoE and matmul rows, the fraction of the roofline each op class
 reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak) of the device's
 target over measured time, summed over the class's rows; attention from the rows of the kernel
 backend="auto" runs for each op on the device, as the e2e step does); report.json's "calibration"
-is the input of `projection.py --calibration` and of the e2e part's calibrated column. Collectives
-are not measured on one GPU and stay at 1.0 (said so).
+is the input of `projection.py --calibration`, and report.md projects every e2e point with the
+calibration of the moment (whichever part ran first). Collectives are not measured on one GPU and
+stay at 1.0 (said so).
 """
 
 from __future__ import annotations
@@ -50,26 +60,32 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 
-from projection import load_calibration, note, target_peaks
+from projection import Calibration, note, step_seconds, target_peaks
 
+from jaxspec.aot.model import DepthCost
 from jaxspec.pallas_kernels.backend import AUTO_KERNELS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "e2e")
-E2E_POINTS = [(b, k) for b in (1, 8, 32) for k in (0, 1, 3)]
+# The headline point first, then the rest of its batch: a short lease measures what matters most.
+E2E_POINTS = [(b, k) for b in (32, 8, 1) for k in (3, 0, 1)]
 SMOKE_E2E_POINTS = [(2, 0), (2, 1)]
 HEADLINE = (32, 3)  # the e2e point whose measured / projected the report states
 GOAL = 0.7  # measured / projected the headline aims at; op classes under it are named
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
+# A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
+# kernel failing or hanging on the device costs its own op's rows only.
+KERNEL_OPS = ("mla_attention", "sparse_mla", "indexer_scores", "v4_csa", "v4_hca")
 BENCHMARK_UNITS = {
-    "kernels": [("kernels", ["benchmarks/kernels.py", "--batch", "1", "8", "32", "--context", "4096", "--queries", "1",
-                             "4", "--ops", "mla_attention", "sparse_mla", "indexer_scores", "v4_csa", "v4_hca",
-                             "--json", "{json}"],
-                 ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--no-xla", "--json", "{json}"])],
+    "kernels": [(f"kernels/{op}", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096", "--queries",
+                                   "1", "4", "--ops", op, "--json", "{json}"],
+                 ["benchmarks/kernels.py", "--smoke", "--ops", op, "--no-xla", "--json", "{json}"]
+                 if op == "mla_attention" else None)
+                for op in KERNEL_OPS],
     # The Triton MLA kernels with 32-slot tiles (their default is 16: 32 spills registers in dense
     # MLA with jax 0.11's Triton), to time against the kernels part's rows.
-    "tiles": [("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "1", "8", "32", "--context", "4096",
+    "tiles": [("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
                                      "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--block-n", "32",
                                      "--no-xla", "--no-mosaic", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
@@ -88,7 +104,8 @@ MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-ne
                  for k in (0, 3)]
 # kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
 AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
-# Which benchmark rows calibrate which op class: (part, op name prefix, impl). impl "auto": the
+# Which benchmark rows calibrate which op class: (unit, op name prefix, impl); a unit's rows include
+# those of its per-op units ("kernels/mla_attention", `unit_rows`). impl "auto": the
 # implementation backend="auto" runs for the row's op on the report's device (`AUTO_KERNELS`, Triton
 # where it names none), which is what the e2e step runs.
 CLASS_ROWS = {"attention": [("kernels", tuple(AUTO_OPS), "auto")],
@@ -126,12 +143,19 @@ class Report:
         self.units = self.data["devices"].setdefault(device, {})
 
     def has(self, unit: str) -> bool:
-        """Whether `unit` is recorded for this device (and, with retry_failed, succeeded)."""
-        return unit in self.units and (not self.retry_failed or self.units[unit]["ok"])
+        """Whether `unit` is recorded for this device, complete (not a benchmark cut short) and,
+        with retry_failed, successful."""
+        record = self.units.get(unit)
+        return record is not None and not record.get("incomplete") and (not self.retry_failed or record["ok"])
 
     def record(self, unit: str, value: dict, ok: bool) -> None:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.units[unit] = {**value, "ok": ok, "recorded": now}
+        self.save()
+
+    def cut(self, what: str) -> None:
+        """Note in this run's entry what the clock ended unfinished (report.md lists it)."""
+        self.data["runs"][-1].setdefault("cut", []).append(what)
         self.save()
 
     def save(self) -> None:
@@ -142,10 +166,17 @@ class Report:
 
 
 class Clock:
-    """Seconds left of `--deadline` (None: no limit)."""
+    """Seconds left of `--deadline` (None: no limit), or of a part's share of it (`within`)."""
 
     def __init__(self, deadline: float | None):
         self.end = None if deadline is None else time.monotonic() + deadline
+
+    def within(self, seconds: float | None) -> "Clock":
+        """A clock that ends `seconds` from now, or with this one if that is sooner."""
+        part = Clock(seconds)
+        if part.end is None or (self.end is not None and self.end < part.end):
+            part.end = self.end
+        return part
 
     def left(self) -> float | None:
         return None if self.end is None else self.end - time.monotonic()
@@ -154,25 +185,29 @@ class Clock:
         return self.end is not None and self.left() <= needed
 
 
-def run(argv: list[str], clock: Clock, env: dict | None = None) -> dict:
-    """Run `argv` in the repository (python scripts with this interpreter) until it ends or the
-    deadline passes -> {"returncode", "seconds", "output" (its tail), "timed_out"}."""
+def run(argv: list[str], clock: Clock, env: dict | None = None, limit: float | None = None) -> dict:
+    """Run `argv` in the repository (python scripts with this interpreter) until it ends, the clock
+    runs out or `limit` seconds pass -> {"returncode", "seconds", "output" (its tail), "timed_out"
+    (ended by the clock: unfinished, to run again), "hung" (ended by `limit`: a failure)}."""
     if argv[0].endswith(".py"):
         argv = [sys.executable, *argv]
     start = time.monotonic()
-    timeout = clock.left()
+    left = clock.left()
+    hung_at_timeout = limit is not None and (left is None or limit < left)
+    timeout = limit if hung_at_timeout else left
     # Its own process group, so that at the deadline its children (pytest-xdist's workers) go too:
     # a surviving child would hold the output pipe open and this call would never return.
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
     try:
         output, _ = process.communicate(timeout=None if timeout is None else max(timeout, 1.0))
-        code, timed_out = process.returncode, False
+        code, ended = process.returncode, False
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        code, timed_out = None, True
-    return {"returncode": code, "seconds": time.monotonic() - start, "output": output[-TAIL:], "timed_out": timed_out}
+        code, ended = None, True
+    return {"returncode": code, "seconds": time.monotonic() - start, "output": output[-TAIL:],
+            "timed_out": ended and not hung_at_timeout, "hung": ended and hung_at_timeout}
 
 
 def child_env(smoke: bool) -> dict:
@@ -227,7 +262,10 @@ def part_suite(report: Report, clock: Clock, args) -> None:
         extra = ["--collect-only"]
     else:
         pending = [m for m in test_modules() if not report.has(f"suite/{m}")]
-        chunks = [pending[i:i + args.suite_chunk] for i in range(0, len(pending), args.suite_chunk)]
+        # Modules of a chunk that hung run one per chunk (under --retry-failed), to find the one.
+        alone = [m for m in pending if report.units.get(f"suite/{m}", {}).get("hung")]
+        rest = [m for m in pending if m not in alone]
+        chunks = [[m] for m in alone] + [rest[i:i + args.suite_chunk] for i in range(0, len(rest), args.suite_chunk)]
         extra = ["-n", str(args.workers)]
     for chunk in chunks:
         if all(report.has(f"suite/{m}") for m in chunk) or clock.expired(30):
@@ -235,18 +273,23 @@ def part_suite(report: Report, clock: Clock, args) -> None:
         with tempfile.TemporaryDirectory() as scratch:
             xml = os.path.join(scratch, "junit.xml")
             result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, f"--junitxml={xml}",
-                          *[os.path.join("tests", m) for m in chunk]], clock, child_env(args.smoke))
+                          *[os.path.join("tests", m) for m in chunk]], clock, child_env(args.smoke), args.unit_timeout)
             outcomes = junit_outcomes(xml) if os.path.exists(xml) else {}
-        note(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s")
+        note(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s"
+             + (" (hung: ended at --unit-timeout)" if result["hung"] else ""))
         if result["timed_out"]:
+            report.cut(f"suite chunk {', '.join(chunk)} after {result['seconds']:.0f} s")
             continue  # nothing recorded: the next run repeats the chunk
         for module in chunk:
             found = outcomes.get(module, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
                                           "skips": []})
+            if result["hung"]:
+                found = {**found, "failed": found["failed"] + 1, "hung": True, "failures": found["failures"] + [
+                    f"its chunk ({len(chunk)} modules) ran past --unit-timeout {args.unit_timeout:.0f} s and was ended"]}
             if args.smoke:  # --collect-only writes no test cases: count what it collected
                 collected = re.search(r"(\d+) tests? collected", result["output"])
                 found["collected_only"] = int(collected.group(1)) if collected else 0
-            if result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
+            elif result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
                 found["failed"] += 1
                 found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
             report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]},
@@ -255,29 +298,37 @@ def part_suite(report: Report, clock: Clock, args) -> None:
 
 def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
     for unit, argv, smoke_argv in BENCHMARK_UNITS[name]:
-        if report.has(unit) or clock.expired(30):
+        if report.has(unit) or clock.expired(30) or (args.smoke and smoke_argv is None):
             continue
         with tempfile.TemporaryDirectory() as scratch:
             rows_path = os.path.join(scratch, "rows.json")
             result = run([a.replace("{json}", rows_path) for a in (smoke_argv if args.smoke else argv)], clock,
-                         child_env(args.smoke))
+                         child_env(args.smoke), args.unit_timeout)
             rows = json.load(open(rows_path)) if os.path.exists(rows_path) else None
-        note(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
-        if not result["timed_out"]:
-            report.record(unit, {**result, "json": rows}, ok=result["returncode"] == 0 and rows is not None)
+        note(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s"
+             + (" (hung: ended at --unit-timeout)" if result["hung"] else ""))
+        if result["timed_out"]:
+            report.cut(f"{unit} after {result['seconds']:.0f} s")
+            if rows and rows["rows"]:  # keep what it measured; the next run measures the unit again
+                report.record(unit, {**result, "json": rows, "incomplete": True}, ok=True)
+            continue
+        failed = result["returncode"] != 0 or rows is None or bool(rows.get("failures"))
+        report.record(unit, {**result, "json": rows}, ok=not failed)
 
 
 def part_mainjob(report: Report, clock: Clock, args) -> None:
     for unit, argv, smoke_argv in MAINJOB_UNITS:
         if report.has(f"mainjob/{unit}") or clock.expired(30) or (args.smoke and smoke_argv is None):
             continue
-        result = run(smoke_argv if args.smoke else argv, clock, child_env(args.smoke))
+        result = run(smoke_argv if args.smoke else argv, clock, child_env(args.smoke), args.unit_timeout)
         note(f"mainjob {unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
         found = {key: re.search(pattern, result["output"]) for key, pattern in
                  (("tokens_per_s", r"decode .*?: ([\d,.]+) tokens/s"), ("mean_accepted", r"mean accepted length ([\d.]+)"),
                   ("compile_s", r"compile\s+([\d.]+) s"))}
         parsed = {key: float(m.group(1).replace(",", "")) if m else None for key, m in found.items()}
-        if not result["timed_out"]:
+        if result["timed_out"]:
+            report.cut(f"mainjob {unit} after {result['seconds']:.0f} s")
+        else:
             report.record(f"mainjob/{unit}", {**result, **parsed}, ok=result["returncode"] == 0)
 
 
@@ -287,12 +338,6 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
     if not missing or clock.expired(60):
         return
     argv = ["benchmarks/e2e_step.py", "--points", *[f"{b},{k}" for b, k in missing]] + (["--smoke"] if args.smoke else [])
-    if (report.data.get("calibration") or {}).get("device") == report.device:
-        try:
-            load_calibration(report.path)
-            argv += ["--calibration", report.path]
-        except ValueError as unusable:  # a benchmark's byte count over its real traffic, say: say so, go on
-            note(f"e2e: calibrated column left out: {unusable}")
     with tempfile.TemporaryDirectory() as scratch:
         points_path = os.path.join(scratch, "e2e.json")
         left = clock.left()
@@ -322,6 +367,22 @@ def auto_impl(device: str, op: str, impl: str) -> str:
     return AUTO_KERNELS.get(device, {}).get(AUTO_OPS[prefix], "pallas")
 
 
+def unit_rows(units: dict, unit: str) -> list[dict]:
+    """The benchmark rows of `unit` and of its per-op units ("kernels" -> "kernels/mla_attention", ...)."""
+    return [row for name, record in units.items() if name == unit or name.startswith(unit + "/")
+            for row in (record.get("json") or {}).get("rows", [])]
+
+
+def calibrated_seconds(point: dict, fractions: dict) -> float | None:
+    """An e2e point's step projected with the calibration `fractions` (`projection.step_seconds` of
+    its own program's cost by op class; one GPU: no collectives); None without fractions."""
+    if not fractions:
+        return None
+    cost = DepthCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
+                     by_class={name: tuple(value) for name, value in point["by_class"].items()})
+    return step_seconds(cost, target_peaks(point["target"]), Calibration("report", fractions))
+
+
 def calibration(report: Report) -> dict | None:
     """Per op class, roofline time / measured time summed over the class's rows (CLASS_ROWS), on
     the target whose peaks match this device; None without any rows."""
@@ -329,9 +390,8 @@ def calibration(report: Report) -> dict | None:
     fractions, counts = {}, {}
     for name, sources in CLASS_ROWS.items():
         roofline = measured = 0.0
-        for part, ops, impl in sources:
-            rows = (report.units.get(part, {}).get("json") or {}).get("rows", [])
-            for row in rows:
+        for unit, ops, impl in sources:
+            for row in unit_rows(report.units, unit):
                 if row["op"].startswith(ops) and row["impl"] == auto_impl(report.device, row["op"], impl):
                     roofline += max(row["bytes"] / bandwidth, row["flops"] / peak)
                     measured += row["seconds"]
@@ -368,6 +428,9 @@ def markdown(report: Report) -> str:
     lines = [f"# GPU report: {device}", "", f"Runs: {len(report.data['runs'])}; last "
              f"{report.data['runs'][-1]['started'] if report.data['runs'] else '-'}. Written by "
              "`python benchmarks/gpu_report.py`; figures are measurements on this device unless named projections.", ""]
+    cut = report.data["runs"][-1].get("cut") if report.data["runs"] else None
+    if cut:
+        lines += [f"The last run's clock ended these unfinished (the next run goes on with them): {'; '.join(cut)}.", ""]
     suite = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/")}
     lines += ["## Test suite", ""]
     if suite:
@@ -383,21 +446,29 @@ def markdown(report: Report) -> str:
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
     for part in ("kernels", "kernels_block_n32", "moe", "matmuls"):
-        record = units.get(part)
+        records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
-        if record is None or not record.get("json"):
-            lines += ["not measured" + ("" if record is None else f" (exit {record['returncode']})"), ""]
+        problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else
+                                     "ended at --unit-timeout (a hang?)" if record.get("hung") else
+                                     f"exit {record['returncode']}")
+                    for name, record in records.items() if record.get("incomplete") or not record["ok"]]
+        problems += [f"- {f['op']} {f['impl']} (B {f['batch']}, ctx {f['context']}, Q {f['queries']}): {f['message'][:300]}"
+                     for record in records.values() for f in (record.get("json") or {}).get("failures", [])]
+        rows = unit_rows(units, part)
+        if not rows:
+            lines += ["not measured", ""] + problems + ([""] if problems else [])
             continue
-        data = record["json"]
-        lines += [f"copy bandwidth {data['copy_bytes_per_s'] / 1e9:.0f} GB/s; roofline of {target_of(device)}: "
-                  f"{bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s", "",
-                  "| op | impl | shape | ms | GB/s | % roofline |", "|---|---|---|---|---|---|"]
-        for row in data["rows"]:
+        copy = next(record["json"]["copy_bytes_per_s"] for record in records.values() if record.get("json"))
+        lines += [f"copy bandwidth {copy / 1e9:.0f} GB/s; roofline of {target_of(device)}: "
+                  f"{bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s; max err: against the op's reference", "",
+                  "| op | impl | shape | ms | GB/s | % roofline | max err |", "|---|---|---|---|---|---|---|"]
+        for row in rows:
             shape = ", ".join(f"{k} {row[k]}" for k in ("layer", "batch", "context", "queries", "tokens") if k in row)
             roof = max(row["bytes"] / bandwidth, row["flops"] / peak)
+            error = "-" if row.get("max_error") is None else f"{row['max_error']:.2e}"
             lines.append(f"| {row['op']} | {row['impl']} | {shape} | {row['seconds'] * 1e3:.3f} | "
-                         f"{row['bytes'] / row['seconds'] / 1e9:.0f} | {100 * roof / row['seconds']:.0f}% |")
-        lines.append("")
+                         f"{row['bytes'] / row['seconds'] / 1e9:.0f} | {100 * roof / row['seconds']:.0f}% | {error} |")
+        lines += [""] + (["Not measured or failed:"] + problems + [""] if problems else [])
     lines += ["## Exactness", ""]
     record = units.get("exactness")
     if record and record.get("json"):
@@ -414,21 +485,23 @@ def markdown(report: Report) -> str:
                                       f"{record['mean_accepted']}, exit {record['returncode']}"))
     lines += ["", "## End-to-end decode step (measured beside its projection)", ""]
     points = [v for k, v in units.items() if k.startswith("e2e/B=")]
+    cal = report.data.get("calibration")
+    fractions = cal["fractions"] if cal and cal.get("device") == device else {}
     if points:
         lines += [f"{points[0]['layers']} layers (1 dense + MoE) + MTP, FP8 random weights, context "
                   f"{points[0]['context']}; projection: roofline of the same compiled program on {points[0]['target']} "
-                  f"peaks; calibrated: {points[0]['calibration']}.", "",
+                  f"peaks; calibrated: {cal['label'] if fractions else 'no calibration for this device yet'}.", "",
                   "| B | k | measured ms | projected ms | measured / projected throughput | calibrated ms | TFLOP | GB |",
                   "|---|---|---|---|---|---|---|---|"]
         for p in sorted(points, key=lambda p: (p["batch"], p["drafts"])):
-            calibrated = f"{p['calibrated_s'] * 1e3:.2f}" if p.get("calibrated_s") else "-"
+            calibrated_s = calibrated_seconds(p, fractions)
+            calibrated = "-" if calibrated_s is None else f"{calibrated_s * 1e3:.2f}"
             lines.append(f"| {p['batch']} | {p['drafts']} | {p['measured_s'] * 1e3:.2f} | {p['projected_s'] * 1e3:.2f} | "
                          f"{p['ratio']:.2f} | {calibrated} | {p['flops'] / 1e12:.3f} | {p['bytes'] / 1e9:.2f} |")
     else:
         lines.append("not measured")
     failed = [k for k in units if k.startswith("e2e/failed")]
     lines += [f"(e2e runs that failed: {', '.join(failed)}; their output is in report.json)" if failed else ""]
-    cal = report.data.get("calibration")
     lines += ["", "## Calibration (fraction of the roofline per op class)", ""]
     if cal and cal.get("device") == device:
         lines += [f"- {name}: {value:.3f} ({cal['rows'][name]} rows)" for name, value in cal["fractions"].items()]
@@ -450,21 +523,37 @@ def markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        raise argparse.ArgumentTypeError(f"{text!r}: parts must be a comma-separated subset of {','.join(PARTS)}")
+def parse_parts(text: str) -> list[tuple[str, float | None]]:
+    """"suite:240,e2e,kernels" -> [("suite", 240.0), ("e2e", None), ("kernels", None)]: the parts in
+    the order they run, each with the most seconds it may take (None: until the deadline)."""
+    parts = []
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, seconds = item.partition(":")
+        try:
+            limit = float(seconds) if seconds else None
+        except ValueError:
+            limit = -1.0
+        if name not in PARTS or (limit is not None and limit <= 0) or name in (n for n, _ in parts):
+            raise argparse.ArgumentTypeError(
+                f"--parts {text!r}: distinct names of {','.join(PARTS)}, each optionally with ':SECONDS' > 0")
+        parts.append((name, limit))
+    if not parts:
+        raise argparse.ArgumentTypeError(f"--parts {text!r}: name at least one of {','.join(PARTS)}")
     return parts
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-report", help="directory of report.json and report.md (kept across runs)")
-    parser.add_argument("--parts", type=parse_parts, default=list(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--parts", type=parse_parts, default=[(part, None) for part in PARTS],
+                        help=f"comma-separated parts of {','.join(PARTS)}, run in this order; 'part:SECONDS' gives a "
+                             "part at most that long")
     parser.add_argument("--smoke", action="store_true", help="every part at tiny sizes; runs anywhere")
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                         help="start no unit after this many seconds (what is left is listed)")
+    parser.add_argument("--unit-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="end a suite chunk, benchmark or main-job run that takes longer, and record it as failed "
+                             "(default 300)")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers of the suite part")
     parser.add_argument("--suite-chunk", type=int, default=None,
                         help="test modules per pytest run, recorded as it ends (default: --workers, so a chunk "
@@ -476,19 +565,21 @@ def main(argv=None) -> int:
     args.suite_chunk = args.suite_chunk or args.workers
     if args.workers < 1 or args.suite_chunk < 1:
         parser.error("--workers and --suite-chunk must be >= 1")
+    if args.unit_timeout <= 0:
+        parser.error(f"--unit-timeout must be > 0, got {args.unit_timeout}")
     os.makedirs(args.out, exist_ok=True)
     device = device_name() + (" (smoke)" if args.smoke else "")
     report = Report(args.out, device, args.retry_failed)
     if args.redo:
         report.units.clear()
-    clock = Clock(args.deadline)
+    deadline = Clock(args.deadline)
     started = time.monotonic()
+    parts = [part if limit is None else f"{part}:{limit:g}" for part, limit in args.parts]
     report.data["runs"].append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                                "device": device, "parts": args.parts, "smoke": args.smoke})
-    note(f"device {device}; parts {','.join(args.parts)}; report {report.path}")
-    for part in PARTS:  # in PARTS' order: the calibration exists before the e2e part uses it
-        if part not in args.parts:
-            continue
+                                "device": device, "parts": parts, "smoke": args.smoke})
+    note(f"device {device}; parts {','.join(parts)}; report {report.path}")
+    for part, limit in args.parts:
+        clock = deadline.within(limit)
         if part == "suite":
             part_suite(report, clock, args)
         elif part == "mainjob":

@@ -139,10 +139,13 @@ def copy_bandwidth(nbytes: int, iters: int, warmup: int) -> float:
     return 2 * nbytes / seconds
 
 
-def write_rows(path: str, copy_bw: float, rows: list[dict]) -> None:
-    """--json: the device, the copy bandwidth and every timed row (`benchmarks/gpu_report.py` reads it)."""
+def write_rows(path: str, copy_bw: float, rows: list[dict], failures: list[dict] | None = None) -> None:
+    """--json: the device, the copy bandwidth, every timed row and every kernel that failed
+    (`benchmarks/gpu_report.py` reads it). Written whole each time, so that a run cut short leaves
+    the rows it finished."""
     with open(path, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "copy_bytes_per_s": copy_bw, "rows": rows}, f, indent=1)
+        json.dump({"device": jax.devices()[0].device_kind, "copy_bytes_per_s": copy_bw, "rows": rows,
+                   "failures": failures or []}, f, indent=1)
 
 
 class Case(NamedTuple):
@@ -403,25 +406,30 @@ def main(argv=None) -> int:
 
     key = jax.random.key(0)
     cases = [Case(*point) for point in itertools.product(args.batch, args.context, args.queries)]
-    rows = []
+    rows, failures = [], []
     for case in progress.bar(cases, "cases"):
-        rows += run_case(case, dims, v4, key, tuning, memory, copy_bw, args)
+        rows += run_case(case, dims, v4, key, tuning, memory, copy_bw, args, failures)
         gc.collect()
-    if args.json:
-        write_rows(args.json, copy_bw, rows)
+        if args.json:
+            write_rows(args.json, copy_bw, rows, failures)
     return 0
 
 
-def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory: int | None, copy_bw: float, args):
+def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory: int | None, copy_bw: float, args,
+             failures: list[dict]):
     """Time the chosen ops at one shape: V3.2's on one set of inputs, V4's on another (each skipped,
-    and said so, when its inputs do not fit). Returns the printed rows as dicts (for --json)."""
+    and said so, when its inputs do not fit). Returns the printed rows as dicts (for --json), each
+    with its largest difference from the reference where one was computed (`max_error`). A Mosaic
+    kernel that fails on the device (it has never run on one before its first lent GPU) is printed
+    and appended to `failures`, and the other rows go on."""
     batch, context, queries = case
     label = f"{batch:>5}{context:>7}{queries:>3}"
     timed_rows = []
 
     def row(op, impl, seconds, nbytes, flops, xla_seconds=None, error=None):
         timed_rows.append(dict(op=op, impl=impl, batch=batch, context=context, queries=queries, seconds=seconds,
-                               bytes=nbytes, flops=flops, cache_dtype=args.cache_dtype or "bfloat16"))
+                               bytes=nbytes, flops=flops, cache_dtype=args.cache_dtype or "bfloat16",
+                               max_error=error))
         bandwidth = nbytes / seconds
         speedup = f"{xla_seconds / seconds:>7.2f}x" if xla_seconds else f"{'':>8}"
         err = f"{error:>10.2e}" if error is not None else ""
@@ -453,6 +461,12 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     mosaic_out = jax.block_until_ready(op.mosaic(*op.args))
                 except ValueError as refused:
                     print(f"{op.name:<16}{'mosaic: refused':<18}{label}  {str(refused)[:120]}")
+                    op = op._replace(mosaic=None)
+                except Exception as failure:  # noqa: BLE001 (a compile or launch error on the device)
+                    message = f"{type(failure).__name__}: {failure}"
+                    print(f"{op.name:<16}{'mosaic: FAILED':<18}{label}  {message[:300]}")
+                    failures.append(dict(op=op.name, impl="mosaic", batch=batch, context=context, queries=queries,
+                                         message=message[:2000]))
                     op = op._replace(mosaic=None)
             xla_seconds = error = mosaic_error = None
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory

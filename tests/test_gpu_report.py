@@ -5,6 +5,7 @@ class from the benchmark rows)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -39,17 +40,17 @@ def test_smoke_run_records_every_part(smoke_report):
     out, data = smoke_report
     (device, units), = data["devices"].items()
     assert device.endswith("(smoke)")
-    expected = {"suite/test_config.py", "kernels", "kernels_block_n32", "moe", "matmuls", "exactness", "mainjob/mtp3",
-                "e2e/B=2,k=0", "e2e/B=2,k=1"}
+    expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_block_n32", "moe", "matmuls", "exactness",
+                "mainjob/mtp3", "e2e/B=2,k=0", "e2e/B=2,k=1"}
     assert set(units) == expected
     assert units["suite/test_config.py"]["collected_only"] > 0 and not units["suite/test_config.py"]["failed"]
-    for name in ("kernels", "kernels_block_n32", "moe", "matmuls", "exactness", "mainjob/mtp3"):
-        assert units[name]["returncode"] == 0, units[name]["output"]
-    for name in ("kernels", "kernels_block_n32", "moe", "matmuls"):
+    for name in ("kernels/mla_attention", "kernels_block_n32", "moe", "matmuls", "exactness", "mainjob/mtp3"):
+        assert units[name]["returncode"] == 0 and units[name]["ok"], units[name]["output"]
+    for name in ("kernels/mla_attention", "kernels_block_n32", "moe", "matmuls"):
         assert units[name]["json"]["rows"] and all(row["seconds"] > 0 for row in units[name]["json"]["rows"])
     # the 32-slot tiles' rows say so, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
-    assert {row["impl"] for row in units["kernels"]["json"]["rows"]} >= {"pallas", "mosaic"}
+    assert {row["impl"] for row in units["kernels/mla_attention"]["json"]["rows"]} >= {"pallas", "mosaic"}
     # window_invariant rows equal plain greedy on the CPU: guaranteed, so the smoke checks it
     assert all(row["identical"] == row["rows"] for row in units["exactness"]["json"]["rows"])
     assert units["mainjob/mtp3"]["tokens_per_s"] > 0 and units["mainjob/mtp3"]["mean_accepted"] >= 1
@@ -62,7 +63,7 @@ def test_smoke_run_records_every_part(smoke_report):
 def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
     """Each point's projection is projection.py's roofline of the flops and bytes of the program
     it timed, and the op classes split those totals exactly."""
-    _, data = smoke_report
+    out, data = smoke_report
     (units,) = data["devices"].values()
     for key in ("e2e/B=2,k=0", "e2e/B=2,k=1"):
         point = units[key]
@@ -73,7 +74,15 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
         assert point["ratio"] == pytest.approx(point["projected_s"] / point["measured_s"])
         assert sum(f for f, _ in point["by_class"].values()) == pytest.approx(point["flops"])
         assert sum(b for _, b in point["by_class"].values()) == pytest.approx(point["bytes"])
-    assert units["e2e/B=2,k=1"]["calibrated_s"] > 0  # the calibration from the kernel rows was passed on
+    # report.md projects each point with the calibration the kernel rows gave, whichever part ran first
+    calibration = Calibration("report", data["calibration"]["fractions"])
+    point = units["e2e/B=2,k=1"]
+    cost = DepthCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
+                     by_class={k: tuple(v) for k, v in point["by_class"].items()})
+    calibrated = step_seconds(cost, target_peaks(point["target"]), calibration)
+    assert calibrated != pytest.approx(point["projected_s"])
+    [row] = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| 2 | 1 |")]
+    assert row.split(" | ")[5] == f"{calibrated * 1e3:.2f}"
 
 
 def test_second_run_skips_what_is_recorded(smoke_report):
@@ -118,10 +127,10 @@ def test_calibration_is_roofline_over_measured_time_per_class():
     report.device, report.data = "NVIDIA H100 80GB HBM3", {}
     bandwidth, peak = target_peaks("h100")
     row = lambda op, impl, seconds, nbytes: dict(op=op, impl=impl, seconds=seconds, bytes=nbytes, flops=1.0)
-    report.units = {
-        "kernels": {"json": {"rows": [row("mla_attention", "pallas", 2e-3, bandwidth * 1e-3),
-                                      row("mla_attention", "xla", 1.0, 1.0),  # a reference: not the kernel's class
-                                      row("indexer_scores", "pallas", 2e-3, bandwidth * 3e-3)]}},
+    report.units = {  # one unit per op: their rows calibrate together
+        "kernels/mla_attention": {"json": {"rows": [row("mla_attention", "pallas", 2e-3, bandwidth * 1e-3),
+                                                    row("mla_attention", "xla", 1.0, 1.0)]}},  # a reference: not the kernel's class
+        "kernels/indexer_scores": {"json": {"rows": [row("indexer_scores", "pallas", 2e-3, bandwidth * 3e-3)]}},
         "moe": {"json": {"rows": [row("moe_layer", "pallas", 1e-3, bandwidth * 0.9e-3)]}},
     }
     found = gpu_report.calibration(report)
@@ -222,3 +231,103 @@ def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path)
     [point] = [v for k, v in points.items() if k != "earlier"]
     assert (point["backend"], point["cache_dtype"], point["batch"], point["drafts"]) == ("pallas", "fp8", 2, 1)
     assert point["measured_s"] > 0 and point["bytes"] > 0
+
+
+def test_parts_run_in_the_order_given_each_within_its_seconds():
+    assert gpu_report.parse_parts("e2e:200, suite,kernels:90.5") == [("e2e", 200.0), ("suite", None), ("kernels", 90.5)]
+    for bad in ("e2e,gpu", "e2e:0", "e2e:soon", "e2e,e2e:5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--parts"):
+            gpu_report.parse_parts(bad)
+    deadline = gpu_report.Clock(100.0)
+    assert 9.0 < deadline.within(10.0).left() <= 10.0  # the part's share ends first
+    assert 99.0 < deadline.within(1000.0).left() <= 100.0  # the deadline ends first
+    assert 99.0 < deadline.within(None).left() <= 100.0
+    assert gpu_report.Clock(None).within(None).left() is None
+
+
+SLEEPER = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+
+
+def test_a_run_ended_by_the_clock_is_unfinished_and_one_ended_by_its_limit_hung():
+    cut = gpu_report.run(SLEEPER, gpu_report.Clock(1.0), limit=60.0)
+    assert (cut["timed_out"], cut["hung"], cut["returncode"]) == (True, False, None) and cut["seconds"] < 30
+    hung = gpu_report.run(SLEEPER, gpu_report.Clock(60.0), limit=1.0)
+    assert (hung["timed_out"], hung["hung"]) == (False, True) and "started" in hung["output"]
+    done = gpu_report.run([sys.executable, "-c", "print('hi')"], gpu_report.Clock(60.0), limit=60.0)
+    assert (done["timed_out"], done["hung"], done["returncode"]) == (False, False, 0)
+
+
+def benchmark_args(**kwargs):
+    return type("Args", (), {"smoke": False, "unit_timeout": 60.0, "workers": 2, "suite_chunk": 2, **kwargs})()
+
+
+def test_a_benchmark_cut_short_keeps_its_rows_and_runs_again_and_one_that_hangs_is_a_failure(tmp_path, monkeypatch):
+    """A benchmark writes its rows as it goes: the clock ending it keeps them (incomplete: the next
+    run measures the unit again); a benchmark past --unit-timeout is recorded failed and not run
+    again unless asked, so a kernel that hangs on the device cannot take every later run's time."""
+    rows = {"device": "x", "copy_bytes_per_s": 1e12, "failures": [],
+            "rows": [dict(op="mla_attention", impl="pallas", seconds=1e-3, bytes=1e9, flops=1.0)]}
+    writer = ("import json, sys, time; json.dump(%r, open(sys.argv[1], 'w')); print('wrote', flush=True); "
+              "time.sleep(60)" % rows)
+    monkeypatch.setitem(gpu_report.BENCHMARK_UNITS, "kernels",
+                        [("kernels/mla_attention", [sys.executable, "-c", writer, "{json}"], None)])
+    report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
+    report.data["runs"].append({"started": "now"})
+    clock = gpu_report.Clock(4.0)
+    clock.expired = lambda needed=0.0: False  # start the unit although under 30 s are left
+    gpu_report.part_benchmark("kernels", report, clock, benchmark_args())
+    record = report.units["kernels/mla_attention"]
+    assert record["incomplete"] and record["json"]["rows"] == rows["rows"] and not record.get("hung")
+    assert not report.has("kernels/mla_attention") and report.data["runs"][-1]["cut"]
+    assert gpu_report.unit_rows(report.units, "kernels") == rows["rows"]  # measured rows already count
+    gpu_report.part_benchmark("kernels", report, gpu_report.Clock(600.0), benchmark_args(unit_timeout=3.0))
+    record = report.units["kernels/mla_attention"]
+    assert record["hung"] and not record["ok"] and not record.get("incomplete")
+    assert report.has("kernels/mla_attention")  # recorded: the next run goes past it
+    assert not gpu_report.Report(str(tmp_path), report.device, retry_failed=True).has("kernels/mla_attention")
+    text = gpu_report.markdown(report)
+    assert "kernels/mla_attention: ended at --unit-timeout (a hang?)" in text
+
+
+def test_a_suite_chunk_that_hangs_fails_its_modules_and_a_retry_runs_them_one_by_one(tmp_path, monkeypatch):
+    modules = ["test_a.py", "test_b.py", "test_c.py"]
+    monkeypatch.setattr(gpu_report, "test_modules", lambda: modules)
+    calls = []
+
+    def fake_run(argv, clock, env=None, limit=None):
+        calls.append([a for a in argv if a.startswith("tests")])
+        return {"returncode": None, "seconds": limit, "output": "", "timed_out": False, "hung": True}
+
+    monkeypatch.setattr(gpu_report, "run", fake_run)
+    report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
+    report.data["runs"].append({"started": "now"})
+    gpu_report.part_suite(report, gpu_report.Clock(600.0), benchmark_args())
+    assert calls == [["tests/test_a.py", "tests/test_b.py"], ["tests/test_c.py"]]
+    assert all(report.units[f"suite/{m}"]["hung"] and report.units[f"suite/{m}"]["failed"] for m in modules)
+    assert all(report.has(f"suite/{m}") for m in modules)  # not run again unless asked
+    calls.clear()
+    retry = gpu_report.Report(str(tmp_path), report.device, retry_failed=True)
+    retry.data["runs"].append({})
+    gpu_report.part_suite(retry, gpu_report.Clock(600.0), benchmark_args())
+    assert calls == [["tests/test_a.py"], ["tests/test_b.py"], ["tests/test_c.py"]]
+
+
+def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(tmp_path, monkeypatch):
+    """A Mosaic kernel that fails for any reason but refusing the shape (a compile or launch error
+    on a GPU) is a failure in the JSON, beside the rows the other kernels measured; every row
+    carries its error against the reference."""
+    import kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mosaic launch failed")
+
+    monkeypatch.setattr(kernels, "mla_attention_mosaic", broken)
+    path = tmp_path / "rows.json"
+    assert kernels.main(["--smoke", "--ops", "mla_attention", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    [failure] = data["failures"]
+    assert (failure["op"], failure["impl"]) == ("mla_attention", "mosaic")
+    assert failure["message"] == "RuntimeError: mosaic launch failed"
+    impls = {row["impl"]: row for row in data["rows"]}
+    assert set(impls) == {"pallas", "xla"}
+    assert 0 <= impls["pallas"]["max_error"] < 5e-2 and impls["xla"]["max_error"] is None
