@@ -21,7 +21,8 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with 32-slot tiles (--block-n 32), to
-             set against the kernels part's 16 (the default);
+             set against the kernels part's 16 (the default), and the Mosaic mla_attention with
+             split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one).
 
@@ -89,7 +90,14 @@ BENCHMARK_UNITS = {
                                      "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--block-n", "32",
                                      "--no-xla", "--no-mosaic", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
-                "--no-mosaic", "--json", "{json}"])],
+                "--no-mosaic", "--json", "{json}"]),
+              # The Mosaic MLA kernel's split-KV parts (PART_SLOTS, 1024) against longer ones: the float32
+              # partials they write are 45% of the cache's bytes at Q 1 and twice them at Q 4 (docs/kernels.md).
+              ("kernels_part_slots", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "32768",
+                                      "--queries", "1", "4", "--ops", "mla_attention", "--part-slots", "2048", "4096",
+                                      "--no-xla", "--json", "{json}"],
+               ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--part-slots", "64", "--no-xla",
+                "--json", "{json}"])],
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
@@ -445,7 +453,7 @@ def markdown(report: Report) -> str:
     pending = [m for m in test_modules() if m not in suite]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
-    for part in ("kernels", "kernels_block_n32", "moe", "matmuls"):
+    for part in ("kernels", "kernels_block_n32", "kernels_part_slots", "moe", "matmuls"):
         records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else

@@ -21,6 +21,7 @@ entries for the context), in random page order.
     python benchmarks/kernels.py                       # the full sweep, on a GPU
     python benchmarks/kernels.py --batch 8 --context 16384 --queries 2
     python benchmarks/kernels.py --ops v4_csa v4_hca   # only DeepSeek-V4's attention
+    python benchmarks/kernels.py --ops mla_attention --part-slots 2048 4096   # Mosaic split-KV parts
     python benchmarks/kernels.py --smoke               # tiny shapes, any machine (interpret mode)
 
 Shapes whose inputs (or a reference's intermediates) do not fit in device memory are skipped and
@@ -371,10 +372,15 @@ def main(argv=None) -> int:
                         help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels")
+    parser.add_argument("--part-slots", type=int, nargs="+", default=[], metavar="N",
+                        help="also time the Mosaic mla_attention with split-KV parts of N slots (a multiple of 64; "
+                             "its default: 1024), rows 'mosaic part_slots=N'")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
                         help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
                              "and queries e4m3, as DeepSeek's release keeps them)")
     args = parser.parse_args(argv)
+    if any(n < 64 or n % 64 for n in args.part_slots):
+        parser.error(f"--part-slots {args.part_slots}: each must be a positive multiple of 64 (the kernel's tile)")
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
         return 2
@@ -399,7 +405,7 @@ def main(argv=None) -> int:
         print(f"V4 ({'tiny-v4' if args.smoke else args.v4_preset}): heads {v4.num_attention_heads}, head_dim "
               f"{v4.head_dim} (K = V), window {v4.sliding_window}, CSA every {rates[CSA]} (top-{v4.index_topk}), "
               f"HCA every {rates[HCA]}, sinks")
-    header = (f"{'op':<16}{'impl':<18}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
+    header = (f"{'op':<16}{'impl':<22}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
               f"{'%copy':>7}{'vs xla':>8}{'max err':>10}")
     print(header)
     print("-" * len(header))
@@ -433,7 +439,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
         bandwidth = nbytes / seconds
         speedup = f"{xla_seconds / seconds:>7.2f}x" if xla_seconds else f"{'':>8}"
         err = f"{error:>10.2e}" if error is not None else ""
-        print(f"{op:<16}{impl:<18}{label}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>9.0f}{flops / seconds / 1e12:>9.1f}"
+        print(f"{op:<16}{impl:<22}{label}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>9.0f}{flops / seconds / 1e12:>9.1f}"
               f"{100 * bandwidth / copy_bw:>6.0f}%{speedup}{err}")
 
     families = []  # (name, input bytes, the family's ops at this shape)
@@ -448,59 +454,63 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                          lambda: v4_ops(v4, v4_inputs(case, v4, dims.page_size, key, args.cache_dtype))))
     for family, input_bytes, build in families:
         if memory is not None and input_bytes > MEMORY_FRACTION * memory:
-            print(f"{family:<16}{'skipped: memory':<18}{label}")
+            print(f"{family:<16}{'skipped: memory':<22}{label}")
             continue
         for op in build():
             if op.name not in args.ops:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-            mosaic_out = None
-            if op.mosaic is not None and not args.no_mosaic:
+            # The Mosaic kernel, and for dense MLA its split-KV part lengths --part-slots asks for.
+            mosaic = [] if op.mosaic is None or args.no_mosaic else [("mosaic", op.mosaic)] + [
+                (f"mosaic part_slots={n}", functools.partial(op.mosaic, part_slots=n))
+                for n in (args.part_slots if op.name == "mla_attention" else ())]
+            mosaic_outs = {}
+            for impl, fn in mosaic:
                 try:  # a Mosaic kernel refuses shapes it cannot tile (tiny-v4's D 32, FP8 dense MLA below 512)
-                    mosaic_out = jax.block_until_ready(op.mosaic(*op.args))
+                    mosaic_outs[impl] = jax.block_until_ready(fn(*op.args))
                 except ValueError as refused:
-                    print(f"{op.name:<16}{'mosaic: refused':<18}{label}  {str(refused)[:120]}")
-                    op = op._replace(mosaic=None)
+                    print(f"{op.name:<16}{impl + ': refused':<22}{label}  {str(refused)[:120]}")
                 except Exception as failure:  # noqa: BLE001 (a compile or launch error on the device)
                     message = f"{type(failure).__name__}: {failure}"
-                    print(f"{op.name:<16}{'mosaic: FAILED':<18}{label}  {message[:300]}")
-                    failures.append(dict(op=op.name, impl="mosaic", batch=batch, context=context, queries=queries,
+                    print(f"{op.name:<16}{impl + ': FAILED':<22}{label}  {message[:300]}")
+                    failures.append(dict(op=op.name, impl=impl, batch=batch, context=context, queries=queries,
                                          message=message[:2000]))
-                    op = op._replace(mosaic=None)
-            xla_seconds = error = mosaic_error = None
+            mosaic = [(impl, fn) for impl, fn in mosaic if impl in mosaic_outs]
+            xla_seconds = error = None
+            mosaic_errors = {}
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
             if not args.no_xla and fits:
                 try:
                     with jax.default_matmul_precision("highest"):
                         want = op.xla(*op.args)
                     error = max_error(pallas_out, want)
-                    mosaic_error = None if mosaic_out is None else max_error(mosaic_out, want)
+                    mosaic_errors = {impl: max_error(out, want) for impl, out in mosaic_outs.items()}
                     del want
                     xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
-                    print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<18}{label}")
+                    print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<22}{label}")
             # A tuned Triton kernel's rows say their tuning ("pallas block_n=32"): only untuned rows
             # calibrate the projection (benchmarks/gpu_report.py).
             pallas = " ".join(["pallas", *(f"{k}={v}" for k, v in tuning.items())]) if op.name in TUNED_OPS else "pallas"
             row(op.name, pallas, pallas_seconds, op.bytes, op.flops, xla_seconds, error)
-            if op.mosaic is not None and not args.no_mosaic:
-                mosaic_seconds = timed(op.mosaic, *op.args, iters=args.iters, warmup=args.warmup)
-                row(op.name, "mosaic", mosaic_seconds, op.bytes, op.flops, xla_seconds, mosaic_error)
-                del mosaic_out
+            for impl, fn in mosaic:
+                row(op.name, impl, timed(fn, *op.args, iters=args.iters, warmup=args.warmup), op.bytes, op.flops,
+                    xla_seconds, mosaic_errors.get(impl))
+            del mosaic_outs
             if jax.devices()[0].device_kind in PEAKS:
                 bandwidth, compute = PEAKS[jax.devices()[0].device_kind]
                 row(op.name, "roofline", max(op.bytes / bandwidth, op.flops / compute), op.bytes, op.flops)
             if xla_seconds:
                 row(op.name, "xla", xla_seconds, op.bytes, op.flops)
             elif not args.no_xla and not fits:
-                print(f"{op.name:<16}{'xla: skip memory':<18}{label}")
+                print(f"{op.name:<16}{'xla: skip memory':<22}{label}")
             if op.name == "indexer_scores":
                 score_bytes = batch * queries * pallas_out.shape[-1] * 4
                 for name, seconds, recall in topk_rows(pallas_out, dims.topk, args.iters, args.warmup):
                     row("indexer_topk", name, seconds, score_bytes, 0.0)
                     if recall < 1:
-                        print(f"{'':<16}{'  recall':<18}{label}{recall:>10.4f}")
+                        print(f"{'':<16}{'  recall':<22}{label}{recall:>10.4f}")
             del pallas_out
     return timed_rows
 
