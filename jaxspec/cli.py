@@ -171,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:
         # XLA names no kernel when ptxas spills. The report's spills column covers the Pallas kernels
         # (grouped_matmul's masked tiles at the tiny presets' unaligned widths spill on sm_90a); the
-        # spilling kernel may also be one of XLA's own (the indexer's lax.top_k sort over 32k slots).
+        # spilling kernel may also be one of XLA's own (the indexer's lax.top_k sort over 32k slots;
+        # the fusion that writes a V3 decode step's latent entries: docs/kernels.md).
         hint = (" (a kernel spills registers: --allow-spills compiles anyway; the report's spills column names "
-                "a Pallas kernel that spills, and none there means one of XLA's own, such as a large sort)"
+                "a Pallas kernel that spills, and none there means one of XLA's own: --dump-dir D and "
+                "jaxspec.aot.analysis.ptxas_resources over D/*.ptx name it)"
                 if "register spilling" in str(error) else "")
         _log(f"jaxspec {args.command}: error: {error}{hint}")
         return 1
