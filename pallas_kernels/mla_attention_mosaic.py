@@ -25,12 +25,13 @@ all of it. So the kernel on an FP8 pool equals itself on the pool's dequantized 
 bit, and no dequantized copy of the cache exists in HBM. Dl must be 512 with FP8: a TMA copy's
 rows are whole 16 bytes, four float32 scales.
 
-Shared memory (DeepSeek widths, by Mosaic GPU's count at 4096 slots, of the 232,448 bytes (227
-KiB) a block may claim on sm_90): query block 72 KiB + two KV tiles 144 KiB + the row's page
-table and visibility = 227,400 bytes; with FP8, two staged tiles of 41 KiB (values 32, scales 1,
-RoPE 8) + the bfloat16 latent tile 64 KiB in place of the KV tiles = 229,456. The float32 output
-staging (128 KiB) reuses the tiles' memory once both warpgroups are done with them
-(`plgpu.RefUnion`).
+Shared memory (DeepSeek widths, by Mosaic GPU's count, of the 232,448 bytes (227 KiB) a block
+may claim on sm_90): query block 72 KiB + two KV tiles 144 KiB + its part's page table and the
+rows' visibility; with FP8, two staged tiles of 41 KiB (values 32, scales 1, RoPE 8) + the
+bfloat16 latent tile 64 KiB in place of the KV tiles. The float32 output staging (128 KiB) reuses
+the tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`). A block holds only
+its part's pages (`part_tables`), so the count does not grow with the context: DeepSeek-V3.2's
+128k slots take what 4096 do.
 
 Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
 contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
@@ -67,6 +68,8 @@ WARPGROUPS = 2  # each owns half of the latent output
 # stay small next to the part's cache (576 x 2 bytes a slot against 512 x 4 bytes per query row),
 # short enough that B 32 at 4096 slots fills an H100's 132 SMs (2 row blocks x 4 parts x 32 rows).
 PART_SLOTS = 1024
+# Parts `combine_parts` folds in one XLA fusion: 16 spill a few bytes at Q 4 on sm_90a, 8 none.
+COMBINE_GROUP = 8
 # The query row's window-visibility bits are packed 32 to an int32 word.
 WORD = 32
 SUPPORTED_DTYPES = (jnp.bfloat16,)
@@ -81,6 +84,25 @@ COPY_WORDS = 32
 def num_parts(capacity: int, part_slots: int = PART_SLOTS) -> int:
     """Split-KV parts of a row of `capacity` slots: set by the capacity only (never B or Q)."""
     return max(1, pl.cdiv(capacity, part_slots))
+
+
+def part_tables(page_table: jax.Array, num_pages: int, page_size: int, parts: int, tiles_per_part: int):
+    """The pages each split-KV part reads, for a block to hold only its own: page_table [B, max_pages]
+    -> [B, parts, K / COPY_WORDS, COPY_WORDS] int32, entry k of part p the row's page
+    `part_first_page(p) + k`; K covers the pages a part's slots span (one more where parts start
+    mid-page), padded to whole copies. Entries past the row's table, and any page number out of
+    [0, num_pages), are clipped into range: the kernel never reads a slot its row does not own."""
+    part_span = tiles_per_part * BLOCK_N
+    count = pl.cdiv(part_span, page_size) + (part_span % page_size != 0)
+    index = part_first_page(jnp.arange(parts), tiles_per_part, page_size)[:, None] + jnp.arange(count)
+    index = jnp.pad(index, [(0, 0), (0, -count % COPY_WORDS)], mode="edge")
+    table = jnp.take(page_table.astype(jnp.int32), index, axis=1, mode="clip")  # [B, parts, K]
+    return jnp.clip(table, 0, num_pages - 1).reshape(page_table.shape[0], parts, -1, COPY_WORDS)
+
+
+def part_first_page(part, tiles_per_part: int, page_size: int):
+    """The row's page that holds a part's first slot (part: an int or an int32 array)."""
+    return part * (tiles_per_part * BLOCK_N) // page_size
 
 
 def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
@@ -112,8 +134,9 @@ def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
         raise ValueError(f"part_slots={part_slots}: must be a positive multiple of {BLOCK_N}")
     if page_table.ndim != 2 or page_table.shape[0] != q_nope.shape[0]:
         raise ValueError(f"page_table shape {page_table.shape}: must be [B, max_pages] with B = {q_nope.shape[0]}")
-    if page_table.shape[1] > 256 * COPY_WORDS:
-        raise ValueError(f"page_table has {page_table.shape[1]} pages a row: at most {256 * COPY_WORDS} (one copy)")
+    if part_slots // latent_cache.shape[1] + 1 > 256 * COPY_WORDS:
+        raise ValueError(f"part_slots={part_slots}: a part's pages ({part_slots // latent_cache.shape[1]} and one) "
+                         f"must come in one copy of at most {256 * COPY_WORDS}")
 
 
 def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: int):
@@ -193,8 +216,9 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one); the cache: cache_ref
     [P, page, Dl + Dr], or for an FP8 cache values_ref [P, page, Dl] e4m3, scales_ref
     [P, page, Dl / 128] float32 and rope_ref [P, page, Dr] bfloat16; page_table_ref
-    [B, max_pages / COPY_WORDS, COPY_WORDS], meta_ref [B, COPY_WORDS], bound_ref [B, Mp], then for a
-    tree bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32, lse_ref [B, parts, Mp].
+    [B, parts, K / COPY_WORDS, COPY_WORDS] (`part_tables`), meta_ref [B, COPY_WORDS], bound_ref
+    [B, Mp], then for a tree bits_ref [B, W, Mp]; outputs out_ref [B, parts, Mp, Dl] float32,
+    lse_ref [B, parts, Mp].
     """
     cache_refs, (page_table_ref, meta_ref, bound_ref, *refs) = refs[:3 if fp8 else 1], refs[3 if fp8 else 1:]
     *bits_ref, out_ref, lse_ref = refs
@@ -209,7 +233,7 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         tiles, out_smem = buffers
         wg = jax.lax.axis_index("wg")
         sources = [(q_ref.at[seq, rows, pl.ds(0, latent)], q_smem),
-                   (q_ref.at[seq, rows, pl.ds(latent, rope)], q_rope_smem), (page_table_ref.at[seq], table_smem),
+                   (q_ref.at[seq, rows, pl.ds(latent, rope)], q_rope_smem), (page_table_ref.at[seq, part], table_smem),
                    (meta_ref.at[seq], meta_smem), (bound_ref.at[seq, rows], bound_smem)]
         if bits_ref is not None:
             sources.append((bits_ref.at[seq, :, rows], bits_smem))
@@ -225,10 +249,11 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         lo = part * tiles_per_part
         hi = jnp.minimum(lo + tiles_per_part, jax.lax.div(span + BLOCK_N - 1, BLOCK_N))
         num_tiles = jnp.maximum(hi - lo, 0)
+        first_page = part_first_page(part, tiles_per_part, page_size)
 
         def issue(i):  # tile lo + i into buffer i % STAGES: its latent (or e4m3 values and scales) and RoPE parts
             first = (lo + i) * BLOCK_N
-            page_index = jax.lax.div(first, page_size)
+            page_index = jax.lax.div(first, page_size) - first_page  # in the part's table
             page = table_smem[jax.lax.div(page_index, COPY_WORDS), jax.lax.rem(page_index, COPY_WORDS)]
             slots = pl.ds(jax.lax.rem(first, page_size), BLOCK_N)
             if fp8:
@@ -351,7 +376,7 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         body,
         plgpu.SMEM((BLOCK_M, latent), entry_dtype, transforms=swizzled(entry_dtype, latent)),
         plgpu.SMEM((BLOCK_M, rope), entry_dtype, transforms=swizzled(entry_dtype, rope)),
-        plgpu.SMEM(page_table_ref.shape[1:], jnp.int32),
+        plgpu.SMEM(page_table_ref.shape[2:], jnp.int32),
         plgpu.SMEM((COPY_WORDS,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
@@ -375,11 +400,13 @@ def combine_parts(out: jax.Array, lse: jax.Array, out_dtype) -> tuple[jax.Array,
     Empty parts (lse == EMPTY_LSE) get weight 0; a row with only empty parts keeps output 0 and EMPTY_LSE.
     """
     parts = out.shape[1]
-    top = lse[:, 0]
-    for p in range(1, parts):
-        top = jnp.maximum(top, lse[:, p])
+    top = jnp.max(lse, axis=1)  # a maximum is exact in any order
     merged, total = jnp.zeros_like(out[:, 0]), jnp.zeros_like(top)
     for p in range(parts):
+        if p and p % COMBINE_GROUP == 0:
+            # One fusion over every part spills registers (3,388 bytes a thread at 128 parts, DeepSeek's
+            # 128k slots); a barrier every COMBINE_GROUP parts keeps the fold's order and so its bits.
+            merged, total = jax.lax.optimization_barrier((merged, total))
         weight = jnp.where(lse[:, p] > EMPTY_LSE, jnp.exp(lse[:, p] - top), 0.0)
         merged, total = merged + weight[..., None] * out[:, p], total + weight
     seen = total > 0
@@ -406,10 +433,7 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     cache_operands = (latent_cache.values, latent_cache.scales, latent_cache.rope) if fp8 else (latent_cache,)
     queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)
     queries = jnp.pad(queries, [(0, 0), (0, rows_padded - rows), (0, 0)])
-    # The page table row as [max_pages / COPY_WORDS, COPY_WORDS] (a copy spans at most 256 elements
-    # a dimension), padded with pages that are never read.
-    table = jnp.pad(page_table.astype(jnp.int32), [(0, 0), (0, -page_table.shape[1] % COPY_WORDS)])
-    table = jnp.clip(table, 0, num_pages - 1).reshape(batch, -1, COPY_WORDS)
+    table = part_tables(page_table, num_pages, page_size, parts, tiles_per_part)
     bound, bits, meta = _row_operands(vis, num_queries, heads, rows_padded)
     out_type = (jax.ShapeDtypeStruct((batch, parts, rows_padded, latent), jnp.float32),
                 jax.ShapeDtypeStruct((batch, parts, rows_padded), jnp.float32))

@@ -44,13 +44,15 @@ def reference(args, scale):
 @pytest.mark.parametrize("case", [
     dict(num_queries=4, heads=4, latent=LATENT, max_pages=2, tree=False, part_slots=64),
     dict(num_queries=4, heads=2, latent=512, max_pages=1, tree=True, part_slots=1024),
-], ids=["chain-q4-2parts", "tree-q4-deepseek-widths"])
+    dict(num_queries=3, heads=2, latent=LATENT, max_pages=3, tree=False, part_slots=192, page_size=128),
+], ids=["chain-q4-2parts", "tree-q4-deepseek-widths", "page128-parts-start-mid-page"])
 def test_mosaic_matches_reference(case):
     """Rows cycle through a context ending mid-page, padding tokens, an empty row and a short row,
     on an out-of-order page table whose unused pages are NaN; bf16 within tolerance, empty tokens
-    exactly (0, EMPTY_LSE), nothing non-finite."""
+    exactly (0, EMPTY_LSE), nothing non-finite. The third case's parts of 192 slots start mid-page
+    in pages of 128, so each block's own page table (`part_tables`) spans a page more than a part."""
     rng = np.random.default_rng(3)
-    window = make_window(rng, 4, case["num_queries"], PAGE, case["max_pages"], case["tree"])
+    window = make_window(rng, 4, case["num_queries"], case.get("page_size", PAGE), case["max_pages"], case["tree"])
     args = (*latent_inputs(rng, window, case["heads"], case["latent"], ROPE, jnp.bfloat16),
             jnp.asarray(window.page_table), window.vis())
     scale = scale_for(case["latent"], ROPE)
@@ -154,11 +156,12 @@ def test_unsupported_operands_are_refused_before_tracing(change, message):
 
 
 @functools.cache
-def deepseek_compile(num_queries: int, fp8: bool):
-    """B 32, 128 heads, 512 + 64 (bfloat16, or FlashMLA's FP8 token), a 4096-slot context, compiled
-    for one H100. Cached: the FP8 case compares itself with the bfloat16 one."""
+def deepseek_compile(num_queries: int, fp8: bool, context: int = 4096, tree: bool = False):
+    """B 32, 128 heads, 512 + 64 (bfloat16, or FlashMLA's FP8 token), a context of `context` slots
+    (4096 by default), a chain or a tree window, compiled for one H100 (failing on any spill).
+    Cached: the FP8 case compares itself with the bfloat16 one."""
     v32 = preset("deepseek-v3.2")
-    batch, pages, spec = 32, 4096 // 64, jax.ShapeDtypeStruct
+    batch, pages, spec = 32, context // 64, jax.ShapeDtypeStruct
     heads, latent, rope = v32.num_attention_heads, v32.kv_lora_rank, v32.qk_rope_head_dim
     cache = (Fp8Pool(spec((batch * pages, 64, latent), fp8_cache.E4M3),
                      spec((batch * pages, 64, latent // 128), jnp.float32),
@@ -166,7 +169,8 @@ def deepseek_compile(num_queries: int, fp8: bool):
              else spec((batch * pages, 64, latent + rope), jnp.bfloat16))
     args = (spec((batch, num_queries, heads, latent), jnp.bfloat16),
             spec((batch, num_queries, heads, rope), jnp.bfloat16), cache, spec((batch, pages), jnp.int32),
-            Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32)))
+            Visibility(spec((batch,), jnp.int32), spec((batch,), jnp.int32),
+                       spec((batch, num_queries, num_queries), jnp.bool_) if tree else None))
     return aot.compile_gpu(mla_attention_mosaic, *args, devices=aot.gpu_devices("h100"),
                            static_argnames=("softmax_scale",), softmax_scale=v32.softmax_scale)
 
@@ -191,6 +195,16 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
     assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
     if fp8:
         assert memory.temp == aot.memory(deepseek_compile(num_queries, False)).temp
+
+
+def test_shared_memory_does_not_grow_with_the_context(h100):
+    """DeepSeek-V3.2's longest context, 128k slots (128 split-KV parts), compiles for an H100 with
+    FP8 caches and a tree of 8 as it does at 32k: a block holds only its part's pages, so its shared
+    memory is the same; the combine of 128 parts compiles without spills (the compile fails on one)."""
+    longest, shorter = deepseek_compile(8, True, 131072, True), deepseek_compile(8, True, 32768, True)
+    [launch], [short_launch] = aot.mosaic_launches(longest), aot.mosaic_launches(shorter)
+    assert launch.grid == (32, num_parts(131072), 16) and num_parts(131072) == 128
+    assert launch.shared_memory == short_launch.shared_memory <= SM90_SMEM
 
 
 def _window_call(model, tokens, positions, cache, prefix_len, tree_mask, backend):
