@@ -8,7 +8,10 @@ FlashMLA does: warpgroup 0 (`scorer`) waits for a tile's copies, moves the tile 
 operand, issues the next tile's copies, computes `S = Q K^T` and the float32 online softmax, and
 hands P and the rescale to warpgroup 1 (`follower`) through SMEM; each accumulates `P V` over its
 own columns. The kernels differ in where a tile's keys come from (their callbacks) and in where
-the softmax starts (a sink, or nothing); the rest is this module's, once.
+the softmax starts (a sink, or nothing); the rest is this module's, once. Dense
+`mla_attention_mosaic` runs the same loop and handshake over its paged tiles (TMA copies straight
+into two alternating operand buffers, its scores masked per row), so a tile's scores are computed
+once, not once per warpgroup.
 
 Gathering a tile. Hopper has no TMA gather, and a wgmma operand sits in SMEM as 8-row swizzled
 tiles, which a copy per key cannot fill (a copy's SMEM destination is whole tiles). So each key's
@@ -19,10 +22,11 @@ values on the way.
 
 The handshake, per tile t (barriers of one arrival each):
 
-    warpgroup 0: wait `gathered`; t > 0: wait `consumed` (warpgroup 1 is done with tile t - 1's
-                 keys and P); operand, copies of t + 1, S, softmax; P and rescale to SMEM;
-                 arrive `p_ready`
-    warpgroup 1: wait `p_ready`; P V with the rescale; arrive `consumed`
+    warpgroup 0: wait for tile t's copies; t > 0: wait `consumed` (warpgroup 1 is done with tile
+                 t - 1's keys and P); operand, copies of t + 1, S, softmax; P and rescale to
+                 SMEM; arrive `p_ready`
+    warpgroup 1: (dense MLA: wait for tile t's copies); wait `p_ready`; P V with the rescale;
+                 arrive `consumed`
 
 and after the last tile warpgroup 0 waits for `consumed` once more, writes the denominator where the
 rescale was and arrives `p_ready`, which warpgroup 1 waits for before its store.
@@ -193,45 +197,59 @@ def accumulate_values(acc, alpha, p_smem, values_smem):
     return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + tile_out
 
 
-def scorer(*, num_tiles, init, prepare: Callable, prefetch: Callable, accumulate: Callable, q_smem, kv_smem,
-           p_smem, alpha_smem, scale: float, gathered, p_ready, consumed, handshake: bool):
+def gathered_tiles(q_smem, kv_smem, p_smem, scale: float, gathered) -> dict:
+    """`scorer`'s tile callbacks for the kernels that gather into one operand tile: wait for
+    `gathered`, scores `tile_scores` of q_smem [M, D] and kv_smem [T, D] plus `prepare`'s bias,
+    P into p_smem [M, T]."""
+    return dict(wait=lambda tile: plgpu.barrier_wait(gathered),
+                scores=lambda tile, bias: tile_scores(q_smem, kv_smem, p_smem.shape, scale, bias),
+                p_at=lambda tile: p_smem)
+
+
+def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Callable, scores: Callable,
+           p_at: Callable, accumulate: Callable, alpha_smem, p_ready, consumed, handshake: bool):
     """Warpgroup 0's loop over a program's key tiles -> (row_max [M], denom [M], acc).
 
     num_tiles: the tiles to walk (a Python int or a traced int32; tile 0's copies are issued, when
       there is one, before the call); init: (row_max [M], denom [M], acc) float32 in the WGMMA row
       layout, acc any pytree `accumulate` carries: -inf, 0 and zeros for no keys seen yet, or a
       sink's (max = sink, denominator 1);
-    prepare(t) -> bias [T] (0 seen, -inf not; WGMMA column layout): after tile t's copies landed,
-      moves it into kv_smem (its unseen rows zeroed);
-    prefetch(t): issues tile t's copies, arriving on `gathered`;
-    accumulate(acc, alpha [M]) -> acc: `accumulate_values` over warpgroup 0's columns;
-    q_smem [M, D], kv_smem [T, D], p_smem [M, T] (the keys' dtype), alpha_smem [M] float32: the
-      rescale, then the denominator, handed to warpgroup 1; handshake: two warpgroups (False:
-      warpgroup 0 alone, owning every column).
+    wait(t): returns once tile t's copies landed;
+    prepare(t) -> what `scores` takes beside t: the gathering kernels move the tile into their
+      operand and return its bias [T] (`prepare_tile`), dense MLA dequantizes an FP8 tile;
+    prefetch(t): issues tile t's copies (called once tile t - 2's keys and P are done with);
+    scores(t, prepared) -> s [M, T] float32: the tile's scaled scores, -inf where a row does not see
+      a key (`tile_scores` for the gathering kernels: `gathered_tiles`);
+    p_at(t) -> the SMEM ref [M, T] (the keys' dtype) that takes tile t's P;
+    accumulate(acc, alpha [M], t) -> acc: `accumulate_values` of tile t over warpgroup 0's columns;
+    alpha_smem [M] float32: the rescale, then the denominator, handed to warpgroup 1; handshake: two
+      warpgroups (False: warpgroup 0 alone, owning every column).
 
     A row that has seen no key yet keeps max -inf and denominator 0, and its rescale is exp(-inf) =
-    0 rather than NaN, so an empty row ends with denominator 0 for the caller to handle."""
+    0 rather than NaN, so an empty row ends with denominator 0 for the caller to handle. A tile a
+    row sees nothing of is an exact no-op on that row (max unchanged, rescale exp(0) = 1, P = 0)."""
     def step(tile, carry):
         row_max, denom, acc = carry
-        plgpu.barrier_wait(gathered)
+        wait(tile)
         if handshake:  # warpgroup 1 is done with the last tile's keys and P
             pl.when(tile > 0)(lambda: plgpu.barrier_wait(consumed))
-        bias = prepare(tile)
+        prepared = prepare(tile)
         plgpu.commit_smem()
         pl.when(tile + 1 < num_tiles)(lambda: prefetch(tile + 1))
 
-        s = tile_scores(q_smem, kv_smem, p_smem.shape, scale, bias)
+        s = scores(tile, prepared)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         alpha = jnp.exp(row_max - safe_max)
         p = jnp.exp(s - jax.lax.broadcast_in_dim(safe_max, s.shape, [0]))
+        p_smem = p_at(tile)
         p_smem[...] = p.astype(p_smem.dtype)
         if handshake:
             alpha_smem[...] = alpha
         plgpu.commit_smem()
         if handshake:
             plgpu.barrier_arrive(p_ready)
-        return new_max, denom * alpha + jnp.sum(p, axis=1), accumulate(acc, alpha)
+        return new_max, denom * alpha + jnp.sum(p, axis=1), accumulate(acc, alpha, tile)
 
     row_max, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
     if handshake:  # warpgroup 1 has read the last rescale: hand it the denominator
@@ -242,13 +260,17 @@ def scorer(*, num_tiles, init, prepare: Callable, prefetch: Callable, accumulate
     return row_max, denom, acc
 
 
-def follower(*, num_tiles, acc0, accumulate: Callable, alpha_smem, row_layout, p_ready, consumed):
+def follower(*, num_tiles, acc0, accumulate: Callable, alpha_smem, row_layout, p_ready, consumed,
+             prepare: Callable | None = None):
     """Warpgroup 1's loop: `P V` over its columns with warpgroup 0's P and rescales -> (acc, denom
-    [M]). acc0: its zero accumulator; accumulate(acc, alpha) -> acc over its columns; the rest as in
-    `scorer`."""
-    def step(_, acc):
+    [M]). acc0: its zero accumulator; accumulate(acc, alpha, t) -> acc over its columns; prepare(t):
+    what warpgroup 1 does for tile t before it waits for P (dense MLA: wait for the tile's copies and
+    dequantize its own columns of an FP8 tile); the rest as in `scorer`."""
+    def step(tile, acc):
+        if prepare is not None:
+            prepare(tile)
         plgpu.barrier_wait(p_ready)
-        acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout))
+        acc = accumulate(acc, plgpu.layout_cast(alpha_smem[...], row_layout), tile)
         plgpu.barrier_arrive(consumed)
         return acc
 

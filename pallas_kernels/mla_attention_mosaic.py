@@ -5,16 +5,18 @@ m = q * H + h), padded to whole blocks of BLOCK_M = 64 (wgmma's M). A thread blo
 of 64 rows, one part of the row's slots and one sequence row; grid `(row blocks, parts, B)`. It
 streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, two TMA copies of a page
 slice per tile (its [64, Dl] latent and [64, Dr] RoPE parts), double-buffered so the next tile
-lands while this one is multiplied. Two warpgroups share the work the way FlashMLA's consumers do:
-each computes the tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (two wgmmas into one
-accumulator, latent then RoPE: K = 512 + 64, the K steps of one K = 576 wgmma in the same order)
-and the online softmax, and accumulates its own half of the 512-wide output, `[64, 256]` float32
-(128 registers a thread): a 64 x 512 float32 accumulator would not fit one warpgroup's registers,
-which is what serialized the Triton kernel's wgmma. The scores are computed twice (once per
-warpgroup) instead of being passed through shared memory: 1.5x the tensor-core work of a tile
-(2 x 64 x 64 x 576 for the scores beside 64 x 64 x 512 for the output), traded for no extra
-barrier or shared-memory round trip per tile; the op sits at the ridge, so this is the first thing
-to measure on a GPU.
+lands while this one is multiplied. Two warpgroups share the work the way FlashMLA's consumers do,
+in the loop and handshake the gathering kernels use (`gathered_softmax_mosaic.scorer` and
+`follower`): warpgroup 0 computes the tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (two
+wgmmas into one accumulator, latent then RoPE: K = 512 + 64, the K steps of one K = 576 wgmma in
+the same order) and the online softmax, and hands P and the rescale to warpgroup 1 through shared
+memory; each accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a
+thread, in place): a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which
+is what serialized the Triton kernel's wgmma. The scores are computed once a tile: the SM's tensor
+cores do 64 x 64 x (576 + 512) multiply-adds a tile, where scoring in both warpgroups did
+64 x 64 x (2 x 576 + 512), 1.53x as many; at 128 heads the op is compute-bound from Q = 2 on and
+near the ridge at Q = 1. P takes no shared memory of its own: it goes into the tile's RoPE buffer,
+which only the scores read, and the rescale into the log-sum-exp buffer, unused until the end.
 
 FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A tile arrives as its e4m3 values [64, Dl],
 their float32 scales [64, Dl / 128] and the bfloat16 RoPE part, double-buffered as above; each
@@ -57,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
+from .gathered_softmax_mosaic import accumulate_values, follower, scorer
 from .mosaic_gpu import check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
 from .visibility import Visibility, kv_bound
 
@@ -161,45 +164,16 @@ def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: in
     return per_row(bound), jnp.swapaxes(per_row(bits), 1, 2), meta
 
 
-def _scores(pairs, interpret: bool):
-    """The sum over (q_ref [64, K], kv_ref [N, K]) pairs of q_ref @ kv_ref^T -> [64, N] float32
-    (wgmma's layout), all in shared memory: the latent part, then the RoPE part, into one
-    accumulator (on a GPU the same K steps in the same order as one wgmma over the whole entry)."""
+def _accumulate(acc, alpha, p_smem, values_smem, interpret: bool):
+    """acc [64, C] float32 * alpha [64] + P V, p_smem [64, T] . values_smem [T, C] on the tensor
+    cores. On a GPU the wgmma accumulates in place into the rescaled accumulator (`pl.run_state`):
+    a second 64 x 256 float32 accumulator would not fit beside the first in a warpgroup's
+    registers. Interpreted, a fresh accumulator added in registers (`accumulate_values`): jax
+    0.10.2's interpreter has no `run_state`."""
     if interpret:
-        total = None
-        for q_ref, kv_ref in pairs:
-            product = _dot(q_ref[...], kv_ref[...], contract=1)
-            total = product if total is None else total + product
-        return total
-
-    def product(acc_ref):
-        for q_ref, kv_ref in pairs:
-            plgpu.wgmma(acc_ref, q_ref, kv_ref.transpose((1, 0)))
-        return acc_ref[...]
-
-    q_ref, kv_ref = pairs[0]
-    return pl.run_scoped(product, plgpu.ACC((q_ref.shape[0], kv_ref.shape[0]), jnp.float32))
-
-
-def _accumulate(acc, a, b_ref, interpret: bool):
-    """acc + a @ b_ref: acc [64, N] float32 in wgmma's layout, a [64, K] in registers, b_ref [K, N]
-    in shared memory; on a GPU wgmma accumulates in place (`pl.run_state`)."""
-    if interpret:
-        return acc + _dot(a, b_ref[...], contract=0)
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_ref))(plgpu.ACC.init(acc))
-
-
-def _dot(a, b, contract: int):
-    """The interpreter's stand-in for wgmma (jax 0.10.2's interpreter takes neither a register
-    operand nor a transposed one, nor `pl.run_state`): a [M, K] times b ([N, K] if contract is 1,
-    [K, N] if 0), products and sums in float32, as its own wgmma computes them."""
-    return jax.lax.dot_general(a, b, (((1,), (contract,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-
-def _in_layout(x, layout, interpret: bool):
-    """x in the register layout `layout`; the interpreter has no layouts (nor a rule for the cast)."""
-    return x if interpret else plgpu.layout_cast(x, layout)
+        return accumulate_values(acc, alpha, p_smem, values_smem)
+    scaled = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, values_smem))(plgpu.ACC.init(scaled))
 
 
 def _union(*buffers, interpret: bool):
@@ -211,7 +185,8 @@ def _union(*buffers, interpret: bool):
 def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, softmax_scale: float, warpgroups: int,
             interpret: bool, fp8: bool):
     """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (WARPGROUPS
-    on a GPU, 1 interpreted), each owning Dl / warpgroups output columns.
+    on a GPU, 1 interpreted), each owning Dl / warpgroups output columns: warpgroup 0 scores each
+    tile and hands P and the rescale to warpgroup 1 (`gathered_softmax_mosaic.scorer` / `follower`).
 
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one); the cache: cache_ref
     [P, page, Dl + Dr], or for an FP8 cache values_ref [P, page, Dl] e4m3, scales_ref
@@ -224,12 +199,13 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
     *bits_ref, out_ref, lse_ref = refs
     bits_ref = bits_ref[0] if bits_ref else None
     rope = q_ref.shape[-1] - latent
-    half = latent // warpgroups
+    own = latent // warpgroups  # the output columns a warpgroup accumulates
+    handshake = warpgroups == 2
     row_block, part, seq = (jax.lax.axis_index(name) for name in ("rows", "parts", "batch"))
     rows = pl.ds(row_block * BLOCK_M, BLOCK_M)
 
     def body(q_smem, q_rope_smem, table_smem, meta_smem, bound_smem, bits_smem, buffers, lse_smem, load_barriers,
-             kv_barriers, converted_barrier, consumed_barrier, done_barrier):
+             kv_barriers, converted_barrier, p_ready, consumed, done_barrier):
         tiles, out_smem = buffers
         wg = jax.lax.axis_index("wg")
         sources = [(q_ref.at[seq, rows, pl.ds(0, latent)], q_smem),
@@ -264,36 +240,50 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             for src, dst in zip(sources, tiles["staged"]):
                 plgpu.copy_gmem_to_smem(src, dst.at[i % STAGES], kv_barriers.at[i % STAGES])
 
-        for i in range(STAGES):
-            pl.when((wg == 0) & (i < num_tiles))(functools.partial(issue, i))
+        pl.when((wg == 0) & (num_tiles > 0))(functools.partial(issue, 0))
 
-        def latent_operand(buffer, h):
-            """The tile's latent part as the tensor cores read it. An FP8 tile is dequantized
-            (`mosaic_gpu.dequantize_rows`) into one bfloat16 tile, each warpgroup its own output
-            columns, one 128-value scale block at a time; both wait until the whole tile is there."""
+        def wait_tile(i):
+            plgpu.barrier_wait(kv_barriers.at[jax.lax.rem(i, STAGES)])
+
+        def latent_tile(i):
+            """Tile i's latent part as the tensor cores read it: its buffer, or for an FP8 cache the
+            bfloat16 tile it is dequantized into (`prepare`)."""
+            return tiles["operand"] if fp8 else tiles["staged"][0].at[jax.lax.rem(i, STAGES)]
+
+        def p_at(i):
+            """Where warpgroup 0 hands tile i's P over: the first BLOCK_N columns of the tile's RoPE
+            buffer, which only the scores read, so P takes no shared memory of its own."""
+            return tiles["staged"][-1].at[jax.lax.rem(i, STAGES), :, pl.ds(0, BLOCK_N)]
+
+        def prepare(h, i):
+            """Warpgroup h's share of readying tile i: an FP8 tile's e4m3 values dequantized
+            (`mosaic_gpu.dequantize_rows`) into the bfloat16 operand, its own output columns, one
+            128-value scale block at a time; warpgroup 0 scores the whole tile, so both wait until
+            every column is there. Nothing to do for a bfloat16 cache."""
             if not fp8:
-                return tiles["staged"][0].at[buffer]
+                return None
+            buffer = jax.lax.rem(i, STAGES)
             values, scales = tiles["staged"][0].at[buffer], tiles["staged"][1].at[buffer]
-            for first in range(h * half, (h + 1) * half, SCALE_BLOCK):
-                block = _in_layout(values[:, pl.ds(first, SCALE_BLOCK)], plgpu.Layout.WGMMA, interpret)
-                block_scales = _in_layout(scales[:, first // SCALE_BLOCK], plgpu.Layout.WGMMA.reduce(1), interpret)
+            for first in range(h * own, (h + 1) * own, SCALE_BLOCK):
+                block = plgpu.layout_cast(values[:, pl.ds(first, SCALE_BLOCK)], plgpu.Layout.WGMMA)
+                block_scales = plgpu.layout_cast(scales[:, first // SCALE_BLOCK], plgpu.Layout.WGMMA.reduce(1))
                 tiles["operand"][:, pl.ds(first, SCALE_BLOCK)] = dequantize_rows(block, block_scales,
                                                                                  tiles["operand"].dtype)
             plgpu.commit_smem()
             plgpu.barrier_arrive(converted_barrier)
             plgpu.barrier_wait(converted_barrier)
-            return tiles["operand"]
+            return None
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         # A plain read whose layout cast tells the lowering to load it straight into wgmma's row layout.
-        bound = _in_layout(bound_smem[...], row_layout, interpret)
-        words = [] if bits_smem is None else [_in_layout(bits_smem[k], row_layout, interpret)
+        bound = plgpu.layout_cast(bound_smem[...], row_layout)
+        words = [] if bits_smem is None else [plgpu.layout_cast(bits_smem[k], row_layout)
                                                for k in range(bits_smem.shape[0])]
 
         def visible(first_slot):
             """[64 rows, 64 slots] bool: the row's token sees slot first_slot + column."""
-            slots = first_slot + _in_layout(jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_N), 1),
-                                            plgpu.Layout.WGMMA, interpret)
+            slots = first_slot + plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_N), 1),
+                                                   plgpu.Layout.WGMMA)
             sees = slots < jax.lax.broadcast_in_dim(bound, (BLOCK_M, BLOCK_N), [0])
             if not words:
                 return sees
@@ -307,54 +297,63 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
                 ancestor = ancestor | (in_word & ((shifted & 1) != 0))
             return sees & ancestor
 
-        def attend(h):
-            """Warpgroup h: the whole loop, accumulating output columns [h * half, (h + 1) * half)."""
-            def step(i, carry):
-                row_max, denom, acc = carry
-                buffer = jax.lax.rem(i, STAGES)
-                plgpu.barrier_wait(kv_barriers.at[buffer])
-                kv_latent = latent_operand(buffer, h)
+        def scores(i, _):
+            """Tile i's scores [64, 64] float32: q [64, Dl + Dr] . tile^T as two wgmmas into one
+            accumulator (latent, then RoPE: the K steps of one K = Dl + Dr wgmma in the same
+            order), scaled, -inf where a row's token does not see the slot."""
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, latent_tile(i).transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_rope_smem, tiles["staged"][-1].at[jax.lax.rem(i, STAGES)].transpose((1, 0)))
+                return acc_ref[...]
 
-                s = _scores([(q_smem, kv_latent), (q_rope_smem, tiles["staged"][-1].at[buffer])], interpret)
-                s = s * softmax_scale
-                s = jnp.where(visible((lo + i) * BLOCK_N), s, -jnp.inf)
-                # The same online-softmax step as the Triton kernel (`flash_decoding.online_softmax_step`).
-                new_max = jnp.maximum(row_max, s.max(axis=1))
-                shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
-                probs = jnp.exp(s - jax.lax.broadcast_in_dim(shift, s.shape, [0]))
-                rescale = jnp.exp(row_max - shift)
-                denom = denom * rescale + probs.sum(axis=1)
-                acc = acc * jax.lax.broadcast_in_dim(rescale, acc.shape, [0])
+            s = pl.run_scoped(product, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
+            return jnp.where(visible((lo + i) * BLOCK_N), s * softmax_scale, -jnp.inf)
 
-                acc = _accumulate(acc, probs.astype(kv_latent.dtype), kv_latent.at[:, pl.ds(h * half, half)], interpret)
-                # Both warpgroups are done with this buffer: refill it. (Each waits every phase of
-                # the barrier, as the interpreter checks; they run in step anyway, on the same tiles.)
-                plgpu.barrier_arrive(consumed_barrier)
-                plgpu.barrier_wait(consumed_barrier)
-                pl.when((wg == 0) & (i + STAGES < num_tiles))(functools.partial(issue, i + STAGES))
+        def accumulate(h):
+            return lambda acc, alpha, i: _accumulate(acc, alpha, p_at(i), latent_tile(i).at[:, pl.ds(h * own, own)],
+                                                     interpret)
 
-                return new_max, denom, acc
-
-            init = (_in_layout(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout, interpret),
-                    _in_layout(jnp.zeros((BLOCK_M,), jnp.float32), row_layout, interpret),
-                    _in_layout(jnp.zeros((BLOCK_M, half), jnp.float32), plgpu.Layout.WGMMA, interpret))
-            row_max, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
+        def finish(h, row_max, denom, acc):
+            """Warpgroup h's normalised columns (and warpgroup 0's log-sum-exp) to this part's outputs."""
             seen = denom > 0
             safe_denom = jnp.where(seen, denom, 1.0)
-            # Both warpgroups must be done with the KV tiles before the output staging reuses them.
+            # Both warpgroups must be done with the tiles before the output staging reuses their
+            # memory, and warpgroup 1 with the denominator in lse_smem before the lse goes there.
             plgpu.barrier_arrive(done_barrier)
             plgpu.barrier_wait(done_barrier)
             out_smem.at[h][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
             if h == 0:
                 lse_smem[...] = jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[h], out_ref.at[seq, part, rows, pl.ds(h * half, half)])
+            plgpu.copy_smem_to_gmem(out_smem.at[h], out_ref.at[seq, part, rows, pl.ds(h * own, own)])
             if h == 0:
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, part, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        for h in range(warpgroups):
-            pl.when(wg == h)(functools.partial(attend, h))
+        acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, own), jnp.float32), plgpu.Layout.WGMMA)
+        # The rescale (then the denominator) goes to warpgroup 1 through lse_smem, free until the end.
+        handshake_barriers = dict(alpha_smem=lse_smem, p_ready=p_ready, consumed=consumed)
+
+        @pl.when(wg == 0)
+        def _scorer():
+            init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
+                    plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), acc0)
+            row_max, denom, acc = scorer(num_tiles=num_tiles, init=init, wait=wait_tile,
+                                         prepare=functools.partial(prepare, 0), prefetch=issue, scores=scores,
+                                         p_at=p_at, accumulate=accumulate(0), handshake=handshake,
+                                         **handshake_barriers)
+            finish(0, row_max, denom, acc)
+
+        if handshake:
+            @pl.when(wg == 1)
+            def _follower():
+                def ready(i):
+                    wait_tile(i)
+                    prepare(1, i)
+
+                acc, denom = follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate(1), row_layout=row_layout,
+                                      prepare=ready, **handshake_barriers)
+                finish(1, None, denom, acc)
 
     bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
     num_loads = 5 + (bits_ref is not None)
@@ -380,12 +379,13 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         plgpu.SMEM((COPY_WORDS,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
-        _union(tiles, plgpu.SMEM((warpgroups, BLOCK_M, half), jnp.float32), interpret=interpret),
+        _union(tiles, plgpu.SMEM((warpgroups, BLOCK_M, own), jnp.float32), interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
         plgpu.Barrier(num_arrivals=len(staged), num_barriers=STAGES),
         plgpu.Barrier(num_arrivals=warpgroups) if fp8 else None,
-        plgpu.Barrier(num_arrivals=warpgroups),
+        plgpu.Barrier(),
+        plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",
     )

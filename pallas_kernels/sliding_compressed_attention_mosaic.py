@@ -85,7 +85,8 @@ from .contracts import check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
 from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, fetch_rows,
-                                      follower, issue_keys, prepare_tile, rows_buffer, scorer, staging)
+                                      follower, gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer,
+                                      staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting
 from .paged import flat_rows
@@ -154,7 +155,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         columns = pl.ds(2 * column_block * out_block + wg * own, own)
         handshake_barriers = dict(alpha_smem=alpha_smem, p_ready=p_ready, consumed=consumed)
 
-        def accumulate(acc, alpha):
+        def accumulate(acc, alpha, _tile):
             return accumulate_values(acc, alpha, p_smem, kv_smem.at[:, columns])
 
         def store(acc, denom):
@@ -178,8 +179,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
                 num_tiles=num_tiles, init=init,
                 prepare=functools.partial(prepare_tile, stagings, widths, kv_smem, rows_smem, scales=scales),
                 prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered), accumulate=accumulate,
-                q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=scale, gathered=gathered,
-                handshake=warpgroups == 2, **handshake_barriers)
+                **gathered_tiles(q_smem, kv_smem, p_smem, scale, gathered), handshake=warpgroups == 2,
+                **handshake_barriers)
             store(acc, denom)
 
         if warpgroups == 2:

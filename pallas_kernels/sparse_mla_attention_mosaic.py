@@ -74,8 +74,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
-from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_rows, follower, issue_keys,
-                                      prepare_tile, rows_buffer, scorer, staging)
+from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_rows, follower, gathered_tiles,
+                                      issue_keys, prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting
 from .paged import flat_rows, read_slots
@@ -149,7 +149,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             plgpu.barrier_wait(q_barrier)
             gather(0, stagings, rows_smem, scales, gathered)
 
-            def accumulate(acc, alpha):
+            def accumulate(acc, alpha, _tile):
                 return tuple(accumulate_values(a, alpha, p_smem, kv_smem.at[:, columns(block)])
                              for a, block in zip(acc, owned))
 
@@ -160,8 +160,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
                 prepare=functools.partial(prepare_tile, stagings, [part.shape[-1] for part in parts], kv_smem,
                                           rows_smem, scales=scales),
                 prefetch=lambda tile: gather(tile, stagings, rows_smem, scales, gathered), accumulate=accumulate,
-                q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, scale=softmax_scale, gathered=gathered,
-                handshake=handshake, **handshake_barriers)
+                **gathered_tiles(q_smem, kv_smem, p_smem, softmax_scale, gathered), handshake=handshake,
+                **handshake_barriers)
             for a, block in zip(acc, owned):
                 store(a, denom, block)
             seen = denom > 0
@@ -172,7 +172,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             def _second_columns():
                 acc, denom = follower(
                     num_tiles=num_tiles, acc0=acc0, row_layout=row_layout,
-                    accumulate=lambda acc, alpha: accumulate_values(acc, alpha, p_smem, kv_smem.at[:, columns(1)]),
+                    accumulate=lambda acc, alpha, _tile: accumulate_values(acc, alpha, p_smem,
+                                                                          kv_smem.at[:, columns(1)]),
                     **handshake_barriers)
                 store(acc, denom, 1)
 
