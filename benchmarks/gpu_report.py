@@ -297,7 +297,7 @@ def part_suite(report: Report, clock: Clock, args) -> None:
             if args.smoke:  # --collect-only writes no test cases: count what it collected
                 collected = re.search(r"(\d+) tests? collected", result["output"])
                 found["collected_only"] = int(collected.group(1)) if collected else 0
-            elif result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
+            if result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
                 found["failed"] += 1
                 found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
             report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]},
