@@ -22,8 +22,8 @@ FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A tile arrives as its e4m3 v
 their float32 scales [64, Dl / 128] and the bfloat16 RoPE part, double-buffered as above; each
 warpgroup dequantizes its own output columns, one 128-value scale block at a time, from shared
 memory through registers into one bfloat16 latent tile (`mosaic_gpu.dequantize_rows`: the bits of
-`fp8_cache.entries`), and both wait at a barrier until the whole tile is there, since both score
-all of it. So the kernel on an FP8 pool equals itself on the pool's dequantized entries, bit for
+`fp8_cache.entries`), and both wait at a barrier until the whole tile is there, since warpgroup 0
+scores all of it (warpgroup 1 waits too, keeping the barrier's phases in step). So the kernel on an FP8 pool equals itself on the pool's dequantized entries, bit for
 bit, and no dequantized copy of the cache exists in HBM. Dl must be 512 with FP8: a TMA copy's
 rows are whole 16 bytes, four float32 scales.
 
