@@ -112,6 +112,12 @@ MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-ne
                  for k in (0, 3)]
 # kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
 AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
+# Every attention row's op, V4's included (which do not calibrate the V3.2 step), for the choice
+# between its Triton and Mosaic kernels.
+KERNEL_AUTO_OPS = {**AUTO_OPS, "v4_csa": "sliding_compressed_attention", "v4_hca": "sliding_compressed_attention"}
+# A Mosaic kernel is as close to the reference as the Triton one when its largest error is within
+# this factor of Triton's, plus this much (bfloat16 outputs round at about 4e-3 near 1).
+ERROR_FACTOR, ERROR_SLACK = 2.0, 1e-3
 # Which benchmark rows calibrate which op class: (unit, op name prefix, impl); a unit's rows include
 # those of its per-op units ("kernels/mla_attention", `unit_rows`). impl "auto": the
 # implementation backend="auto" runs for the row's op on the report's device (`AUTO_KERNELS`, Triton
@@ -413,6 +419,38 @@ def calibration(report: Report) -> dict | None:
             "not_measured": sorted({"attention", "grouped_matmul", "xla", "collectives"} - set(fractions))}
 
 
+def mosaic_against_triton(units: dict) -> dict[str, dict]:
+    """Per op `AUTO_KERNELS` names, from the kernels part's rows: the Mosaic kernel's time over the
+    Triton kernel's (default tuning), summed over the shapes both were timed at, each one's largest
+    error against the reference, and the verdict: "mosaic" (faster and within ERROR_FACTOR x
+    Triton's error + ERROR_SLACK: set `AUTO_KERNELS[device][op] = "mosaic"`), "pallas" (Triton
+    stays: not faster), "wrong" (faster or not, the Mosaic error is beyond that) or "unchecked" (no
+    reference was computed)."""
+    pairs = {}
+    for row in unit_rows(units, "kernels"):
+        if row["impl"] in ("pallas", "mosaic") and row["op"] in KERNEL_AUTO_OPS:
+            key = (row["op"], row["batch"], row["context"], row["queries"], row.get("cache_dtype"))
+            pairs.setdefault(key, {})[row["impl"]] = row
+    found = {}
+    for (op, *_), pair in pairs.items():
+        if len(pair) < 2:
+            continue
+        entry = found.setdefault(KERNEL_AUTO_OPS[op], {"shapes": 0, "pallas_s": 0.0, "mosaic_s": 0.0,
+                                                       "pallas_err": 0.0, "mosaic_err": 0.0, "checked": True})
+        entry["shapes"] += 1
+        for impl in ("pallas", "mosaic"):
+            entry[f"{impl}_s"] += pair[impl]["seconds"]
+            error = pair[impl].get("max_error")
+            entry["checked"] &= error is not None
+            entry[f"{impl}_err"] = max(entry[f"{impl}_err"], error or 0.0)
+    for entry in found.values():
+        entry["ratio"] = entry["mosaic_s"] / entry["pallas_s"]
+        close = entry["mosaic_err"] <= ERROR_FACTOR * entry["pallas_err"] + ERROR_SLACK
+        entry["verdict"] = ("unchecked" if not entry["checked"] else "wrong" if not close
+                            else "mosaic" if entry["ratio"] < 1 else "pallas")
+    return found
+
+
 def headline(report: Report) -> dict | None:
     """The e2e point HEADLINE: measured / projected, and each op class's share of the calibrated
     step with its fraction (classes under GOAL named)."""
@@ -510,6 +548,16 @@ def markdown(report: Report) -> str:
         lines.append("not measured")
     failed = [k for k in units if k.startswith("e2e/failed")]
     lines += [f"(e2e runs that failed: {', '.join(failed)}; their output is in report.json)" if failed else ""]
+    choice = mosaic_against_triton(units)
+    lines += ["", "## Mosaic against Triton (what `AUTO_KERNELS` should say)", ""]
+    if choice:
+        lines += ["| op | shapes | Mosaic / Triton time | max err Mosaic / Triton | verdict |", "|---|---|---|---|---|"]
+        verdicts = {"mosaic": f"Mosaic: set `AUTO_KERNELS[{device!r}][op] = \"mosaic\"`", "pallas": "Triton stays",
+                    "wrong": "Mosaic's error is beyond Triton's: fix before timing counts", "unchecked": "no reference row"}
+        lines += [f"| {op} | {c['shapes']} | {c['ratio']:.2f} | {c['mosaic_err']:.2e} / {c['pallas_err']:.2e} | "
+                  f"{verdicts[c['verdict']]} |" for op, c in choice.items()]
+    else:
+        lines.append("no shape with both kernels timed yet")
     lines += ["", "## Calibration (fraction of the roofline per op class)", ""]
     if cal and cal.get("device") == device:
         lines += [f"- {name}: {value:.3f} ({cal['rows'][name]} rows)" for name, value in cal["fractions"].items()]

@@ -273,7 +273,8 @@ def test_a_benchmark_cut_short_keeps_its_rows_and_runs_again_and_one_that_hangs_
     run measures the unit again); a benchmark past --unit-timeout is recorded failed and not run
     again unless asked, so a kernel that hangs on the device cannot take every later run's time."""
     rows = {"device": "x", "copy_bytes_per_s": 1e12, "failures": [],
-            "rows": [dict(op="mla_attention", impl="pallas", seconds=1e-3, bytes=1e9, flops=1.0)]}
+            "rows": [dict(op="mla_attention", impl="pallas", batch=32, context=4096, queries=1, seconds=1e-3, bytes=1e9,
+                          flops=1.0, max_error=4e-3)]}
     writer = ("import json, sys, time; json.dump(%r, open(sys.argv[1], 'w')); print('wrote', flush=True); "
               "time.sleep(60)" % rows)
     monkeypatch.setitem(gpu_report.BENCHMARK_UNITS, "kernels",
@@ -338,3 +339,36 @@ def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(
     impls = {row["impl"]: row for row in data["rows"]}
     assert set(impls) == {"pallas", "xla"}
     assert 0 <= impls["pallas"]["max_error"] < 5e-2 and impls["xla"]["max_error"] is None
+
+
+def test_mosaic_against_triton_says_which_kernel_auto_should_run():
+    """Per op, summed over the shapes both kernels were timed at: a Mosaic kernel faster and as
+    close to the reference as Triton's is the one to name in AUTO_KERNELS; a slower one leaves
+    Triton; one whose error is far beyond Triton's is wrong whatever its speed; V4's two layer
+    kinds decide one op together."""
+    row = lambda op, impl, seconds, error, batch=32: dict(op=op, impl=impl, seconds=seconds, max_error=error,
+                                                          batch=batch, context=4096, queries=1, bytes=1.0, flops=1.0)
+    units = {
+        "kernels/mla_attention": {"json": {"rows": [
+            row("mla_attention", "pallas", 3e-4, 4e-3), row("mla_attention", "mosaic", 1e-4, 5e-3),
+            row("mla_attention", "pallas", 2e-4, 4e-3, batch=8), row("mla_attention", "mosaic", 1e-4, 4e-3, batch=8),
+            row("mla_attention", "pallas", 1e-4, 4e-3, batch=1),  # no Mosaic row: not compared
+            row("mla_attention", "xla", 1e-2, None)]}},
+        "kernels/indexer_scores": {"json": {"rows": [row("indexer_scores", "pallas", 1e-4, 0.0),
+                                                     row("indexer_scores", "mosaic", 2e-4, 0.0)]}},
+        "kernels/sparse_mla": {"json": {"rows": [row("sparse_mla", "pallas", 2e-4, 4e-3),
+                                                 row("sparse_mla", "mosaic", 1e-4, 0.5)]}},
+        "kernels/v4_csa": {"json": {"rows": [row("v4_csa", "pallas", 1e-4, 4e-3), row("v4_csa", "mosaic", 3e-4, 4e-3)]}},
+        "kernels/v4_hca": {"json": {"rows": [row("v4_hca", "pallas", 3e-4, 4e-3), row("v4_hca", "mosaic", 0.5e-4, 4e-3)]}},
+    }
+    units = {name: {"ok": True, "json": {"copy_bytes_per_s": 2e12, **record["json"]}} for name, record in units.items()}
+    found = gpu_report.mosaic_against_triton(units)
+    assert {op: c["verdict"] for op, c in found.items()} == {
+        "mla_attention": "mosaic", "indexer_topk": "pallas", "sparse_mla_attention": "wrong",
+        "sliding_compressed_attention": "mosaic"}
+    assert found["mla_attention"]["shapes"] == 2 and found["mla_attention"]["ratio"] == pytest.approx(2e-4 / 5e-4)
+    assert found["sliding_compressed_attention"]["ratio"] == pytest.approx(3.5e-4 / 4e-4)
+    report = gpu_report.Report.__new__(gpu_report.Report)
+    report.device, report.units, report.data = "NVIDIA H100 80GB HBM3", units, {"runs": []}
+    text = gpu_report.markdown(report)
+    assert "| mla_attention | 2 | 0.40 |" in text and "AUTO_KERNELS['NVIDIA H100 80GB HBM3'][op] = \"mosaic\"" in text
