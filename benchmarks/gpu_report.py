@@ -4,7 +4,7 @@ projection, written to OUT/report.json and OUT/report.md.
 
     python benchmarks/gpu_report.py --out gpu-report                        # every part
     python benchmarks/gpu_report.py --out gpu-report --parts suite          # one part (or several: suite,e2e)
-    python benchmarks/gpu_report.py --out gpu-report --deadline 540 --parts suite:240,e2e:200,kernels
+    python benchmarks/gpu_report.py --out gpu-report --deadline 530 --parts suite:200,e2e:250,kernels
     python benchmarks/gpu_report.py --out /tmp/smoke --smoke                # every part at tiny sizes, any machine
 
 Parts run in the order --parts lists them (by default the order below); `part:SECONDS` gives a part

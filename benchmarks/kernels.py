@@ -53,7 +53,7 @@ from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, V4_RULE, 
                                               quantize_entries)
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
-from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
+from jaxspec.pallas_kernels.mla_attention_mosaic import BLOCK_N, mla_attention_mosaic
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
@@ -379,8 +379,8 @@ def main(argv=None) -> int:
                         help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
                              "and queries e4m3, as DeepSeek's release keeps them)")
     args = parser.parse_args(argv)
-    if any(n < 64 or n % 64 for n in args.part_slots):
-        parser.error(f"--part-slots {args.part_slots}: each must be a positive multiple of 64 (the kernel's tile)")
+    if any(n < BLOCK_N or n % BLOCK_N for n in args.part_slots):
+        parser.error(f"--part-slots {args.part_slots}: each must be a positive multiple of {BLOCK_N} (the kernel's tile)")
 
     if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
         return 2
