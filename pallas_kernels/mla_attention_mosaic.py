@@ -60,7 +60,8 @@ from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
 from .gathered_softmax_mosaic import accumulate_values, follower, scorer
-from .mosaic_gpu import check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, swizzled
+from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
+                         swizzled)
 from .visibility import Visibility, kv_bound
 
 BLOCK_M = 64  # query rows per thread block: wgmma's M
@@ -321,9 +322,9 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             # memory, and warpgroup 1 with the denominator in lse_smem before the lse goes there.
             plgpu.barrier_arrive(done_barrier)
             plgpu.barrier_wait(done_barrier)
-            out_smem.at[h][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
+            store(out_smem.at[h], acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0]))
             if h == 0:
-                lse_smem[...] = jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE)
+                store(lse_smem, jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[h], out_ref.at[seq, part, rows, pl.ds(h * own, own)])
             if h == 0:

@@ -3,7 +3,7 @@ CPU, and lowering it for a real GPU.
 
 Interpret mode is a private JAX API, `jax._src.pallas.mosaic_gpu.interpret`: it simulates the GPU's
 memories, warpgroups, TMA copies, barriers and wgmma on the CPU. It exists from jax 0.10.2 (this
-project's CPU CI) and is used on 0.11.x (the lent GPUs run real lowering, not this); `JAX_RANGE`
+project's CPU CI) and is used on 0.11.x and 0.12.x (the lent GPUs run real lowering, not this); `JAX_RANGE`
 names that range, and `interpret_params` fails with it when the module is missing. A kernel
 interprets inside an abstract mesh whose abstract device is an H100, as JAX's own
 `tests/pallas/gpu_pallas_interpret_test.py` runs them: Mosaic GPU asks the device for its kind and
@@ -30,7 +30,7 @@ from .backend import abstract_gpu
 from .fp8_cache import E4M3, SCALE_BLOCK, Fp8Pool
 
 # The jax versions whose private GPU interpret API this module was written against and run on.
-JAX_RANGE = ">=0.10.2,<0.12"
+JAX_RANGE = ">=0.10.2,<0.13"
 
 # SMs of the abstract H100 that interpreted kernels see. Kernels here launch an explicit grid, so
 # it only sizes the simulator; a real H100 has 132.
@@ -117,6 +117,25 @@ def compiler_params(**options) -> plgpu.CompilerParams:
     jax 0.11 defaults to Warpgroup semantics, whose layout inference refuses a swizzled tile read
     through a column slice ("cannot apply swizzle to non-contiguous refs")."""
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, **options)
+
+
+def store(ref, value) -> None:
+    """`ref[...] = value` into an untiled shared-memory buffer or global memory (slice the ref with
+    `.at[...]`), lowered on every jax as jax 0.10.2 and 0.11 lower that assignment.
+
+    Written as `ref[...] = value`, a store is a swap whose old value nobody reads. jax 0.11 lowers
+    a swap into an untiled buffer without bank-conflict avoidance (`optimized=False`); jax 0.12
+    reads the old value first and asks for a conflict-free transfer, which a WGMMA-layout value has
+    neither to an untiled shared buffer ("Failed to synthesize a transfer pattern that avoids bank
+    conflicts") nor to global memory ("GMEM transfer does not access a whole number of complete
+    32 byte sectors"), so the kernel would not lower. jax 0.12's `plgpu.store` writes without the
+    read; `optimized=False` keeps 0.11's transfer (each such store is a block's output, once per
+    block). Stores into tiled, swizzled buffers stay `ref[...] = value`: every jax lowers those
+    conflict-free."""
+    if hasattr(plgpu, "store"):
+        plgpu.store(ref, value, optimized=False)
+    else:
+        ref[...] = value
 
 
 def interpret_params():

@@ -88,7 +88,7 @@ from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width
                                       follower, gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer,
                                       staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
 from .visibility import Visibility, query_valid, ring_visible
 
@@ -158,9 +158,9 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         def accumulate(acc, alpha, _tile):
             return accumulate_values(acc, alpha, p_smem, kv_smem.at[:, columns])
 
-        def store(acc, denom):
+        def write_out(acc, denom):
             out = acc / jax.lax.broadcast_in_dim(denom, acc.shape, [0])  # denom >= exp(sink - max) > 0
-            out_ref[token, heads, columns] = out.astype(out_ref.dtype)
+            store(out_ref.at[token, heads, columns], out.astype(out_ref.dtype))
 
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, own), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -181,12 +181,12 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
                 prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered), accumulate=accumulate,
                 **gathered_tiles(q_smem, kv_smem, p_smem, scale, gathered), handshake=warpgroups == 2,
                 **handshake_barriers)
-            store(acc, denom)
+            write_out(acc, denom)
 
         if warpgroups == 2:
             @pl.when(wg == 1)
             def _second_columns():
-                store(*follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate, row_layout=row_layout,
+                write_out(*follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate, row_layout=row_layout,
                                 **handshake_barriers))
 
     pl.run_scoped(

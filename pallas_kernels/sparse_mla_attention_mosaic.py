@@ -77,7 +77,7 @@ from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_rows, follower, gathered_tiles,
                                       issue_keys, prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import flat_rows, read_slots
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -131,10 +131,10 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         def columns(block):  # the output columns of warpgroup `block`'s share
             return pl.ds((2 * column_block + block) * out_block, out_block)
 
-        def store(acc, denom, block):
+        def write_out(acc, denom, block):
             safe = jnp.where(denom > 0, denom, 1.0)
             out = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
-            out_ref[token, heads, columns(block)] = out.astype(out_ref.dtype)
+            store(out_ref.at[token, heads, columns(block)], out.astype(out_ref.dtype))
 
         # The column blocks warpgroup 0 accumulates: its own, and warpgroup 1's when it runs alone.
         owned = range(3 - warpgroups)
@@ -163,9 +163,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
                 **gathered_tiles(q_smem, kv_smem, p_smem, softmax_scale, gathered), handshake=handshake,
                 **handshake_barriers)
             for a, block in zip(acc, owned):
-                store(a, denom, block)
+                write_out(a, denom, block)
             seen = denom > 0
-            lse_ref[token, heads] = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE)
+            store(lse_ref.at[token, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
 
         if handshake:
             @pl.when(wg == 1)
@@ -175,7 +175,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
                     accumulate=lambda acc, alpha, _tile: accumulate_values(acc, alpha, p_smem,
                                                                           kv_smem.at[:, columns(1)]),
                     **handshake_barriers)
-                store(acc, denom, 1)
+                write_out(acc, denom, 1)
 
     operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
     pl.run_scoped(
