@@ -31,7 +31,10 @@ Shared memory (DeepSeek widths, by Mosaic GPU's count, of the 232,448 bytes (227
 may claim on sm_90): query block 72 KiB + two KV tiles 144 KiB + its part's page table and the
 rows' visibility; with FP8, two staged tiles of 41 KiB (values 32, scales 1, RoPE 8) + the
 bfloat16 latent tile 64 KiB in place of the KV tiles. The float32 output staging (128 KiB) reuses
-the tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`). A block holds only
+the tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`). It is tiled and
+swizzled like the tiles: untiled, each store of a warp's WGMMA-layout accumulator put its 8 rows
+(1 KiB apart) on the same 8 banks; swizzled, Mosaic GPU finds a conflict-free transfer (jax 0.12
+refuses to lower the untiled one without `optimized=False`) and the TMA unswizzles on the way out. A block holds only
 its part's pages (`part_tables`), so the count does not grow with the context: DeepSeek-V3.2's
 128k slots take what 4096 do.
 
@@ -322,7 +325,7 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             # memory, and warpgroup 1 with the denominator in lse_smem before the lse goes there.
             plgpu.barrier_arrive(done_barrier)
             plgpu.barrier_wait(done_barrier)
-            store(out_smem.at[h], acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0]))
+            out_smem.at[h][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
             if h == 0:
                 store(lse_smem, jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE))
             plgpu.commit_smem()
@@ -380,7 +383,8 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         plgpu.SMEM((COPY_WORDS,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
-        _union(tiles, plgpu.SMEM((warpgroups, BLOCK_M, own), jnp.float32), interpret=interpret),
+        _union(tiles, plgpu.SMEM((warpgroups, BLOCK_M, own), jnp.float32, transforms=swizzled(jnp.float32, own)),
+               interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
         plgpu.Barrier(num_arrivals=len(staged), num_barriers=STAGES),
