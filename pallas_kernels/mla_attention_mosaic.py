@@ -34,9 +34,9 @@ bfloat16 latent tile 64 KiB in place of the KV tiles. The float32 output staging
 the tiles' memory once both warpgroups are done with them (`plgpu.RefUnion`). It is tiled and
 swizzled like the tiles: untiled, each store of a warp's WGMMA-layout accumulator put its 8 rows
 (1 KiB apart) on the same 8 banks; swizzled, Mosaic GPU finds a conflict-free transfer (jax 0.12
-refuses to lower the untiled one without `optimized=False`) and the TMA unswizzles on the way out. A block holds only
-its part's pages (`part_tables`), so the count does not grow with the context: DeepSeek-V3.2's
-128k slots take what 4096 do.
+refuses to lower the untiled one without `optimized=False`) and the TMA unswizzles on the way
+out. A block holds only its part's pages (`part_tables`), so the count does not grow with the
+context: DeepSeek-V3.2's 128k slots take what 4096 do.
 
 Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
 contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised

@@ -187,7 +187,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
             @pl.when(wg == 1)
             def _second_columns():
                 write_out(*follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate, row_layout=row_layout,
-                                **handshake_barriers))
+                                    **handshake_barriers))
 
     pl.run_scoped(
         body,
