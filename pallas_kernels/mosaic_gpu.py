@@ -12,9 +12,10 @@ interpreted kernel at a time per process), and an exception inside an interprete
 the simulator's shared state behind, which `interpreting` clears.
 
 Off the CPU (a GPU, or `backend.gpu_lowering` for `jaxspec.aot`) a kernel takes the real Mosaic GPU
-lowering; its MLIR becomes a cubin when XLA instantiates the custom call on a device, so a
-deviceless compile checks the kernel's declared shared memory (Mosaic GPU raises above the 227 KiB
-a block may claim) but shows no registers.
+lowering, and a deviceless compile checks the kernel's declared shared memory (Mosaic GPU raises
+above the 227 KiB a block may claim). Mosaic GPU also runs ptxas there; its report (registers,
+spills) is written only where the process started with `MOSAIC_GPU_DUMP_PTXAS=1
+MOSAIC_GPU_DUMP_TO=DIR` (docs/kernels.md gives the kernels' figures).
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
     """`deepseek_compile`: the real Mosaic GPU lowering (TMA boxes, wgmma shapes) and XLA's compile
     of the program around it. The kernel is one Mosaic launch of two warpgroups, a block per (row
     block, part, row), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may
-    claim on sm_90; its cubin is built only when a GPU loads it. With FP8 the temporaries equal the
+    claim on sm_90 (registers: Mosaic GPU's ptxas report, docs/kernels.md). With FP8 the temporaries equal the
     bfloat16 program's: the tiles are dequantized in shared memory, no copy of the cache exists."""
     compiled = deepseek_compile(num_queries, fp8)
     batch, heads, latent = 32, 128, 512

@@ -204,8 +204,8 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
     bfloat16 keys and with FP8 keys (e4m3 queries).
 
     The Mosaic kernel is one launch of one warpgroup whose shared memory (Mosaic GPU's count) is
-    within the 227 KiB a block may claim. Its cubin is built when XLA loads the program on a
-    device, so this compile cannot show its registers. With FP8 keys the temporaries are
+    within the 227 KiB a block may claim; its registers are not in the program (Mosaic GPU's
+    ptxas report: docs/kernels.md). With FP8 keys the temporaries are
     smaller than the keys' own e4m3 bytes: no dequantized copy of them exists."""
     heads, dim = V32.index_n_heads, V32.index_head_dim
     pages = BATCH * CONTEXT // 64
@@ -362,8 +362,8 @@ def sparse_mla_compile(num_queries: int, fp8: bool):
 def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp8):
     """`sparse_mla_compile`: one Mosaic kernel of two warpgroups, a block per (column block, head
     block, token), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
-    (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3 rows); registers are only
-    known once the cubin is built, on a device. With FP8 the temporaries exceed the bfloat16
+    (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3 rows); registers are not in
+    the program (Mosaic GPU's ptxas report: docs/kernels.md). With FP8 the temporaries exceed the bfloat16
     program's by at most the selected slots' gathered scales (16 bytes a slot): no dequantized copy
     of the cache exists."""
     compiled = sparse_mla_compile(num_queries, fp8)

@@ -202,8 +202,7 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     rows, so the block claims less shared memory, and the temporaries exceed the bfloat16
     program's by at most the listed keys' gathered scales (28 bytes a key), the pools' scale tables
     (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists.
-    Registers and spills are only known once the cubin is built, on a device; `jaxspec aot` lists
-    the launch with them."""
+    Registers and spills are not in the program (Mosaic GPU's ptxas report: docs/kernels.md)."""
     compiled = v4_flash_compile(compressed, fp8)
     [launch] = aot.mosaic_launches(compiled)
     tokens = FLASH["batch"] * 8

@@ -10,8 +10,8 @@
     sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
     dumped PTX;
   * `mosaic_launches`: each Mosaic GPU kernel's grid, threads and shared memory, from the launch in
-    the Mosaic module its custom call carries (its registers are not known before a device builds
-    the cubin);
+    the Mosaic module its custom call carries (its registers are not in the program: see
+    `MosaicLaunch`);
   * `collectives`: every collective of the optimized HLO with the bytes it produces.
 
 All of it parses XLA's text dumps; the formats are XLA's, not a stable API, so each parser is
@@ -464,7 +464,8 @@ class MosaicLaunch:
     """A Mosaic GPU kernel launch of the optimized HLO: the op it runs (the name the kernel states,
     `cost.stating`; else the jitted function around it: a Mosaic kernel has no name of its own),
     grid, threads per block and shared memory (bytes a block claims, Mosaic GPU's count). Registers
-    and spills are not known: Mosaic GPU builds the cubin when XLA loads the program on a device."""
+    and spills are not in the program: Mosaic GPU's ptxas report is written only by a process
+    started with `MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR` (docs/kernels.md)."""
 
     name: str
     grid: tuple[int, int, int]
