@@ -4,8 +4,8 @@ CPU, and lowering it for a real GPU.
 Interpret mode is a private JAX API, `jax._src.pallas.mosaic_gpu.interpret`: it simulates the GPU's
 memories, warpgroups, TMA copies, barriers and wgmma on the CPU. It exists from jax 0.10.2 (this
 project's CPU CI) and is used on 0.11.x and 0.12.x (the lent GPUs run real lowering, not this);
-`JAX_RANGE` names that range, and `interpret_params` fails with it when the module is missing. A kernel
-interprets inside an abstract mesh whose abstract device is an H100, as JAX's own
+`JAX_RANGE` names that range, and `interpret_params` fails with it when the module is missing. A
+kernel interprets inside an abstract mesh whose abstract device is an H100, as JAX's own
 `tests/pallas/gpu_pallas_interpret_test.py` runs them: Mosaic GPU asks the device for its kind and
 SM count while tracing, and the CPU has neither. Interpretation is not thread-safe (one
 interpreted kernel at a time per process), and an exception inside an interpreted kernel leaves

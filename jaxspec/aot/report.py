@@ -57,8 +57,8 @@ def report(compiled: GpuCompiled, title: str) -> str:
         lines.append(f"{name:<{width}}{n:>9}  {'x'.join(map(str, grid)):<16}{math.prod(threads):>8}"
                      f"{smem:>9}{'-':>6}{'-':>8}")
     if mosaic:
-        lines.append("Mosaic GPU kernels (-): registers and spills in DIR/*.ptxas when run with MOSAIC_GPU_DUMP_PTXAS=1 "
-                     "MOSAIC_GPU_DUMP_TO=DIR")
+        lines.append("Mosaic GPU kernels (-): registers and spills in DIR/*.ptxas when run with "
+                     "MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR")
     runs, sites = Counter(), Counter()
     for call in pallas_calls(compiled):
         runs[kernel_name(call.name)] += call.runs
