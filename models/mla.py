@@ -29,6 +29,7 @@ from jaxspec.pallas_kernels import (Visibility, attend_latent, indexer_topk, mla
 from jaxspec.pallas_kernels.backend import window_invariant_kernels
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, as_entries, gather_parts, key_rule, read_parts
 from jaxspec.pallas_kernels.indexer import score_keys
+from jaxspec.pallas_kernels.mla_attention import mla_attention_backend
 from jaxspec.pallas_kernels.visibility import ancestor_slots
 from jaxspec.sharding import current
 
@@ -61,6 +62,18 @@ def absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
     compiles k = 2). q_nope is materialized either way; the barrier only fixes where the fusion ends.
     """
     return jnp.einsum("bqhn,rhn->bqhr", jax.lax.optimization_barrier(q_nope), w_uk.astype(q_nope.dtype))
+
+
+def attention_on_mosaic(backend: str, dense: bool, q_nope, q_rope, cache: PagedCache, layer, latent: int) -> bool:
+    """Whether a window-invariant call on `backend` runs this layer's attention on the Mosaic
+    kernels (`backend.window_invariant_kernels`), then given "mosaic" by name so that no op can
+    fall back on its own: dense MLA (`dense`) with the operands it would get (q_nope [B, Q, H, Dn]
+    absorbed to `latent` columns, the layer's pages), since "auto" keeps Triton for operands
+    that kernel does not take (`mla_attention_backend`); else the indexer and sparse MLA."""
+    if not dense:
+        return window_invariant_kernels(backend, "indexer_topk", "sparse_mla_attention")
+    absorbed = jax.ShapeDtypeStruct(q_nope.shape[:3] + (latent,), q_nope.dtype)
+    return mla_attention_backend(backend, absorbed, q_rope, *cache.layer_pages(cache.latent, layer)) == "mosaic"
 
 
 class MLA(nnx.Module):
@@ -123,10 +136,9 @@ class MLA(nnx.Module):
             index_queries = (None if self.indexer is None
                              else each(functools.partial(self.indexer.queries, key_rule=key_rule(cache.index_keys)),
                                        x, q_latent, cos, sin))
-            ops = ("mla_attention",) if self.indexer is None else ("indexer_topk", "sparse_mla_attention")
-            if window_invariant_kernels(backend, *ops):
+            if attention_on_mosaic(backend, self.indexer is None, q_nope, q_rope, cache, layer, c.kv_lora_rank):
                 out = self._attend_invariant_kernel(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv,
-                                                    backend)
+                                                    "mosaic")
             else:
                 out = self._attend_alone(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv)
         else:

@@ -20,10 +20,16 @@ BACKENDS = ("auto", "xla", "pallas", "mosaic")
 # Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...).
 MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention", "sliding_compressed_attention"})
 
-# device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}.
-# Empty until a lent GPU measures a Mosaic kernel faster than its Triton kernel: every op is then
-# on Triton ("pallas") on every GPU.
-AUTO_KERNELS: dict[str, dict[str, str]] = {}
+# device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}; an op
+# or a device it does not name runs on Triton ("pallas"). Each entry is a measurement's verdict
+# (`benchmarks/gpu_report.py`, docs/gpu-report/report.md): the Mosaic kernel faster than the Triton
+# kernel at every measured shape, as close to the reference. On an H200 (jax 0.11.2) the dense MLA
+# kernel took 0.27-0.78 of Triton's time at B 1, 8, 32 and Q 1, 4, context 4096; its sparse MLA
+# (1.5-3.5x) and indexer (1.25-1.5x) kernels were slower, so those stay on Triton. The H100 has
+# the same SM but is named only once a run there measures it.
+AUTO_KERNELS: dict[str, dict[str, str]] = {
+    "NVIDIA H200": {"mla_attention": "mosaic"},
+}
 
 # Set by `gpu_lowering()`: the program being traced is compiled for a GPU target although the
 # process's default backend is the CPU (ahead-of-time compilation, `jaxspec.aot`); the value is the
@@ -76,10 +82,12 @@ def _device_kind() -> str:
 def resolve_backend(backend: str, op: str | None = None) -> str:
     """The implementation an op runs: "xla", "pallas" or "mosaic".
 
-    backend: one of BACKENDS, as the caller asked. op: the op's name, so that "auto" can look it up in `AUTO_KERNELS` and "mosaic" can tell
-    whether it has a Mosaic kernel (None: an op with only a Triton kernel). "auto" -> the reference
-    off a GPU, else the table's choice ("pallas" without an entry); "mosaic" -> "pallas" for an op
-    not in `MOSAIC_OPS`; "xla" / "pallas" pass through.
+    backend: one of BACKENDS, as the caller asked. op: the op's name, so that "auto" can look it up
+    in `AUTO_KERNELS` and "mosaic" can tell whether it has a Mosaic kernel (None: an op with only a
+    Triton kernel). "auto" -> the reference off a GPU, else the table's choice ("pallas" without an
+    entry); "mosaic" -> "pallas" for an op not in `MOSAIC_OPS`; "xla" / "pallas" pass through. An
+    op's wrapper may keep Triton where the table's Mosaic kernel does not take its operands
+    (`mla_attention_backend`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")

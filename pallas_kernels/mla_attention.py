@@ -50,6 +50,21 @@ def mla_attention_reference(q_nope: jax.Array, q_rope: jax.Array, latent_cache: 
     return attend_latent(q_nope, q_rope, kv, mask, softmax_scale)
 
 
+def mla_attention_backend(backend: str, q_nope, q_rope, latent_cache, page_table) -> str:
+    """The implementation `mla_attention` runs for these operands (arrays or `jax.ShapeDtypeStruct`s
+    of its arguments): `resolve_backend`'s, except that where "auto" names the Mosaic kernel
+    (`AUTO_KERNELS`) but that kernel does not take the operands (float32, a latent not a multiple
+    of 128, pages not a multiple of 64), "auto" runs the Triton kernel: the measurement that chose
+    Mosaic was of DeepSeek's widths in bfloat16, and a model outside them should still run. An
+    explicit "mosaic" raises for such operands instead (`mla_attention_mosaic.check_operands`)."""
+    implementation = resolve_backend(backend, "mla_attention")
+    if backend == "auto" and implementation == "mosaic":
+        from .mla_attention_mosaic import accepts
+        if not accepts(q_nope, q_rope, latent_cache, page_table):
+            return "pallas"
+    return implementation
+
+
 def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, page_table: jax.Array,
                   vis: Visibility, *, softmax_scale: float, backend: str = "auto"):
     """Absorbed MLA attention of a `[B, Q]` window over the paged latent cache.
@@ -70,7 +85,7 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, latent_cache: jax.Array,
       out [B, Q, H, Dl] in q_nope's dtype (zeros for padding tokens) and lse [B, Q, H] float32
       (`EMPTY_LSE` for padding tokens).
     """
-    implementation = resolve_backend(backend, "mla_attention")
+    implementation = mla_attention_backend(backend, q_nope, q_rope, latent_cache, page_table)
     if implementation == "pallas":
         from .mla_attention_pallas import mla_attention_pallas
         return mla_attention_pallas(q_nope, q_rope, latent_cache, page_table, vis, softmax_scale=softmax_scale,

@@ -146,6 +146,16 @@ def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
                          f"must come in one copy of at most {256 * COPY_WORDS}")
 
 
+def accepts(q_nope, q_rope, latent_cache, page_table, part_slots: int = PART_SLOTS) -> bool:
+    """Whether the kernel takes these operands (arrays or `jax.ShapeDtypeStruct`s; `check_operands`
+    finds nothing to refuse)."""
+    try:
+        check_operands(q_nope, q_rope, latent_cache, page_table, part_slots)
+    except ValueError:
+        return False
+    return True
+
+
 def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: int):
     """Per query row (m = q * H + h, padded to rows_padded): bound [B, Mp] int32 (exclusive slot
     bound, 0 for padding) and, for a tree, its token's ancestor bits over the window, words

@@ -159,6 +159,7 @@ def test_attention_calibrates_from_the_kernels_auto_runs_on_the_device(monkeypat
     monkeypatch.setitem(gpu_report.AUTO_KERNELS, "NVIDIA H100 80GB HBM3", {"mla_attention": "mosaic"})
     report.device = "NVIDIA H100 80GB HBM3"  # Mosaic MLA (2 ms) and Triton indexer (1 ms)
     assert gpu_report.calibration(report)["fractions"]["attention"] == pytest.approx(2e-3 / 3e-3)
+    monkeypatch.setitem(gpu_report.AUTO_KERNELS, "NVIDIA H200", {})
     report.device = "NVIDIA H200"  # no entry: Triton for both (4 ms and 1 ms), against the H200's bandwidth
     roofline = 2 * bandwidth * 1e-3 / target_peaks("h200")[0]
     assert gpu_report.calibration(report)["fractions"]["attention"] == pytest.approx(roofline / 5e-3)

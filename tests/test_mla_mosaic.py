@@ -267,3 +267,34 @@ def test_window_invariant_model_on_the_mosaic_kernels_equals_single_steps(kind):
             as_f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
             np.testing.assert_array_equal(as_f32(hidden_of[:, index]), as_f32(hidden[:, 0]))
             np.testing.assert_array_equal(as_f32(logits_of[:, index]), as_f32(logits[:, 0]))
+
+
+@pytest.mark.parametrize("dtype, page, kind, kernel", [
+    (jnp.bfloat16, PAGE, "NVIDIA H200", "name=_mla_attention_mosaic"),
+    (jnp.float32, PAGE, "NVIDIA H200", "name=mla_attention_pallas"),
+    (jnp.bfloat16, 16, "NVIDIA H200", "name=mla_attention_pallas"),
+    (jnp.bfloat16, PAGE, "NVIDIA H100 80GB HBM3", "name=mla_attention_pallas"),
+], ids=["h200-bf16", "h200-float32", "h200-page16", "h100-bf16"])
+def test_auto_runs_the_mosaic_kernel_where_measured_and_where_it_takes_the_operands(dtype, page, kind, kernel):
+    """"auto" lowered for a GPU runs the Mosaic kernel on the device kinds whose `AUTO_KERNELS`
+    entry names it for mla_attention (the H200, measured faster there), for operands it takes; for
+    float32 or 16-slot pages it runs the Triton kernel rather than the Mosaic kernel's ValueError,
+    and on a device not yet measured (the H100) Triton. A window-invariant model layer asks the
+    same question (`models.mla.attention_on_mosaic`): its chain window runs the Mosaic kernel in
+    one call exactly where "auto" would, and each position alone elsewhere (no kernel call)."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, 1, 2, LATENT), dtype), spec((1, 1, 2, ROPE), dtype), spec((2, page, LATENT + ROPE), dtype),
+            spec((1, 2), jnp.int32), Visibility(spec((1,), jnp.int32), spec((1,), jnp.int32)))
+    with gpu_lowering(kind):
+        jaxpr = str(jax.make_jaxpr(functools.partial(mla_attention, softmax_scale=1.0, backend="auto"))(*args))
+    assert kernel in jaxpr
+
+    config = preset(name="tiny-v3", num_hidden_layers=1, first_k_dense_replace=1, kv_lora_rank=LATENT,
+                    qk_rope_head_dim=ROPE)
+    model = DeepseekV3(config, rngs=nnx.Rngs(0), dtype=dtype)
+    cache = model.init_cache(1, 2 * page, page_size=page)
+    window = (jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None], cache, jnp.zeros((1,), jnp.int32), None)
+    with gpu_lowering(kind):
+        jaxpr = str(jax.make_jaxpr(functools.partial(_window_call, model, backend="auto"))(*window))
+    assert ("name=_mla_attention_mosaic" in jaxpr) == ("mosaic" in kernel)
+    assert "name=mla_attention_pallas" not in jaxpr  # Triton tiles a window's rows together: not invariant
