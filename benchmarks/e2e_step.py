@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from kernel_profile import profile_call
 from projection import ROOFLINE, compiled_cost, load_calibration, step_seconds, target_peaks
 
 from jaxspec.aot.model import reduced_depth
@@ -203,8 +204,9 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 @dataclasses.dataclass
 class Point:
     """One measured point: batch, drafts, context, the model's depth, the backend and cache dtype it
-    ran with, the step's median and spread (seconds), the compiled program's flops and bytes, and
-    the projections (seconds)."""
+    ran with, the step's median and spread (seconds), the compiled program's flops and bytes, the
+    projections (seconds) and, with `--profile`, one more step's kernel times by op class
+    (`kernel_profile.profile_call`; {"error": ...} where the profiler failed)."""
 
     batch: int
     drafts: int
@@ -222,6 +224,7 @@ class Point:
     projected_s: float
     calibrated_s: float | None
     calibration: str
+    profile: dict | None = None
 
     @property
     def ratio(self) -> float:
@@ -231,8 +234,10 @@ class Point:
 
 
 def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
-                  calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None) -> Point:
-    """Build the state at `context`, compile the step, time it and project it (module docstring)."""
+                  calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None,
+                  profile: bool = False) -> Point:
+    """Build the state at `context`, compile the step, time it, project it (module docstring) and,
+    if asked, profile one more step."""
     decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype)
     graphdef, params = nnx.split(model)
     state = _at_context(_random_caches(state_at(model, batch, decode), jax.random.key(drafts)), context)
@@ -247,6 +252,13 @@ def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, w
         state = jax.block_until_ready(compiled(params, state))
         if i >= warmup:
             times.append(time.perf_counter() - start)
+    found = None
+    if profile:
+        state = jax.block_until_ready(_at_context(state, context))
+        try:
+            found = profile_call(lambda: compiled(params, state))
+        except Exception as error:  # the measured point stands without it; the error is kept and printed
+            found = {"error": f"{type(error).__name__}: {error}"[:500]}
     cost = compiled_cost(compiled)
     target = target_of(jax.devices()[0])
     peaks = target_peaks(target)
@@ -256,7 +268,16 @@ def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, w
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
                  projected_s=step_seconds(cost, peaks),
                  calibrated_s=step_seconds(cost, peaks, calibration) if calibration.fractions else None,
-                 calibration=calibration.describe())
+                 calibration=calibration.describe(), profile=found)
+
+
+def profile_line(profile: dict) -> str:
+    """A point's profile (`Point.profile`) in one line."""
+    if "error" in profile:
+        return f"profile failed: {profile['error']}"
+    classes = ", ".join(f"{name} {ms:.2f}" for name, ms in profile["by_class_ms"].items())
+    return (f"profile (ms): {classes}; kernels {profile['busy_ms']:.2f} busy of {profile['span_ms']:.2f} "
+            f"from first to last ({profile['kernels']} kernels)")
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -285,6 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the points here as they finish (existing points kept)")
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                         help="start no new point after this many seconds")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step per point: kernel time by op class, time between kernels")
     args = parser.parse_args(argv)
     setting = SMOKE if args.smoke else FULL
     context = args.context or setting["context"]
@@ -316,12 +339,15 @@ def main(argv=None) -> int:
             print(f"deadline: B={batch} k={drafts} not started", flush=True)
             continue
         point = measure_point(model, batch, drafts, context, iters=iters, warmup=setting["warmup"],
-                              calibration=calibration, backend=args.backend, cache_dtype=args.cache_dtype)
+                              calibration=calibration, backend=args.backend, cache_dtype=args.cache_dtype,
+                              profile=args.profile)
         calibrated = f"{point.calibrated_s * 1e3:>13.3f}" if point.calibrated_s else f"{'-':>13}"
         print(f"{batch:>4} {drafts:>2} {point.measured_s * 1e3:>11.3f} "
               f"{point.spread_s[0] * 1e3:>7.2f}-{point.spread_s[1] * 1e3:<7.2f} {point.projected_s * 1e3:>12.3f} "
               f"{point.ratio:>6.2f} {calibrated} {point.flops / 1e12:>7.3f} {point.bytes / 1e9:>7.2f} "
               f"{point.compile_s:>9.1f}", flush=True)
+        if point.profile is not None:
+            print(f"{'':>7} {profile_line(point.profile)}", flush=True)
         if args.json:
             # Keyed by everything that sets the program, so runs with other settings add to the file.
             key = f"B={batch},k={drafts},ctx={context},backend={point.backend},cache={point.cache_dtype}"

@@ -11,7 +11,8 @@ Parts run in the order --parts lists them (by default the order below); `part:SE
 at most that many seconds of the run, so that a short lease moves every listed part forward.
 Each part runs its work as subprocesses, so this process never holds the GPU:
   suite      pytest on the GPU (`-n --workers`), in chunks of --suite-chunk test modules heaviest
-             first, each module's outcome recorded as its chunk ends (smoke: `--collect-only` of
+             first; each test's outcome is logged as it finishes (`suite_log`), so a chunk the
+             clock ends keeps the modules whose every test finished (smoke: `--collect-only` of
              one module);
   kernels    benchmarks/kernels.py, one unit per op (V3.2's mla_attention, sparse_mla, indexer_scores,
              V4's v4_csa, v4_hca) at B 32, 8, 1, context 4096, Q 1, 4, each row with its error
@@ -24,7 +25,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              set against the kernels part's 16 (the default), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
-             context 4096, each step measured beside its projection (and the calibrated one).
+             context 4096, each step measured beside its projection (and the calibrated one),
+             and one more step profiled (`kernel_profile`: the kernels' time per op class, and the
+             time outside them); a point recorded without a profile is measured again.
 
 Resuming: every finished unit (a test module, a benchmark, an e2e point) goes into OUT/report.json
 at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
@@ -59,7 +62,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 
 from projection import Calibration, note, step_seconds, target_peaks
 
@@ -246,28 +248,49 @@ def test_modules() -> list[str]:
     return sorted(names, key=lambda n: order.get(n, len(order)))
 
 
-def junit_outcomes(path: str) -> dict[str, dict]:
-    """A junit XML file -> {module file name: {"passed", "failed", "skipped", "seconds", "failures": [...],
-    "skips": [...]}}."""
+def module_of(nodeid: str) -> str:
+    """"tests/test_a.py::test_x[1]" -> "test_a.py"."""
+    return os.path.basename(nodeid.split("::")[0])
+
+
+def suite_outcomes(path: str) -> tuple[dict[str, int], dict[str, dict]]:
+    """A `suite_log` file -> (tests collected per module, and per module whose every collected test
+    has finished: {"passed", "failed", "skipped", "seconds", "failures": [...], "skips": [...]}).
+
+    A test is finished once its teardown is logged; it failed if any of its phases failed, was
+    skipped if one was skipped (and none failed), and passed otherwise. Modules with a test still
+    running (the run was ended) are left out: their next run repeats them whole."""
+    collected, phases = {}, {}
+    with open(path) as f:
+        for line in f:
+            entry = json.loads(line)
+            if "collected" in entry:
+                collected = {}
+                for nodeid in entry["collected"]:
+                    collected.setdefault(module_of(nodeid), []).append(nodeid)
+            else:
+                phases.setdefault(entry["nodeid"], []).append(entry)
     modules = {}
-    for case in ElementTree.parse(path).iter("testcase"):
-        module = case.get("classname", "").split(".")
-        name = next((f"{part}.py" for part in module if part.startswith("test_")), "?")
-        entry = modules.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
-                                          "skips": []})
-        entry["seconds"] += float(case.get("time", 0))
-        problem = case.find("failure")
-        problem = case.find("error") if problem is None else problem
-        skipped = case.find("skipped")
-        if problem is not None:
-            entry["failed"] += 1
-            entry["failures"].append(f"{case.get('name')}: {(problem.get('message') or '')[:300]}")
-        elif skipped is not None:
-            entry["skipped"] += 1
-            entry["skips"].append(f"{case.get('name')}: {(skipped.get('message') or '')[:200]}")
-        else:
-            entry["passed"] += 1
-    return modules
+    for module, nodeids in collected.items():
+        if not all(any(p["when"] == "teardown" for p in phases.get(n, [])) for n in nodeids):
+            continue
+        entry = {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [], "skips": []}
+        for nodeid in nodeids:
+            test = phases[nodeid]
+            entry["seconds"] += sum(p["seconds"] for p in test)
+            name = nodeid.split("::", 1)[-1]
+            failed = [p for p in test if p["outcome"] == "failed"]
+            skipped = [p for p in test if p["outcome"] == "skipped"]
+            if failed:
+                entry["failed"] += 1
+                entry["failures"].append(f"{name} ({failed[0]['when']}): {failed[0]['message']}")
+            elif skipped:
+                entry["skipped"] += 1
+                entry["skips"].append(f"{name}: {skipped[0]['message'][:200]}")
+            else:
+                entry["passed"] += 1
+        modules[module] = entry
+    return {module: len(nodeids) for module, nodeids in collected.items()}, modules
 
 
 def part_suite(report: Report, clock: Clock, args) -> None:
@@ -285,25 +308,28 @@ def part_suite(report: Report, clock: Clock, args) -> None:
         if all(report.has(f"suite/{m}") for m in chunk) or clock.expired(30):
             continue
         with tempfile.TemporaryDirectory() as scratch:
-            xml = os.path.join(scratch, "junit.xml")
-            result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, f"--junitxml={xml}",
-                          *[os.path.join("tests", m) for m in chunk]], clock, child_env(args.smoke), args.unit_timeout)
-            outcomes = junit_outcomes(xml) if os.path.exists(xml) else {}
+            log = os.path.join(scratch, "suite.jsonl")
+            env = {**child_env(args.smoke), "JAXSPEC_SUITE_LOG": log}
+            result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_log", *extra,
+                          *[os.path.join("tests", m) for m in chunk]], clock, env, args.unit_timeout)
+            collected, outcomes = suite_outcomes(log) if os.path.exists(log) else ({}, {})
         note(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s"
              + (" (hung: ended at --unit-timeout)" if result["hung"] else ""))
+        unfinished = [m for m in chunk if m not in outcomes]
         if result["timed_out"]:
-            report.cut(f"suite chunk {', '.join(chunk)} after {result['seconds']:.0f} s")
-            continue  # nothing recorded: the next run repeats the chunk
+            # The modules that finished are kept; the others run again next time.
+            if unfinished:
+                report.cut(f"suite: {', '.join(unfinished)} unfinished after {result['seconds']:.0f} s")
+            chunk = [m for m in chunk if m in outcomes]
         for module in chunk:
             found = outcomes.get(module, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
                                           "skips": []})
-            if result["hung"]:
+            if result["hung"] and module in unfinished:
                 found = {**found, "failed": found["failed"] + 1, "hung": True, "failures": found["failures"] + [
                     f"its chunk ({len(chunk)} modules) ran past --unit-timeout {args.unit_timeout:.0f} s and was ended"]}
-            if args.smoke:  # --collect-only writes no test cases: count what it collected
-                collected = re.search(r"(\d+) tests? collected", result["output"])
-                found["collected_only"] = int(collected.group(1)) if collected else 0
-            if result["returncode"] not in (0, 5) and not found["failed"]:  # a crash (no junit entry failed)
+            if args.smoke:  # --collect-only runs no test: count what it collected
+                found["collected_only"] = collected.get(module, 0)
+            if result["returncode"] not in (0, 5, None) and not found["failed"]:  # a crash (no test failed)
                 found["failed"] += 1
                 found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
             report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]},
@@ -348,10 +374,13 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
 
 def part_e2e(report: Report, clock: Clock, args) -> None:
     points = SMOKE_E2E_POINTS if args.smoke else E2E_POINTS
-    missing = [(b, k) for b, k in points if not report.has(f"e2e/B={b},k={k}")]
+    # A point measured before the step was profiled is measured again, with its profile.
+    missing = [(b, k) for b, k in points
+               if not report.has(f"e2e/B={b},k={k}") or report.units[f"e2e/B={b},k={k}"].get("profile") is None]
     if not missing or clock.expired(60):
         return
-    argv = ["benchmarks/e2e_step.py", "--points", *[f"{b},{k}" for b, k in missing]] + (["--smoke"] if args.smoke else [])
+    argv = (["benchmarks/e2e_step.py", "--profile", "--points", *[f"{b},{k}" for b, k in missing]]
+            + (["--smoke"] if args.smoke else []))
     with tempfile.TemporaryDirectory() as scratch:
         points_path = os.path.join(scratch, "e2e.json")
         left = clock.left()
@@ -452,21 +481,37 @@ def mosaic_against_triton(units: dict) -> dict[str, dict]:
 
 
 def headline(report: Report) -> dict | None:
-    """The e2e point HEADLINE: measured / projected, and each op class's share of the calibrated
-    step with its fraction (classes under GOAL named)."""
+    """The e2e point HEADLINE: measured / projected, and per op class its time, share of the step
+    and fraction of its roofline (classes under GOAL named). From the point's profile where it has
+    one ("profiled": the kernels' own times on the device, and the step's time outside them),
+    else from the calibration ("calibrated": each class's roofline time over its benchmarks'
+    fraction, shares of the calibrated step)."""
     point = report.units.get(f"e2e/B={HEADLINE[0]},k={HEADLINE[1]}") or (
         report.units.get(f"e2e/B={SMOKE_E2E_POINTS[-1][0]},k={SMOKE_E2E_POINTS[-1][1]}"))
     if point is None:
         return None
-    fractions = (report.data.get("calibration") or {}).get("fractions", {})
     bandwidth, peak = target_peaks(point["target"])
-    times = {name: max(nbytes / bandwidth, flops / peak) / fractions.get(name, 1.0)
-             for name, (flops, nbytes) in point["by_class"].items()}
-    total = sum(times.values()) or 1.0
-    return {"batch": point["batch"], "drafts": point["drafts"], "ratio": point["ratio"],
-            "measured_ms": point["measured_s"] * 1e3, "projected_ms": point["projected_s"] * 1e3,
-            "classes": {name: {"share": t / total, "fraction": fractions.get(name)} for name, t in times.items()},
-            "missing_goal": sorted(n for n in times if fractions.get(n) is not None and fractions[n] < GOAL)}
+    roofline = {name: max(nbytes / bandwidth, flops / peak) for name, (flops, nbytes) in point["by_class"].items()}
+    profile = point.get("profile") or {}
+    step = point["measured_s"]
+    if profile.get("by_class_ms"):
+        source, outside = "profiled", step - profile["busy_ms"] / 1e3
+        times = {name: ms / 1e3 for name, ms in profile["by_class_ms"].items()}
+        fractions = {name: roofline.get(name, 0.0) / t if t else None for name, t in times.items()}
+        shares = {name: t / step for name, t in times.items()}
+    else:
+        source, outside = "calibrated", None
+        calibrated = (report.data.get("calibration") or {}).get("fractions", {})
+        times = {name: t / calibrated.get(name, 1.0) for name, t in roofline.items()}
+        fractions = {name: calibrated.get(name) for name in times}
+        shares = {name: t / (sum(times.values()) or 1.0) for name, t in times.items()}
+    return {"batch": point["batch"], "drafts": point["drafts"], "ratio": point["ratio"], "source": source,
+            "measured_ms": step * 1e3, "projected_ms": point["projected_s"] * 1e3,
+            "outside_ms": None if outside is None else outside * 1e3,
+            "top": profile.get("top", []) if source == "profiled" else [],
+            "classes": {name: {"ms": times[name] * 1e3, "share": shares[name], "fraction": fractions[name]}
+                        for name in times},
+            "missing_goal": sorted(n for n in times if fractions[n] is not None and fractions[n] < GOAL)}
 
 
 def markdown(report: Report) -> str:
@@ -570,10 +615,18 @@ def markdown(report: Report) -> str:
         lines.append(f"B = {top['batch']}, k = {top['drafts']}: measured {top['measured_ms']:.2f} ms, projected "
                      f"{top['projected_ms']:.2f} ms: measured / projected throughput = {top['ratio']:.2f} (goal >= "
                      f"{GOAL}: {'met' if top['ratio'] >= GOAL else 'missed'}).")
-        lines += [f"- {name}: {100 * c['share']:.0f}% of the calibrated step, fraction of roofline "
-                  f"{'not measured' if c['fraction'] is None else format(c['fraction'], '.2f')}"
+        step = "measured step (profiled)" if top["source"] == "profiled" else "calibrated step"
+        unknown = "no kernel of it profiled" if top["source"] == "profiled" else "not measured"
+        lines += [f"- {name}: {c['ms']:.2f} ms, {100 * c['share']:.0f}% of the {step}, fraction of roofline "
+                  f"{unknown if c['fraction'] is None else format(c['fraction'], '.2f')}"
                   for name, c in top["classes"].items()]
+        if top["outside_ms"] is not None:
+            lines.append(f"- outside any kernel (launch gaps, host round trips): {top['outside_ms']:.2f} ms, "
+                         f"{100 * top['outside_ms'] / top['measured_ms']:.0f}% of the measured step")
         lines.append(f"Op classes under {GOAL} of their roofline: {', '.join(top['missing_goal']) or 'none'}.")
+        if top["top"]:
+            lines += ["", "Its longest kernels (one profiled step):", "", "| kernel | ms | launches |", "|---|---|---|"]
+            lines += [f"| `{name}` | {ms:.3f} | {count} |" for name, ms, count in top["top"]]
     else:
         lines.append("no end-to-end point yet")
     return "\n".join(lines) + "\n"

@@ -81,6 +81,11 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
         assert point["ratio"] == pytest.approx(point["projected_s"] / point["measured_s"])
         assert sum(f for f, _ in point["by_class"].values()) == pytest.approx(point["flops"])
         assert sum(b for _, b in point["by_class"].values()) == pytest.approx(point["bytes"])
+        # one more step profiled: its kernels' times by class sum to their busy time, within the step
+        profile = point["profile"]
+        assert profile["kernels"] > 0 and set(profile["by_class_ms"]) == {"attention", "grouped_matmul", "xla"}
+        assert sum(profile["by_class_ms"].values()) == pytest.approx(profile["busy_ms"]) and profile["busy_ms"] > 0
+    assert "measured step (profiled)" in (out / "report.md").read_text()
     # report.md projects each point with the calibration the kernel rows gave, whichever part ran first
     calibration = Calibration("report", data["calibration"]["fractions"])
     point = units["e2e/B=2,k=1"]
@@ -165,17 +170,62 @@ def test_attention_calibrates_from_the_kernels_auto_runs_on_the_device(monkeypat
     assert gpu_report.calibration(report)["fractions"]["attention"] == pytest.approx(roofline / 5e-3)
 
 
-def test_junit_outcomes_count_each_module(tmp_path):
-    path = tmp_path / "junit.xml"
-    path.write_text("""<testsuites><testsuite>
-      <testcase classname="tests.test_a" name="test_one" time="1.5"/>
-      <testcase classname="tests.test_a" name="test_two" time="0.5"><failure message="boom"/></testcase>
-      <testcase classname="tests.test_b" name="test_three" time="0"><skipped message="needs a GPU"/></testcase>
-    </testsuite></testsuites>""")
-    found = gpu_report.junit_outcomes(str(path))
-    assert found["test_a.py"]["passed"] == 1 and found["test_a.py"]["failed"] == 1
-    assert found["test_a.py"]["seconds"] == 2.0 and found["test_a.py"]["failures"] == ["test_two: boom"]
-    assert found["test_b.py"]["skipped"] == 1 and found["test_b.py"]["skips"] == ["test_three: needs a GPU"]
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["plain", "xdist"])
+def test_suite_log_records_each_test_as_it_finishes(tmp_path, workers):
+    """The `suite_log` plugin, in a real pytest run with and without pytest-xdist: the collected
+    tests, then every phase's outcome, read back per module by `suite_outcomes` (a failure with
+    its phase and message, a skip with its reason; a module-level fixture error fails its tests)."""
+    (tmp_path / "test_a.py").write_text(
+        "import pytest\n"
+        "def test_one(): pass\n"
+        "def test_two(): assert 1 == 2, 'boom'\n"
+        "@pytest.mark.skip(reason='needs a GPU')\n"
+        "def test_three(): pass\n")
+    (tmp_path / "test_b.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('no device')\n"
+        "def test_four(broken): pass\n")
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "JAXSPEC_SUITE_LOG": str(log),
+           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "benchmarks"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_log",
+                           *workers, "test_a.py", "test_b.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    collected, found = gpu_report.suite_outcomes(str(log))
+    assert collected == {"test_a.py": 3, "test_b.py": 1}
+    a, b = found["test_a.py"], found["test_b.py"]
+    assert (a["passed"], a["failed"], a["skipped"]) == (1, 1, 1)
+    assert a["failures"][0].startswith("test_two (call): ") and "boom" in a["failures"][0]
+    assert "needs a GPU" in a["skips"][0]
+    assert b["failed"] == 1 and b["failures"][0].startswith("test_four (setup): ") and "no device" in b["failures"][0]
+
+
+def test_a_suite_chunk_the_clock_ends_keeps_the_modules_that_finished(tmp_path, monkeypatch):
+    """A chunk ended by the clock records the modules whose every test finished (from the log its
+    pytest wrote as it went) and leaves the others, which the next run repeats."""
+    modules = ["test_a.py", "test_b.py"]
+    monkeypatch.setattr(gpu_report, "test_modules", lambda: modules)
+
+    def fake_run(argv, clock, env=None, limit=None):
+        lines = [{"collected": ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t3"]}]
+        for nodeid in ("tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t3"):
+            lines += [{"nodeid": nodeid, "when": "setup", "outcome": "passed", "seconds": 0.5, "message": ""},
+                      {"nodeid": nodeid, "when": "call", "outcome": "passed", "seconds": 1.0, "message": ""}]
+            if nodeid != "tests/test_b.py::t3":  # t3 was running when the clock ended the chunk
+                lines.append({"nodeid": nodeid, "when": "teardown", "outcome": "passed", "seconds": 0.0,
+                              "message": ""})
+        with open(env["JAXSPEC_SUITE_LOG"], "w") as f:
+            f.write("".join(json.dumps(line) + "\n" for line in lines))
+        return {"returncode": None, "seconds": 200.0, "output": "", "timed_out": True, "hung": False}
+
+    monkeypatch.setattr(gpu_report, "run", fake_run)
+    report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
+    report.data["runs"].append({"started": "now"})
+    gpu_report.part_suite(report, gpu_report.Clock(600.0), benchmark_args())
+    assert report.has("suite/test_a.py") and not report.has("suite/test_b.py")
+    assert report.units["suite/test_a.py"]["passed"] == 2 and report.units["suite/test_a.py"]["seconds"] == 3.0
+    assert report.data["runs"][-1]["cut"] == ["suite: test_b.py unfinished after 200 s"]
 
 
 def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
@@ -373,3 +423,19 @@ def test_mosaic_against_triton_says_which_kernel_auto_should_run():
     report.device, report.units, report.data = "NVIDIA H100 80GB HBM3", units, {"runs": []}
     text = gpu_report.markdown(report)
     assert "| mla_attention | 2 | 0.40 |" in text and "AUTO_KERNELS['NVIDIA H100 80GB HBM3'][op] = \"mosaic\"" in text
+
+
+def test_kernel_profile_sums_kernels_by_op_class():
+    """The profile of one step: each kernel's time goes to its op class by name (the Pallas
+    kernels' Triton and Mosaic names; everything else XLA's), XLA's numbered repeats of a kernel
+    count as one in the longest-kernel list, and the span runs from the first start to the last end."""
+    from kernel_profile import summarize
+    events = [("grouped_matmul", 0, 4_000_000), ("_sparse_mla", 5_000_000, 1_000_000),
+              ("mla_attention", 6_000_000, 500_000), ("loop_add_fusion_3", 7_000_000, 250_000),
+              ("loop_add_fusion_4", 8_000_000, 250_000), ("nvjet_tst_128x64", 9_000_000, 1_000_000)]
+    found = summarize(events)
+    assert found["by_class_ms"] == {"attention": 1.5, "grouped_matmul": 4.0, "xla": 1.5}
+    assert found["busy_ms"] == 7.0 and found["span_ms"] == 10.0 and found["kernels"] == 6
+    assert found["top"][0] == ["grouped_matmul", 4.0, 1]
+    assert ["loop_add_fusion", 0.5, 2] in found["top"]
+    assert summarize([])["busy_ms"] == 0.0
