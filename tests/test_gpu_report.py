@@ -40,12 +40,12 @@ def test_smoke_run_records_every_part(smoke_report):
     out, data = smoke_report
     (device, units), = data["devices"].items()
     assert device.endswith("(smoke)")
-    expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "moe",
-                "matmuls", "exactness", "mainjob/mtp3", "e2e/B=2,k=0", "e2e/B=2,k=1"}
+    expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather",
+                "moe", "matmuls", "exactness", "mainjob/mtp3", "e2e/B=2,k=0", "e2e/B=2,k=1"}
     assert set(units) == expected
     assert units["suite/test_config.py"]["collected_only"] > 0 and not units["suite/test_config.py"]["failed"]
-    for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "moe", "matmuls", "exactness",
-                 "mainjob/mtp3"):
+    for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls",
+                 "exactness", "mainjob/mtp3"):
         assert units[name]["returncode"] == 0 and units[name]["ok"], units[name]["output"]
     for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "moe", "matmuls"):
         assert units[name]["json"]["rows"] and all(row["seconds"] > 0 for row in units[name]["json"]["rows"])
@@ -61,8 +61,8 @@ def test_smoke_run_records_every_part(smoke_report):
     assert all(row["identical"] == row["rows"] for row in units["exactness"]["json"]["rows"])
     assert units["mainjob/mtp3"]["tokens_per_s"] > 0 and units["mainjob/mtp3"]["mean_accepted"] >= 1
     text = (out / "report.md").read_text()
-    for heading in ("## Test suite", "## kernels", "## kernels_block_n32", "## kernels_part_slots", "## moe",
-                    "## matmuls", "## Exactness", "## Main job",
+    for heading in ("## Test suite", "## kernels", "## kernels_block_n32", "## kernels_part_slots", "## gather",
+                    "## moe", "## matmuls", "## Exactness", "## Main job",
                     "## End-to-end decode step", "## Calibration", "## The ratio"):
         assert heading in text
 

@@ -1,0 +1,166 @@
+"""What it costs the Mosaic GPU kernels to gather scattered cache rows: the copies alone, without
+the attention around them.
+
+    python benchmarks/gather_copies.py                 # on a GPU: 132 programs x 32 tiles, rows of 576 bf16
+    python benchmarks/gather_copies.py --smoke         # interpret mode at tiny sizes, any machine
+
+Why: on a lent H200 the Mosaic sparse MLA kernel took the same 0.4 ms at B 1 and at B 32 (Q 1),
+about 12 us per 64-slot tile in every program, where the tile's bytes need about 2 us of one SM's
+share of HBM and its GEMMs about 1 us. Its tiles arrive by one bulk copy per slot
+(`gathered_softmax_mosaic.issue_keys`), and Pallas' Lane lowering puts a warpgroup barrier before
+each copy and has all 128 threads arrive on the tile's mbarrier for each (`copy_gmem_to_smem` in
+jax's `pallas/mosaic_gpu/primitives.py`): 64 barriers and 8,192 arrivals a tile. These kernels
+time that path alone, beside the alternatives, one program per SM, each walking `--tiles` tiles:
+
+  rows           the kernels' own path: one copy per row (`issue_keys`), Pallas' barriers;
+  rows, no auto barriers
+                 the same copies with `unsafe_no_auto_barriers` (one `commit_smem` a tile instead
+                 of a barrier a copy; the arrivals stay): the candidate fix, if barriers are the cost;
+  tile           64 consecutive rows a tile in 3 box copies of 192 columns into swizzled tiles (how
+                 dense MLA reads a page): the same bytes without the scatter.
+
+Each program copies its rows into a staging tile and, after its last tile, writes that tile out
+through registers (as the kernels read it), which every run checks against the rows it asked for
+(interpreted, the barrier setting is ignored: there the check is of the code path). Rows are
+chosen at random over a cache several times the L2. The table gives each variant's time per tile,
+per copy and its bytes per second; --json writes kernels.py's row format (`gpu_report.py`'s part
+`gather`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
+
+from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
+from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled
+
+# variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers)
+VARIANTS = {"rows": (True, False), "rows, no auto barriers": (True, True), "tile": (False, False)}
+KEYS = 64  # rows a tile, as in the kernels
+PIECE = 192  # columns a "tile" copy moves (a TMA box is at most 256 wide; 576 = 3 x 192)
+FULL = dict(programs=132, tiles=32, cache_rows=1 << 19, width=576)
+SMOKE = dict(programs=2, tiles=2, cache_rows=256, width=192)
+
+
+def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool):
+    """One program: rows_ref [programs, tiles * KEYS] float32 (cache rows, exact integers),
+    cache_ref [N, W] -> out_ref [programs, KEYS, W] (its last tile as staged)."""
+    program = jax.lax.axis_index("program")
+    tiles = rows_ref.shape[1] // KEYS
+    width = cache_ref.shape[1]
+
+    def rows_at(tile):
+        return rows_ref.at[program, pl.ds(tile * KEYS, KEYS)]
+
+    def body(rows_smem, tile_smem, first, gathered):
+        fetch_rows(rows_at, 0, tiles, rows_smem, first)
+        plgpu.barrier_wait(first)
+
+        def step(tile, carry):
+            if manual_barriers:  # every thread is past the last tile's reads of the buffers reused here
+                plgpu.commit_smem()
+            rows = rows_buffer(rows_smem, tile)
+            if per_row:
+                issue_keys(rows, lambda row: [cache_ref.at[row]], [tile_smem], 1, gathered)
+            else:  # the tile's rows are consecutive from its first: one box a piece of columns
+                start = rows[0].astype(jnp.int32)
+                for i in range(width // PIECE):
+                    plgpu.copy_gmem_to_smem(cache_ref.at[pl.ds(start, KEYS), pl.ds(i * PIECE, PIECE)],
+                                            tile_smem.at[i], gathered)
+            fetch_rows(rows_at, tile + 1, tiles, rows_smem, gathered)
+            plgpu.barrier_wait(gathered)
+            return carry
+
+        jax.lax.fori_loop(0, tiles, step, 0)
+        for c in range(0, width, CHUNK):  # the last tile, through registers as `to_operand` reads it
+            view = tile_smem if per_row else tile_smem.at[c // PIECE]
+            chunk = plgpu.layout_cast(view[:, pl.ds(c if per_row else c % PIECE, CHUNK)], plgpu.Layout.WGMMA)
+            store(out_ref.at[program, :, pl.ds(c, CHUNK)], chunk)
+
+    # A tile copy lands swizzled, as dense MLA's tiles do (an unswizzled [64, 192] tile has no
+    # bank-conflict-free read into registers).
+    tile_smem = (staging(KEYS, width, cache_ref.dtype) if per_row
+                 else plgpu.SMEM((width // PIECE, KEYS, PIECE), cache_ref.dtype,
+                                 transforms=swizzled(cache_ref.dtype, PIECE)))
+    pl.run_scoped(body, plgpu.SMEM((2, KEYS), jnp.float32), tile_smem, plgpu.Barrier(num_arrivals=1),
+                  plgpu.Barrier(num_arrivals=(KEYS if per_row else width // PIECE) + 1))
+
+
+def gather(variant: str, rows: jax.Array, cache: jax.Array, *, interpret: bool) -> jax.Array:
+    """rows [programs, tiles * KEYS] int32, cache [N, W] -> [programs, KEYS, W]: each program's
+    last tile as staged (`_gather_kernel`)."""
+    per_row, unsafe = VARIANTS[variant]
+    kernel = plgpu.kernel(
+        functools.partial(_gather_kernel, per_row=per_row, manual_barriers=unsafe),
+        out_type=jax.ShapeDtypeStruct((rows.shape[0], KEYS, cache.shape[1]), cache.dtype),
+        grid=(rows.shape[0],), grid_names=("program",),
+        compiler_params=compiler_params(unsafe_no_auto_barriers=unsafe))
+    call = jax.jit(lambda r, c: kernel(r.astype(jnp.float32), c))
+    if not interpret:
+        return call(rows, cache)
+    with interpreting():
+        return call(rows, cache)
+
+
+def rows_for(variant: str, programs: int, tiles: int, cache_rows: int, rng) -> np.ndarray:
+    """[programs, tiles * KEYS] int32 cache rows: at random ("tile": each tile's consecutive rows
+    from a random start)."""
+    if VARIANTS[variant][0]:
+        return rng.integers(0, cache_rows, (programs, tiles * KEYS)).astype(np.int32)
+    starts = rng.integers(0, cache_rows - KEYS + 1, (programs, tiles, 1))
+    return (starts + np.arange(KEYS)).reshape(programs, tiles * KEYS).astype(np.int32)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="interpret mode at tiny sizes; runs anywhere")
+    parser.add_argument("--programs", type=int, help=f"programs, one per SM (default {FULL['programs']})")
+    parser.add_argument("--tiles", type=int, help=f"tiles per program (default {FULL['tiles']})")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    add_timing_flags(parser)
+    args = parser.parse_args(argv)
+    if not gpu_or_smoke("gather_copies.py", args.smoke):
+        return 1
+    sizes = {**(SMOKE if args.smoke else FULL),
+             **{k: v for k, v in (("programs", args.programs), ("tiles", args.tiles)) if v is not None}}
+    if sizes["programs"] < 1 or sizes["tiles"] < 1:
+        parser.error("--programs and --tiles must be >= 1")
+    interpret = jax.default_backend() != "gpu"
+    iters, warmup = (1, 0) if args.smoke else (args.iters, args.warmup)
+    cache = jax.random.normal(jax.random.key(0), (sizes["cache_rows"], sizes["width"]), jnp.bfloat16)
+    copy_bw = copy_bandwidth(1 << 20 if args.smoke else 1 << 30, iters, warmup)
+    rng = np.random.default_rng(0)
+    print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s; {sizes['programs']} "
+          f"programs x {sizes['tiles']} tiles, rows of {sizes['width']} bfloat16 from {sizes['cache_rows']}")
+    print(f"{'variant':<24} {'ms':>8} {'us/tile':>8} {'ns/copy':>8} {'GB/s':>7}  check")
+    out_rows = []
+    for variant in args.variants:
+        per_row, _ = VARIANTS[variant]
+        rows = rows_for(variant, sizes["programs"], sizes["tiles"], sizes["cache_rows"], rng)
+        rows_dev, run = jnp.asarray(rows), functools.partial(gather, variant, interpret=interpret)
+        want = np.asarray(cache, np.float32)[rows[:, -KEYS:]]
+        ok = np.array_equal(np.asarray(run(rows_dev, cache), np.float32), want)
+        seconds = timed(run, rows_dev, cache, iters=iters, warmup=warmup)
+        nbytes = rows.size * sizes["width"] * cache.dtype.itemsize
+        per_tile = seconds / sizes["tiles"]
+        copies = KEYS if per_row else sizes["width"] // PIECE
+        print(f"{variant:<24} {seconds * 1e3:>8.3f} {per_tile * 1e6:>8.2f} {per_tile / copies * 1e9:>8.0f} "
+              f"{nbytes / seconds / 1e9:>7.0f}  {'equal' if ok else 'WRONG'}", flush=True)
+        out_rows.append(dict(op="gather", impl=variant, keys=KEYS, tiles=sizes["tiles"], programs=sizes["programs"],
+                             seconds=seconds, bytes=nbytes, flops=0, correct=ok))
+        if args.json:
+            write_rows(args.json, copy_bw, out_rows)
+    return 0 if all(row["correct"] for row in out_rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
