@@ -16,6 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import gather_copies  # noqa: E402
 import gpu_report  # noqa: E402
 from projection import Calibration, load_calibration, step_seconds, target_peaks  # noqa: E402
 
@@ -47,8 +48,11 @@ def test_smoke_run_records_every_part(smoke_report):
     for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls",
                  "exactness", "mainjob/mtp3"):
         assert units[name]["returncode"] == 0 and units[name]["ok"], units[name]["output"]
-    for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "moe", "matmuls"):
+    for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls"):
         assert units[name]["json"]["rows"] and all(row["seconds"] > 0 for row in units[name]["json"]["rows"])
+    # every gather variant staged the rows it was asked for (interpreted: the code path, not the barriers)
+    assert {row["impl"] for row in units["gather"]["json"]["rows"]} == set(gather_copies.VARIANTS)
+    assert all(row["correct"] for row in units["gather"]["json"]["rows"])
     # the 32-slot tiles' rows say so, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
     assert {row["impl"] for row in units["kernels/mla_attention"]["json"]["rows"]} >= {"pallas", "mosaic"}
@@ -170,9 +174,9 @@ def test_attention_calibrates_from_the_kernels_auto_runs_on_the_device(monkeypat
     assert gpu_report.calibration(report)["fractions"]["attention"] == pytest.approx(roofline / 5e-3)
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["plain", "xdist"])
-def test_suite_log_records_each_test_as_it_finishes(tmp_path, workers):
-    """The `suite_log` plugin, in a real pytest run with and without pytest-xdist: the collected
+def test_suite_log_records_each_test_as_it_finishes(tmp_path):
+    """The `suite_log` plugin, in a real pytest run under pytest-xdist as the suite part runs it
+    (without xdist, the smoke run's `--collect-only` reads its collected tests): the collected
     tests, then every phase's outcome, read back per module by `suite_outcomes` (a failure with
     its phase and message, a skip with its reason; a module-level fixture error fails its tests)."""
     (tmp_path / "test_a.py").write_text(
@@ -190,7 +194,7 @@ def test_suite_log_records_each_test_as_it_finishes(tmp_path, workers):
     env = {**os.environ, "JAXSPEC_SUITE_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "benchmarks"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_log",
-                           *workers, "test_a.py", "test_b.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+                           "-n", "2", "test_a.py", "test_b.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     collected, found = gpu_report.suite_outcomes(str(log))
     assert collected == {"test_a.py": 3, "test_b.py": 1}
