@@ -16,7 +16,7 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              one module);
   kernels    benchmarks/kernels.py, one unit per op (V3.2's mla_attention, sparse_mla, indexer_scores,
              V4's v4_csa, v4_hca) at B 32, 8, 1, context 4096, Q 1, 4, each row with its error
-             against the reference;
+             against the reference, then mla_attention at context 32768 (B 32, 1);
   moe        benchmarks/moe.py (one V3.2 MoE layer, 8 to 1024 tokens);
   matmuls    benchmarks/matmuls.py (bf16 and FP8 linear layers at decode shapes);
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
@@ -88,7 +88,12 @@ BENCHMARK_UNITS = {
                                    "1", "4", "--ops", op, "--json", "{json}"],
                  ["benchmarks/kernels.py", "--smoke", "--ops", op, "--no-xla", "--json", "{json}"]
                  if op == "mla_attention" else None)
-                for op in KERNEL_OPS],
+                for op in KERNEL_OPS]
+               # Dense MLA at the long context the issue names (sparse MLA reads its top-k whatever the
+               # context): after every op's 4096, so that a short lease has those first.
+               + [("kernels/mla_attention_32k", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "32768",
+                                                 "--queries", "1", "4", "--ops", "mla_attention", "--json", "{json}"],
+                   None)],
     # The Triton MLA kernels with 32-slot tiles (their default is 16: 32 spills registers in dense
     # MLA with jax 0.11's Triton), to time against the kernels part's rows.
     "tiles": [("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
