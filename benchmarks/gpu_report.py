@@ -22,7 +22,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
-             copy a row, with and without Pallas' automatic barriers) beside a tile copy;
+             copy a row, with and without Pallas' automatic barriers) beside a tile copy; then the
+             sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, and Mosaic without automatic
+             barriers (kernels.py --no-auto-barriers);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with 32-slot tiles (--block-n 32), to
              set against the kernels part's 16 (the default), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
@@ -108,9 +110,13 @@ BENCHMARK_UNITS = {
                                       "--no-xla", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--part-slots", "64", "--no-xla",
                 "--json", "{json}"])],
-    # The Mosaic kernels' gather of scattered rows timed alone, beside its candidate fix and a tile copy.
+    # The Mosaic kernels' gather of scattered rows timed alone, beside its candidate fix and a tile
+    # copy; then the sparse MLA kernel with that fix beside itself and Triton.
     "gather": [("gather", ["benchmarks/gather_copies.py", "--json", "{json}"],
-                ["benchmarks/gather_copies.py", "--smoke", "--json", "{json}"])],
+                ["benchmarks/gather_copies.py", "--smoke", "--json", "{json}"]),
+               ("gather/sparse_mla", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "--queries",
+                                      "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--json",
+                                      "{json}"], None)],
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],

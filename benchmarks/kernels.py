@@ -375,6 +375,9 @@ def main(argv=None) -> int:
     parser.add_argument("--part-slots", type=int, nargs="+", default=[], metavar="N",
                         help="also time the Mosaic mla_attention with split-KV parts of N slots (a multiple of 64; "
                              "its default: 1024), rows 'mosaic part_slots=N'")
+    parser.add_argument("--no-auto-barriers", action="store_true",
+                        help="also time the Mosaic sparse MLA kernel lowered without Pallas' automatic barriers "
+                             "(auto_barriers=False), rows 'mosaic no auto barriers'")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
                         help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
                              "and queries e4m3, as DeepSeek's release keeps them)")
@@ -461,10 +464,16 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-            # The Mosaic kernel, and for dense MLA its split-KV part lengths --part-slots asks for.
-            mosaic = [] if op.mosaic is None or args.no_mosaic else [("mosaic", op.mosaic)] + [
-                (f"mosaic part_slots={n}", functools.partial(op.mosaic, part_slots=n))
-                for n in (args.part_slots if op.name == "mla_attention" else ())]
+            # The Mosaic kernel, for dense MLA its split-KV part lengths --part-slots asks for, and for
+            # sparse MLA its lowering without automatic barriers (--no-auto-barriers).
+            mosaic = []
+            if op.mosaic is not None and not args.no_mosaic:
+                mosaic.append(("mosaic", op.mosaic))
+                if op.name == "mla_attention":
+                    mosaic += [(f"mosaic part_slots={n}", functools.partial(op.mosaic, part_slots=n))
+                               for n in args.part_slots]
+                if op.name == "sparse_mla" and args.no_auto_barriers:
+                    mosaic.append(("mosaic no auto barriers", functools.partial(op.mosaic, auto_barriers=False)))
             mosaic_outs = {}
             for impl, fn in mosaic:
                 try:  # a Mosaic kernel refuses shapes it cannot tile (tiny-v4's D 32, FP8 dense MLA below 512)

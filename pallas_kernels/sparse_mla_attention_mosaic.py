@@ -195,7 +195,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
 
 
 def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache, page_table: jax.Array,
-                                indices: jax.Array, *, softmax_scale: float, interpret: bool = False):
+                                indices: jax.Array, *, softmax_scale: float, auto_barriers: bool = True,
+                                interpret: bool = False):
     """`sparse_mla_attention` as a Mosaic GPU kernel; same arguments and results as the reference.
 
     q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] or an
@@ -204,6 +205,14 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     it, so the result equals this kernel's on the dequantized cache bit for bit),
     page_table [B, max_pages] int32, indices [B, Q, K] int32 (-1 and slots past the row's pages are
     skipped) -> out [B, Q, H, Dl] (q_nope.dtype), lse [B, Q, H] float32.
+    auto_barriers: False lowers with `unsafe_no_auto_barriers`, a tuning to be timed (not yet the
+      default): Pallas then drops the warpgroup barrier it puts before each of a tile's 64 slot
+      copies and around each shared-memory store. Nothing here needs them: the scorer's
+      `commit_smem` after a tile's move into the operand (a warpgroup barrier) orders every
+      thread's reads of the staging tile and of the tile's rows before the copies that overwrite
+      them; a store's region is written by its own threads only and read by the tensor cores after
+      a `commit_smem`, or by the other warpgroup after an mbarrier; and the loads of a tile's rows
+      follow the wait on the copies that brought them. The interpreter ignores it.
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
@@ -223,15 +232,16 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache holds {slots} slots: at most {MAX_ROWS} (slot "
                          "rows reach the kernel as float32, exact integers to 2**24)")
     run = functools.partial(_sparse_mla, q_nope, q_rope, latent_cache, page_table, indices,
-                            softmax_scale=softmax_scale, interpret=interpret)
+                            softmax_scale=softmax_scale, auto_barriers=auto_barriers, interpret=interpret)
     if not interpret:
         return run()
     with interpreting():
         return run()
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "interpret"))
-def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "auto_barriers", "interpret"))
+def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, auto_barriers: bool,
+                interpret: bool):
     # Interpreted, warpgroup 0 does both warpgroups' work (the same arithmetic, column block by
     # column block): jax 0.10.2's interpreter runs warpgroups as threads that each execute XLA
     # computations, and inside an outer jitted program (the decoding loop) on a 2-core host, one
@@ -268,7 +278,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
         num_threads=warpgroups, thread_name="wg",
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.
-        compiler_params=compiler_params(reduction_scratch_bytes=0))
+        compiler_params=compiler_params(reduction_scratch_bytes=0, unsafe_no_auto_barriers=not auto_barriers))
     # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the rescale.
     rows = rows.astype(jnp.float32)
     # As the Triton kernel states it: a token's listed slots (-1 entries included) read once, by all

@@ -342,10 +342,10 @@ def test_sparse_mla_mosaic_refuses_a_cache_past_exact_float32_rows():
 
 
 @functools.cache
-def sparse_mla_compile(num_queries: int, fp8: bool):
+def sparse_mla_compile(num_queries: int, fp8: bool, auto_barriers: bool = True):
     """DeepSeek-V3.2's sparse MLA (128 heads, 512 + 64 in 64-slot pages, bfloat16 or FlashMLA's FP8
-    token, top-2048), B = 32, 4096 slots a row, compiled for one H100. Cached: the FP8 case compares
-    itself with the bfloat16 one."""
+    token, top-2048), B = 32, 4096 slots a row, compiled for one H100 (with Pallas' automatic
+    barriers, or without). Cached: the FP8 case compares itself with the bfloat16 one."""
     heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
     pages = BATCH * CONTEXT // 64
     cache = (Fp8Pool(Spec((pages, 64, latent), fp8_cache.E4M3), Spec((pages, 64, latent // 128), jnp.float32),
@@ -353,8 +353,19 @@ def sparse_mla_compile(num_queries: int, fp8: bool):
     args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
             Spec((BATCH, num_queries, heads, rope), jnp.bfloat16), cache, Spec((BATCH, CONTEXT // 64), jnp.int32),
             Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
-    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale)
+    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale,
+                               auto_barriers=auto_barriers)
     return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"))
+
+
+def test_sparse_mla_mosaic_compiles_without_automatic_barriers(h100):
+    """`auto_barriers=False` (`unsafe_no_auto_barriers`, the tuning the GPU report times beside the
+    default) lowers for an H100 at V3.2's shapes into the same launch: grid, threads and shared
+    memory (the barriers it drops cost none)."""
+    [launch] = aot.mosaic_launches(sparse_mla_compile(1, False, auto_barriers=False))
+    [default] = aot.mosaic_launches(sparse_mla_compile(1, False))
+    assert (launch.grid, launch.threads, launch.shared_memory) == (default.grid, default.threads,
+                                                                   default.shared_memory)
 
 
 @pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
