@@ -73,7 +73,8 @@ def attention_on_mosaic(backend: str, dense: bool, q_nope, q_rope, cache: PagedC
     if not dense:
         return window_invariant_kernels(backend, "indexer_topk", "sparse_mla_attention")
     absorbed = jax.ShapeDtypeStruct(q_nope.shape[:3] + (latent,), q_nope.dtype)
-    return mla_attention_backend(backend, absorbed, q_rope, *cache.layer_pages(cache.latent, layer)) == "mosaic"
+    pages = jax.eval_shape(lambda c, i: c.layer_pages(c.latent, i), cache, layer)  # shapes only: no ops traced
+    return mla_attention_backend(backend, absorbed, q_rope, *pages) == "mosaic"
 
 
 class MLA(nnx.Module):
