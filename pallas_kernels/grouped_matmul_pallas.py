@@ -10,9 +10,9 @@ prefetch). The grid is
 
 with a static number of work items, `M // BLOCK_M + min(G, M)`, enough for any group sizes (each
 group with rows adds at most one partial tile); items past the real count return at once. A
-program multiplies its tile's rows by the [K, BLOCK_N] column block of its group's matrix, looping
-over K in BLOCK_K steps, and stores only its own rows (a masked store: the tile's last rows may
-belong to the next group). So every group with rows has its matrix read once per row tile, and an
+program multiplies a window of BLOCK_M consecutive rows holding its tile's rows by the [K, BLOCK_N]
+column block of its group's matrix, looping over K in BLOCK_K steps, and stores only its own rows
+(a masked store: the window's other rows belong to neighbouring groups). So every group with rows has its matrix read once per row tile, and an
 empty group costs nothing. At decode and verification sizes (a few hundred token-expert rows over
 up to 256 experts) a group has one tile, so each hit expert's weights are read once; in prefill a
 group's tiles are adjacent work items, so its weight blocks are re-read from L2 rather than HBM.
@@ -127,10 +127,16 @@ def _weight_block(rhs_ref, group, step, column_block, depth: int, width: int):
 def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, width: int):
     """One (row tile, column block) program.
 
-    lhs_ref [M, K], rhs_ref [G * K, N] (the groups' matrices stacked), group_ref / start_ref /
-    end_ref [W] int32 (the work table); refs: (out_ref,) or, for FP8 weights, (scale_ref, out_ref)
-    with scale_ref [G * ceil(K / 128) * ceil(N / 128)] float32 (the scales flattened);
-    out_ref [M + BLOCK_M, N padded to BLOCK_N].
+    lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [G * K, N] (the groups' matrices stacked),
+    group_ref / start_ref / end_ref [W] int32 (the work table); refs: (out_ref,) or, for FP8
+    weights, (scale_ref, out_ref) with scale_ref [G * ceil(K / 128) * ceil(N / 128)] float32 (the
+    scales flattened); out_ref [M, N padded to BLOCK_N].
+
+    The program computes the BLOCK_M rows from `first = min(start, M - BLOCK_M)`, a window that
+    holds its tile's rows [start, end) and never runs past M, and stores only those rows. Loading
+    that window as a plain slice is what lets Triton prefetch the activations with asynchronous
+    copies like the weights: an index-array gather of the rows is a synchronous global load in
+    every K step, and its latency, not HBM bandwidth, then sets the pace of the weight stream.
     """
     *scale_ref, out_ref = refs
     item, column_block = pl.program_id(0), pl.program_id(1)
@@ -138,14 +144,11 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *ref
 
     @pl.when(start < end)
     def _():
-        num_rows = lhs_ref.shape[0]
-        # Rows of the next group (or past M) are computed but never stored: no load mask needed.
-        rows = jnp.minimum(start + jnp.arange(BLOCK_M, dtype=jnp.int32), num_rows - 1)
+        first = jnp.minimum(start, lhs_ref.shape[0] - BLOCK_M)
         group = group_ref[item]
 
         def accumulate(step, acc):
-            inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
-            a = load_block(lhs_ref, rows, inner, column_valid=inner_valid)
+            a = _activation_block(lhs_ref, first, step, depth)
             b = _weight_block(rhs_ref, group, step, column_block, depth, width)
             if scale_ref:
                 b = _dequantized(b, scale_ref[0], group, step, column_block, depth, width)
@@ -153,9 +156,22 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *ref
             return acc + dot_nn(a.astype(dtype), b.astype(dtype))
 
         acc = jax.lax.fori_loop(0, pl.cdiv(depth, BLOCK_K), accumulate, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
-        mine = start + jnp.arange(BLOCK_M, dtype=jnp.int32) < end
-        plgpu.store(out_ref.at[pl.ds(start, BLOCK_M), pl.ds(column_block * BLOCK_N, BLOCK_N)],
+        row = first + jnp.arange(BLOCK_M, dtype=jnp.int32)
+        mine = (row >= start) & (row < end)
+        plgpu.store(out_ref.at[pl.ds(first, BLOCK_M), pl.ds(column_block * BLOCK_N, BLOCK_N)],
                     acc.astype(out_ref.dtype), mask=mine[:, None])
+
+
+def _activation_block(lhs_ref, first, step, depth: int):
+    """Rows [first, first + BLOCK_M) of lhs_ref [M, K] at K step `step`: [BLOCK_M, BLOCK_K].
+
+    A plain slice when K is a whole number of steps (DeepSeek's are), so Triton pipelines it;
+    otherwise a gather whose columns past K read zeros (they meet the weight rows past K).
+    """
+    if depth % BLOCK_K == 0:
+        return lhs_ref[pl.ds(first, BLOCK_M), pl.ds(step * BLOCK_K, BLOCK_K)]
+    inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
+    return load_block(lhs_ref, first + jnp.arange(BLOCK_M, dtype=jnp.int32), inner, column_valid=inner_valid)
 
 
 def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int):
@@ -204,12 +220,16 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     (num_rows, depth), (stacked_groups, _, width) = lhs.shape, rhs.shape
     group, start, end = work_items(group_sizes, num_rows, num_groups)
+    # The kernel reads whole BLOCK_M-row windows: fewer rows than one (decode at a small batch)
+    # are padded with zero rows, which no work item covers.
+    padded = max(num_rows, BLOCK_M)
+    operand = jnp.pad(lhs, ((0, padded - num_rows), (0, 0))) if padded > num_rows else lhs
     column_blocks = pl.cdiv(width, BLOCK_N)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width)
-    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((num_rows + BLOCK_M, column_blocks * BLOCK_N), out_dtype),
+    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((padded, column_blocks * BLOCK_N), out_dtype),
                  grid=(group.shape[0], column_blocks), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                  name="grouped_matmul", interpret=interpret, cost=cost)(
-        lhs, rhs.reshape(stacked_groups * depth, width), group, start, end,
+        operand, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
     # No program writes the rows past sum(group_sizes): they are defined as zero.
     covered = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes, 0))

@@ -42,6 +42,11 @@ def grouped_loop(lhs: np.ndarray, rhs: np.ndarray, sizes: np.ndarray) -> np.ndar
     return out
 
 
+def loop_bodies(ptx: str) -> list[str]:
+    """The PTX of each loop: from a label to the branch back to it."""
+    return [body for _, body in re.findall(r"^(\$L__BB\d+_\d+):\n(.*?)\bbra(?:\.uni)?\s+\1;", ptx, re.S | re.M)]
+
+
 def make_case(seed: int, rows: int, depth: int, width: int, sizes: np.ndarray, dtype):
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), dtype)
@@ -182,8 +187,9 @@ def test_cuda_lowering_at_deepseek_shapes():
 @pytest.mark.parametrize("depth,width", [(7168, 2048), (2048, 7168)], ids=["gate-up", "down"])
 def test_fp8_kernel_compiled_for_h100_at_v32_expert_shapes(h100, depth, width):
     """E = 256 FP8 experts at DeepSeek-V3.2's widths, 256 rows (decode at batch 32, top-8): the
-    kernel fits the H100's shared memory without spills, and its stated bytes are 1 per weight of
-    the groups that can be hit plus their scales, not 2."""
+    kernel fits the H100's shared memory without spills, its stated bytes are 1 per weight of the
+    groups that can be hit plus their scales, not 2, and its K loop reads global memory only by
+    asynchronous copies (a synchronous load there stalls every step of the weight stream)."""
     from jaxspec import aot
 
     experts, rows = 256, 256
@@ -195,6 +201,8 @@ def test_fp8_kernel_compiled_for_h100_at_v32_expert_shapes(h100, depth, width):
                                static_argnames=("interpret",))
     (launch,) = aot.kernel_launches(compiled)
     assert 0 < launch.shared_memory <= 227 * 1024 and launch.spill_stores == launch.spill_loads == 0
+    loops = loop_bodies(aot.kernel_ptx(compiled, launch.name))
+    assert loops and all("cp.async" in body and "ld.global" not in body for body in loops)
     (call,) = aot.pallas_calls(compiled)
     weights = experts * depth * width * (1 + 4 / 128 ** 2)
     activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, experts)

@@ -5,7 +5,7 @@
     devices = aot.gpu_devices("h100", num_devices=1)
     compiled = aot.compile_gpu(fn, *shape_dtype_structs, devices=devices)
     aot.memory(compiled), aot.program_cost(compiled), aot.kernel_launches(compiled), aot.collectives(compiled)
-    aot.mosaic_launches(compiled)
+    aot.mosaic_launches(compiled), aot.kernel_ptx(compiled, launch.name)
 
 What is measured is what the compiler decided (memory, flops, bytes, kernels' registers and
 shared memory, collectives): facts that tests may assert. Run times derived from them are
@@ -13,14 +13,14 @@ projections (`benchmarks/projection.py`).
 """
 
 from .analysis import (OP_CLASSES, Collective, KernelLaunch, Memory, MosaicLaunch, PallasCall, ProgramCost, collectives,
-                       kernel_launches, kernel_name, memory, mosaic_launches, op_class_costs, pallas_calls, program_cost,
-                       ptxas_path, shape_bytes)
+                       kernel_launches, kernel_name, kernel_ptx, memory, mosaic_launches, op_class_costs, pallas_calls,
+                       program_cost, ptxas_path, shape_bytes)
 from .compile import TARGETS, GpuCompiled, compile_gpu, gpu_devices, target_config
 from .report import report
 
 __all__ = [
     "OP_CLASSES", "TARGETS", "Collective", "GpuCompiled", "KernelLaunch", "Memory", "MosaicLaunch", "PallasCall",
-    "ProgramCost", "collectives", "compile_gpu", "gpu_devices", "kernel_launches", "kernel_name", "memory",
-    "mosaic_launches", "op_class_costs", "pallas_calls", "program_cost", "ptxas_path", "report", "shape_bytes",
-    "target_config",
+    "ProgramCost", "collectives", "compile_gpu", "gpu_devices", "kernel_launches", "kernel_name", "kernel_ptx",
+    "memory", "mosaic_launches", "op_class_costs", "pallas_calls", "program_cost", "ptxas_path", "report",
+    "shape_bytes", "target_config",
 ]

@@ -432,6 +432,26 @@ def ptxas_resources(ptx_files: list[str], arch: str = "sm_90a") -> dict[str, tup
     return resources
 
 
+def _ptx_files(compiled: GpuCompiled, entries: set[str]) -> dict[str, str]:
+    """The dumped PTX files of `compiled` that define any of `entries` -> their text."""
+    found = {}
+    for path in _dump_files(compiled, ".ptx"):
+        with open(path) as f:
+            text = f.read()
+        if set(re.findall(r"\.entry (\S+)\(", text)) & entries:
+            found[path] = text
+    return found
+
+
+def kernel_ptx(compiled: GpuCompiled, name: str) -> str:
+    """The PTX that XLA generated for the Pallas (Triton) kernel launched as `name` (a
+    `KernelLaunch.name`) in a `compile_gpu` result: what its loops issue can be read there."""
+    found = list(_ptx_files(compiled, {name}).values())
+    if len(found) != 1:
+        raise ValueError(f"name: {len(found)} PTX files define kernel {name!r}; expected one")
+    return found[0]
+
+
 def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
     """Launch resources of each Pallas kernel launch of a `compile_gpu` result, in thunk order.
 
@@ -443,14 +463,7 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
     for path in _dump_files(compiled, "thunk_sequence.txt"):
         with open(path) as f:
             thunks += [m for m in _THUNK.findall(f.read()) if {m[0], kernel_name(m[0])} & kernel_names]
-    wanted = {m[0] for m in thunks}
-    ptx_files = []
-    for path in _dump_files(compiled, ".ptx"):
-        with open(path) as f:
-            entries = set(re.findall(r"\.entry (\S+)\(", f.read()))
-        if entries & wanted:
-            ptx_files.append(path)
-    resources = ptxas_resources(ptx_files)
+    resources = ptxas_resources(list(_ptx_files(compiled, {m[0] for m in thunks})))
     launches = []
     for name, gx, gy, gz, tx, ty, tz, smem in thunks:
         registers, stores, loads = resources[name]
