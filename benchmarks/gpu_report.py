@@ -10,10 +10,10 @@ projection, written to OUT/report.json and OUT/report.md.
 Parts run in the order --parts lists them (by default the order below); `part:SECONDS` gives a part
 at most that many seconds of the run, so that a short lease moves every listed part forward.
 Each part runs its work as subprocesses, so this process never holds the GPU:
-  suite      pytest on the GPU (`-n --workers`), in chunks of --suite-chunk test modules heaviest
-             first; each test's outcome is logged as it finishes (`suite_log`), so a chunk the
-             clock ends keeps the modules whose every test finished (smoke: `--collect-only` of
-             one module);
+  suite      pytest on the GPU (`-n --workers`): one run of every module not yet recorded,
+             lightest first (or --suite-chunk modules a run); each test's outcome is logged as it
+             finishes (`suite_log`), so a run the clock ends keeps the modules whose every test
+             finished and notes the others' progress (smoke: `--collect-only` of one module);
   kernels    benchmarks/kernels.py, one unit per op (V3.2's mla_attention, sparse_mla, indexer_scores,
              V4's v4_csa, v4_hca) at B 32, 8, 1, context 4096, Q 1, 4, each row with its error
              against the reference, then mla_attention at context 32768 (B 32, 1);
@@ -37,7 +37,8 @@ Resuming: every finished unit (a test module, a benchmark, an e2e point) goes in
 at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
 same kind of device skips what is there, so a run cut short loses only the unit in flight, and a
 benchmark cut short keeps the rows it finished (recorded as incomplete: the next run measures it
-again). `--retry-failed` runs the failed units again, after a fix; `--redo` everything.
+again). `--retry-failed` runs the failed units again, after a fix; `--redo PARTS` measures the
+named parts again (after a change to what they measure), `--redo` alone everything.
 `--deadline` (seconds) stops starting units near the end of a time limit; what is left is listed.
 `--unit-timeout` (seconds) ends one subprocess that runs longer (a kernel that hangs on the device:
 the Mosaic kernels' warpgroup handshakes run on a GPU only) and records it as failed, so the next
@@ -218,29 +219,46 @@ class Clock:
         return self.end is not None and self.left() <= needed
 
 
-def run(argv: list[str], clock: Clock, env: dict | None = None, limit: float | None = None) -> dict:
+def run(argv: list[str], clock: Clock, env: dict | None = None, limit: float | None = None,
+        progress: str | None = None) -> dict:
     """Run `argv` in the repository (python scripts with this interpreter) until it ends, the clock
-    runs out or `limit` seconds pass -> {"returncode", "seconds", "output" (its tail), "timed_out"
-    (ended by the clock: unfinished, to run again), "hung" (ended by `limit`: a failure)}."""
+    runs out or it is taken as hung -> {"returncode", "seconds", "output" (its tail), "timed_out"
+    (ended by the clock: unfinished, to run again), "hung" (ended by `limit`: a failure)}.
+
+    Hung: `limit` seconds have passed; or, with `progress` (a file the command appends to as it
+    goes: the suite's log), `limit` seconds have passed without that file changing, so a long run
+    that keeps finishing tests is not taken for a hang."""
     if argv[0].endswith(".py"):
         argv = [sys.executable, *argv]
     start = time.monotonic()
-    left = clock.left()
-    hung_at_timeout = limit is not None and (left is None or limit < left)
-    timeout = limit if hung_at_timeout else left
-    # Its own process group, so that at the deadline its children (pytest-xdist's workers) go too:
-    # a surviving child would hold the output pipe open and this call would never return.
-    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=None if timeout is None else max(timeout, 1.0))
-        code, ended = process.returncode, False
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        code, ended = None, True
-    return {"returncode": code, "seconds": time.monotonic() - start, "output": output[-TAIL:],
-            "timed_out": ended and not hung_at_timeout, "hung": ended and hung_at_timeout}
+    # Its own process group, so that at the deadline its children (pytest-xdist's workers) go too.
+    # The output goes to a file: polling a pipe that is not drained would block the command.
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(argv, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True, env=env,
+                                   start_new_session=True)
+        last_change, last_size, ended_by = start, -1, None
+        while process.poll() is None:
+            now = time.monotonic()
+            size = os.path.getsize(progress) if progress and os.path.exists(progress) else -1
+            if size != last_size:
+                last_change, last_size = now, size
+            left = clock.left()
+            if left is not None and left <= 0:
+                ended_by = "clock"
+            elif limit is not None and now - (last_change if progress else start) > limit:
+                ended_by = "limit"
+            if ended_by:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended meanwhile; its workers with it
+                    pass
+                process.wait()
+                break
+            time.sleep(0.2 if left is None else min(0.2, max(left, 0.01)))
+        output.seek(0)
+        text = output.read()
+    return {"returncode": None if ended_by else process.returncode, "seconds": time.monotonic() - start,
+            "output": text[-TAIL:], "timed_out": ended_by == "clock", "hung": ended_by == "limit"}
 
 
 def child_env(smoke: bool) -> dict:
@@ -254,6 +272,14 @@ def child_env(smoke: bool) -> dict:
 
 
 # --- the parts -------------------------------------------------------------------------------------
+
+
+def unit_part(unit: str) -> str:
+    """The part that records `unit` ("suite/test_a.py" -> "suite", "kernels_block_n32" -> "tiles")."""
+    for part, units in BENCHMARK_UNITS.items():
+        if unit in (name for name, _, _ in units):
+            return part
+    return unit.split("/", 1)[0]
 
 
 def test_modules() -> list[str]:
@@ -271,12 +297,14 @@ def module_of(nodeid: str) -> str:
 
 
 def suite_outcomes(path: str) -> tuple[dict[str, int], dict[str, dict]]:
-    """A `suite_log` file -> (tests collected per module, and per module whose every collected test
-    has finished: {"passed", "failed", "skipped", "seconds", "failures": [...], "skips": [...]}).
+    """A `suite_log` file -> (tests collected per module, and per module with a test that started:
+    {"passed", "failed", "skipped", "finished", "seconds", "failures": [...], "skips": [...],
+    "slowest": [[test, seconds], ...] (its three longest), "running": [tests started, unfinished]}).
 
     A test is finished once its teardown is logged; it failed if any of its phases failed, was
-    skipped if one was skipped (and none failed), and passed otherwise. Modules with a test still
-    running (the run was ended) are left out: their next run repeats them whole."""
+    skipped if one was skipped (and none failed), and passed otherwise. A module is complete when
+    "finished" equals its collected count; a run ended from outside leaves the others partial, and
+    the tests it ended in the middle "running"."""
     collected, phases = {}, {}
     with open(path) as f:
         for line in f:
@@ -289,13 +317,18 @@ def suite_outcomes(path: str) -> tuple[dict[str, int], dict[str, dict]]:
                 phases.setdefault(entry["nodeid"], []).append(entry)
     modules = {}
     for module, nodeids in collected.items():
-        if not all(any(p["when"] == "teardown" for p in phases.get(n, [])) for n in nodeids):
+        finished = [n for n in nodeids if any(p["when"] == "teardown" for p in phases.get(n, []))]
+        running = [n.split("::", 1)[-1] for n in nodeids if n in phases and n not in finished]
+        if not finished and not running:
             continue
-        entry = {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [], "skips": []}
-        for nodeid in nodeids:
+        entry = {"passed": 0, "failed": 0, "skipped": 0, "finished": len(finished), "seconds": 0.0, "failures": [],
+                 "skips": []}
+        durations = []
+        for nodeid in finished:
             test = phases[nodeid]
-            entry["seconds"] += sum(p["seconds"] for p in test)
             name = nodeid.split("::", 1)[-1]
+            durations.append([name, round(sum(p["seconds"] for p in test), 1)])
+            entry["seconds"] += durations[-1][1]
             failed = [p for p in test if p["outcome"] == "failed"]
             skipped = [p for p in test if p["outcome"] == "skipped"]
             if failed:
@@ -306,20 +339,28 @@ def suite_outcomes(path: str) -> tuple[dict[str, int], dict[str, dict]]:
                 entry["skips"].append(f"{name}: {skipped[0]['message'][:200]}")
             else:
                 entry["passed"] += 1
+        entry["slowest"] = sorted(durations, key=lambda d: -d[1])[:3]
+        entry["running"] = running
         modules[module] = entry
     return {module: len(nodeids) for module, nodeids in collected.items()}, modules
 
 
 def part_suite(report: Report, clock: Clock, args) -> None:
+    """pytest on the GPU. By default one run takes every module not yet recorded, lightest first:
+    the run is usually ended by the clock, and light modules first leave the most modules complete
+    (xdist keeps every worker busy either way). A module the clock cut is recorded as incomplete
+    (its finished tests, failures and slowest tests: the evidence of where GPU time goes) and runs
+    again next time; --suite-chunk N runs N modules per pytest run instead."""
     if args.smoke:
         chunks = [["test_config.py"]]
         extra = ["--collect-only"]
     else:
-        pending = [m for m in test_modules() if not report.has(f"suite/{m}")]
+        pending = [m for m in reversed(test_modules()) if not report.has(f"suite/{m}")]
         # Modules of a chunk that hung run one per chunk (under --retry-failed), to find the one.
         alone = [m for m in pending if report.units.get(f"suite/{m}", {}).get("hung")]
         rest = [m for m in pending if m not in alone]
-        chunks = [[m] for m in alone] + [rest[i:i + args.suite_chunk] for i in range(0, len(rest), args.suite_chunk)]
+        size = args.suite_chunk or max(len(rest), 1)
+        chunks = [[m] for m in alone] + [rest[i:i + size] for i in range(0, len(rest), size)]
         extra = ["-n", str(args.workers)]
     for chunk in chunks:
         if all(report.has(f"suite/{m}") for m in chunk) or clock.expired(30):
@@ -328,29 +369,47 @@ def part_suite(report: Report, clock: Clock, args) -> None:
             log = os.path.join(scratch, "suite.jsonl")
             env = {**child_env(args.smoke), "JAXSPEC_SUITE_LOG": log}
             result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_log", *extra,
-                          *[os.path.join("tests", m) for m in chunk]], clock, env, args.unit_timeout)
+                          *[os.path.join("tests", m) for m in chunk]], clock, env, args.unit_timeout, progress=log)
             collected, outcomes = suite_outcomes(log) if os.path.exists(log) else ({}, {})
-        note(f"suite: {', '.join(chunk)}: exit {result['returncode']} in {result['seconds']:.0f} s"
-             + (" (hung: ended at --unit-timeout)" if result["hung"] else ""))
-        unfinished = [m for m in chunk if m not in outcomes]
-        if result["timed_out"]:
-            # The modules that finished are kept; the others run again next time.
-            if unfinished:
-                report.cut(f"suite: {', '.join(unfinished)} unfinished after {result['seconds']:.0f} s")
-            chunk = [m for m in chunk if m in outcomes]
-        for module in chunk:
-            found = outcomes.get(module, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "failures": [],
-                                          "skips": []})
-            if result["hung"] and module in unfinished:
+        note(f"suite: {len(chunk)} modules: exit {result['returncode']} in {result['seconds']:.0f} s"
+             + (" (hung: no test finished for --unit-timeout)" if result["hung"] else ""))
+        complete = [m for m in chunk if args.smoke and m in collected  # --collect-only runs no test
+                    or m in outcomes and outcomes[m]["finished"] == collected.get(m)]
+        suspects = []
+        if result["hung"]:
+            # The tests that were running are the suspects: their modules fail (run again only
+            # under --retry-failed, one module a run); the rest runs again next time. Nothing
+            # logged at all (a hang before or during collection): the whole chunk is the suspect.
+            suspects = ([m for m in chunk if outcomes.get(m, {}).get("running")]
+                        or [m for m in chunk if m not in complete])
+        unfinished = [m for m in chunk if m not in complete and m not in suspects]
+        if unfinished and (result["timed_out"] or result["hung"]):
+            # The complete modules are kept; the others run again next time, their progress noted.
+            report.cut(f"suite: {len(unfinished)} modules unfinished after {result['seconds']:.0f} s")
+            for module in unfinished:
+                if outcomes.get(module, {}).get("finished"):
+                    found = outcomes[module]
+                    report.record(f"suite/{module}", {**found, "collected": collected.get(module), "incomplete": True,
+                                                      "chunk_seconds": result["seconds"]}, ok=not found["failed"])
+        for module in complete + suspects:
+            found = outcomes.get(module, empty_outcome())
+            if module in suspects:
                 found = {**found, "failed": found["failed"] + 1, "hung": True, "failures": found["failures"] + [
-                    f"its chunk ({len(chunk)} modules) ran past --unit-timeout {args.unit_timeout:.0f} s and was ended"]}
+                    f"{', '.join(found['running']) or 'its run'}: no test finished for --unit-timeout "
+                    f"{args.unit_timeout:.0f} s; ended"]}
             if args.smoke:  # --collect-only runs no test: count what it collected
                 found["collected_only"] = collected.get(module, 0)
             if result["returncode"] not in (0, 5, None) and not found["failed"]:  # a crash (no test failed)
                 found["failed"] += 1
                 found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
-            report.record(f"suite/{module}", {**found, "chunk": chunk, "chunk_seconds": result["seconds"]},
-                          ok=not found["failed"])
+            report.record(f"suite/{module}", {**found, "collected": collected.get(module),
+                                              "chunk_seconds": result["seconds"]}, ok=not found["failed"])
+
+
+def empty_outcome() -> dict:
+    """`suite_outcomes`' entry of a module none of whose tests started."""
+    return {"passed": 0, "failed": 0, "skipped": 0, "finished": 0, "seconds": 0.0, "failures": [], "skips": [],
+            "slowest": [], "running": []}
 
 
 def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
@@ -539,7 +598,8 @@ def markdown(report: Report) -> str:
     cut = report.data["runs"][-1].get("cut") if report.data["runs"] else None
     if cut:
         lines += [f"The last run's clock ended these unfinished (the next run goes on with them): {'; '.join(cut)}.", ""]
-    suite = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/")}
+    suite = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/") and not v.get("incomplete")}
+    partial = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/") and v.get("incomplete")}
     lines += ["## Test suite", ""]
     if suite:
         totals = [sum(v[key] for v in suite.values()) for key in ("passed", "failed", "skipped")]
@@ -550,7 +610,14 @@ def markdown(report: Report) -> str:
         problems = [f"- {m}: {f}" for m, v in suite.items() for f in v["failures"]]
         skips = [f"- {m}: {s}" for m, v in suite.items() for s in v["skips"]]
         lines += ([""] + ["Failures:"] + problems if problems else []) + ([""] + ["Skips:"] + skips if skips else [])
-    pending = [m for m in test_modules() if m not in suite]
+    if partial:
+        lines += ["", "Cut short (run again next time; what had finished):", ""]
+        lines += [f"- {m}: {v['finished']} of {v.get('collected') or '?'} tests in {v['seconds']:.0f} s "
+                  f"({v['passed']} passed, {v['failed']} failed, {v['skipped']} skipped); slowest: "
+                  + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in v.get("slowest", []))
+                  for m, v in partial.items()]
+        lines += [f"  - failed: {f}" for v in partial.values() for f in v["failures"]]
+    pending = [m for m in test_modules() if m not in suite and m not in partial]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
     for part in ("kernels", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls"):
@@ -684,22 +751,26 @@ def main(argv=None) -> int:
                              "(default 300)")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers of the suite part")
     parser.add_argument("--suite-chunk", type=int, default=None,
-                        help="test modules per pytest run, recorded as it ends (default: --workers, so a chunk "
-                             "takes as long as its heaviest module)")
-    parser.add_argument("--redo", action="store_true", help="measure again what the report holds for this device")
+                        help="test modules per pytest run (default: every module left, in one run)")
+    parser.add_argument("--redo", nargs="?", const=",".join(PARTS), default=None, metavar="PARTS",
+                        help="measure again what the report holds for this device: of the parts named "
+                             "(comma-separated), or of every part when none is named")
     parser.add_argument("--retry-failed", action="store_true",
                         help="run again the units that failed (a benchmark's error, a test module's failures)")
     args = parser.parse_args(argv)
-    args.suite_chunk = args.suite_chunk or args.workers
-    if args.workers < 1 or args.suite_chunk < 1:
+    if args.workers < 1 or (args.suite_chunk is not None and args.suite_chunk < 1):
         parser.error("--workers and --suite-chunk must be >= 1")
+    try:
+        redo = [] if args.redo is None else [name for name, _ in parse_parts(args.redo)]
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error).replace("--parts", "--redo"))
     if args.unit_timeout <= 0:
         parser.error(f"--unit-timeout must be > 0, got {args.unit_timeout}")
     os.makedirs(args.out, exist_ok=True)
     device = device_name() + (" (smoke)" if args.smoke else "")
     report = Report(args.out, device, args.retry_failed)
-    if args.redo:
-        report.units.clear()
+    for unit in [u for u in report.units if unit_part(u) in redo]:
+        del report.units[unit]
     deadline = Clock(args.deadline)
     started = time.monotonic()
     parts = [part if limit is None else f"{part}:{limit:g}" for part, limit in args.parts]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -205,31 +206,60 @@ def test_suite_log_records_each_test_as_it_finishes(tmp_path):
     assert b["failed"] == 1 and b["failures"][0].startswith("test_four (setup): ") and "no device" in b["failures"][0]
 
 
-def test_a_suite_chunk_the_clock_ends_keeps_the_modules_that_finished(tmp_path, monkeypatch):
-    """A chunk ended by the clock records the modules whose every test finished (from the log its
-    pytest wrote as it went) and leaves the others, which the next run repeats."""
-    modules = ["test_a.py", "test_b.py"]
+def suite_log_lines(finished: dict[str, str], running: list[str], collected: list[str]) -> list[dict]:
+    """A `suite_log` file's lines: `collected`, then each finished test's phases (its call's
+    outcome as given), then the setup and call of the tests still running."""
+    lines = [{"collected": collected}]
+    for nodeid, outcome in finished.items():
+        lines += [{"nodeid": nodeid, "when": "setup", "outcome": "passed", "seconds": 0.5, "message": ""},
+                  {"nodeid": nodeid, "when": "call", "outcome": outcome, "seconds": 1.0,
+                   "message": "AssertionError: off" if outcome == "failed" else ""},
+                  {"nodeid": nodeid, "when": "teardown", "outcome": "passed", "seconds": 0.0, "message": ""}]
+    for nodeid in running:
+        lines += [{"nodeid": nodeid, "when": "setup", "outcome": "passed", "seconds": 0.5, "message": ""}]
+    return lines
+
+
+def fake_suite_run(lines: list[dict], result: dict, calls: list | None = None):
+    """A `gpu_report.run` stand-in that writes `lines` to the suite's log and returns `result`."""
+    def fake_run(argv, clock, env=None, limit=None, progress=None):
+        if calls is not None:
+            calls.append([a for a in argv if a.startswith("tests")])
+        if lines:
+            with open(env["JAXSPEC_SUITE_LOG"], "w") as f:
+                f.write("".join(json.dumps(line) + "\n" for line in lines))
+        return {"returncode": None, "output": "", **result}
+    return fake_run
+
+
+def test_a_suite_run_the_clock_ends_keeps_the_modules_that_finished_and_notes_the_others(tmp_path, monkeypatch):
+    """A run ended by the clock records the modules whose every test finished (from the log its
+    pytest wrote as it went) and runs the others again next time; one cut in the middle is noted
+    with what had finished (its failures and slowest tests) and shown in report.md."""
+    modules = ["test_a.py", "test_b.py", "test_c.py"]
     monkeypatch.setattr(gpu_report, "test_modules", lambda: modules)
-
-    def fake_run(argv, clock, env=None, limit=None):
-        lines = [{"collected": ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t3"]}]
-        for nodeid in ("tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t3"):
-            lines += [{"nodeid": nodeid, "when": "setup", "outcome": "passed", "seconds": 0.5, "message": ""},
-                      {"nodeid": nodeid, "when": "call", "outcome": "passed", "seconds": 1.0, "message": ""}]
-            if nodeid != "tests/test_b.py::t3":  # t3 was running when the clock ended the chunk
-                lines.append({"nodeid": nodeid, "when": "teardown", "outcome": "passed", "seconds": 0.0,
-                              "message": ""})
-        with open(env["JAXSPEC_SUITE_LOG"], "w") as f:
-            f.write("".join(json.dumps(line) + "\n" for line in lines))
-        return {"returncode": None, "seconds": 200.0, "output": "", "timed_out": True, "hung": False}
-
-    monkeypatch.setattr(gpu_report, "run", fake_run)
+    calls = []
+    lines = suite_log_lines({"tests/test_a.py::t1": "passed", "tests/test_a.py::t2": "passed",
+                             "tests/test_b.py::t4": "failed"}, ["tests/test_b.py::t3"],
+                            ["tests/test_a.py::t1", "tests/test_a.py::t2", "tests/test_b.py::t3",
+                             "tests/test_b.py::t4", "tests/test_c.py::t5"])
+    monkeypatch.setattr(gpu_report, "run", fake_suite_run(lines, {"seconds": 200.0, "timed_out": True, "hung": False},
+                                                          calls))
     report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
     report.data["runs"].append({"started": "now"})
-    gpu_report.part_suite(report, gpu_report.Clock(600.0), benchmark_args())
-    assert report.has("suite/test_a.py") and not report.has("suite/test_b.py")
+    gpu_report.part_suite(report, gpu_report.Clock(600.0), benchmark_args(suite_chunk=None))
+    assert calls == [["tests/test_c.py", "tests/test_b.py", "tests/test_a.py"]]  # one run, lightest first
+    assert report.has("suite/test_a.py") and not report.has("suite/test_b.py") and not report.has("suite/test_c.py")
     assert report.units["suite/test_a.py"]["passed"] == 2 and report.units["suite/test_a.py"]["seconds"] == 3.0
-    assert report.data["runs"][-1]["cut"] == ["suite: test_b.py unfinished after 200 s"]
+    partial = report.units["suite/test_b.py"]
+    assert partial["incomplete"] and (partial["finished"], partial["collected"], partial["failed"]) == (1, 2, 1)
+    assert partial["running"] == ["t3"] and partial["slowest"] == [["t4", 1.5]]
+    assert "suite/test_c.py" not in report.units
+    assert report.data["runs"][-1]["cut"] == ["suite: 2 modules unfinished after 200 s"]
+    text = gpu_report.markdown(report)
+    assert "- test_b.py: 1 of 2 tests in 2 s (0 passed, 1 failed, 0 skipped); slowest: t4 2 s" in text
+    assert "  - failed: t4 (call): AssertionError: off" in text
+    assert re.search(r"Not run yet: [^\n]*test_c\.py", text) and "Not run yet: test_b" not in text
 
 
 def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
@@ -319,6 +349,22 @@ def test_a_run_ended_by_the_clock_is_unfinished_and_one_ended_by_its_limit_hung(
     assert (done["timed_out"], done["hung"], done["returncode"]) == (False, False, 0)
 
 
+def test_a_run_with_a_progress_file_is_hung_only_when_the_file_stops_changing(tmp_path):
+    """With `progress` the limit is on silence: a command that keeps appending to the file runs
+    past the limit to its end; one that stops appending is ended as hung."""
+    log = tmp_path / "progress"
+    writer = ("import sys, time\nfor i in range({n}):\n    open(sys.argv[1], 'a').write('x')\n    time.sleep(0.2)\n"
+              "time.sleep({rest})")
+    busy = gpu_report.run([sys.executable, "-c", writer.format(n=15, rest=0), str(log)], gpu_report.Clock(60.0),
+                          limit=1.0, progress=str(log))
+    assert (busy["timed_out"], busy["hung"], busy["returncode"]) == (False, False, 0) and busy["seconds"] > 2.5
+    log.unlink()
+    stalled = gpu_report.run([sys.executable, "-c", writer.format(n=3, rest=60), str(log)], gpu_report.Clock(60.0),
+                             limit=1.0, progress=str(log))
+    assert (stalled["timed_out"], stalled["hung"], stalled["returncode"]) == (False, True, None)
+    assert stalled["seconds"] < 10
+
+
 def benchmark_args(**kwargs):
     return type("Args", (), {"smoke": False, "unit_timeout": 60.0, "workers": 2, "suite_chunk": 2, **kwargs})()
 
@@ -356,23 +402,55 @@ def test_a_suite_chunk_that_hangs_fails_its_modules_and_a_retry_runs_them_one_by
     modules = ["test_a.py", "test_b.py", "test_c.py"]
     monkeypatch.setattr(gpu_report, "test_modules", lambda: modules)
     calls = []
-
-    def fake_run(argv, clock, env=None, limit=None):
-        calls.append([a for a in argv if a.startswith("tests")])
-        return {"returncode": None, "seconds": limit, "output": "", "timed_out": False, "hung": True}
-
-    monkeypatch.setattr(gpu_report, "run", fake_run)
+    # Nothing logged (a hang in collection): every module of the chunk is a suspect.
+    monkeypatch.setattr(gpu_report, "run", fake_suite_run([], {"seconds": 60.0, "timed_out": False, "hung": True},
+                                                          calls))
     report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
     report.data["runs"].append({"started": "now"})
     gpu_report.part_suite(report, gpu_report.Clock(600.0), benchmark_args())
-    assert calls == [["tests/test_a.py", "tests/test_b.py"], ["tests/test_c.py"]]
+    assert calls == [["tests/test_c.py", "tests/test_b.py"], ["tests/test_a.py"]]
     assert all(report.units[f"suite/{m}"]["hung"] and report.units[f"suite/{m}"]["failed"] for m in modules)
     assert all(report.has(f"suite/{m}") for m in modules)  # not run again unless asked
     calls.clear()
     retry = gpu_report.Report(str(tmp_path), report.device, retry_failed=True)
     retry.data["runs"].append({})
     gpu_report.part_suite(retry, gpu_report.Clock(600.0), benchmark_args())
-    assert calls == [["tests/test_a.py"], ["tests/test_b.py"], ["tests/test_c.py"]]
+    assert calls == [["tests/test_c.py"], ["tests/test_b.py"], ["tests/test_a.py"]]
+
+
+def test_a_suite_run_that_hangs_fails_the_modules_of_the_tests_it_was_running(tmp_path, monkeypatch):
+    """No test finished for --unit-timeout: the modules of the tests that had started and not
+    finished are failed as hung; a module that finished is kept, one not reached runs next time."""
+    modules = ["test_a.py", "test_b.py", "test_c.py"]
+    monkeypatch.setattr(gpu_report, "test_modules", lambda: modules)
+    lines = suite_log_lines({"tests/test_c.py::t5": "passed"}, ["tests/test_b.py::t3"],
+                            ["tests/test_a.py::t1", "tests/test_b.py::t3", "tests/test_c.py::t5"])
+    monkeypatch.setattr(gpu_report, "run", fake_suite_run(lines, {"seconds": 90.0, "timed_out": False, "hung": True}))
+    report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
+    report.data["runs"].append({"started": "now"})
+    gpu_report.part_suite(report, gpu_report.Clock(600.0), benchmark_args(suite_chunk=None))
+    hung = report.units["suite/test_b.py"]
+    assert hung["hung"] and not hung["ok"] and "t3: no test finished for --unit-timeout 60 s" in hung["failures"][0]
+    assert report.units["suite/test_c.py"]["passed"] == 1 and report.units["suite/test_c.py"]["ok"]
+    assert not report.has("suite/test_a.py") and "suite/test_a.py" not in report.units
+
+
+def test_redo_measures_the_named_parts_again(tmp_path):
+    """`--redo moe,tiles` drops those parts' units from the report before the run (`unit_part`
+    maps each unit to its part); the other parts' units stay."""
+    device = gpu_report.device_name()
+    report = gpu_report.Report(str(tmp_path), device)
+    for unit in ("moe", "kernels_block_n32", "kernels/mla_attention", "gather/sparse_mla"):
+        report.record(unit, {"returncode": 0}, ok=True)
+    report.record("suite/test_a.py", gpu_report.empty_outcome(), ok=True)
+    assert [gpu_report.unit_part(u) for u in [*report.units, "e2e/B=1,k=0", "mainjob/mtp3"]] == [
+        "moe", "tiles", "kernels", "gather", "suite", "e2e", "mainjob"]
+    assert gpu_report.main(["--out", str(tmp_path), "--redo", "moe,tiles", "--parts", "suite", "--deadline", "0"]) == 0
+    with open(tmp_path / "report.json") as f:
+        units = json.load(f)["devices"][device]
+    assert set(units) == {"kernels/mla_attention", "gather/sparse_mla", "suite/test_a.py"}
+    with pytest.raises(SystemExit):
+        gpu_report.main(["--out", str(tmp_path), "--redo", "moe,gpu"])
 
 
 def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(tmp_path, monkeypatch):
