@@ -12,10 +12,11 @@ with a static number of work items, `M // BLOCK_M + min(G, M)`, enough for any g
 group with rows adds at most one partial tile); items past the real count return at once. A
 program multiplies a window of BLOCK_M consecutive rows holding its tile's rows by the [K, BLOCK_N]
 column block of its group's matrix, looping over K in BLOCK_K steps, and stores only its own rows
-(a masked store: the window's other rows belong to neighbouring groups). So every group with rows has its matrix read once per row tile, and an
-empty group costs nothing. At decode and verification sizes (a few hundred token-expert rows over
-up to 256 experts) a group has one tile, so each hit expert's weights are read once; in prefill a
-group's tiles are adjacent work items, so its weight blocks are re-read from L2 rather than HBM.
+(a masked store: the window's other rows belong to neighbouring groups). So every group with rows
+has its matrix read once per row tile, and an empty group costs nothing. At decode and
+verification sizes (a few hundred token-expert rows over up to 256 experts) a group has one
+tile, so each hit expert's weights are read once; in prefill a group's tiles are adjacent work
+items, so its weight blocks are re-read from L2 rather than HBM.
 
 Why BLOCK_M = 16: decode is memory-bound, and 16 is the smallest tile Triton's dot takes, so the
 tensor-core work spent on a group's unused tile rows stays small (a 1-row group computes 16 rows).
@@ -39,8 +40,8 @@ Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from
     single-row groups); that padding is hidden under the weight reads in the memory-bound regime
     and is not counted.
   * bytes = lhs once + the matrices of min(G, M) groups once (the most groups that can have rows;
-    FP8: 1 byte per weight plus their scales) + the output once + the work table: HBM traffic, with re-reads of lhs rows and of a group's
-    weight blocks served by L2.
+    FP8: 1 byte per weight plus their scales) + the output once + the work table: HBM traffic,
+    with re-reads of lhs rows and of a group's weight blocks served by L2.
 """
 
 from __future__ import annotations
