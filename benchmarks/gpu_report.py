@@ -25,8 +25,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              copy a row, with and without Pallas' automatic barriers) beside a tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, and Mosaic without automatic
              barriers (kernels.py --no-auto-barriers);
-  tiles      benchmarks/kernels.py's Triton MLA kernels again with 32-slot tiles (--block-n 32), to
-             set against the kernels part's 16 (the default), and the Mosaic mla_attention with
+  tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
+             (--num-stages 3) and with 32-slot tiles (--block-n 32), to set against the kernels
+             part's two and 16 (the defaults), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one),
@@ -97,9 +98,16 @@ BENCHMARK_UNITS = {
                + [("kernels/mla_attention_32k", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "32768",
                                                  "--queries", "1", "4", "--ops", "mla_attention", "--json", "{json}"],
                    None)],
-    # The Triton MLA kernels with 32-slot tiles (their default is 16: 32 spills registers in dense
-    # MLA with jax 0.11's Triton), to time against the kernels part's rows.
-    "tiles": [("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+    # The Triton MLA kernels with three cache tiles in flight (default two): the sparse kernel's
+    # loop waits for every copy at each 16-slot tile (PTX: cp.async.wait_group 0), so its tiles
+    # in flight bound its bandwidth; then with 32-slot tiles (their default is 16: 32 spills
+    # registers in dense MLA with jax 0.11's Triton); both against the kernels part's rows.
+    "tiles": [("kernels_stages3", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+                                   "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--num-stages", "3",
+                                   "--no-xla", "--no-mosaic", "--json", "{json}"],
+               ["benchmarks/kernels.py", "--smoke", "--ops", "sparse_mla", "--num-stages", "3", "--no-xla",
+                "--no-mosaic", "--json", "{json}"]),
+              ("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
                                      "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--block-n", "32",
                                      "--no-xla", "--no-mosaic", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
@@ -620,7 +628,7 @@ def markdown(report: Report) -> str:
     pending = [m for m in test_modules() if m not in suite and m not in partial]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
-    for part in ("kernels", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls"):
+    for part in ("kernels", "kernels_stages3", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls"):
         records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else

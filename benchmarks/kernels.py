@@ -79,7 +79,7 @@ DEEPSEEK_V32 = Dims(heads=128, latent=512, rope=64, index_heads=64, index_dim=12
 # Dr and the indexer's width multiples of 64 (64-wide swizzled rows), pages of 64.
 SMOKE = Dims(heads=4, latent=128, rope=64, index_heads=4, index_dim=64, topk=32, page_size=64)
 V32_OPS = ("mla_attention", "sparse_mla", "indexer_scores")
-TUNED_OPS = ("mla_attention", "sparse_mla")  # what --block-m / --block-n / --num-splits tune (Triton)
+TUNED_OPS = ("mla_attention", "sparse_mla")  # what --block-m / --block-n / --num-splits / --num-stages tune (Triton)
 V4_OPS = {"v4_csa": CSA, "v4_hca": HCA}  # op name -> the V4 layer kind it times
 V4_PRESETS = ("deepseek-v4-flash", "deepseek-v4-pro")
 # device kind -> (HBM bytes/s, dense bf16 tensor-core FLOP/s) from the vendor's datasheet: the
@@ -370,6 +370,8 @@ def main(argv=None) -> int:
                         help="cache slots per tile of the Triton MLA kernels (default: kernel's, 16)")
     parser.add_argument("--num-splits", type=int, default=None,
                         help="split-KV parts of the MLA kernels (default: kernel's heuristic)")
+    parser.add_argument("--num-stages", type=int, default=None,
+                        help="cache tiles in flight in the Triton MLA kernels' loop (default: kernel's, 2)")
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels")
     parser.add_argument("--part-slots", type=int, nargs="+", default=[], metavar="N",
@@ -391,8 +393,8 @@ def main(argv=None) -> int:
     v4 = preset("tiny-v4" if args.smoke else args.v4_preset)
     if args.smoke:
         args.batch, args.context, args.queries, args.iters, args.warmup = [2], [128], [2], 1, 1
-    tuning = {k: v for k, v in (("block_m", args.block_m), ("block_n", args.block_n), ("num_splits", args.num_splits))
-              if v is not None}
+    tuning = {k: v for k, v in (("block_m", args.block_m), ("block_n", args.block_n), ("num_splits", args.num_splits),
+                                ("num_stages", args.num_stages)) if v is not None}
     memory = device_memory()
 
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)

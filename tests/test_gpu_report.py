@@ -42,20 +42,23 @@ def test_smoke_run_records_every_part(smoke_report):
     out, data = smoke_report
     (device, units), = data["devices"].items()
     assert device.endswith("(smoke)")
-    expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather",
-                "moe", "matmuls", "exactness", "mainjob/mtp3", "e2e/B=2,k=0", "e2e/B=2,k=1"}
+    expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_stages3", "kernels_block_n32",
+                "kernels_part_slots", "gather", "moe", "matmuls", "exactness", "mainjob/mtp3", "e2e/B=2,k=0",
+                "e2e/B=2,k=1"}
     assert set(units) == expected
     assert units["suite/test_config.py"]["collected_only"] > 0 and not units["suite/test_config.py"]["failed"]
-    for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls",
-                 "exactness", "mainjob/mtp3"):
+    for name in ("kernels/mla_attention", "kernels_stages3", "kernels_block_n32", "kernels_part_slots", "gather", "moe",
+                 "matmuls", "exactness", "mainjob/mtp3"):
         assert units[name]["returncode"] == 0 and units[name]["ok"], units[name]["output"]
-    for name in ("kernels/mla_attention", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls"):
+    for name in ("kernels/mla_attention", "kernels_stages3", "kernels_block_n32", "kernels_part_slots", "gather", "moe",
+                 "matmuls"):
         assert units[name]["json"]["rows"] and all(row["seconds"] > 0 for row in units[name]["json"]["rows"])
     # every gather variant staged the rows it was asked for (interpreted: the code path, not the barriers)
     assert {row["impl"] for row in units["gather"]["json"]["rows"]} == set(gather_copies.VARIANTS)
     assert all(row["correct"] for row in units["gather"]["json"]["rows"])
-    # the 32-slot tiles' rows say so, and are the Triton kernel's only (no Mosaic, no XLA)
+    # the tuned rows say their tuning, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
+    assert {row["impl"] for row in units["kernels_stages3"]["json"]["rows"]} == {"pallas num_stages=3"}
     assert {row["impl"] for row in units["kernels/mla_attention"]["json"]["rows"]} >= {"pallas", "mosaic"}
     # the Mosaic kernel's split-KV parts: its default and 64-slot parts side by side, neither calibrating
     assert {row["impl"] for row in units["kernels_part_slots"]["json"]["rows"]} == {
@@ -66,7 +69,7 @@ def test_smoke_run_records_every_part(smoke_report):
     assert all(row["identical"] == row["rows"] for row in units["exactness"]["json"]["rows"])
     assert units["mainjob/mtp3"]["tokens_per_s"] > 0 and units["mainjob/mtp3"]["mean_accepted"] >= 1
     text = (out / "report.md").read_text()
-    for heading in ("## Test suite", "## kernels", "## kernels_block_n32", "## kernels_part_slots", "## gather",
+    for heading in ("## Test suite", "## kernels", "## kernels_stages3", "## kernels_block_n32", "## kernels_part_slots", "## gather",
                     "## moe", "## matmuls", "## Exactness", "## Main job",
                     "## End-to-end decode step", "## Calibration", "## The ratio"):
         assert heading in text
