@@ -375,7 +375,8 @@ def part_suite(report: Report, clock: Clock, args) -> None:
             continue
         with tempfile.TemporaryDirectory() as scratch:
             log = os.path.join(scratch, "suite.jsonl")
-            env = {**child_env(args.smoke), "JAXSPEC_SUITE_LOG": log}
+            # Lightest first: the order of the modules here, and of the tests in the run (conftest.py).
+            env = {**child_env(args.smoke), "JAXSPEC_SUITE_LOG": log, "JAXSPEC_TEST_ORDER": "lightest-first"}
             result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_log", *extra,
                           *[os.path.join("tests", m) for m in chunk]], clock, env, args.unit_timeout, progress=log)
             collected, outcomes = suite_outcomes(log) if os.path.exists(log) else ({}, {})

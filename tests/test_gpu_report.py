@@ -226,6 +226,7 @@ def suite_log_lines(finished: dict[str, str], running: list[str], collected: lis
 def fake_suite_run(lines: list[dict], result: dict, calls: list | None = None):
     """A `gpu_report.run` stand-in that writes `lines` to the suite's log and returns `result`."""
     def fake_run(argv, clock, env=None, limit=None, progress=None):
+        assert env["JAXSPEC_TEST_ORDER"] == "lightest-first" and progress == env["JAXSPEC_SUITE_LOG"]
         if calls is not None:
             calls.append([a for a in argv if a.startswith("tests")])
         if lines:
@@ -233,6 +234,20 @@ def fake_suite_run(lines: list[dict], result: dict, calls: list | None = None):
                 f.write("".join(json.dumps(line) + "\n" for line in lines))
         return {"returncode": None, "output": "", **result}
     return fake_run
+
+
+@pytest.mark.parametrize("order", ["heaviest-first", "lightest-first"])
+def test_the_suite_runs_its_modules_in_the_order_asked(order):
+    """conftest.py orders the tests heaviest module first (CI's balance across workers), or
+    lightest first under JAXSPEC_TEST_ORDER=lightest-first (the GPU report's suite part)."""
+    modules = ["tests/test_config.py", "tests/test_loop.py", "tests/test_v4_mosaic.py"]  # unlisted, 1st, last
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *modules],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_TEST_ORDER": order})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    seen = list(dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line))
+    heaviest = ["tests/test_loop.py", "tests/test_v4_mosaic.py", "tests/test_config.py"]
+    assert seen == (heaviest if order == "heaviest-first" else heaviest[::-1])
 
 
 def test_a_suite_run_the_clock_ends_keeps_the_modules_that_finished_and_notes_the_others(tmp_path, monkeypatch):
