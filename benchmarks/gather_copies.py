@@ -16,6 +16,11 @@ time that path alone, beside the alternatives, one program per SM, each walking 
   rows, no auto barriers
                  the same copies with `unsafe_no_auto_barriers` (one `commit_smem` a tile instead
                  of a barrier a copy; the arrivals stay): the candidate fix, if barriers are the cost;
+  rows, 2 warpgroups
+                 the kernels' path with the tile's copies split between two warpgroups (32 each,
+                 on the same mbarrier): whether the per-copy cost is the issuing warpgroup's (the
+                 H200 measured 113 ns a copy with or without the barriers: its threads' arrivals
+                 and single-lane issue), which more issuers divide, or the SM's;
   tile           64 consecutive rows a tile in 3 box copies of 192 columns into swizzled tiles (how
                  dense MLA reads a page): the same bytes without the scatter.
 
@@ -43,18 +48,23 @@ from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled
 
-# variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers)
-VARIANTS = {"rows": (True, False), "rows, no auto barriers": (True, True), "tile": (False, False)}
+# variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers, warpgroups issuing)
+VARIANTS = {"rows": (True, False, 1), "rows, no auto barriers": (True, True, 1), "rows, 2 warpgroups": (True, False, 2),
+            "tile": (False, False, 1)}
 KEYS = 64  # rows a tile, as in the kernels
 PIECE = 192  # columns a "tile" copy moves (a TMA box is at most 256 wide; 576 = 3 x 192)
 FULL = dict(programs=132, tiles=32, cache_rows=1 << 19, width=576)
 SMOKE = dict(programs=1, tiles=2, cache_rows=256, width=192)
 
 
-def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool):
+def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool, warpgroups: int):
     """One program: rows_ref [programs, tiles * KEYS] float32 (cache rows, exact integers),
-    cache_ref [N, W] -> out_ref [programs, KEYS, W] (its last tile as staged)."""
+    cache_ref [N, W] -> out_ref [programs, KEYS, W] (its last tile as staged). With two
+    warpgroups each issues its half of a tile's row copies; warpgroup 0 fetches the rows and
+    writes the result."""
     program = jax.lax.axis_index("program")
+    wg = jax.lax.axis_index("wg") if warpgroups > 1 else 0
+    share = KEYS // warpgroups  # copies a warpgroup issues a tile
     tiles = rows_ref.shape[1] // KEYS
     width = cache_ref.shape[1]
 
@@ -62,7 +72,10 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
         return rows_ref.at[program, pl.ds(tile * KEYS, KEYS)]
 
     def body(rows_smem, tile_smem, first, gathered):
-        fetch_rows(rows_at, 0, tiles, rows_smem, first)
+        @pl.when(wg == 0)
+        def _():
+            fetch_rows(rows_at, 0, tiles, rows_smem, first)
+
         plgpu.barrier_wait(first)
 
         def step(tile, carry):
@@ -70,21 +83,25 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
                 plgpu.commit_smem()
             rows = rows_buffer(rows_smem, tile)
             if per_row:
-                issue_keys(rows, lambda row: [cache_ref.at[row]], [tile_smem], 1, gathered)
+                mine = pl.ds(wg * share, share)
+                issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered)
             else:  # the tile's rows are consecutive from its first: one box a piece of columns
                 start = rows[0].astype(jnp.int32)
                 for i in range(width // PIECE):
                     plgpu.copy_gmem_to_smem(cache_ref.at[pl.ds(start, KEYS), pl.ds(i * PIECE, PIECE)],
                                             tile_smem.at[i], gathered)
-            fetch_rows(rows_at, tile + 1, tiles, rows_smem, gathered)
+            pl.when(wg == 0)(lambda: fetch_rows(rows_at, tile + 1, tiles, rows_smem, gathered))
             plgpu.barrier_wait(gathered)
             return carry
 
         jax.lax.fori_loop(0, tiles, step, 0)
-        for c in range(0, width, CHUNK):  # the last tile, through registers as `to_operand` reads it
-            view = tile_smem if per_row else tile_smem.at[c // PIECE]
-            chunk = plgpu.layout_cast(view[:, pl.ds(c if per_row else c % PIECE, CHUNK)], plgpu.Layout.WGMMA)
-            store(out_ref.at[program, :, pl.ds(c, CHUNK)], chunk)
+
+        @pl.when(wg == 0)
+        def _():
+            for c in range(0, width, CHUNK):  # the last tile, through registers as `to_operand` reads it
+                view = tile_smem if per_row else tile_smem.at[c // PIECE]
+                chunk = plgpu.layout_cast(view[:, pl.ds(c if per_row else c % PIECE, CHUNK)], plgpu.Layout.WGMMA)
+                store(out_ref.at[program, :, pl.ds(c, CHUNK)], chunk)
 
     # A tile copy lands swizzled, as dense MLA's tiles do (an unswizzled [64, 192] tile has no
     # bank-conflict-free read into registers).
@@ -92,7 +109,8 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
                  else plgpu.SMEM((width // PIECE, KEYS, PIECE), cache_ref.dtype,
                                  transforms=swizzled(cache_ref.dtype, PIECE)))
     pl.run_scoped(body, plgpu.SMEM((2, KEYS), jnp.float32), tile_smem, plgpu.Barrier(num_arrivals=1),
-                  plgpu.Barrier(num_arrivals=(KEYS if per_row else width // PIECE) + 1))
+                  plgpu.Barrier(num_arrivals=(KEYS if per_row else width // PIECE) + 1),
+                  **(dict(collective_axes="wg") if warpgroups > 1 else {}))  # the warpgroups share them
 
 
 def gather(variant: str, rows: jax.Array, cache: jax.Array, *, interpret: bool) -> jax.Array:
@@ -109,12 +127,13 @@ def _gather(rows, cache, *, variant: str, interpret: bool):
     # Jitted once per variant, so that the timed calls run the compiled program; `interpret` only
     # keys the cache, so a program traced for the simulator is never reused on a GPU.
     del interpret
-    per_row, unsafe = VARIANTS[variant]
+    per_row, unsafe, warpgroups = VARIANTS[variant]
+    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
     kernel = plgpu.kernel(
-        functools.partial(_gather_kernel, per_row=per_row, manual_barriers=unsafe),
+        functools.partial(_gather_kernel, per_row=per_row, manual_barriers=unsafe, warpgroups=warpgroups),
         out_type=jax.ShapeDtypeStruct((rows.shape[0], KEYS, cache.shape[1]), cache.dtype),
         grid=(rows.shape[0],), grid_names=("program",),
-        compiler_params=compiler_params(unsafe_no_auto_barriers=unsafe))
+        compiler_params=compiler_params(unsafe_no_auto_barriers=unsafe), **threads)
     return kernel(rows.astype(jnp.float32), cache)
 
 
@@ -151,7 +170,7 @@ def main(argv=None) -> int:
     print(f"{'variant':<24} {'ms':>8} {'us/tile':>8} {'ns/copy':>8} {'GB/s':>7}  check")
     out_rows = []
     for variant in args.variants:
-        per_row, _ = VARIANTS[variant]
+        per_row, _, _ = VARIANTS[variant]
         rows = rows_for(variant, sizes["programs"], sizes["tiles"], sizes["cache_rows"], rng)
         rows_dev, run = jnp.asarray(rows), functools.partial(gather, variant, interpret=interpret)
         want = np.asarray(cache, np.float32)[rows[:, -KEYS:]]

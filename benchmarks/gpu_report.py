@@ -22,7 +22,8 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
-             copy a row, with and without Pallas' automatic barriers) beside a tile copy; then the
+             copy a row, with and without Pallas' automatic barriers, and issued by two
+             warpgroups) beside a tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, and Mosaic without automatic
              barriers (kernels.py --no-auto-barriers);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
