@@ -69,9 +69,9 @@ def test_smoke_run_records_every_part(smoke_report):
     assert all(row["identical"] == row["rows"] for row in units["exactness"]["json"]["rows"])
     assert units["mainjob/mtp3"]["tokens_per_s"] > 0 and units["mainjob/mtp3"]["mean_accepted"] >= 1
     text = (out / "report.md").read_text()
-    for heading in ("## Test suite", "## kernels", "## kernels_stages3", "## kernels_block_n32", "## kernels_part_slots", "## gather",
-                    "## moe", "## matmuls", "## Exactness", "## Main job",
-                    "## End-to-end decode step", "## Calibration", "## The ratio"):
+    for heading in ("## Test suite", "## kernels", "## kernels_stages3", "## kernels_block_n32", "## kernels_part_slots",
+                    "## gather", "## moe", "## matmuls", "## Exactness", "## Main job", "## End-to-end decode step",
+                    "## Calibration", "## The ratio"):
         assert heading in text
 
 
@@ -236,18 +236,31 @@ def fake_suite_run(lines: list[dict], result: dict, calls: list | None = None):
     return fake_run
 
 
-@pytest.mark.parametrize("order", ["heaviest-first", "lightest-first"])
-def test_the_suite_runs_its_modules_in_the_order_asked(order):
+def test_the_suite_runs_its_modules_in_the_order_asked(monkeypatch):
     """conftest.py orders the tests heaviest module first (CI's balance across workers), or
-    lightest first under JAXSPEC_TEST_ORDER=lightest-first (the GPU report's suite part)."""
-    modules = ["tests/test_config.py", "tests/test_loop.py", "tests/test_v4_mosaic.py"]  # unlisted, 1st, last
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *modules],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_TEST_ORDER": order})
+    lightest first under JAXSPEC_TEST_ORDER=lightest-first (the GPU report's suite part): its hook
+    on stand-in items both ways, then a real collection under the variable."""
+    import pathlib
+
+    import conftest
+
+    class Item:
+        def __init__(self, name):
+            self.path, self.keywords = pathlib.Path("tests", name), {}
+
+    heaviest = ["test_loop.py", "test_v4_mosaic.py", "test_config.py"]  # 5th listed, last listed, unlisted
+    for lightest, want in ((False, heaviest), (True, heaviest[::-1])):
+        monkeypatch.setattr(conftest, "LIGHTEST_FIRST", lightest)
+        items = [Item(name) for name in ("test_config.py", "test_v4_mosaic.py", "test_loop.py")]
+        conftest.pytest_collection_modifyitems(None, items)
+        assert [item.path.name for item in items] == want
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_TEST_ORDER": "lightest-first"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *[f"tests/{name}" for name in heaviest]], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     seen = list(dict.fromkeys(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line))
-    heaviest = ["tests/test_loop.py", "tests/test_v4_mosaic.py", "tests/test_config.py"]
-    assert seen == (heaviest if order == "heaviest-first" else heaviest[::-1])
+    assert seen == [f"tests/{name}" for name in heaviest[::-1]]
 
 
 def test_a_suite_run_the_clock_ends_keeps_the_modules_that_finished_and_notes_the_others(tmp_path, monkeypatch):
@@ -371,14 +384,14 @@ def test_a_run_with_a_progress_file_is_hung_only_when_the_file_stops_changing(tm
     """With `progress` the limit is on silence: a command that keeps appending to the file runs
     past the limit to its end; one that stops appending is ended as hung."""
     log = tmp_path / "progress"
-    writer = ("import sys, time\nfor i in range({n}):\n    open(sys.argv[1], 'a').write('x')\n    time.sleep(0.2)\n"
+    writer = ("import sys, time\nfor i in range({n}):\n    open(sys.argv[1], 'a').write('x')\n    time.sleep(0.15)\n"
               "time.sleep({rest})")
-    busy = gpu_report.run([sys.executable, "-c", writer.format(n=15, rest=0), str(log)], gpu_report.Clock(60.0),
-                          limit=1.0, progress=str(log))
-    assert (busy["timed_out"], busy["hung"], busy["returncode"]) == (False, False, 0) and busy["seconds"] > 2.5
+    busy = gpu_report.run([sys.executable, "-c", writer.format(n=12, rest=0), str(log)], gpu_report.Clock(60.0),
+                          limit=0.7, progress=str(log))
+    assert (busy["timed_out"], busy["hung"], busy["returncode"]) == (False, False, 0) and busy["seconds"] > 1.5
     log.unlink()
-    stalled = gpu_report.run([sys.executable, "-c", writer.format(n=3, rest=60), str(log)], gpu_report.Clock(60.0),
-                             limit=1.0, progress=str(log))
+    stalled = gpu_report.run([sys.executable, "-c", writer.format(n=2, rest=60), str(log)], gpu_report.Clock(60.0),
+                             limit=0.7, progress=str(log))
     assert (stalled["timed_out"], stalled["hung"], stalled["returncode"]) == (False, True, None)
     assert stalled["seconds"] < 10
 
