@@ -293,6 +293,28 @@ def test_a_suite_run_the_clock_ends_keeps_the_modules_that_finished_and_notes_th
     assert re.search(r"Not run yet: [^\n]*test_c\.py", text) and "Not run yet: test_b" not in text
 
 
+def test_every_benchmark_units_gpu_command_parses(monkeypatch, tmp_path):
+    """The command each benchmark unit runs on a GPU (not its smoke command) is accepted by its
+    script's own parser: a misspelt flag would otherwise cost a lent GPU's call. Each script's
+    main parses, then asks `gpu_or_smoke`, which here says no, so nothing is measured."""
+    import importlib
+
+    asked = []
+
+    def decline(script, smoke):
+        asked.append((script, smoke))
+        return False
+
+    commands = [argv for units in gpu_report.BENCHMARK_UNITS.values() for _, argv, _ in units
+                if argv[0] != "benchmarks/exactness.py"]  # exactness runs anywhere: its command is --json only
+    for argv in commands:
+        module = importlib.import_module(os.path.basename(argv[0])[:-len(".py")])
+        monkeypatch.setattr(module, "gpu_or_smoke", decline)
+        assert module.main([a.replace("{json}", str(tmp_path / "rows.json")) for a in argv[1:]]) in (1, 2), argv
+    assert len(asked) == len(commands) and not any(smoke for _, smoke in asked)
+    assert gpu_report.BENCHMARK_UNITS["exactness"][0][1][1:] == ["--json", "{json}"]
+
+
 def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
     report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
     report.record("kernels", {"returncode": 0}, ok=True)
