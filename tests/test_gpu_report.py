@@ -315,6 +315,19 @@ def test_every_benchmark_units_gpu_command_parses(monkeypatch, tmp_path):
     assert gpu_report.BENCHMARK_UNITS["exactness"][0][1][1:] == ["--json", "{json}"]
 
 
+def test_the_runbooks_parts_are_parts():
+    """Every `--parts` and `--redo` list docs/gpu-testing.md gives (the runbook's calls among
+    them) names parts the report has, each at most once: a call that failed on its flags would
+    spend a lent GPU's start for nothing."""
+    import re
+
+    with open(os.path.join(REPO, "docs", "gpu-testing.md")) as f:
+        lists = re.findall(r"--(?:parts|redo) ([a-z0-9_]+[a-z0-9_:.,]*)", f.read())
+    assert len(lists) >= 4  # the examples, and the runbook's two calls and its --redo
+    for text in lists:
+        gpu_report.parse_parts(text.rstrip(".,"))  # a sentence's full stop is not the list's
+
+
 def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
     report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
     report.record("kernels", {"returncode": 0}, ok=True)
