@@ -32,6 +32,14 @@ def flat_rows(page_table: jax.Array, slots: jax.Array, page_size: int, num_pages
     return jnp.where(valid, page * page_size + offset, 0), valid
 
 
+def selected_rows(page_table: jax.Array, slots: jax.Array, page_size: int, num_pages: int):
+    """page_table [B, M], slots [B, ...] -> [B, ...] int32: each slot's row in the pool flattened
+    to [P * page, ...] (a page entry past the pool is clamped into it, so a kernel reading the row
+    stays in bounds), -1 for a slot that addresses nothing. What the gathering kernels take."""
+    rows, valid = flat_rows(page_table, slots, page_size, num_pages)
+    return jnp.where(valid, jnp.clip(rows, 0, num_pages * page_size - 1), -1)
+
+
 def write_slots(cache: jax.Array, page_table: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
     """cache [P, page, D], slots [B, Q] (-1 = skip), values [B, Q, D] -> updated cache."""
     num_pages, page_size, _ = cache.shape

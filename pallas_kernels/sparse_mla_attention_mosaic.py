@@ -78,7 +78,7 @@ from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_r
                                       issue_keys, prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
-from .paged import flat_rows, read_slots
+from .paged import read_slots, selected_rows
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
@@ -255,8 +255,8 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
     q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype(latent_cache))
     topk = indices.shape[-1]
     indices = pad_to(indices.astype(jnp.int32) + 1, 2, TILE) - 1  # pad with -1
-    rows, selected = flat_rows(page_table, indices.reshape(batch, -1), page_size, latent_cache.shape[0])
-    rows = jnp.where(selected, rows, -1).reshape(tokens, -1)  # -1 and slots past the row's pages: none
+    # -1 and slots past the row's pages address nothing: row -1
+    rows = selected_rows(page_table, indices.reshape(batch, -1), page_size, latent_cache.shape[0]).reshape(tokens, -1)
     if fp8:
         # Each selected slot's block scales, [B * Q, Dl / 128, K]: 16 bytes a slot beside its 640 in
         # the kernel. Gathered here because a copy moves a multiple of 128 bytes, so the kernel

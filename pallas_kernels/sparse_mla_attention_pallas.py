@@ -11,7 +11,7 @@ so a token's head blocks run side by side and share the gathered rows through L2
 masked (and not read); the index list may be cut into `num_parts` parts for small batches, merged
 by log-sum-exp exactly as in the dense kernel (`flash_decoding.py`).
 
-The slots' cache rows are looked up in the page table by XLA before the launch (`paged.flat_rows`,
+The slots' cache rows are looked up in the page table by XLA before the launch (`paged.selected_rows`,
 one int32 a slot: 8 KiB a token), not in the kernel's loop. In the loop the lookup was a chain of
 two dependent loads (the slot, then its page) ahead of the gather, and Triton's pipeliner turned
 that into synchronous global loads and a wait for every copy in flight at each tile, so each tile
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .flash_decoding import LatentDims, attend_tiles, flash_decode, load_queries, part_start, store_part
-from .paged import flat_rows
+from .paged import selected_rows
 from .tiling import block_indices, load_block, tile_range
 
 
@@ -81,9 +81,8 @@ def sparse_mla_attention_pallas(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     num_pages, page_size = latent_cache.shape[:2]
     topk = indices.shape[-1]
     # -1 and slots past the row's pages address nothing (`paged.py`): both are skipped.
-    cache_rows, selected = flat_rows(page_table.astype(jnp.int32), indices.reshape(batch, -1).astype(jnp.int32),
-                                     page_size, num_pages)
-    cache_rows = jnp.where(selected, jnp.clip(cache_rows, 0, num_pages * page_size - 1), -1)
+    cache_rows = selected_rows(page_table.astype(jnp.int32), indices.reshape(batch, -1).astype(jnp.int32),
+                               page_size, num_pages)
     out, lse = flash_decode(
         _sparse_mla_kernel, name="sparse_mla_attention", q_nope=q_nope, q_rope=q_rope, latent_cache=latent_cache,
         page_table=page_table, operands=[cache_rows.reshape(batch * num_queries, topk)],
