@@ -30,6 +30,11 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              (--num-stages 3) and with 32-slot tiles (--block-n 32), to set against the kernels
              part's two and 16 (the defaults), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
+  gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
+             K splits for launches of few programs) side by side: the FP8 linears (matmuls.py
+             --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
+             B 32, k 3 and B 1, k 0 with GMM_E2E_TILES (against the e2e part's default-tile points;
+             not under --smoke, where the e2e part runs the same code);
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one),
              and one more step profiled (`kernel_profile`: the kernels' time per op class, and the
@@ -74,16 +79,21 @@ from projection import Calibration, note, step_seconds, target_peaks
 
 from jaxspec.aot.model import DepthCost
 from jaxspec.pallas_kernels.backend import AUTO_KERNELS
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
-PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "gather", "e2e")
+PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "gather", "gmm", "e2e")
 # The headline point first, then the rest of its batch: a short lease measures what matters most.
 E2E_POINTS = [(b, k) for b in (32, 8, 1) for k in (3, 0, 1)]
 SMOKE_E2E_POINTS = [(2, 0), (2, 1)]
 HEADLINE = (32, 3)  # the e2e point whose measured / projected the report states
 E2E_POINT_SECONDS = 60  # the most one e2e point (compile, timing, profile) is given to finish
 GOAL = 0.7  # measured / projected the headline aims at; op classes under it are named
+# The grouped-matmul tile variant the gmm part runs the e2e step with: the one that changes every
+# launch (the experts' K step, the dense linears' K step and splits), at these points.
+GMM_E2E_TILES = "k128-split"
+GMM_E2E_POINTS = [HEADLINE, (1, 0)]
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
 # kernel failing or hanging on the device costs its own op's rows only.
@@ -130,6 +140,13 @@ BENCHMARK_UNITS = {
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
+    # The grouped matmul's tile variants: every FP8 linear under each, and the MoE layer with FP8
+    # experts (as the e2e step runs them; the split variants do not split its 256 groups).
+    "gmm": [("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
+             ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
+              "--json", "{json}"]),
+            ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", "k64", "k128", "--json", "{json}"],
+             ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"])],
     "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
                     "2", "--max-new-tokens", "2", "--json", "{json}"])],
@@ -152,7 +169,8 @@ ERROR_FACTOR, ERROR_SLACK = 2.0, 1e-3
 # implementation backend="auto" runs for the row's op on the report's device (`AUTO_KERNELS`, Triton
 # where it names none), which is what the e2e step runs.
 CLASS_ROWS = {"attention": [("kernels", tuple(AUTO_OPS), "auto")],
-              "grouped_matmul": [("moe", ("moe_layer",), "pallas"), ("matmuls", ("linear_fp8",), "pallas")],
+              "grouped_matmul": [("moe", ("moe_layer",), "pallas"), ("gmm/moe_fp8", ("moe_layer_fp8",), "pallas"),
+                                 ("matmuls", ("linear_fp8",), "pallas")],
               "xla": [("matmuls", ("linear_bf16",), "xla")]}
 TAIL = 4000  # characters of a command's output kept in the report
 
@@ -458,14 +476,19 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
             report.record(f"mainjob/{unit}", {**result, **parsed}, ok=result["returncode"] == 0)
 
 
-def part_e2e(report: Report, clock: Clock, args) -> None:
-    points = SMOKE_E2E_POINTS if args.smoke else E2E_POINTS
+def part_e2e(report: Report, clock: Clock, args, tiles: str = DEFAULT_VARIANT) -> None:
+    """The e2e points (units "e2e/B=..,k=.."), or with another grouped-matmul tile variant the gmm
+    part's (units "gmm/e2e-TILES/B=..,k=..")."""
+    prefix = "e2e" if tiles == DEFAULT_VARIANT else f"gmm/e2e-{tiles}"
+    # (--smoke: a variant's points are not run; the default's run the same code path)
+    points = (E2E_POINTS if not args.smoke else SMOKE_E2E_POINTS) if tiles == DEFAULT_VARIANT else (
+        GMM_E2E_POINTS if not args.smoke else [])
     # A point measured before the step was profiled is measured again, with its profile.
     missing = [(b, k) for b, k in points
-               if not report.has(f"e2e/B={b},k={k}") or report.units[f"e2e/B={b},k={k}"].get("profile") is None]
+               if not report.has(f"{prefix}/B={b},k={k}") or report.units[f"{prefix}/B={b},k={k}"].get("profile") is None]
     if not missing or clock.expired(60):
         return
-    argv = (["benchmarks/e2e_step.py", "--profile", "--points", *[f"{b},{k}" for b, k in missing]]
+    argv = (["benchmarks/e2e_step.py", "--profile", "--tiles", tiles, "--points", *[f"{b},{k}" for b, k in missing]]
             + (["--smoke"] if args.smoke else []))
     with tempfile.TemporaryDirectory() as scratch:
         points_path = os.path.join(scratch, "e2e.json")
@@ -477,11 +500,11 @@ def part_e2e(report: Report, clock: Clock, args) -> None:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
         result = run([*argv, "--json", points_path], clock, env)
         measured = json.load(open(points_path)) if os.path.exists(points_path) else {}
-    note(f"e2e: {len(measured)} of {len(missing)} points in {result['seconds']:.0f} s, exit {result['returncode']}")
+    note(f"{prefix}: {len(measured)} of {len(missing)} points in {result['seconds']:.0f} s, exit {result['returncode']}")
     for key, point in measured.items():
-        report.record(f"e2e/B={point['batch']},k={point['drafts']}", point, ok=True)
+        report.record(f"{prefix}/B={point['batch']},k={point['drafts']}", point, ok=True)
     if result["returncode"] not in (0, None) or result["timed_out"]:
-        report.record(f"e2e/failed run {len(report.data['runs'])}", {**result, "missing": missing}, ok=False)
+        report.record(f"{prefix}/failed run {len(report.data['runs'])}", {**result, "missing": missing}, ok=False)
 
 
 # --- calibration and the markdown report ---------------------------------------------------------
@@ -600,6 +623,23 @@ def headline(report: Report) -> dict | None:
             "missing_goal": sorted(n for n in times if fractions[n] is not None and fractions[n] < GOAL)}
 
 
+def tile_variant_lines(units: dict) -> list[str]:
+    """report.md's table of the gmm part's e2e points, each beside the default tiles' point."""
+    variants = [(k.split("/")[1].removeprefix("e2e-"), v) for k, v in units.items()
+                if k.startswith("gmm/e2e-") and "/B=" in k]
+    if not variants:
+        return []
+    lines = ["", "The step with another grouped-matmul tile variant (the gmm part), against the default's:", "",
+             "| tiles | B | k | measured ms | default tiles ms | grouped matmul ms (profiled) |", "|---|---|---|---|---|---|"]
+    for tiles, p in sorted(variants, key=lambda item: (item[0], item[1]["batch"], item[1]["drafts"])):
+        default = units.get(f"e2e/B={p['batch']},k={p['drafts']}")
+        gmm = ((p.get("profile") or {}).get("by_class_ms") or {}).get("grouped_matmul")
+        lines.append(f"| {tiles} | {p['batch']} | {p['drafts']} | {p['measured_s'] * 1e3:.2f} | "
+                     f"{'-' if default is None else format(default['measured_s'] * 1e3, '.2f')} | "
+                     f"{'-' if gmm is None else format(gmm, '.2f')} |")
+    return lines
+
+
 def markdown(report: Report) -> str:
     units, device = report.units, report.device
     lines = [f"# GPU report: {device}", "", f"Runs: {len(report.data['runs'])}; last "
@@ -630,7 +670,8 @@ def markdown(report: Report) -> str:
     pending = [m for m in test_modules() if m not in suite and m not in partial]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
-    for part in ("kernels", "kernels_stages3", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls"):
+    for part in ("kernels", "kernels_stages3", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls",
+                 "gmm"):
         records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else
@@ -687,8 +728,9 @@ def markdown(report: Report) -> str:
                          f"{p['ratio']:.2f} | {calibrated} | {p['flops'] / 1e12:.3f} | {p['bytes'] / 1e9:.2f} |")
     else:
         lines.append("not measured")
-    failed = [k for k in units if k.startswith("e2e/failed")]
+    failed = [k for k in units if k.startswith(("e2e/failed", "gmm/e2e-")) and "/failed" in k]
     lines += [f"(e2e runs that failed: {', '.join(failed)}; their output is in report.json)" if failed else ""]
+    lines += tile_variant_lines(units)
     choice = mosaic_against_triton(units)
     lines += ["", "## Mosaic against Triton (what `AUTO_KERNELS` should say)", ""]
     if choice:
@@ -795,6 +837,9 @@ def main(argv=None) -> int:
             part_mainjob(report, clock, args)
         elif part == "e2e":
             part_e2e(report, clock, args)
+        elif part == "gmm":
+            part_benchmark(part, report, clock, args)
+            part_e2e(report, clock, args, GMM_E2E_TILES)
         else:
             part_benchmark(part, report, clock, args)
         found = calibration(report)

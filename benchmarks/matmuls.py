@@ -5,11 +5,15 @@ runs them on the pallas backend.
     python benchmarks/matmuls.py --json matmuls.json     # on a GPU
     python benchmarks/matmuls.py --smoke                 # tiny widths, any machine (interpret mode)
 
-Shapes (in x out): the attention's q_b_proj (1536 x 24576), o_proj (16384 x 7168) and the dense
-MLP's gate_proj (7168 x 18432), for T tokens per call (default 8, 32, 128: decode at B 8, 32 and
+Shapes (in x out): the attention's q_a_proj (7168 x 1536), kv_a_proj_with_mqa (7168 x 576: its 576
+columns are not whole 128-column blocks, so the kernel's last block is the slice ending at 576), q_b_proj (1536 x
+24576) and o_proj (16384 x 7168), and the dense MLP's gate_proj (7168 x 18432) and down_proj (18432
+x 7168), for T tokens per call (default 8, 32, 128: decode at B 8, 32 and
 verification at B 32, k = 3). Each row prints time, the bytes the layer must move at least (the
 weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
-TFLOP/s. Weights and inputs are random. A timing is `benchmarks/kernels.py`'s: the best of three
+TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
+variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits, which fill the GPU where a layer
+has few column blocks), a row each; --dtypes picks the weights' rows. A timing is `benchmarks/kernels.py`'s: the best of three
 runs of --iters back-to-back calls after --warmup.
 """
 
@@ -24,8 +28,10 @@ from flax import nnx
 from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec.models.layers import Linear
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 
-SHAPES = {"q_b_proj": (1536, 24576), "o_proj": (16384, 7168), "mlp_gate_proj": (7168, 18432)}
+SHAPES = {"q_a_proj": (7168, 1536), "kv_a_proj_with_mqa": (7168, 576), "q_b_proj": (1536, 24576),
+          "o_proj": (16384, 7168), "mlp_gate_proj": (7168, 18432), "mlp_down_proj": (18432, 7168)}
 SMOKE_SHAPES = {"smoke_256x384": (256, 384)}
 DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
@@ -41,6 +47,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128], help="tokens per call")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the weights' dtypes")
+    parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
+                        help="the FP8 kernel's tile variants, a row each")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):
@@ -51,23 +60,28 @@ def main(argv=None) -> int:
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
     copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    header = f"{'layer':<16}{'weight':>7}{'T':>6}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
+    header = f"{'layer':<20}{'weight':>16}{'T':>6}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
     print(header)
     print("-" * len(header))
     rows = []
     for name, (fan_in, fan_out) in shapes.items():
-        for label, dtype in DTYPES.items():
-            layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=dtype)
+        for label in args.dtypes:
+            layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=DTYPES[label])
             graphdef, params = nnx.split(layer)
-            fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, backend="pallas"))
-            for tokens in args.tokens:
-                x = jax.random.normal(jax.random.key(tokens), (tokens, fan_in), jnp.bfloat16)
-                seconds = timed(fn, params, x, iters=args.iters, warmup=args.warmup)
-                nbytes, flops = min_bytes(layer, tokens), 2 * tokens * fan_in * fan_out
-                rows.append(dict(op=f"linear_{label}", impl="xla" if label == "bf16" else "pallas", layer=name,
-                                 tokens=tokens, seconds=seconds, bytes=nbytes, flops=flops))
-                print(f"{name:<16}{label:>7}{tokens:>6}{seconds * 1e3:>10.3f}{nbytes / seconds / 1e9:>8.0f}"
-                      f"{100 * nbytes / seconds / copy_bw:>6.0f}%{flops / seconds / 1e12:>9.1f}", flush=True)
+            for tiles in args.tiles if label == "fp8" else [DEFAULT_VARIANT]:
+                impl = "xla" if label == "bf16" else "pallas" if tiles == DEFAULT_VARIANT else f"pallas:{tiles}"
+                shown = label if impl in ("xla", "pallas") else f"{label}:{tiles}"
+                # A fresh jit per variant: the tile variant is read while tracing.
+                fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, backend="pallas"))
+                for tokens in args.tokens:
+                    x = jax.random.normal(jax.random.key(tokens), (tokens, fan_in), jnp.bfloat16)
+                    with tile_variant(tiles):
+                        seconds = timed(fn, params, x, iters=args.iters, warmup=args.warmup)
+                    nbytes, flops = min_bytes(layer, tokens), 2 * tokens * fan_in * fan_out
+                    rows.append(dict(op=f"linear_{label}", impl=impl, layer=name, tokens=tokens, seconds=seconds,
+                                     bytes=nbytes, flops=flops))
+                    print(f"{name:<20}{shown:>16}{tokens:>6}{seconds * 1e3:>10.3f}{nbytes / seconds / 1e9:>8.0f}"
+                          f"{100 * nbytes / seconds / copy_bw:>6.0f}%{flops / seconds / 1e12:>9.1f}", flush=True)
     if args.json:
         write_rows(args.json, copy_bw, rows)
     return 0

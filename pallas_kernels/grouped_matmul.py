@@ -64,6 +64,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     else:
         check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     if resolve_backend(backend) == "pallas":
-        from .grouped_matmul_pallas import grouped_matmul_pallas
-        return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, interpret=interpret_mode())
+        from .grouped_matmul_pallas import current_tiles, grouped_matmul_pallas
+        return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, interpret=interpret_mode(),
+                                     tiles=current_tiles())
     return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale_inv)

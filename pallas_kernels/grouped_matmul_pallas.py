@@ -6,12 +6,12 @@ numbered in group order. XLA computes the table (tile -> group, first row, end r
 `group_sizes` before the launch and passes it as ordinary inputs (GPU Pallas has no scalar
 prefetch). The grid is
 
-    (work items, N / BLOCK_N)     axis 0 varies fastest on the GPU
+    (work items, N / BLOCK_N, K splits)     axis 0 varies fastest on the GPU
 
 with a static number of work items, `M // BLOCK_M + min(G, M)`, enough for any group sizes (each
 group with rows adds at most one partial tile); items past the real count return at once. A
 program multiplies a window of BLOCK_M consecutive rows holding its tile's rows by the [K, BLOCK_N]
-column block of its group's matrix, looping over K in BLOCK_K steps, and stores only its own rows
+column block of its group's matrix, looping over K in block_k steps, and stores only its own rows
 (a masked store: the window's other rows belong to neighbouring groups). So every group with rows
 has its matrix read once per row tile, and an empty group costs nothing. At decode and
 verification sizes (a few hundred token-expert rows over up to 256 experts) a group has one
@@ -23,16 +23,32 @@ tensor-core work spent on a group's unused tile rows stays small (a 1-row group 
 Prefill pays for it with more, smaller tiles; it stays memory- or L2-bound, never 256x.
 
 Bit-exact rows (speculative decoding needs a token's output not to depend on how many tokens share
-the call): the tile configuration is a module constant, never chosen from the row count, and every
-row's K reduction runs in the same fixed order (BLOCK_K steps from 0 up, float32 accumulator), so
-a row's result is the same bits whatever other rows, groups and M come with it.
+the call): the tile configuration is fixed by the variant and the static weight shape, never
+chosen from the row count, and every row's K reduction runs in the same fixed order (block_k steps
+from 0 up, float32 accumulator), so a row's result is the same bits whatever other rows, groups and
+M come with it.
 
-FP8 weights (`rhs_scale_inv` given): a program loads its [BLOCK_K, BLOCK_N] tile as FP8 bytes and
+FP8 weights (`rhs_scale_inv` given): a program loads its [block_k, BLOCK_N] tile as FP8 bytes and
 the one float32 scale that covers it (a tile never straddles two 128 x 128 scale blocks: BLOCK_N is
-the block and BLOCK_K divides it), and dequantizes it in registers exactly as
+the block and block_k divides it), and dequantizes it in registers exactly as
 `block_fp8.dequantize` does (float32 product, rounded to bfloat16) before the dot. So the weights
 cross memory as 1 byte each plus a scale per 16 Ki weights, and every product is the one a
 bfloat16 rhs holding the dequantized values would give, bit for bit.
+
+Tile variants (`Tiles`, `VARIANTS`). What the K loop streams per step and how many programs share
+a launch are open questions on a GPU: the FP8 loop issues 3.8x the PTX instructions of the
+bfloat16 one per step (its dequantization: 128 conversions and 64 multiplies a thread, and a trip
+through shared memory into the dot's layout) for half the bytes, and a dense layer
+of few column blocks (o_proj: 56 at N 7168) leaves most SMs idle at decode. So the launch takes a
+`Tiles` static argument, and `benchmarks/matmuls.py`, `moe.py` and `e2e_step.py` time the named
+variants side by side on a lent GPU; `DEFAULT_VARIANT` is the one the library runs until a
+measurement names a faster one. Every variant keeps the bit-exactness below, since a variant is a
+function of the static shapes alone:
+  * block_k: the K step (64 or 128; it divides the FP8 scale block, so a step still has one scale);
+  * split_k: split K into `k_splits(...)` ranges, each its own program writing float32 partial
+    sums [splits, M, N], which XLA then adds in a fixed order (split 0 first). The count comes from
+    K, N and the number of groups, never from M, and only launches with fewer column blocks times
+    groups than `tiling.TARGET_PROGRAMS` split: the dense linears at decode, not the experts.
 
 Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from the static shapes:
   * flops = 2 * M * K * N, the useful work of every row. The tensor cores also execute the unused
@@ -40,14 +56,17 @@ Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from
     single-row groups); that padding is hidden under the weight reads in the memory-bound regime
     and is not counted.
   * bytes = lhs once + the matrices of min(G, M) groups once (the most groups that can have rows;
-    FP8: 1 byte per weight plus their scales) + the output once + the work table: HBM traffic,
-    with re-reads of lhs rows and of a group's weight blocks served by L2.
+    FP8: 1 byte per weight plus their scales) + the output once + the work table (+ with K splits
+    the float32 partial sums, written and read once): HBM traffic, with re-reads of lhs rows and
+    of a group's weight blocks served by L2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,16 +75,76 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import block_fp8
 from .contracts import check_grouped_matmul_args
-from .tiling import block_indices, dot_nn, launch, load_block
+from .tiling import TARGET_PROGRAMS, block_indices, dot_nn, launch, load_block
 
-# The one tile configuration (see the module docstring: never chosen from the row count).
+# The row and column tiles of every variant (see the module docstring: never chosen from the row count).
 BLOCK_M = 16  # rows per tile: the smallest Triton dot
 BLOCK_N = 128  # output columns per program
-BLOCK_K = 64  # reduction step: a [64, 128] bf16 weight block is 16 KiB
 NUM_WARPS = 4
 NUM_STAGES = 4  # weight blocks in flight per program: streaming HBM needs several
-# One FP8 scale per weight tile (see the module docstring).
-assert BLOCK_N == block_fp8.BLOCK[1] and block_fp8.BLOCK[0] % BLOCK_K == 0
+# A K split keeps at least this many steps: fewer and the pipeline's fill and drain would dominate.
+MIN_SPLIT_STEPS = 8
+MAX_SPLITS = 16
+
+
+class Tiles(NamedTuple):
+    """How a launch cuts its K loop (the module docstring's tile variants); static, hashable.
+
+    block_k: the K step, a divisor of the FP8 scale block (128) and a multiple of 16 (Triton's dot).
+    split_k: whether a launch with few programs splits K (`k_splits`)."""
+
+    block_k: int = 64
+    split_k: bool = False
+
+
+# The variants the benchmarks time side by side, by name; "k64" is the kernel as first measured.
+VARIANTS = {"k64": Tiles(), "k128": Tiles(block_k=128), "k64-split": Tiles(split_k=True),
+            "k128-split": Tiles(block_k=128, split_k=True)}
+DEFAULT_VARIANT = "k64"
+# The K steps a tile may take: multiples of Triton's smallest dot that divide the FP8 scale block,
+# so a weight tile has one scale (see the module docstring).
+BLOCK_KS = (16, 32, 64, 128)
+assert BLOCK_N == block_fp8.BLOCK[1] and all(block_fp8.BLOCK[0] % k == 0 for k in BLOCK_KS)
+assert all(tiles.block_k in BLOCK_KS for tiles in VARIANTS.values())
+
+_variant = DEFAULT_VARIANT
+
+
+def current_tiles() -> Tiles:
+    """The tiles `pallas_kernels.grouped_matmul` launches with: `DEFAULT_VARIANT`, or the variant
+    of an enclosing `tile_variant`."""
+    return VARIANTS[_variant]
+
+
+@contextlib.contextmanager
+def tile_variant(name: str):
+    """Inside this context the op's kernel launches with `VARIANTS[name]`: what a benchmark uses to
+    time a whole layer or step per variant. It is read while tracing, so a function jitted outside
+    the context keeps the tiles it was traced with: trace a fresh `jax.jit` per variant."""
+    global _variant
+    if name not in VARIANTS:
+        raise ValueError(f"tile variant {name!r}: must be one of {sorted(VARIANTS)}")
+    previous, _variant = _variant, name
+    try:
+        yield
+    finally:
+        _variant = previous
+
+
+def k_splits(depth: int, width: int, num_groups: int, tiles: Tiles) -> int:
+    """How many K ranges a launch of rhs [num_groups, depth, width] splits into: 1 without
+    `tiles.split_k`; otherwise the largest power of two s <= MAX_SPLITS that divides the K steps,
+    keeps >= MIN_SPLIT_STEPS steps a range, and keeps s * column blocks * num_groups within
+    `TARGET_PROGRAMS` (so a launch that already fills the GPU, like the experts', never splits).
+    A function of the static weight shape only: a row's bits never depend on the rows beside it."""
+    if not tiles.split_k:
+        return 1
+    steps, blocks = pl.cdiv(depth, tiles.block_k), pl.cdiv(width, BLOCK_N) * num_groups
+    splits = 1
+    while (2 * splits <= MAX_SPLITS and steps % (2 * splits) == 0 and steps // (2 * splits) >= MIN_SPLIT_STEPS
+           and 2 * splits * blocks <= TARGET_PROGRAMS):
+        splits *= 2
+    return splits
 
 
 def num_work_items(num_rows: int, num_groups: int) -> int:
@@ -104,102 +183,124 @@ def _tile(start, block: int, extent: int):
     return index, (None if extent % block == 0 else valid)
 
 
-def _weight_block(rhs_ref, group, step, column_block, depth: int, width: int):
-    """The [BLOCK_K, BLOCK_N] block (step, column_block) of `group`'s matrix in rhs_ref [G * K, N].
+def _column_start(column_block, width: int):
+    """The first of the BLOCK_N columns a program loads for its column block: the block's own first
+    column, except that the last block of a width that is not a whole number of blocks (but holds
+    one) ends at the width instead, so its load stays a plain in-bounds slice (kv_a_proj's 576
+    columns: 448 to 575 for the block of 512 to 575); the program stores only its own columns."""
+    if width % BLOCK_N == 0 or width < BLOCK_N:
+        return column_block * BLOCK_N
+    return jnp.minimum(column_block * BLOCK_N, width - BLOCK_N)
 
-    When K and N are whole numbers of blocks (DeepSeek's are) the block is a plain slice, which
-    Triton pipelines with asynchronous copies (NUM_STAGES blocks in flight, measured in the PTX:
-    the index-array gather below gets none, and streaming the weights is all the time at decode);
-    otherwise a clamped, masked gather reads zeros past the edges (a slice there would be clamped
-    as a whole, shifting the block, in interpret mode). FP8 weights are gathered unmasked (Triton
-    cannot fill a masked FP8 load: it has no integer -> FP8 cast): the clamped rows past K meet the
-    zero columns of the masked lhs tile, and the columns past N land in output columns that are
-    cropped, so they change nothing.
+
+def _weight_block(rhs_ref, group, step, column_start, depth: int, width: int, block_k: int):
+    """The [block_k, BLOCK_N] block at K step `step` and columns [column_start, column_start +
+    BLOCK_N) of `group`'s matrix in rhs_ref [G * K, N].
+
+    When K is a whole number of steps (DeepSeek's are) and N holds a block, the block is a plain
+    slice, which Triton pipelines with asynchronous copies (NUM_STAGES blocks in flight, measured
+    in the PTX: the index-array gather below gets none, and streaming the weights is all the time
+    at decode); otherwise a clamped, masked gather reads zeros past the edges (a slice there would
+    be clamped as a whole, shifting the block, in interpret mode). FP8 weights are gathered
+    unmasked (Triton cannot fill a masked FP8 load: it has no integer -> FP8 cast): the clamped
+    rows past K meet the zero columns of the masked lhs tile, and the columns past N land in
+    output columns that are cropped, so they change nothing.
     """
-    if depth % BLOCK_K == 0 and width % BLOCK_N == 0:
-        return rhs_ref[pl.ds(group * depth + step * BLOCK_K, BLOCK_K), pl.ds(column_block * BLOCK_N, BLOCK_N)]
-    inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
-    columns, column_valid = _tile(column_block * BLOCK_N, BLOCK_N, width)
+    if depth % block_k == 0 and width >= BLOCK_N:
+        return rhs_ref[pl.ds(group * depth + step * block_k, block_k), pl.ds(column_start, BLOCK_N)]
+    inner, inner_valid = _tile(step * block_k, block_k, depth)
+    columns, column_valid = _tile(column_start, BLOCK_N, width)
     if rhs_ref.dtype == block_fp8.FP8:
         return load_block(rhs_ref, group * depth + inner, columns)
     return load_block(rhs_ref, group * depth + inner, columns, inner_valid, column_valid)
 
 
-def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, width: int):
-    """One (row tile, column block) program.
+def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, width: int,
+                           block_k: int, split_steps: int):
+    """One (row tile, column block, K range) program.
 
     lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [G * K, N] (the groups' matrices stacked),
     group_ref / start_ref / end_ref [W] int32 (the work table); refs: (out_ref,) or, for FP8
     weights, (scale_ref, out_ref) with scale_ref [G * ceil(K / 128) * ceil(N / 128)] float32 (the
-    scales flattened); out_ref [M, N padded to BLOCK_N].
+    scales flattened); out_ref [splits, M, N padded to BLOCK_N]: the program's K range's sum, in
+    the output dtype without a split, float32 partial sums with one.
 
     The program computes the BLOCK_M rows from `first = min(start, M - BLOCK_M)`, a window that
     holds its tile's rows [start, end) and never runs past M, and stores only those rows. Loading
     that window as a plain slice is what lets Triton prefetch the activations with asynchronous
     copies like the weights: an index-array gather of the rows is a synchronous global load in
     every K step, and its latency, not HBM bandwidth, then sets the pace of the weight stream.
+    Its K range is steps [split * split_steps, (split + 1) * split_steps), in order from the first;
+    its columns start at `_column_start`, and it stores those of its own column block.
     """
     *scale_ref, out_ref = refs
-    item, column_block = pl.program_id(0), pl.program_id(1)
+    item, column_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, end = start_ref[item], end_ref[item]
 
     @pl.when(start < end)
     def _():
         first = jnp.minimum(start, lhs_ref.shape[0] - BLOCK_M)
         group = group_ref[item]
+        column_start = _column_start(column_block, width)
 
-        def accumulate(step, acc):
-            a = _activation_block(lhs_ref, first, step, depth)
-            b = _weight_block(rhs_ref, group, step, column_block, depth, width)
+        def accumulate(i, acc):
+            step = split * split_steps + i
+            a = _activation_block(lhs_ref, first, step, depth, block_k)
+            b = _weight_block(rhs_ref, group, step, column_start, depth, width, block_k)
             if scale_ref:
-                b = _dequantized(b, scale_ref[0], group, step, column_block, depth, width)
+                b = _dequantized(b, scale_ref[0], group, step, column_block, depth, width, block_k)
             dtype = jnp.promote_types(a.dtype, b.dtype)
             return acc + dot_nn(a.astype(dtype), b.astype(dtype))
 
-        acc = jax.lax.fori_loop(0, pl.cdiv(depth, BLOCK_K), accumulate, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+        acc = jax.lax.fori_loop(0, split_steps, accumulate, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
         row = first + jnp.arange(BLOCK_M, dtype=jnp.int32)
-        mine = (row >= start) & (row < end)
-        plgpu.store(out_ref.at[pl.ds(first, BLOCK_M), pl.ds(column_block * BLOCK_N, BLOCK_N)],
-                    acc.astype(out_ref.dtype), mask=mine[:, None])
+        mine = ((row >= start) & (row < end))[:, None]
+        if width % BLOCK_N and width > BLOCK_N:  # a shifted last block: the previous block's columns are not ours
+            mine = mine & (column_start + jnp.arange(BLOCK_N, dtype=jnp.int32) >= column_block * BLOCK_N)[None, :]
+        plgpu.store(out_ref.at[split, pl.ds(first, BLOCK_M), pl.ds(column_start, BLOCK_N)],
+                    acc.astype(out_ref.dtype), mask=mine)
 
 
-def _activation_block(lhs_ref, first, step, depth: int):
-    """Rows [first, first + BLOCK_M) of lhs_ref [M, K] at K step `step`: [BLOCK_M, BLOCK_K].
+def _activation_block(lhs_ref, first, step, depth: int, block_k: int):
+    """Rows [first, first + BLOCK_M) of lhs_ref [M, K] at K step `step`: [BLOCK_M, block_k].
 
     A plain slice when K is a whole number of steps (DeepSeek's are), so Triton pipelines it;
     otherwise a gather whose columns past K read zeros (they meet the weight rows past K).
     """
-    if depth % BLOCK_K == 0:
-        return lhs_ref[pl.ds(first, BLOCK_M), pl.ds(step * BLOCK_K, BLOCK_K)]
-    inner, inner_valid = _tile(step * BLOCK_K, BLOCK_K, depth)
+    if depth % block_k == 0:
+        return lhs_ref[pl.ds(first, BLOCK_M), pl.ds(step * block_k, block_k)]
+    inner, inner_valid = _tile(step * block_k, block_k, depth)
     return load_block(lhs_ref, first + jnp.arange(BLOCK_M, dtype=jnp.int32), inner, column_valid=inner_valid)
 
 
-def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int):
-    """An FP8 weight tile [BLOCK_K, BLOCK_N] of `group` -> bfloat16, times the scale that covers it."""
+def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int, block_k: int):
+    """An FP8 weight tile [block_k, BLOCK_N] of `group` -> bfloat16, times the scale that covers
+    its column block's columns (a shifted last block's other columns are not stored)."""
     k_blocks, n_blocks = block_fp8.scale_shape((depth, width))
-    scale = scale_ref[(group * k_blocks + step // (block_fp8.BLOCK[0] // BLOCK_K)) * n_blocks + column_block]
+    scale = scale_ref[(group * k_blocks + step // (block_fp8.BLOCK[0] // block_k)) * n_blocks + column_block]
     return (tile.astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-def grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv=None) -> pl.CostEstimate:
+def grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv=None, splits: int = 1) -> pl.CostEstimate:
     """The launch's cost from the static shapes (what it counts: the module docstring). rhs:
-    [G, K, N], or a stack [n, G, K, N] of which one call multiplies by one row (likewise its scales)."""
+    [G, K, N], or a stack [n, G, K, N] of which one call multiplies by one row (likewise its scales).
+    splits: the launch's K splits (`k_splits`), whose float32 partial sums cross memory twice."""
     (num_rows, depth), (num_groups, _, width) = lhs.shape, rhs.shape[-3:]
     table_bytes = 3 * 4 * num_work_items(num_rows, num_groups)
     per_group = depth * width * rhs.dtype.itemsize
     if rhs_scale_inv is not None:
         per_group += math.prod(rhs_scale_inv.shape[-2:]) * rhs_scale_inv.dtype.itemsize
+    partial_bytes = 0 if splits == 1 else 2 * splits * num_rows * width * 4
     return pl.CostEstimate(
         flops=2 * num_rows * depth * width, transcendentals=0,
         bytes_accessed=(lhs.size * lhs.dtype.itemsize + min(num_groups, num_rows) * per_group
-                        + num_rows * width * jnp.dtype(out_dtype).itemsize + table_bytes))
+                        + num_rows * width * jnp.dtype(out_dtype).itemsize + table_bytes + partial_bytes))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                           rhs_scale_inv: jax.Array | None = None, rhs_row: jax.Array | None = None, *,
-                          interpret: bool | None = None) -> jax.Array:
+                          interpret: bool | None = None, tiles: Tiles = VARIANTS[DEFAULT_VARIANT]) -> jax.Array:
     """`grouped_matmul_reference` as a Pallas kernel.
 
     lhs [M, K] sorted by group, rhs [G, K, N] (float, or float8_e4m3fn with rhs_scale_inv
@@ -209,29 +310,40 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     holds the groups: the kernel sees the stack as n * G groups, of which groups r * G .. r * G +
     G - 1 have rows (group_sizes placed there, zeros elsewhere), so it reads only row r, where it
     lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
+    tiles: the launch's K step and split (`Tiles`; the module docstring's tile variants).
     """
+    if not isinstance(tiles, Tiles) or tiles.block_k not in BLOCK_KS:
+        raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {BLOCK_KS}")
     num_groups = group_sizes.shape[0]
     out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
-    cost = grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv)
+    depth, width = rhs.shape[-2:]
+    splits = k_splits(depth, width, num_groups, tiles)
+    cost = grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv, splits)
     if rhs_row is not None:  # the stack as n * G groups, all but row r's empty
         rhs = rhs.reshape(-1, *rhs.shape[2:])
         rhs_scale_inv = None if rhs_scale_inv is None else rhs_scale_inv.reshape(-1, *rhs_scale_inv.shape[2:])
         group_sizes = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape[:1], group_sizes.dtype), group_sizes,
                                                    (rhs_row * num_groups,))
     check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
-    (num_rows, depth), (stacked_groups, _, width) = lhs.shape, rhs.shape
+    num_rows, stacked_groups = lhs.shape[0], rhs.shape[0]
     group, start, end = work_items(group_sizes, num_rows, num_groups)
     # The kernel reads whole BLOCK_M-row windows: fewer rows than one (decode at a small batch)
     # are padded with zero rows, which no work item covers.
     padded = max(num_rows, BLOCK_M)
     operand = jnp.pad(lhs, ((0, padded - num_rows), (0, 0))) if padded > num_rows else lhs
     column_blocks = pl.cdiv(width, BLOCK_N)
-    kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width)
-    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((padded, column_blocks * BLOCK_N), out_dtype),
-                 grid=(group.shape[0], column_blocks), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    steps = pl.cdiv(depth, tiles.block_k)
+    kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width, block_k=tiles.block_k,
+                               split_steps=steps // splits)
+    partial_dtype = out_dtype if splits == 1 else jnp.float32
+    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((splits, padded, column_blocks * BLOCK_N), partial_dtype),
+                 grid=(group.shape[0], column_blocks, splits), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                  name="grouped_matmul", interpret=interpret, cost=cost)(
         operand, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
+    # The partial sums added one split after another, so each element's order is fixed (a reduce
+    # over the split axis would leave the order to XLA).
+    total = functools.reduce(jnp.add, (out[i] for i in range(1, splits)), out[0])
     # No program writes the rows past sum(group_sizes): they are defined as zero.
     covered = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes, 0))
-    return jnp.where(covered[:, None], out[:num_rows, :width], 0).astype(out_dtype)
+    return jnp.where(covered[:, None], total[:num_rows, :width], 0).astype(out_dtype)

@@ -19,7 +19,10 @@ from flax import nnx
 
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
-from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_M, grouped_matmul_pallas, num_work_items, work_items
+from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, MAX_SPLITS,
+                                                           MIN_SPLIT_STEPS, VARIANTS, Tiles, grouped_matmul_pallas,
+                                                           k_splits, num_work_items, tile_variant, work_items)
+from jaxspec.pallas_kernels.tiling import TARGET_PROGRAMS
 from jaxspec.presets import preset
 from cuda_lowering import triton_calls
 
@@ -88,6 +91,7 @@ CASES = {
     "bf16-blocks": (90, 128, 256, 12, 90, 0.3, jnp.bfloat16),
     "bf16-decode": (32, 128, 128, 32, 32, 0.0, jnp.bfloat16),  # one row in most groups
     "bf16-one-group": (40, 64, 128, 5, 40, 0.9, jnp.bfloat16),
+    "bf16-last-block-shifted": (70, 128, 200, 8, 64, 0.4, jnp.bfloat16),  # N past a block, not whole: sliced
 }
 
 
@@ -111,6 +115,7 @@ FP8_CASES = {
     # name: (rows, depth, width, groups, rows in groups, empty fraction)
     "edges": (40, 200, 300, 4, 36, 0.3),  # partial 128-blocks and partial kernel tiles both ways
     "blocks": (24, 256, 256, 16, 24, 0.0),  # whole blocks (the sliced weight loads), mostly one row per group
+    "last-block-shifted": (24, 256, 320, 3, 24, 0.0),  # N not whole: its last block a slice ending at N
 }
 
 
@@ -174,6 +179,74 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([9, 23, 24])]), np.asarray(alone))
 
 
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {DEFAULT_VARIANT}))
+def test_tile_variants_match_reference_and_keep_rows_independent(variant):
+    """Each other tile variant (K step 128, K splits) at shapes where it changes the launch: within
+    float32 tolerance of the reference where K and N are not whole blocks, FP8 bits equal to its own
+    bits for the dequantized bfloat16 weights, and a row's bits the same alone as among others."""
+    tiles = VARIANTS[variant]
+    rng = np.random.default_rng(sum(map(ord, variant)))
+    sizes = random_sizes(rng, 3, 36, 0.0)
+    lhs, rhs, group_sizes = make_case(5, 40, 2000, 200, sizes, jnp.float32)
+    assert (k_splits(2000, 200, 3, tiles) > 1) == (k_splits(2048, 256, 2, tiles) > 1) == tiles.split_k
+    got = grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=True, tiles=tiles)
+    np.testing.assert_allclose(got, grouped_matmul_reference(lhs, rhs, group_sizes), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(got)[36:] == 0)
+
+    weights = rng.normal(size=(2, 2048, 256)) * rng.uniform(0.01, 10, (2, 1, 256)) * 2048 ** -0.5
+    quantized, scale_inv = block_fp8.quantize(jnp.asarray(weights, jnp.float32))
+    dense = block_fp8.dequantize(quantized, scale_inv)
+    lhs = jnp.asarray(rng.normal(size=(20, 2048)), jnp.bfloat16)
+    crowd = jnp.asarray([7, 13])
+    together = grouped_matmul_pallas(lhs, quantized, crowd, scale_inv, interpret=True, tiles=tiles)
+    np.testing.assert_array_equal(np.asarray(together),
+                                  np.asarray(grouped_matmul_pallas(lhs, dense, crowd, interpret=True, tiles=tiles)))
+    alone = grouped_matmul_pallas(lhs[8:9], quantized, jnp.asarray([0, 1]), scale_inv, interpret=True, tiles=tiles)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(together[8:9]))
+
+
+# The dense linears of DeepSeek-V3.2 (K, N of one group) and its experts (256 groups).
+V32_WEIGHTS = {"q_a_proj": (7168, 1536, 1), "kv_a_proj": (7168, 576, 1), "q_b_proj": (1536, 24576, 1),
+               "o_proj": (16384, 7168, 1), "mlp_down": (18432, 7168, 1), "expert_up": (7168, 2048, 256),
+               "expert_down": (2048, 7168, 256)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_k_splits_fill_the_gpu_only_where_programs_are_few(variant):
+    """The split count at DeepSeek-V3.2's weights is the largest that keeps every rule (whole ranges
+    of >= MIN_SPLIT_STEPS steps, <= TARGET_PROGRAMS programs, <= MAX_SPLITS), so the experts (4096
+    programs) never split and o_proj's 56 column blocks do, and a variant without split_k never does."""
+    tiles = VARIANTS[variant]
+    for name, (depth, width, groups) in V32_WEIGHTS.items():
+        splits, steps = k_splits(depth, width, groups, tiles), -(-depth // tiles.block_k)
+        programs = -(-width // BLOCK_N) * groups
+        assert splits & (splits - 1) == 0 and steps % splits == 0, name
+        if not tiles.split_k or groups > 1:
+            assert splits == 1, name
+            continue
+        assert steps // splits >= MIN_SPLIT_STEPS and splits * programs <= TARGET_PROGRAMS and splits <= MAX_SPLITS
+        doubled = 2 * splits
+        assert (doubled > MAX_SPLITS or steps % doubled or steps // doubled < MIN_SPLIT_STEPS
+                or doubled * programs > TARGET_PROGRAMS), name
+    assert tiles.split_k == (k_splits(*V32_WEIGHTS["o_proj"], tiles) > 1)
+
+
+def test_tile_variant_context_and_tiles_errors():
+    """`tile_variant` sets what the op launches with while tracing, and restores it; bad names and
+    bad tiles are refused before tracing."""
+    lhs, rhs, sizes = make_case(3, 20, 1024, 128, np.array([5, 0, 15], np.int32), jnp.float32)
+    with tile_variant("k64-split"):
+        split = jax.jit(functools.partial(grouped_matmul, backend="pallas"))(lhs, rhs, sizes)
+        np.testing.assert_array_equal(split, grouped_matmul_pallas(lhs, rhs, sizes, interpret=True,
+                                                                   tiles=VARIANTS["k64-split"]))
+    assert not np.array_equal(split, grouped_matmul(lhs, rhs, sizes, backend="pallas"))
+    with pytest.raises(ValueError, match="tile variant 'k96'"):
+        with tile_variant("k96"):
+            pass
+    with pytest.raises(ValueError, match="tiles="):
+        grouped_matmul_pallas(lhs, rhs, sizes, interpret=True, tiles=Tiles(block_k=96))
+
+
 def test_cuda_lowering_at_deepseek_shapes():
     """The real Pallas-to-Triton lowering at DeepSeek-V3.2's expert shapes emits one Triton kernel."""
     args = (jax.ShapeDtypeStruct((256, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((256, 7168, 2048), jnp.bfloat16),
@@ -184,30 +257,37 @@ def test_cuda_lowering_at_deepseek_shapes():
     assert jax.eval_shape(fn, *args).shape == (256, 2048)
 
 
-@pytest.mark.parametrize("depth,width", [(7168, 2048), (2048, 7168)], ids=["gate-up", "down"])
-def test_fp8_kernel_compiled_for_h100_at_v32_expert_shapes(h100, depth, width):
-    """E = 256 FP8 experts at DeepSeek-V3.2's widths, 256 rows (decode at batch 32, top-8): the
-    kernel fits the H100's shared memory without spills, its stated bytes are 1 per weight of the
-    groups that can be hit plus their scales, not 2, and its K loop reads global memory only by
-    asynchronous copies (a synchronous load there stalls every step of the weight stream)."""
+@pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k64"),
+                                                 ("expert_up", 256, "k128"), ("o_proj", 8, "k64-split"),
+                                                 ("o_proj", 8, "k128-split"), ("kv_a_proj", 8, "k64")])
+def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
+    """FP8 weights at DeepSeek-V3.2's widths: 256 experts with 256 rows (decode at batch 32, top-8),
+    or o_proj and kv_a_proj (576 columns: not whole blocks) with 8 tokens, per tile variant. The kernel fits the H100's shared memory without
+    spills, launches the variant's K splits, its stated bytes are 1 per weight of the groups that
+    can be hit plus their scales (and the split's partial sums), not 2, and its K loop reads global
+    memory only by asynchronous copies (a synchronous load there stalls every step of the weight
+    stream)."""
     from jaxspec import aot
 
-    experts, rows = 256, 256
+    (depth, width, groups), tiles = V32_WEIGHTS[weight], VARIANTS[variant]
     args = (jax.ShapeDtypeStruct((rows, depth), jnp.bfloat16),
-            jax.ShapeDtypeStruct((experts, depth, width), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((experts,), jnp.int32),
-            jax.ShapeDtypeStruct((experts, depth // 128, width // 128), jnp.float32))
-    compiled = aot.compile_gpu(grouped_matmul_pallas, *args, devices=h100, interpret=False,
-                               static_argnames=("interpret",))
+            jax.ShapeDtypeStruct((groups, depth, width), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((groups,), jnp.int32),
+            jax.ShapeDtypeStruct((groups, depth // 128, -(-width // 128)), jnp.float32))
+    compiled = aot.compile_gpu(functools.partial(grouped_matmul_pallas, interpret=False, tiles=tiles), *args,
+                               devices=h100)
     (launch,) = aot.kernel_launches(compiled)
+    splits = k_splits(depth, width, groups, tiles)
+    assert launch.grid == (num_work_items(rows, groups), -(-width // BLOCK_N), splits)
     assert 0 < launch.shared_memory <= 227 * 1024 and launch.spill_stores == launch.spill_loads == 0
     loops = loop_bodies(aot.kernel_ptx(compiled, launch.name))
     assert loops and all("cp.async" in body and "ld.global" not in body for body in loops)
     (call,) = aot.pallas_calls(compiled)
-    weights = experts * depth * width * (1 + 4 / 128 ** 2)
-    activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, experts)
+    weights = min(groups, rows) * (depth * width + 4 * (depth // 128) * -(-width // 128))
+    activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, groups)
+    partials = 0 if splits == 1 else 2 * splits * rows * width * 4
     assert call.flops == 2 * rows * depth * width
-    assert call.bytes_accessed == weights + activations
+    assert call.bytes_accessed == weights + activations + partials
 
 
 # ----------------------------------------------------------------------------------------------
