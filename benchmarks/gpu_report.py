@@ -31,7 +31,7 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              part's two and 16 (the defaults), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
-             K splits for launches of few programs) side by side: the FP8 linears (matmuls.py
+             K splits that fill the GPU for one decoded token) side by side: the FP8 linears (matmuls.py
              --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
              B 32, k 3 and B 1, k 0 with GMM_E2E_TILES (against the e2e part's default-tile points;
              not under --smoke, where the e2e part runs the same code);
@@ -141,11 +141,12 @@ BENCHMARK_UNITS = {
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
     # The grouped matmul's tile variants: every FP8 linear under each, and the MoE layer with FP8
-    # experts (as the e2e step runs them; the split variants do not split its 256 groups).
+    # experts as the e2e step runs them (under k64-split / k128-split their gate and up projections
+    # split K in two, their down projection does not).
     "gmm": [("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
               "--json", "{json}"]),
-            ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", "k64", "k128", "--json", "{json}"],
+            ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"])],
     "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",

@@ -47,8 +47,12 @@ function of the static shapes alone:
   * block_k: the K step (64 or 128; it divides the FP8 scale block, so a step still has one scale);
   * split_k: split K into `k_splits(...)` ranges, each its own program writing float32 partial
     sums [splits, M, N], which XLA then adds in a fixed order (split 0 first). The count comes from
-    K, N and the number of groups, never from M, and only launches with fewer column blocks times
-    groups than `tiling.TARGET_PROGRAMS` split: the dense linears at decode, not the experts.
+    K, N and the number of groups, never from M: enough programs to fill the GPU when one token is
+    decoded (its rows hit at most DECODE_GROUPS groups), the latency-bound case. A dense linear
+    splits (o_proj 4 ways), so do the experts' gate and up projections (2 ways: 8 hit experts x 16
+    column blocks), not their down projection (8 x 56 blocks already fill it). A larger launch
+    has programs to spare and pays only the partial sums' traffic (16 MB against 3.75 GB of
+    weights for the experts' gate projection at 1024 rows).
 
 Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from the static shapes:
   * flops = 2 * M * K * N, the useful work of every row. The tensor cores also execute the unused
@@ -85,13 +89,16 @@ NUM_STAGES = 4  # weight blocks in flight per program: streaming HBM needs sever
 # A K split keeps at least this many steps: fewer and the pipeline's fill and drain would dominate.
 MIN_SPLIT_STEPS = 8
 MAX_SPLITS = 16
+# The most groups one token's rows hit (DeepSeek-V3's top-8 experts): `k_splits` sizes a launch's
+# programs for that case, the one that leaves SMs idle.
+DECODE_GROUPS = 8
 
 
 class Tiles(NamedTuple):
     """How a launch cuts its K loop (the module docstring's tile variants); static, hashable.
 
     block_k: the K step, a divisor of the FP8 scale block (128) and a multiple of 16 (Triton's dot).
-    split_k: whether a launch with few programs splits K (`k_splits`)."""
+    split_k: whether K splits so that one decoded token's launch fills the GPU (`k_splits`)."""
 
     block_k: int = 64
     split_k: bool = False
@@ -134,15 +141,16 @@ def tile_variant(name: str):
 def k_splits(depth: int, width: int, num_groups: int, tiles: Tiles) -> int:
     """How many K ranges a launch of rhs [num_groups, depth, width] splits into: 1 without
     `tiles.split_k`; otherwise the largest power of two s <= MAX_SPLITS that divides the K steps,
-    keeps >= MIN_SPLIT_STEPS steps a range, and keeps s * column blocks * num_groups within
-    `TARGET_PROGRAMS` (so a launch that already fills the GPU, like the experts', never splits).
-    A function of the static weight shape only: a row's bits never depend on the rows beside it."""
+    keeps >= MIN_SPLIT_STEPS steps a range, and keeps s * column blocks * min(num_groups,
+    DECODE_GROUPS) (the programs of one decoded token) within `TARGET_PROGRAMS`. A function of
+    the static weight shape only: a row's bits never depend on the rows beside it."""
     if not tiles.split_k:
         return 1
-    steps, blocks = pl.cdiv(depth, tiles.block_k), pl.cdiv(width, BLOCK_N) * num_groups
+    steps = pl.cdiv(depth, tiles.block_k)
+    programs = pl.cdiv(width, BLOCK_N) * min(num_groups, DECODE_GROUPS)
     splits = 1
     while (2 * splits <= MAX_SPLITS and steps % (2 * splits) == 0 and steps // (2 * splits) >= MIN_SPLIT_STEPS
-           and 2 * splits * blocks <= TARGET_PROGRAMS):
+           and 2 * splits * programs <= TARGET_PROGRAMS):
         splits *= 2
     return splits
 

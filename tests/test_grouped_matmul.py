@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
-from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, MAX_SPLITS,
+from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DECODE_GROUPS, DEFAULT_VARIANT, MAX_SPLITS,
                                                            MIN_SPLIT_STEPS, VARIANTS, Tiles, grouped_matmul_pallas,
                                                            k_splits, num_work_items, tile_variant, work_items)
 from jaxspec.pallas_kernels.tiling import TARGET_PROGRAMS
@@ -212,23 +212,26 @@ V32_WEIGHTS = {"q_a_proj": (7168, 1536, 1), "kv_a_proj": (7168, 576, 1), "q_b_pr
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_k_splits_fill_the_gpu_only_where_programs_are_few(variant):
+def test_k_splits_fill_the_gpu_for_one_decoded_token(variant):
     """The split count at DeepSeek-V3.2's weights is the largest that keeps every rule (whole ranges
-    of >= MIN_SPLIT_STEPS steps, <= TARGET_PROGRAMS programs, <= MAX_SPLITS), so the experts (4096
-    programs) never split and o_proj's 56 column blocks do, and a variant without split_k never does."""
+    of >= MIN_SPLIT_STEPS steps, <= TARGET_PROGRAMS programs when one token's rows hit
+    DECODE_GROUPS groups, <= MAX_SPLITS): o_proj's 56 column blocks split, the experts' down
+    projection (8 x 56 blocks) does not, and a variant without split_k never splits."""
     tiles = VARIANTS[variant]
     for name, (depth, width, groups) in V32_WEIGHTS.items():
         splits, steps = k_splits(depth, width, groups, tiles), -(-depth // tiles.block_k)
-        programs = -(-width // BLOCK_N) * groups
+        programs = -(-width // BLOCK_N) * min(groups, DECODE_GROUPS)
         assert splits & (splits - 1) == 0 and steps % splits == 0, name
-        if not tiles.split_k or groups > 1:
+        if not tiles.split_k:
             assert splits == 1, name
             continue
-        assert steps // splits >= MIN_SPLIT_STEPS and splits * programs <= TARGET_PROGRAMS and splits <= MAX_SPLITS
+        assert splits == 1 or (steps // splits >= MIN_SPLIT_STEPS and splits * programs <= TARGET_PROGRAMS
+                               and splits <= MAX_SPLITS), name
         doubled = 2 * splits
         assert (doubled > MAX_SPLITS or steps % doubled or steps // doubled < MIN_SPLIT_STEPS
                 or doubled * programs > TARGET_PROGRAMS), name
-    assert tiles.split_k == (k_splits(*V32_WEIGHTS["o_proj"], tiles) > 1)
+    o_proj, expert_down = k_splits(*V32_WEIGHTS["o_proj"], tiles), k_splits(*V32_WEIGHTS["expert_down"], tiles)
+    assert (o_proj > 1) == tiles.split_k and expert_down == 1
 
 
 def test_tile_variant_context_and_tiles_errors():
@@ -258,7 +261,7 @@ def test_cuda_lowering_at_deepseek_shapes():
 
 
 @pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k64"),
-                                                 ("expert_up", 256, "k128"), ("o_proj", 8, "k64-split"),
+                                                 ("expert_up", 256, "k128-split"), ("o_proj", 8, "k64-split"),
                                                  ("o_proj", 8, "k128-split"), ("kv_a_proj", 8, "k64")])
 def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths: 256 experts with 256 rows (decode at batch 32, top-8),
