@@ -140,14 +140,16 @@ BENCHMARK_UNITS = {
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
-    # The grouped matmul's tile variants: every FP8 linear under each, and the MoE layer with FP8
-    # experts as the e2e step runs them (under k64-split / k128-split their gate and up projections
-    # split K in two, their down projection does not).
-    "gmm": [("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
+    # The grouped matmul's tile variants: the MoE layer with FP8 experts as the e2e step runs them
+    # (most of the step's grouped-matmul time; under k64-split / k128-split their gate and up
+    # projections split K in two, their down projection does not), then every FP8 linear under
+    # each at decode and at B 32, k 3 verification.
+    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
+             ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
+            ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--tokens", "8", "128",
+                             "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
-              "--json", "{json}"]),
-            ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
-             ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"])],
+              "--json", "{json}"])],
     "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
                     "2", "--max-new-tokens", "2", "--json", "{json}"])],
