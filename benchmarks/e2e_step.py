@@ -208,9 +208,10 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 @dataclasses.dataclass
 class Point:
     """One measured point: batch, drafts, context, the model's depth, the backend, cache dtype and
-    grouped-matmul tile variant it ran with, the step's median and spread (seconds), the compiled program's flops and bytes, the
-    projections (seconds) and, with `--profile`, one more step's kernel times by op class
-    (`kernel_profile.profile_call`; {"error": ...} where the profiler failed)."""
+    grouped-matmul tile variant it ran with, the step's median and spread (seconds), the compiled
+    program's flops and bytes, the projections (seconds) and, with `--profile`, one more step's
+    kernel times by op class (`kernel_profile.profile_call`; {"error": ...} where the profiler
+    failed)."""
 
     batch: int
     drafts: int

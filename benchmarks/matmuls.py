@@ -5,16 +5,16 @@ runs them on the pallas backend.
     python benchmarks/matmuls.py --json matmuls.json     # on a GPU
     python benchmarks/matmuls.py --smoke                 # tiny widths, any machine (interpret mode)
 
-Shapes (in x out): the attention's q_a_proj (7168 x 1536), kv_a_proj_with_mqa (7168 x 576: its 576
-columns are not whole 128-column blocks, so the kernel's last block is the slice ending at 576), q_b_proj (1536 x
-24576) and o_proj (16384 x 7168), and the dense MLP's gate_proj (7168 x 18432) and down_proj (18432
-x 7168), for T tokens per call (default 8, 32, 128: decode at B 8, 32 and
+Shapes (in x out): the attention's q_a_proj (7168 x 1536), kv_a_proj_with_mqa (7168 x 576: not
+whole 128-column blocks, so the kernel's last block is the slice that ends at column 576),
+q_b_proj (1536 x 24576) and o_proj (16384 x 7168), and the dense MLP's gate_proj (7168 x 18432)
+and down_proj (18432 x 7168), for T tokens per call (default 8, 32, 128: decode at B 8, 32 and
 verification at B 32, k = 3). Each row prints time, the bytes the layer must move at least (the
 weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
 TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
-variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits, which fill the GPU where a layer
-has few column blocks), a row each; --dtypes picks the weights' rows. A timing is `benchmarks/kernels.py`'s: the best of three
-runs of --iters back-to-back calls after --warmup.
+variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits that fill the GPU where a layer
+has few column blocks), a row each; --dtypes picks the weights' rows. A timing is
+`benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup.
 """
 
 from __future__ import annotations

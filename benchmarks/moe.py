@@ -23,9 +23,8 @@ the layer must move at least: each hit expert's three matrices once, the shared 
 and the activations, divided by the time) as GB/s and as a fraction of a device-to-device copy
 measured in the same run, TFLOP/s of the routed work, each row's time over the first kernel row's
 (the kernel's speedup over each XLA path, a variant's against the first), and each row's largest
-difference from that row's output. Weights and inputs are random
-(bf16: 22.5 GB of experts for V3.2, 12.9 GB for V4-Flash); a path whose memory would not fit is
-skipped and said so.
+difference from that row's output. Weights and inputs are random (bf16: 22.5 GB of experts for
+V3.2, 12.9 GB for V4-Flash); a path whose memory would not fit is skipped and said so.
 
     python benchmarks/moe.py                    # the sweep, on a GPU (H100 / H200)
     python benchmarks/moe.py --tokens 32 128
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
             except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                 print(f"{prefix}  {type(failure).__name__}")
                 continue
-            if kernel_out is None:
+            if backend == "pallas" and kernel_out is None:  # the first kernel row: what the others compare with
                 kernel_out, kernel_seconds = out, seconds
             versus = diff = ""
             if kernel_out is not None:  # time / the kernel's time, and the largest output difference
