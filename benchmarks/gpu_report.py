@@ -27,7 +27,8 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, and Mosaic without automatic
              barriers (kernels.py --no-auto-barriers);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
-             (--num-stages 3) and with 32-slot tiles (--block-n 32), to set against the kernels
+             (--num-stages 3), sparse MLA with both 32-slot tiles and three in flight, and with
+             32-slot tiles (--block-n 32), to set against the kernels
              part's two and 16 (the defaults), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k;
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
@@ -118,6 +119,11 @@ BENCHMARK_UNITS = {
                                    "--no-xla", "--no-mosaic", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "sparse_mla", "--num-stages", "3", "--no-xla",
                 "--no-mosaic", "--json", "{json}"]),
+              # Sparse MLA with both: 32-slot tiles, three in flight (sm_90a, jax 0.10.2: 207
+              # registers, no spills, no synchronous load in its loop), half the tiles to wait for.
+              ("kernels_n32_stages3", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+                                       "--queries", "1", "4", "--ops", "sparse_mla", "--block-n", "32",
+                                       "--num-stages", "3", "--no-xla", "--no-mosaic", "--json", "{json}"], None),
               ("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
                                      "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--block-n", "32",
                                      "--no-xla", "--no-mosaic", "--json", "{json}"],
@@ -673,8 +679,8 @@ def markdown(report: Report) -> str:
     pending = [m for m in test_modules() if m not in suite and m not in partial]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
-    for part in ("kernels", "kernels_stages3", "kernels_block_n32", "kernels_part_slots", "gather", "moe", "matmuls",
-                 "gmm"):
+    for part in ("kernels", "kernels_stages3", "kernels_n32_stages3", "kernels_block_n32", "kernels_part_slots", "gather",
+                 "moe", "matmuls", "gmm"):
         records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else
