@@ -130,13 +130,16 @@ def test_greedy_speculative_equals_plain(trained_v4, plain_tokens):
 
 # -- drafts, caches and finished rows, step by step -----------------------------------------------
 
-def readable_rows(cache, length: int) -> dict[str, np.ndarray]:
-    """Row 0 of `cache` as a later query can still read it after `length` committed tokens, every
-    layer: window ring rows of the last sliding_window - 1 slots, projection rows of the blocks
-    still to close, the compressed (and indexer) entries closed so far."""
+def readable_rows(cache, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """Every row b of `cache` as a later query can still read it after lengths[b] committed tokens
+    (0: nothing read), every layer: window ring rows of the last sliding_window - 1 slots,
+    projection rows of the blocks still to close, the compressed (and indexer) entries closed so
+    far. All rows in one read per structure: read row by row, these eager reads took about a
+    quarter of the stepped test's time."""
     config = preset("tiny-v4")
     rates = dict(config.compress_rates)
-    before = lambda count: jnp.asarray(np.maximum(length - count + np.arange(count), -1)[None], jnp.int32)
+    lengths = np.asarray(lengths)[:, None]
+    before = lambda count: jnp.asarray(np.maximum(lengths - count + np.arange(count), -1), jnp.int32)
     rows = {}
     for layer, kind in enumerate(cache.layer_types):
         rows[f"window{layer}"] = cache.read_ring("window", layer, before(config.sliding_window - 1))
@@ -144,18 +147,13 @@ def readable_rows(cache, length: int) -> dict[str, np.ndarray]:
             continue
         m = rates[kind]
         tail = before(2 * m - 1 if kind == CSA else m - 1)
-        entries = np.arange(ENTRY_SLOTS // m)
-        entries = jnp.asarray(np.where(entries < length // m, entries, -1)[None], jnp.int32)  # fixed shape
+        entries = np.arange(ENTRY_SLOTS // m)[None]
+        entries = jnp.asarray(np.where(entries < lengths // m, entries, -1), jnp.int32)  # fixed shape
         names = [(STATE[kind], ENTRIES[kind])] + ([(INDEX_STATE, INDEX_ENTRIES)] if kind == CSA else [])
         for state, entry in names:
             rows[f"{state}{layer}"] = cache.read_ring(state, layer, tail)
             rows[f"{entry}{layer}"] = read_slots(*cache.layer_pages(entry, layer), entries)
     return {name: np.asarray(value) for name, value in rows.items()}
-
-
-def row_of(cache, b: int):
-    return cache.replace(page_table={name: table[b:b + 1] for name, table in cache.page_table.items()},
-                         lengths=cache.lengths[b:b + 1])
 
 
 def row_pages(cache, b: int) -> list[np.ndarray]:
@@ -214,11 +212,11 @@ def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trai
             assert len(seq) == committed[b] + 1
             tokens[b, :committed[b]] = seq[:committed[b]]
         fresh = recompute(params, jnp.asarray(tokens), jnp.asarray(np.where(going, committed, 1), jnp.int32))
+        read = np.where(going, committed, 0)
+        ours, theirs = readable_rows(state.target_cache, read), readable_rows(fresh, read)
         for b in np.flatnonzero(going):
-            ours, theirs = readable_rows(row_of(state.target_cache, b), committed[b]), \
-                readable_rows(row_of(fresh, b), committed[b])
             for name in theirs:
-                np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5,
+                np.testing.assert_allclose(ours[name][b], theirs[name][b], rtol=1e-5, atol=1e-5,
                                            err_msg=f"{name} of row {b} after {committed[b]} committed")
         for b in np.flatnonzero(active & np.asarray(state.done)):
             finished_at[int(b)] = int(state.steps)
