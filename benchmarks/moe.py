@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         return 2
     config = preset(args.model, **({**SMOKE_WIDTHS, **SMOKE_MODEL_WIDTHS[args.model]} if args.smoke else {}))
     if args.smoke:
-        args.tokens, args.iters, args.warmup = [2, 8], 1, 1
+        args.tokens, args.iters, args.warmup = [8], 1, 1
     dim, hidden, experts, topk = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
                                   config.num_experts_per_tok)
     fp8 = args.weights == "fp8"
