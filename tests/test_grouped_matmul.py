@@ -265,11 +265,11 @@ def test_cuda_lowering_at_deepseek_shapes():
                                                  ("o_proj", 8, "k128-split"), ("kv_a_proj", 8, "k64")])
 def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths: 256 experts with 256 rows (decode at batch 32, top-8),
-    or o_proj and kv_a_proj (576 columns: not whole blocks) with 8 tokens, per tile variant. The kernel fits the H100's shared memory without
-    spills, launches the variant's K splits, its stated bytes are 1 per weight of the groups that
-    can be hit plus their scales (and the split's partial sums), not 2, and its K loop reads global
-    memory only by asynchronous copies (a synchronous load there stalls every step of the weight
-    stream)."""
+    or o_proj and kv_a_proj (576 columns: not whole blocks) with 8 tokens, per tile variant. The
+    kernel fits the H100's shared memory without spills, launches the variant's K splits, its
+    stated bytes are 1 per weight of the groups that can be hit plus their scales (and the split's
+    partial sums), not 2, and its K loop reads global memory only by asynchronous copies (a
+    synchronous load there stalls every step of the weight stream)."""
     from jaxspec import aot
 
     (depth, width, groups), tiles = V32_WEIGHTS[weight], VARIANTS[variant]
