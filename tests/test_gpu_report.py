@@ -251,10 +251,11 @@ def test_the_suite_runs_its_modules_in_the_order_asked(monkeypatch):
         def __init__(self, name):
             self.path, self.keywords = pathlib.Path("tests", name), {}
 
-    heaviest = ["test_loop.py", "test_v4_mosaic.py", "test_config.py"]  # 5th listed, last listed, unlisted
+    heaviest = [conftest.HEAVIEST_FIRST[4], conftest.HEAVIEST_FIRST[-1], "test_config.py"]  # listed 5th, last; unlisted
+    assert "test_config.py" not in conftest.HEAVIEST_FIRST
     for lightest, want in ((False, heaviest), (True, heaviest[::-1])):
         monkeypatch.setattr(conftest, "LIGHTEST_FIRST", lightest)
-        items = [Item(name) for name in ("test_config.py", "test_v4_mosaic.py", "test_loop.py")]
+        items = [Item(name) for name in (heaviest[1], heaviest[2], heaviest[0])]  # neither order
         conftest.pytest_collection_modifyitems(None, items)
         assert [item.path.name for item in items] == want
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXSPEC_TEST_ORDER": "lightest-first"}
