@@ -148,8 +148,10 @@ BENCHMARK_UNITS = {
     # The grouped matmul's tile variants: the MoE layer with FP8 experts as the e2e step runs them
     # (most of the step's grouped-matmul time; under k64-split / k128-split their gate and up
     # projections split K in two, their down projection does not), then every FP8 linear under
-    # each at decode and at B 32, k 3 verification.
-    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--json", "{json}"],
+    # each, at the tokens a call of the gmm part's e2e points has: B 1 decode, B 32 k 3 verification
+    # (a linear's launch is the same for 1 and 8 tokens, and 8 is what the matmuls part measured).
+    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--tokens", "1", "128",
+                             "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
             ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--tokens", "8", "128",
                              "--json", "{json}"],
