@@ -126,16 +126,21 @@ def current_tiles() -> Tiles:
 @contextlib.contextmanager
 def tile_variant(name: str):
     """Inside this context the op's kernel launches with `VARIANTS[name]`: what a benchmark uses to
-    time a whole layer or step per variant. It is read while tracing, so a function jitted outside
-    the context keeps the tiles it was traced with: trace a fresh `jax.jit` per variant."""
+    time a whole layer or step per variant. The variant is read while tracing, and JAX keys its
+    traces by function and arguments, not by this setting (even a new `jax.jit` of the same
+    function reuses the trace), so entering and leaving clear JAX's caches (`jax.clear_caches`):
+    a program traced outside is traced again inside, and one traced inside is not reused outside.
+    A program compiled inside keeps its tiles."""
     global _variant
     if name not in VARIANTS:
         raise ValueError(f"tile variant {name!r}: must be one of {sorted(VARIANTS)}")
     previous, _variant = _variant, name
+    jax.clear_caches()
     try:
         yield
     finally:
         _variant = previous
+        jax.clear_caches()
 
 
 def k_splits(depth: int, width: int, num_groups: int, tiles: Tiles) -> int:

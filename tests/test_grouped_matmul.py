@@ -235,14 +235,21 @@ def test_k_splits_fill_the_gpu_for_one_decoded_token(variant):
 
 
 def test_tile_variant_context_and_tiles_errors():
-    """`tile_variant` sets what the op launches with while tracing, and restores it; bad names and
-    bad tiles are refused before tracing."""
+    """`tile_variant` sets what the op launches with while tracing, and restores it, even for a
+    function JAX traced before (its trace cache does not know the setting); bad names and bad
+    tiles are refused before tracing."""
     lhs, rhs, sizes = make_case(3, 20, 1024, 128, np.array([5, 0, 15], np.int32), jnp.float32)
+
+    def op(lhs, rhs, sizes):
+        return grouped_matmul(lhs, rhs, sizes, backend="pallas")
+
+    default = jax.jit(op)(lhs, rhs, sizes)
     with tile_variant("k64-split"):
-        split = jax.jit(functools.partial(grouped_matmul, backend="pallas"))(lhs, rhs, sizes)
+        split = jax.jit(op)(lhs, rhs, sizes)
         np.testing.assert_array_equal(split, grouped_matmul_pallas(lhs, rhs, sizes, interpret=True,
                                                                    tiles=VARIANTS["k64-split"]))
-    assert not np.array_equal(split, grouped_matmul(lhs, rhs, sizes, backend="pallas"))
+    assert not np.array_equal(split, default)
+    np.testing.assert_array_equal(jax.jit(op)(lhs, rhs, sizes), default)
     with pytest.raises(ValueError, match="tile variant 'k96'"):
         with tile_variant("k96"):
             pass
