@@ -489,10 +489,10 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
 def part_e2e(report: Report, clock: Clock, args, tiles: str = DEFAULT_VARIANT) -> None:
     """The e2e points (units "e2e/B=..,k=.."), or with another grouped-matmul tile variant the gmm
     part's (units "gmm/e2e-TILES/B=..,k=..")."""
-    prefix = "e2e" if tiles == DEFAULT_VARIANT else f"gmm/e2e-{tiles}"
-    # (--smoke: a variant's points are not run; the default's run the same code path)
-    points = (E2E_POINTS if not args.smoke else SMOKE_E2E_POINTS) if tiles == DEFAULT_VARIANT else (
-        GMM_E2E_POINTS if not args.smoke else [])
+    if tiles == DEFAULT_VARIANT:
+        prefix, points = "e2e", SMOKE_E2E_POINTS if args.smoke else E2E_POINTS
+    else:  # (--smoke: a variant's points are not run; the default's run the same code path)
+        prefix, points = f"gmm/e2e-{tiles}", [] if args.smoke else GMM_E2E_POINTS
     # A point measured before the step was profiled is measured again, with its profile.
     missing = [(b, k) for b, k in points
                if not report.has(f"{prefix}/B={b},k={k}") or report.units[f"{prefix}/B={b},k={k}"].get("profile") is None]

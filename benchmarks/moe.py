@@ -135,7 +135,6 @@ def main(argv=None) -> int:
             if memory is not None and weight_bytes + extra_memory(label, config, num_tokens) > MEMORY_FRACTION * memory:
                 print(f"{prefix}  skipped: memory")
                 continue
-            # A fresh jit per path: the tile variant is read while tracing.
             fn = jax.jit(lambda p, x, path=path, backend=backend: nnx.merge(graphdef, p)(x, path=path, backend=backend))
             try:
                 with tile_variant(tiles):

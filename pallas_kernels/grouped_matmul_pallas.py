@@ -196,12 +196,18 @@ def _tile(start, block: int, extent: int):
     return index, (None if extent % block == 0 else valid)
 
 
+def _shifts_last_block(width: int) -> bool:
+    """Whether the last column block of `width` columns is loaded shifted (`_column_start`): the
+    width is not a whole number of blocks but holds one."""
+    return width % BLOCK_N != 0 and width > BLOCK_N
+
+
 def _column_start(column_block, width: int):
     """The first of the BLOCK_N columns a program loads for its column block: the block's own first
-    column, except that the last block of a width that is not a whole number of blocks (but holds
-    one) ends at the width instead, so its load stays a plain in-bounds slice (kv_a_proj's 576
-    columns: 448 to 575 for the block of 512 to 575); the program stores only its own columns."""
-    if width % BLOCK_N == 0 or width < BLOCK_N:
+    column, except that a shifted last block (`_shifts_last_block`) ends at the width instead, so
+    its load stays a plain in-bounds slice (kv_a_proj's 576 columns: 448 to 575 for the block of
+    512 to 575); the program stores only its own columns."""
+    if not _shifts_last_block(width):
         return column_block * BLOCK_N
     return jnp.minimum(column_block * BLOCK_N, width - BLOCK_N)
 
@@ -268,7 +274,7 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *ref
         acc = jax.lax.fori_loop(0, split_steps, accumulate, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
         row = first + jnp.arange(BLOCK_M, dtype=jnp.int32)
         mine = ((row >= start) & (row < end))[:, None]
-        if width % BLOCK_N and width > BLOCK_N:  # a shifted last block: the previous block's columns are not ours
+        if _shifts_last_block(width):  # the previous block's columns are not ours
             mine = mine & (column_start + jnp.arange(BLOCK_N, dtype=jnp.int32) >= column_block * BLOCK_N)[None, :]
         plgpu.store(out_ref.at[split, pl.ds(first, BLOCK_M), pl.ds(column_start, BLOCK_N)],
                     acc.astype(out_ref.dtype), mask=mine)
