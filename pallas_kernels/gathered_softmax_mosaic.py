@@ -3,11 +3,12 @@ fill a key tile, and the online softmax in two warpgroups.
 
 `sparse_mla_attention_mosaic` (a token's top-k slots) and `sliding_compressed_attention_mosaic`
 (DeepSeek-V4's ring, compressed entries and extra keys) both run a program as one token's 64 heads
-over a list of gathered key tiles, and split the output's columns between two warpgroups as
+over a list of gathered key tiles, and split the output's columns between warpgroups as
 FlashMLA does: warpgroup 0 (`scorer`) waits for a tile's copies, moves the tile into the wgmma's
 operand, issues the next tile's copies, computes `S = Q K^T` and the float32 online softmax, and
-hands P and the rescale to warpgroup 1 (`follower`) through SMEM; each accumulates `P V` over its
-own columns. The kernels differ in where a tile's keys come from (their callbacks) and in where
+hands P and the rescale to the followers (`follower`) through SMEM; each accumulates `P V` over
+its own columns. The V4 kernel's scorer owns columns too (two warpgroups); sparse MLA's scorer
+owns none and two followers own 256 columns each, accumulated in place (`accumulate_tile`). The kernels differ in where a tile's keys come from (their callbacks) and in where
 the softmax starts (a sink, or nothing); the rest is this module's, once. Dense
 `mla_attention_mosaic` runs the same loop and handshake over its paged tiles (TMA copies straight
 into two alternating operand buffers, its scores masked per row), so a tile's scores are computed
@@ -20,16 +21,16 @@ its RoPE values) into a row-major staging tile, and `to_operand` moves the stagi
 registers into the swizzled tile the wgmma reads, zeroing unseen keys' rows and dequantizing FP8
 values on the way.
 
-The handshake, per tile t (barriers of one arrival each):
+The handshake, per tile t (`p_ready` takes one arrival, `consumed` one per follower):
 
-    warpgroup 0: wait for tile t's copies; t > 0: wait `consumed` (warpgroup 1 is done with tile
+    warpgroup 0: wait for tile t's copies; t > 0: wait `consumed` (the followers are done with tile
                  t - 1's keys and P); operand, copies of t + 1, S, softmax; P and rescale to
                  SMEM; arrive `p_ready`
-    warpgroup 1: (dense MLA: wait for tile t's copies); wait `p_ready`; P V with the rescale;
+    followers:   (dense MLA: wait for tile t's copies); wait `p_ready`; P V with the rescale;
                  arrive `consumed`
 
 and after the last tile warpgroup 0 waits for `consumed` once more, writes the denominator where the
-rescale was and arrives `p_ready`, which warpgroup 1 waits for before its store.
+rescale was and arrives `p_ready`, which the followers wait for before their stores.
 
 Interpreted on the CPU the kernels run one warpgroup, which owns every column and makes no
 handshake (`handshake=False`): the simulator runs warpgroups as threads whose XLA executions share
@@ -47,6 +48,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic_gpu import dequantize_rows
 
+# Warpgroups accumulating P V beside the scoring one, and the output columns each owns (at most): a
+# 64 x 256 float32 accumulator, in place (`accumulate_tile`), 128 registers a thread.
+FOLLOWERS = 2
+OUT_BLOCK = 256
+# Registers a thread (`plgpu.set_max_registers`) of the scoring and the following warpgroups. Three
+# warpgroups share the SM's 64 K registers, 168 a thread each by default, at which sparse MLA's
+# scorer spilled 44 words a tile. They must sum to 512 in multiples of 8; the followers need their
+# accumulator and little else, and ptxas ignores a cut to 152 (C7507), hence 192 / 160: the scorer's
+# loop then keeps 3 spill stores and 23 spill loads a tile (sm_90a, bfloat16 sparse MLA).
+SCORER_REGISTERS, FOLLOWER_REGISTERS = 192, 160
 # Columns a register move handles: one 128-byte swizzle row of bfloat16.
 CHUNK = 64
 # A copy's bytes are a multiple of this (see `copy_key`).
@@ -197,6 +208,19 @@ def accumulate_values(acc, alpha, p_smem, values_smem):
     return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]) + tile_out
 
 
+def accumulate_tile(acc, alpha, p_smem, values_smem, interpret: bool):
+    """acc [64, C] float32 * alpha [64] + P V, p_smem [64, T] . values_smem [T, C] on the tensor
+    cores, as the kernels whose warpgroups own 256 columns each run it. On a GPU the wgmma
+    accumulates in place into the rescaled accumulator (`pl.run_state`): a second 64 x 256 float32
+    accumulator would not fit beside the first in a warpgroup's registers. Interpreted, a fresh
+    accumulator added in registers (`accumulate_values`): jax 0.10.2's interpreter has no
+    `run_state`."""
+    if interpret:
+        return accumulate_values(acc, alpha, p_smem, values_smem)
+    scaled = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, values_smem))(plgpu.ACC.init(scaled))
+
+
 def gathered_tiles(q_smem, kv_smem, p_smem, scale: float, gathered) -> dict:
     """`scorer`'s tile callbacks for the kernels that gather into one operand tile: wait for
     `gathered`, scores `tile_scores` of q_smem [M, D] and kv_smem [T, D] plus `prepare`'s bias,
@@ -221,9 +245,10 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
     scores(t, prepared) -> s [M, T] float32: the tile's scaled scores, -inf where a row does not see
       a key (`tile_scores` for the gathering kernels: `gathered_tiles`);
     p_at(t) -> the SMEM ref [M, T] (the keys' dtype) that takes tile t's P;
-    accumulate(acc, alpha [M], t) -> acc: `accumulate_values` of tile t over warpgroup 0's columns;
-    alpha_smem [M] float32: the rescale, then the denominator, handed to warpgroup 1; handshake: two
-      warpgroups (False: warpgroup 0 alone, owning every column).
+    accumulate(acc, alpha [M], t) -> acc: `accumulate_values` or `accumulate_tile` of tile t over
+      warpgroup 0's columns (acc may be empty: sparse MLA's scorer owns none);
+    alpha_smem [M] float32: the rescale, then the denominator, handed to the followers; handshake:
+      followers run beside it (False: warpgroup 0 alone, owning every column).
 
     A row that has seen no key yet keeps max -inf and denominator 0, and its rescale is exp(-inf) =
     0 rather than NaN, so an empty row ends with denominator 0 for the caller to handle. A tile a
@@ -231,7 +256,7 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
     def step(tile, carry):
         row_max, denom, acc = carry
         wait(tile)
-        if handshake:  # warpgroup 1 is done with the last tile's keys and P
+        if handshake:  # the followers are done with the last tile's keys and P
             pl.when(tile > 0)(lambda: plgpu.barrier_wait(consumed))
         prepared = prepare(tile)
         plgpu.commit_smem()
@@ -252,7 +277,7 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
         return new_max, denom * alpha + jnp.sum(p, axis=1), accumulate(acc, alpha, tile)
 
     row_max, denom, acc = jax.lax.fori_loop(0, num_tiles, step, init)
-    if handshake:  # warpgroup 1 has read the last rescale: hand it the denominator
+    if handshake:  # the followers have read the last rescale: hand them the denominator
         pl.when(num_tiles > 0)(lambda: plgpu.barrier_wait(consumed))
         alpha_smem[...] = denom
         plgpu.commit_smem()
@@ -262,9 +287,9 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
 
 def follower(*, num_tiles, acc0, accumulate: Callable, alpha_smem, row_layout, p_ready, consumed,
              prepare: Callable | None = None):
-    """Warpgroup 1's loop: `P V` over its columns with warpgroup 0's P and rescales -> (acc, denom
-    [M]). acc0: its zero accumulator; accumulate(acc, alpha, t) -> acc over its columns; prepare(t):
-    what warpgroup 1 does for tile t before it waits for P (dense MLA: wait for the tile's copies and
+    """A follower warpgroup's loop: `P V` over its columns with warpgroup 0's P and rescales ->
+    (acc, denom [M]). acc0: its zero accumulator; accumulate(acc, alpha, t) -> acc over its columns;
+    prepare(t): what it does for tile t before it waits for P (dense MLA: wait for the tile's copies and
     dequantize its own columns of an FP8 tile); the rest as in `scorer`."""
     def step(tile, acc):
         if prepare is not None:

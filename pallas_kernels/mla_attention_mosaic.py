@@ -62,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
-from .gathered_softmax_mosaic import accumulate_values, follower, scorer
+from .gathered_softmax_mosaic import accumulate_tile, follower, scorer
 from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
                          swizzled)
 from .visibility import Visibility, kv_bound
@@ -176,18 +176,6 @@ def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: in
     bits = jnp.sum(jnp.where(mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # distinct bits: sum = or
     bits = jax.lax.bitcast_convert_type(bits, jnp.int32)  # [B, Q, W]
     return per_row(bound), jnp.swapaxes(per_row(bits), 1, 2), meta
-
-
-def _accumulate(acc, alpha, p_smem, values_smem, interpret: bool):
-    """acc [64, C] float32 * alpha [64] + P V, p_smem [64, T] . values_smem [T, C] on the tensor
-    cores. On a GPU the wgmma accumulates in place into the rescaled accumulator (`pl.run_state`):
-    a second 64 x 256 float32 accumulator would not fit beside the first in a warpgroup's
-    registers. Interpreted, a fresh accumulator added in registers (`accumulate_values`): jax
-    0.10.2's interpreter has no `run_state`."""
-    if interpret:
-        return accumulate_values(acc, alpha, p_smem, values_smem)
-    scaled = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, values_smem))(plgpu.ACC.init(scaled))
 
 
 def _union(*buffers, interpret: bool):
@@ -324,7 +312,7 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             return jnp.where(visible((lo + i) * BLOCK_N), s * softmax_scale, -jnp.inf)
 
         def accumulate(h):
-            return lambda acc, alpha, i: _accumulate(acc, alpha, p_at(i), latent_tile(i).at[:, pl.ds(h * own, own)],
+            return lambda acc, alpha, i: accumulate_tile(acc, alpha, p_at(i), latent_tile(i).at[:, pl.ds(h * own, own)],
                                                      interpret)
 
         def finish(h, row_max, denom, acc):

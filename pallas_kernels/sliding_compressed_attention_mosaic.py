@@ -19,7 +19,7 @@ with the tile before it, so the copies of its keys are issued from SMEM (`issue_
 
 Work unit and invariance. As in `sparse_mla_attention_mosaic` (whose structure this kernel
 shares): a program holds one token's block of BLOCK_M (64) heads as the wgmma's M rows and
-2 * out_block of the D output columns in two warpgroups; grid
+FOLLOWERS * out_block of the D output columns (all 512 of V4's) in three warpgroups; grid
 
     (column blocks, head blocks, B * Q)   axis 0 fastest
 
@@ -53,10 +53,12 @@ neither; the extra keys are quantized by the entries' pool's rule before the cal
 the op reads them beside FP8 pools (`contracts.stored_extra_keys`), so every run has one format.
 
 Warpgroups: warpgroup 0 gathers, computes `S = Q K^T` and the softmax, and hands P (in the keys'
-dtype) and the rescale to warpgroup 1 through SMEM; each accumulates `P V` over its own out_block
-columns (`gathered_softmax_mosaic`, the loop and handshake sparse MLA's kernel runs too, here
-starting at the sink). At D = 512, two column-block programs each compute `S`. Interpreted, one
-warpgroup owns all the program's columns and the handshake is left out (see `_sliding_compressed`).
+dtype) and the rescale to the two followers through SMEM; each follower accumulates `P V` over
+its own out_block (256) columns in place (`gathered_softmax_mosaic`, the loop, handshake and
+register split sparse MLA's kernel runs too, here starting at the sink). So a token's keys are
+gathered and `S` computed once per head block; two column-block programs of two warpgroups each
+did both twice. Interpreted, one warpgroup owns all the program's columns and the handshake is
+left out (see `_sliding_compressed`).
 
 Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
 64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), two tiles' rows,
@@ -65,7 +67,7 @@ a block may claim on sm_90. With FP8 pools the staging holds e4m3 rows (29 KiB) 
 (9 KiB), plus the tile's scales (2 KiB): 183,328 bytes.
 
 Constraints (ValueError, before tracing): q and every key array bfloat16 or float16, the key
-arrays of one dtype; D a multiple of 128, and of 256 when wider than 256. FP8 pools: both of them,
+arrays of one dtype; D a multiple of 128, and of 512 when wider than 512. FP8 pools: both of them,
 float32 scales per 64 values, bfloat16 RoPE values, RoPE width a multiple of 64 and the values at
 least 128 (a copy's bytes). Any page size, any H (padded to a multiple of 64 with zero queries).
 """
@@ -84,9 +86,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
-from .gathered_softmax_mosaic import (CHUNK, accumulate_values, check_part_width, copies_per_key, fetch_rows,
-                                      follower, gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer,
-                                      staging)
+from .gathered_softmax_mosaic import (CHUNK, FOLLOWER_REGISTERS, FOLLOWERS, OUT_BLOCK, SCORER_REGISTERS,
+                                      accumulate_tile, check_part_width, copies_per_key, fetch_rows, follower,
+                                      gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
@@ -94,14 +96,15 @@ from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # keys per tile
-OUT_BLOCK = 128  # output columns per warpgroup (at most): 64 x 128 float32 accumulators
 # Rows one key array may hold: the kernel takes key rows as float32, whose integers are exact to here.
 MAX_ROWS = 2 ** 24
 
 
 def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], fp8: bool,
-            scale: float, out_block: int, warpgroups: int):
-    """One (column block, head block, token) program of two warpgroups.
+            scale: float, out_block: int, warpgroups: int, interpret: bool):
+    """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
+    followers, each owning out_block of the program's columns (one warpgroup interpreted, scoring
+    and owning them all).
 
     q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE]
     float32 (each key's row in its array as an exact float32 integer, -1 unseen: `key_rows`),
@@ -109,9 +112,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
     [B * Q] int32 (how many of them); with FP8 keys scales_ref [Dq / 64, B * Q, T * TILE] float32
     (each listed key's block scales, `listed_scales`); then per run its keys [rows, D], or
     with FP8 keys their e4m3 values [rows, Dq] and bfloat16 RoPE values [rows, D - Dq] (tiles
-    [runs[i - 1], runs[i]) of the list read run i); out_ref [B * Q, Hp, D]. With two warpgroups,
-    warpgroup w owns the output columns [(2 * column block + w) * out_block, + out_block); with one
-    (interpreted), it owns both blocks.
+    [runs[i - 1], runs[i]) of the list read run i); out_ref [B * Q, Hp, D]. Follower warpgroup 1 + f
+    owns the output columns [(FOLLOWERS * column block + f) * out_block, + out_block).
 
     A tile's rows sit in SMEM before its keys are gathered: tile s's arrive with tile s - 1's keys
     (the first before the loop), in two alternating buffers, so that issuing a key's copies reads
@@ -148,24 +150,32 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         fetch_rows(rows_at, step + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
-        # Two tiles' rows, the rescale handed to warpgroup 1 and the sinks share one buffer: every
+        # Two tiles' rows, the rescale handed to the followers and the sinks share one buffer: every
         # SMEM buffer starts on a 1 KiB boundary.
         rows_smem, alpha_smem, sinks_smem = vectors.at[0:2], vectors.at[2], vectors.at[3]
-        own = 2 * out_block // warpgroups  # output columns of this warpgroup
-        columns = pl.ds(2 * column_block * out_block + wg * own, own)
+        handshake = warpgroups > 1
         handshake_barriers = dict(alpha_smem=alpha_smem, p_ready=p_ready, consumed=consumed)
 
-        def accumulate(acc, alpha, _tile):
-            return accumulate_values(acc, alpha, p_smem, kv_smem.at[:, columns])
+        def columns(block, count=1):  # follower `block`'s output columns (`count` blocks from there)
+            return pl.ds((FOLLOWERS * column_block + block) * out_block, count * out_block)
 
-        def write_out(acc, denom):
+        # The scorer's columns: none beside the followers, all the program's when it runs alone.
+        scored = () if handshake else (columns(0, FOLLOWERS),)
+
+        def accumulate(acc, alpha, cols):
+            return accumulate_tile(acc, alpha, p_smem, kv_smem.at[:, cols], interpret)
+
+        def write_out(acc, denom, cols):
             out = acc / jax.lax.broadcast_in_dim(denom, acc.shape, [0])  # denom >= exp(sink - max) > 0
-            store(out_ref.at[token, heads, columns], out.astype(out_ref.dtype))
+            store(out_ref.at[token, heads, cols], out.astype(out_ref.dtype))
 
-        acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, own), jnp.float32), plgpu.Layout.WGMMA)
+        def acc0(cols):
+            return plgpu.layout_cast(jnp.zeros((BLOCK_M, cols.size), jnp.float32), plgpu.Layout.WGMMA)
 
         @pl.when(wg == 0)
         def _scorer():
+            if handshake:
+                plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
@@ -174,20 +184,27 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
 
             # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
             init = (plgpu.layout_cast(sinks_smem[...], row_layout),
-                    plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), acc0)
+                    plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), tuple(map(acc0, scored)))
             _, denom, acc = scorer(
                 num_tiles=num_tiles, init=init,
                 prepare=functools.partial(prepare_tile, stagings, widths, kv_smem, rows_smem, scales=scales),
-                prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered), accumulate=accumulate,
-                **gathered_tiles(q_smem, kv_smem, p_smem, scale, gathered), handshake=warpgroups == 2,
+                prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered),
+                accumulate=lambda acc, alpha, _step: tuple(accumulate(a, alpha, cols) for a, cols in zip(acc, scored)),
+                **gathered_tiles(q_smem, kv_smem, p_smem, scale, gathered), handshake=handshake,
                 **handshake_barriers)
-            write_out(acc, denom)
+            for a, cols in zip(acc, scored):
+                write_out(a, denom, cols)
 
-        if warpgroups == 2:
-            @pl.when(wg == 1)
-            def _second_columns():
-                write_out(*follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate, row_layout=row_layout,
-                                    **handshake_barriers))
+        def follow(block):
+            plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
+            acc, denom = follower(num_tiles=num_tiles, acc0=acc0(columns(block)), row_layout=row_layout,
+                                  accumulate=lambda acc, alpha, _step: accumulate(acc, alpha, columns(block)),
+                                  **handshake_barriers)
+            write_out(acc, denom, columns(block))
+
+        if handshake:
+            for block in range(FOLLOWERS):
+                pl.when(wg == 1 + block)(functools.partial(follow, block))
 
     pl.run_scoped(
         body,
@@ -199,7 +216,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         plgpu.Barrier(num_arrivals=3),
         plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
         plgpu.Barrier(),
-        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=max(1, warpgroups - 1)),
         *(staging(TILE, w, array.dtype) for w, array in zip(widths, sources[0])),
         collective_axes="wg",
     )
@@ -292,8 +309,9 @@ def check_operands(q, window_kv, compressed_kv=None, extra_kv=None) -> None:
                 raise ValueError(f"{name}: {arg}.dtype={array.dtype} must equal window_kv.dtype={window_kv.dtype} "
                                  "(one wgmma operand type)")
     dim = q.shape[-1]
-    if dim % 128 or (dim > 2 * OUT_BLOCK and dim % (2 * OUT_BLOCK)):
-        raise ValueError(f"{name}: q last dim D={dim} must be a multiple of 128 (of {2 * OUT_BLOCK} when wider)")
+    if dim % 128 or (dim > FOLLOWERS * OUT_BLOCK and dim % (FOLLOWERS * OUT_BLOCK)):
+        raise ValueError(f"{name}: q last dim D={dim} must be a multiple of 128 (of {FOLLOWERS * OUT_BLOCK} when "
+                         "wider)")
     for arg, array in (*pools.items(), ("extra_kv", extra_kv)):
         if array is not None and math.prod(array.shape[:-1]) > MAX_ROWS:
             raise ValueError(f"{name}: {arg} holds {math.prod(array.shape[:-1])} keys: at most {MAX_ROWS} (key rows "
@@ -317,7 +335,7 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
 
     Allowed (ValueError otherwise, before tracing): bfloat16 / float16 q and keys, the key arrays
     of one dtype (FP8 pools: a bfloat16 RoPE part and e4m3 values each a multiple of 64 wide, the
-    values at least 128); D a multiple of 128 (of 256 when wider).
+    values at least 128); D a multiple of 128 (of 512 when wider).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,
@@ -340,7 +358,7 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     # Interpreted, one warpgroup owns all the program's columns (no register limit there) and the
     # warpgroups' handshake is left out: the simulator runs warpgroups as threads whose XLA
     # executions share the host's thread pool, and two that wait on each other deadlocked here.
-    warpgroups = 1 if interpret else 2
+    warpgroups = 1 if interpret else 1 + FOLLOWERS
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
     fp8 = isinstance(window_kv, Fp8Pool)
@@ -351,14 +369,14 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     rows = rows.reshape(tokens, -1)
     queries = pad_to(q, 2, BLOCK_M).reshape(tokens, -1, dim).astype(entry_dtype(window_kv))
     heads_padded = queries.shape[1]
-    out_block = min(dim // 2, OUT_BLOCK)  # columns per warpgroup
+    out_block = min(dim // FOLLOWERS, OUT_BLOCK)  # columns per follower
     arrays = [part for source in sources for part in ((source.values, source.rope) if fp8 else (source,))]
     out_type = jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype)
     kernel = plgpu.kernel(
         functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block,
-                          warpgroups=warpgroups),
+                          warpgroups=warpgroups, interpret=interpret),
         out_type=out_type,
-        grid=(dim // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
+        grid=(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
     seen = jnp.any(rows.reshape(tokens, -1, TILE) >= 0, axis=2)  # [B * Q, T]

@@ -3,20 +3,27 @@ each query token over its own selected slots.
 
 Work unit. Every window token (b, q) has its own index list `indices[b, q, :]` (2048 slots for
 DeepSeek-V3.2) shared by its H heads, so tokens share no KV reads: a program holds one token's
-block of BLOCK_M (64) heads as the wgmma's M rows and 2 * OUT_BLOCK (256) of the output's 512
-latent columns, in two warpgroups. Grid:
+block of BLOCK_M (64) heads as the wgmma's M rows and FOLLOWERS * OUT_BLOCK (512) latent columns,
+all of DeepSeek's, in three warpgroups. Grid:
 
     (latent column blocks, head blocks, B * Q)   axis 0 fastest
 
-so the programs of one token run side by side and share its gathered rows through L2. A program
-walks the whole index list in tiles of TILE (64) slots with an online softmax in float32. The list
-is never split, so a token's output bits depend on its own queries, indices and cache rows only,
-never on B or Q: invariant by construction (B 32, Q 1 already makes 128 programs).
+(one column block up to 512 columns), so a token's rows are gathered and its scores computed once
+per head block. A program walks the whole index list in tiles of TILE (64) slots with an online
+softmax in float32. The list is never split, so a token's output bits depend on its own queries,
+indices and cache rows only, never on B or Q: invariant by construction.
 
-Warpgroups (FlashMLA's split of the 512-wide output). Warpgroup 0 gathers, computes `S`, runs the
-softmax and hands P and the rescale to warpgroup 1 through SMEM (barriers `p_ready` / `consumed`);
-each then accumulates `P V` over its own OUT_BLOCK columns, so `S` is computed once per program.
-The loop and its handshake are `gathered_softmax_mosaic`'s, which DeepSeek-V4's kernel shares.
+Warpgroups (FlashMLA's split of the 512-wide output, with the scoring warpgroup apart).
+Warpgroup 0 gathers, computes `S`, runs the softmax and hands P and the rescale to warpgroups 1
+and 2 through SMEM (barriers `p_ready` / `consumed`, the latter with one arrival per follower);
+each follower accumulates `P V` over its own OUT_BLOCK columns in place (`accumulate_tile`: a
+64 x 256 float32 accumulator, 128 registers a thread), so the scorer carries no accumulator and
+its gather and softmax overlap the followers' GEMMs. The loop and its handshake are
+`gathered_softmax_mosaic`'s, which DeepSeek-V4's kernel shares. Registers are rebalanced between
+them (`setmaxnreg`: SCORER_REGISTERS / FOLLOWER_REGISTERS). Before, two warpgroups of 128
+columns each, with fresh accumulators, made two column programs per head block, each gathering
+the same rows and computing the same `S`: twice the gathers and 1.53x the tensor work of this
+layout, and 240 bytes of spills a thread at 255 registers.
 
 Reading scattered slots (`gathered_softmax_mosaic`). Hopper has no TMA gather, and a wgmma operand
 must sit in SMEM as 8-row swizzled tiles, which a copy per slot cannot fill. XLA resolves every
@@ -33,12 +40,8 @@ whole-row copies use every HBM sector they fetch.
 
 Per tile: `S = Q K^T` ([64, 576] x [576, 64], the tile read transposed: a bit of the wgmma on the
 GPU), the scale, the mask and the online softmax in registers, P to SMEM in the cache's dtype, then
-`P V` into a fresh accumulator that is added to the running output in registers. Accumulating in
-place (`pl.run_state` with `plgpu.ACC.init`) would save those registers, so that four warpgroups
-could own all 512 columns; jax 0.10.2's interpreter runs neither `run_state` nor accumulator
-stores, and every kernel here must run interpreted in the tests. With fresh accumulators the
-register file (64 K a SM) holds two warpgroups' 64 x 128 float32 pairs, so the two column blocks'
-programs both compute `S`.
+`P V` into each follower's accumulator. Interpreted, warpgroup 0 does all of it with fresh
+accumulators (`accumulate_tile`): jax 0.10.2's interpreter runs no in-place accumulation.
 
 FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A selected slot arrives as its 512 e4m3 values
 and its 64 bfloat16 RoPE values (a copy each) into two staging tiles, and the move to the swizzled
@@ -55,10 +58,10 @@ rescale (one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use
 scratch is turned off (every reduction here stays inside a warp). With FP8 the staging holds e4m3
 rows (33 KiB) and RoPE rows (9 KiB), plus the tile's scales: 200,736 bytes.
 
-Interpreted on the CPU, warpgroup 0 does both warpgroups' work (`_sparse_mla`).
+Interpreted on the CPU, warpgroup 0 does every warpgroup's work (`_sparse_mla`).
 
 Constraints (ValueError): bfloat16 / float16 operands (an FP8 pool: e4m3 values, float32 scales,
-a bfloat16 RoPE part); Dl a multiple of 128 (of 2 * OUT_BLOCK when wider), Dr of 64; at most
+a bfloat16 RoPE part); Dl a multiple of 128 (of FOLLOWERS * OUT_BLOCK when wider), Dr of 64; at most
 MAX_ROWS slots in the cache. Any page size. Heads are padded to a multiple of 64.
 """
 
@@ -74,29 +77,31 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
-from .gathered_softmax_mosaic import (accumulate_values, copies_per_key, fetch_rows, follower, gathered_tiles,
-                                      issue_keys, prepare_tile, rows_buffer, scorer, staging)
+from .gathered_softmax_mosaic import (FOLLOWER_REGISTERS, FOLLOWERS, OUT_BLOCK, SCORER_REGISTERS, accumulate_tile,
+                                      copies_per_key, fetch_rows, follower, gathered_tiles, issue_keys, prepare_tile,
+                                      rows_buffer, scorer, staging)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
-OUT_BLOCK = 128  # latent output columns per warpgroup (at most)
 # Slots the cache may hold: the kernel takes slot rows as float32, whose integers are exact to here.
 MAX_ROWS = 2 ** 24
 
 
-def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, fp8: bool, warpgroups: int):
-    """One (column block, head block, token) program of two warpgroups (one interpreted, owning both
-    column blocks: see `_sparse_mla`).
+def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, fp8: bool, warpgroups: int,
+                       interpret: bool):
+    """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
+    followers, each owning out_block of the program's columns (one warpgroup interpreted, scoring
+    and owning them all: see `_sparse_mla`).
 
     q_ref [B * Q, Hp, Dl + Dr]; rows_ref [B * Q, K] float32 (each selected slot's row in the
     flattened cache as an exact float32 integer, -1 for none); for an FP8 cache scales_ref
     [B * Q, Dl / 128, K] float32 (each selected slot's block scales); then the cache, flattened:
     cache_ref [P * page, Dl + Dr], or for an FP8 cache values_ref [P * page, Dl] e4m3 and rope_ref
     [P * page, Dr] bfloat16; out_ref [B * Q, Hp, Dl] (q_nope's dtype), lse_ref [B * Q, Hp].
-    Warpgroup w owns the output columns [block + w * out_block, + out_block).
+    Follower warpgroup 1 + f owns the output columns [(FOLLOWERS * column block + f) * out_block, + out_block).
 
     A tile's rows sit in SMEM before its slots are gathered (`issue_keys`): tile t's arrive with
     tile t - 1's slots (the first before the loop), in two alternating buffers."""
@@ -123,34 +128,36 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         fetch_rows(rows_at, tile + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
-        # Two tiles' rows and the rescale handed to warpgroup 1 share one buffer: every SMEM buffer
+        # Two tiles' rows and the rescale handed to the followers share one buffer: every SMEM buffer
         # starts on a 1 KiB boundary, and two would not fit beside the three 72 KiB tiles.
         rows_smem, alpha_smem = vectors.at[0:2], vectors.at[2]
-        handshake = warpgroups == 2
+        handshake = warpgroups > 1
 
-        def columns(block):  # the output columns of warpgroup `block`'s share
-            return pl.ds((2 * column_block + block) * out_block, out_block)
+        def columns(block):  # the output columns of follower `block`'s share
+            return pl.ds((FOLLOWERS * column_block + block) * out_block, out_block)
 
         def write_out(acc, denom, block):
             safe = jnp.where(denom > 0, denom, 1.0)
             out = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
             store(out_ref.at[token, heads, columns(block)], out.astype(out_ref.dtype))
 
-        # The column blocks warpgroup 0 accumulates: its own, and warpgroup 1's when it runs alone.
-        owned = range(3 - warpgroups)
+        # The column blocks warpgroup 0 accumulates: none beside its followers, both when it runs alone.
+        owned = () if handshake else range(FOLLOWERS)
 
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, out_block), jnp.float32), plgpu.Layout.WGMMA)
         handshake_barriers = dict(alpha_smem=alpha_smem, p_ready=p_ready, consumed=consumed)
 
         @pl.when(wg == 0)
         def _scorer():
+            if handshake:
+                plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
             gather(0, stagings, rows_smem, scales, gathered)
 
             def accumulate(acc, alpha, _tile):
-                return tuple(accumulate_values(a, alpha, p_smem, kv_smem.at[:, columns(block)])
+                return tuple(accumulate_tile(a, alpha, p_smem, kv_smem.at[:, columns(block)], interpret)
                              for a, block in zip(acc, owned))
 
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
@@ -167,15 +174,20 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             seen = denom > 0
             store(lse_ref.at[token, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
 
-        if handshake:
-            @pl.when(wg == 1)
-            def _second_columns():
+        def columns_of(block):
+            def run():
+                plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
                 acc, denom = follower(
                     num_tiles=num_tiles, acc0=acc0, row_layout=row_layout,
-                    accumulate=lambda acc, alpha, _tile: accumulate_values(acc, alpha, p_smem,
-                                                                          kv_smem.at[:, columns(1)]),
+                    accumulate=lambda acc, alpha, _tile: accumulate_tile(acc, alpha, p_smem,
+                                                                        kv_smem.at[:, columns(block)], interpret),
                     **handshake_barriers)
-                write_out(acc, denom, 1)
+                write_out(acc, denom, block)
+            return run
+
+        if handshake:
+            for block in range(FOLLOWERS):
+                pl.when(wg == 1 + block)(columns_of(block))
 
     operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
     pl.run_scoped(
@@ -188,7 +200,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
         plgpu.Barrier(),
-        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=max(1, warpgroups - 1)),
         *(staging(TILE, part.shape[-1], part.dtype) for part in parts),
         collective_axes="wg",
     )
@@ -224,9 +236,9 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     if latent_cache.shape[-1] != latent + rope:
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache last dim {latent_cache.shape[-1]} != "
                          f"Dl + Dr = {latent} + {rope}")
-    if latent % 128 or rope % 64 or (latent > 2 * OUT_BLOCK and latent % (2 * OUT_BLOCK)):
+    if latent % 128 or rope % 64 or (latent > FOLLOWERS * OUT_BLOCK and latent % (FOLLOWERS * OUT_BLOCK)):
         raise ValueError(f"sparse_mla_attention_mosaic: Dl={latent} must be a multiple of 128 (of "
-                         f"{2 * OUT_BLOCK} when wider) and Dr={rope} of 64")
+                         f"{FOLLOWERS * OUT_BLOCK} when wider) and Dr={rope} of 64")
     slots = latent_cache.shape[0] * latent_cache.shape[1]
     if slots > MAX_ROWS:
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache holds {slots} slots: at most {MAX_ROWS} (slot "
@@ -242,11 +254,12 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "auto_barriers", "interpret"))
 def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, auto_barriers: bool,
                 interpret: bool):
-    # Interpreted, warpgroup 0 does both warpgroups' work (the same arithmetic, column block by
+    # Interpreted, warpgroup 0 does every warpgroup's work (the same arithmetic, column block by
     # column block): jax 0.10.2's interpreter runs warpgroups as threads that each execute XLA
     # computations, and inside an outer jitted program (the decoding loop) on a 2-core host, one
-    # waiting at a barrier for the other can hold the CPU threads the other needs (a deadlock, seen).
-    warpgroups = 1 if interpret else 2
+    # waiting at a barrier for another can hold the CPU threads the other needs (a deadlock, seen).
+    # Forced to the GPU's three warpgroups by hand, it ran the handshake to the same bits.
+    warpgroups = 1 if interpret else 1 + FOLLOWERS
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
     tokens = batch * num_queries
@@ -266,15 +279,15 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
         cache_operands = (latent_cache.values, latent_cache.rope)
     else:
         cache_operands, scale_operands = (latent_cache,), ()
-    out_block = min(latent // 2, OUT_BLOCK)  # columns per warpgroup
+    out_block = min(latent // FOLLOWERS, OUT_BLOCK)  # columns per follower
     heads_padded = q.shape[1]
     out_type = (jax.ShapeDtypeStruct((tokens, heads_padded, latent), q_nope.dtype),
                 jax.ShapeDtypeStruct((tokens, heads_padded), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, fp8=fp8,
-                          warpgroups=warpgroups),
+                          warpgroups=warpgroups, interpret=interpret),
         out_type=out_type,
-        grid=(latent // (2 * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
+        grid=(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
         num_threads=warpgroups, thread_name="wg",
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.

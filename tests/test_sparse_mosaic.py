@@ -312,13 +312,13 @@ def test_sparse_mla_dispatches_to_mosaic():
 
 @pytest.mark.parametrize("dtype, latent, rope, match", [
     (jnp.float32, 128, 64, r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
-    (jnp.bfloat16, 64, 64, r"Dl=64 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
-    (jnp.bfloat16, 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\) and Dr=64 of 64"),
-    (jnp.bfloat16, 128, 32, r"Dl=128 must be a multiple of 128 \(of 256 when wider\) and Dr=32 of 64"),
+    (jnp.bfloat16, 64, 64, r"Dl=64 must be a multiple of 128 \(of 512 when wider\) and Dr=64 of 64"),
+    (jnp.bfloat16, 640, 64, r"Dl=640 must be a multiple of 128 \(of 512 when wider\) and Dr=64 of 64"),
+    (jnp.bfloat16, 128, 32, r"Dl=128 must be a multiple of 128 \(of 512 when wider\) and Dr=32 of 64"),
     ("fp8", 64, 64, r"FP8 latent width 64 must be a multiple of 128 with one scale per 128 values"),
-    ("fp8", 384, 64, r"Dl=384 must be a multiple of 128 \(of 256 when wider\)"),
+    ("fp8", 640, 64, r"Dl=640 must be a multiple of 128 \(of 512 when wider\)"),
     ("fp8-float32-rope", 128, 64, r"an FP8 latent cache needs a bfloat16 rope part, got float32"),
-], ids=["float32", "dl64", "dl384", "dr32", "fp8-dl64", "fp8-dl384", "fp8-float32-rope"])
+], ids=["float32", "dl64", "dl640", "dr32", "fp8-dl64", "fp8-dl640", "fp8-float32-rope"])
 def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, match):
     cache = jnp.zeros((4, 16, latent + rope), jnp.bfloat16 if isinstance(dtype, str) else dtype)
     if isinstance(dtype, str):
@@ -371,15 +371,15 @@ def test_sparse_mla_mosaic_compiles_without_automatic_barriers(h100):
 @pytest.mark.parametrize("num_queries", [1, 4], ids=["q1", "q4"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp8):
-    """`sparse_mla_compile`: one Mosaic kernel of two warpgroups, a block per (column block, head
-    block, token), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
+    """`sparse_mla_compile`: one Mosaic kernel of three warpgroups (the scorer and two followers
+    owning 256 columns each), a block per (head block, token), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
     (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3 rows); registers are not in
     the program (Mosaic GPU's ptxas report: docs/kernels.md). With FP8 the temporaries exceed the bfloat16
     program's by at most the selected slots' gathered scales (16 bytes a slot): no dequantized copy
     of the cache exists."""
     compiled = sparse_mla_compile(num_queries, fp8)
     [launch] = aot.mosaic_launches(compiled)
-    assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * 2 * BATCH * num_queries
+    assert launch.threads == (384, 1, 1) and math.prod(launch.grid) == 2 * BATCH * num_queries
     assert launch.shared_memory <= SM90_SMEM
     heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
     assert_costed(compiled, "sparse_mla_attention",

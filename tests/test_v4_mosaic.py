@@ -106,9 +106,9 @@ def test_mosaic_output_does_not_depend_on_the_window(fp8):
 @pytest.mark.parametrize("change, match", [
     (dict(q=jnp.float32), r"dtype float32 not supported by the Mosaic GPU kernel: must be bfloat16 or float16"),
     (dict(compressed_kv=jnp.float16), r"compressed_kv.dtype=float16 must equal window_kv.dtype=bfloat16"),
-    (dict(dim=192), r"q last dim D=192 must be a multiple of 128 \(of 256 when wider\)"),
-    (dict(dim=384), r"q last dim D=384 must be a multiple of 128 \(of 256 when wider\)"),
-], ids=["float32", "mixed-key-dtypes", "d192", "d384"])
+    (dict(dim=192), r"q last dim D=192 must be a multiple of 128 \(of 512 when wider\)"),
+    (dict(dim=640), r"q last dim D=640 must be a multiple of 128 \(of 512 when wider\)"),
+], ids=["float32", "mixed-key-dtypes", "d192", "d640"])
 def test_mosaic_refuses_what_it_cannot_tile(change, match):
     case = make_case(np.random.default_rng(63), batch=1, num_queries=1, dim=change.get("dim", 128))
     args, kwargs = case.args(jnp.bfloat16)
@@ -197,8 +197,8 @@ def v4_flash_compile(compressed: str, fp8: bool):
 def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     """`v4_flash_compile`: the real Mosaic GPU lowering (copies, wgmma shapes, and Mosaic's check
     that the declared shared memory fits the 227 KiB a block may claim on sm_90, which raises
-    otherwise) and XLA's compile around it: one Mosaic launch of two warpgroups, a block per
-    (column block, head block, token), output [B, Q, H, D] bf16. With FP8 the staging holds e4m3
+    otherwise) and XLA's compile around it: one Mosaic launch of three warpgroups (the scorer and
+    two followers owning 256 columns each), a block per (head block, token), output [B, Q, H, D] bf16. With FP8 the staging holds e4m3
     rows, so the block claims less shared memory, and the temporaries exceed the bfloat16
     program's by at most the listed keys' gathered scales (28 bytes a key), the pools' scale tables
     (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists.
@@ -206,7 +206,7 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     compiled = v4_flash_compile(compressed, fp8)
     [launch] = aot.mosaic_launches(compiled)
     tokens = FLASH["batch"] * 8
-    assert launch.threads == (256, 1, 1) and math.prod(launch.grid) == 2 * tokens
+    assert launch.threads == (384, 1, 1) and math.prod(launch.grid) == tokens
     assert launch.shared_memory <= SHARED_MEMORY_LIMIT
     assert aot.memory(compiled).output == tokens * FLASH["heads"] * FLASH["dim"] * 2
     args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
