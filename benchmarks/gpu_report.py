@@ -45,8 +45,9 @@ Resuming: every finished unit (a test module, a benchmark, an e2e point) goes in
 at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
 same kind of device skips what is there, so a run cut short loses only the unit in flight, and a
 benchmark cut short keeps the rows it finished (recorded as incomplete: the next run measures it
-again). `--retry-failed` runs the failed units again, after a fix; `--redo PARTS` measures the
-named parts again (after a change to what they measure), `--redo` alone everything.
+again). `--retry-failed` runs the failed units again, after a fix; `--redo NAMES` measures the
+named parts or benchmark units again (after a change to what they measure), `--redo` alone
+everything.
 `--deadline` (seconds) stops starting units near the end of a time limit; what is left is listed.
 `--unit-timeout` (seconds) ends one subprocess that runs longer (a kernel that hangs on the device:
 the Mosaic kernels' warpgroup handshakes run on a GPU only) and records it as failed, so the next
@@ -799,6 +800,17 @@ def parse_parts(text: str) -> list[tuple[str, float | None]]:
     return parts
 
 
+def parse_redo(text: str) -> list[str]:
+    """"moe,kernels/sparse_mla" -> ["moe", "kernels/sparse_mla"]: parts (every unit of each) and
+    benchmark units (`BENCHMARK_UNITS`' names) to measure again, after a change to what they measure."""
+    units = {unit for part in BENCHMARK_UNITS.values() for unit, _, _ in part}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in PARTS and n not in units for n in names):
+        raise argparse.ArgumentTypeError(
+            f"--redo {text!r}: names of parts ({','.join(PARTS)}) or of benchmark units ({','.join(sorted(units))})")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu-report", help="directory of report.json and report.md (kept across runs)")
@@ -814,24 +826,25 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers of the suite part")
     parser.add_argument("--suite-chunk", type=int, default=None,
                         help="test modules per pytest run (default: every module left, in one run)")
-    parser.add_argument("--redo", nargs="?", const=",".join(PARTS), default=None, metavar="PARTS",
-                        help="measure again what the report holds for this device: of the parts named "
-                             "(comma-separated), or of every part when none is named")
+    parser.add_argument("--redo", nargs="?", const=",".join(PARTS), default=None, metavar="NAMES",
+                        help="measure again what the report holds for this device: of the parts or benchmark units "
+                             "named (comma-separated, e.g. kernels,gather/sparse_mla), or of every part when none "
+                             "is named")
     parser.add_argument("--retry-failed", action="store_true",
                         help="run again the units that failed (a benchmark's error, a test module's failures)")
     args = parser.parse_args(argv)
     if args.workers < 1 or (args.suite_chunk is not None and args.suite_chunk < 1):
         parser.error("--workers and --suite-chunk must be >= 1")
     try:
-        redo = [] if args.redo is None else [name for name, _ in parse_parts(args.redo)]
+        redo = [] if args.redo is None else parse_redo(args.redo)
     except argparse.ArgumentTypeError as error:
-        parser.error(str(error).replace("--parts", "--redo"))
+        parser.error(str(error))
     if args.unit_timeout <= 0:
         parser.error(f"--unit-timeout must be > 0, got {args.unit_timeout}")
     os.makedirs(args.out, exist_ok=True)
     device = device_name() + (" (smoke)" if args.smoke else "")
     report = Report(args.out, device, args.retry_failed)
-    for unit in [u for u in report.units if unit_part(u) in redo]:
+    for unit in [u for u in report.units if unit_part(u) in redo or u in redo]:
         del report.units[unit]
     deadline = Clock(args.deadline)
     started = time.monotonic()

@@ -326,10 +326,10 @@ def test_the_runbooks_parts_are_parts():
     import re
 
     with open(os.path.join(REPO, "docs", "gpu-testing.md")) as f:
-        lists = re.findall(r"--(?:parts|redo) ([a-z0-9_]+[a-z0-9_:.,]*)", f.read())
+        lists = re.findall(r"--(parts|redo) ([a-z0-9_]+[a-z0-9_:.,/]*)", f.read())
     assert len(lists) >= 4  # the examples, and the runbook's two calls and its --redo
-    for text in lists:
-        gpu_report.parse_parts(text.rstrip(".,"))  # a sentence's full stop is not the list's
+    for flag, text in lists:  # a sentence's full stop is not the list's
+        (gpu_report.parse_parts if flag == "parts" else gpu_report.parse_redo)(text.rstrip(".,"))
 
 
 def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
@@ -543,8 +543,8 @@ def test_a_suite_run_that_hangs_fails_the_modules_of_the_tests_it_was_running(tm
 
 
 def test_redo_measures_the_named_parts_again(tmp_path):
-    """`--redo moe,tiles` drops those parts' units from the report before the run (`unit_part`
-    maps each unit to its part); the other parts' units stay."""
+    """`--redo moe,tiles,gather/sparse_mla` drops those parts' units (`unit_part` maps each unit to
+    its part) and that unit from the report before the run; the other units stay."""
     device = gpu_report.device_name()
     report = gpu_report.Report(str(tmp_path), device)
     for unit in ("moe", "kernels_block_n32", "kernels/mla_attention", "gather/sparse_mla"):
@@ -552,12 +552,14 @@ def test_redo_measures_the_named_parts_again(tmp_path):
     report.record("suite/test_a.py", gpu_report.empty_outcome(), ok=True)
     assert [gpu_report.unit_part(u) for u in [*report.units, "e2e/B=1,k=0", "mainjob/mtp3"]] == [
         "moe", "tiles", "kernels", "gather", "suite", "e2e", "mainjob"]
-    assert gpu_report.main(["--out", str(tmp_path), "--redo", "moe,tiles", "--parts", "suite", "--deadline", "0"]) == 0
+    assert gpu_report.main(["--out", str(tmp_path), "--redo", "moe,tiles,gather/sparse_mla", "--parts", "suite",
+                            "--deadline", "0"]) == 0
     with open(tmp_path / "report.json") as f:
         units = json.load(f)["devices"][device]
-    assert set(units) == {"kernels/mla_attention", "gather/sparse_mla", "suite/test_a.py"}
-    with pytest.raises(SystemExit):
-        gpu_report.main(["--out", str(tmp_path), "--redo", "moe,gpu"])
+    assert set(units) == {"kernels/mla_attention", "suite/test_a.py"}
+    for names in ("moe,gpu", "kernels/nothing"):
+        with pytest.raises(SystemExit):
+            gpu_report.main(["--out", str(tmp_path), "--redo", names])
 
 
 def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(tmp_path, monkeypatch):
