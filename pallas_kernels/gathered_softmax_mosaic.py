@@ -7,8 +7,8 @@ over a list of gathered key tiles, and split the output's columns between warpgr
 FlashMLA does: warpgroup 0 (`scorer`) waits for a tile's copies, moves the tile into the wgmma's
 operand, issues the next tile's copies, computes `S = Q K^T` and the float32 online softmax, and
 hands P and the rescale to the followers (`follower`) through SMEM; each accumulates `P V` over
-its own columns. The V4 kernel's scorer owns columns too (two warpgroups); sparse MLA's scorer
-owns none and two followers own 256 columns each, accumulated in place (`accumulate_tile`). The kernels differ in where a tile's keys come from (their callbacks) and in where
+its own columns. On a GPU the scorer owns no columns and two followers own 256 columns each,
+accumulated in place (`accumulate_tile`); interpreted, the scorer alone owns them all. The kernels differ in where a tile's keys come from (their callbacks) and in where
 the softmax starts (a sink, or nothing); the rest is this module's, once. Dense
 `mla_attention_mosaic` runs the same loop and handshake over its paged tiles (TMA copies straight
 into two alternating operand buffers, its scores masked per row), so a tile's scores are computed

@@ -1,29 +1,32 @@
-"""Pallas Mosaic GPU kernel (`plgpu.kernel`: TMA, wgmma, mbarriers, two warpgroups) for `mla_attention`.
+"""Pallas Mosaic GPU kernel (`plgpu.kernel`: TMA, wgmma, mbarriers, three warpgroups) for `mla_attention`.
 
 Work layout. The Q window tokens x H heads of a sequence row fold into M = Q * H query rows (row
 m = q * H + h), padded to whole blocks of BLOCK_M = 64 (wgmma's M). A thread block owns one block
 of 64 rows, one part of the row's slots and one sequence row; grid `(row blocks, parts, B)`. It
 streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, two TMA copies of a page
 slice per tile (its [64, Dl] latent and [64, Dr] RoPE parts), double-buffered so the next tile
-lands while this one is multiplied. Two warpgroups share the work the way FlashMLA's consumers do,
-in the loop and handshake the gathering kernels use (`gathered_softmax_mosaic.scorer` and
-`follower`): warpgroup 0 computes the tile's scores `[64, 64] = q [64, Dl + Dr] @ tile^T` (two
-wgmmas into one accumulator, latent then RoPE: K = 512 + 64, the K steps of one K = 576 wgmma in
-the same order) and the online softmax, and hands P and the rescale to warpgroup 1 through shared
-memory; each accumulates its own half of the 512-wide output, `[64, 256]` float32 (128 registers a
-thread, in place): a 64 x 512 float32 accumulator would not fit one warpgroup's registers, which
-is what serialized the Triton kernel's wgmma. The scores are computed once a tile: the SM's tensor
-cores do 64 x 64 x (576 + 512) multiply-adds a tile, where scoring in both warpgroups did
+lands while this one is multiplied. Three warpgroups share the work as in the gathering kernels
+(`gathered_softmax_mosaic.scorer` and `follower`): warpgroup 0 computes the tile's scores
+`[64, 64] = q [64, Dl + Dr] @ tile^T` (two wgmmas into one accumulator, latent then RoPE:
+K = 512 + 64, the K steps of one K = 576 wgmma in the same order) and the online softmax, and
+hands P and the rescale to two followers through shared memory; each follower accumulates its
+half of the 512-wide output, `[64, 256]` float32 (128 registers a thread, in place): a 64 x 512
+float32 accumulator would not fit one warpgroup's registers, which is what serialized the Triton
+kernel's wgmma. The scorer carries no accumulator, so its scores and softmax of tile t + 1
+overlap the followers' `P V` of tile t (FlashMLA's consumers split the output the same way; the
+scorer apart is FlashAttention-3's overlap of softmax and GEMMs), and `setmaxnreg` gives it 192
+registers, the followers 160. The scores are computed once a tile: the SM's tensor cores do
+64 x 64 x (576 + 512) multiply-adds a tile, where scoring in both of two warpgroups did
 64 x 64 x (2 x 576 + 512), 1.53x as many; at 128 heads the op is compute-bound from Q = 2 on and
 near the ridge at Q = 1. P takes no shared memory of its own: it goes into the tile's RoPE buffer,
 which only the scores read, and the rescale into the log-sum-exp buffer, unused until the end.
 
 FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A tile arrives as its e4m3 values [64, Dl],
 their float32 scales [64, Dl / 128] and the bfloat16 RoPE part, double-buffered as above; each
-warpgroup dequantizes its own output columns, one 128-value scale block at a time, from shared
+follower dequantizes its own output columns, one 128-value scale block at a time, from shared
 memory through registers into one bfloat16 latent tile (`mosaic_gpu.dequantize_rows`: the bits of
-`fp8_cache.entries`), and both wait at a barrier until the whole tile is there, since warpgroup 0
-scores all of it (warpgroup 1 waits too, keeping the barrier's phases in step). So the kernel on an FP8 pool equals itself on the pool's dequantized entries, bit for
+`fp8_cache.entries`), and all three wait at a barrier until the whole tile is there, since
+warpgroup 0 scores all of it. So the kernel on an FP8 pool equals itself on the pool's dequantized entries, bit for
 bit, and no dequantized copy of the cache exists in HBM. Dl must be 512 with FP8: a TMA copy's
 rows are whole 16 bytes, four float32 scales.
 
@@ -62,7 +65,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
-from .gathered_softmax_mosaic import accumulate_tile, follower, scorer
+from .gathered_softmax_mosaic import (FOLLOWER_REGISTERS, FOLLOWERS, OUT_BLOCK, SCORER_REGISTERS, accumulate_tile,
+                                      follower, scorer)
 from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
                          swizzled)
 from .visibility import Visibility, kv_bound
@@ -70,7 +74,6 @@ from .visibility import Visibility, kv_bound
 BLOCK_M = 64  # query rows per thread block: wgmma's M
 BLOCK_N = 64  # cache slots per tile: a whole number of tiles per page
 STAGES = 2  # KV tiles in flight
-WARPGROUPS = 2  # each owns half of the latent output
 # Slots per split-KV part: long enough that the float32 partial a part writes and the merge reads
 # stay small next to the part's cache (576 x 2 bytes a slot against 512 x 4 bytes per query row),
 # short enough that B 32 at 4096 slots fills an H100's 132 SMs (2 row blocks x 4 parts x 32 rows).
@@ -127,16 +130,17 @@ def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
         if jnp.dtype(array.dtype) not in map(jnp.dtype, SUPPORTED_DTYPES):
             raise ValueError(f"{name}.dtype={array.dtype}: the Mosaic GPU mla_attention takes bfloat16 only "
                              "(wgmma; float32 would run as TF32): use backend='pallas' or 'xla' for float32")
-    if latent % (WARPGROUPS * 64):
-        raise ValueError(f"q_nope last dim (Dl) = {latent}: must be a multiple of {WARPGROUPS * 64}")
+    if latent % (FOLLOWERS * 64):
+        raise ValueError(f"q_nope last dim (Dl) = {latent}: must be a multiple of {FOLLOWERS * 64}")
     if rope % 64:
         raise ValueError(f"q_rope last dim (Dr) = {rope}: must be a multiple of 64")
     if latent_cache.shape[-1] != latent + rope:
         raise ValueError(f"latent_cache last dim {latent_cache.shape[-1]} != Dl + Dr = {latent} + {rope}")
     if latent_cache.shape[1] % BLOCK_N:
         raise ValueError(f"latent_cache page size {latent_cache.shape[1]}: must be a multiple of {BLOCK_N}")
-    if latent // WARPGROUPS > 256:
-        raise ValueError(f"q_nope last dim (Dl) = {latent}: at most {WARPGROUPS * 256} (a warpgroup's 256 columns)")
+    if latent // FOLLOWERS > OUT_BLOCK:
+        raise ValueError(f"q_nope last dim (Dl) = {latent}: at most {FOLLOWERS * OUT_BLOCK} (a follower's "
+                         f"{OUT_BLOCK} columns)")
     if part_slots < BLOCK_N or part_slots % BLOCK_N:
         raise ValueError(f"part_slots={part_slots}: must be a positive multiple of {BLOCK_N}")
     if page_table.ndim != 2 or page_table.shape[0] != q_nope.shape[0]:
@@ -186,9 +190,11 @@ def _union(*buffers, interpret: bool):
 
 def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, softmax_scale: float, warpgroups: int,
             interpret: bool, fp8: bool):
-    """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (WARPGROUPS
-    on a GPU, 1 interpreted), each owning Dl / warpgroups output columns: warpgroup 0 scores each
-    tile and hands P and the rescale to warpgroup 1 (`gathered_softmax_mosaic.scorer` / `follower`).
+    """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (1 +
+    FOLLOWERS on a GPU, 1 interpreted): warpgroup 0 scores each tile and hands P and the rescale to
+    the followers, each owning Dl / FOLLOWERS output columns (`gathered_softmax_mosaic.scorer` /
+    `follower`); interpreted, warpgroup 0 owns every column. Output columns are numbered by owner:
+    follower f (warpgroup 1 + f), or warpgroup 0 alone as owner 0.
 
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one); the cache: cache_ref
     [P, page, Dl + Dr], or for an FP8 cache values_ref [P, page, Dl] e4m3, scales_ref
@@ -201,13 +207,13 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
     *bits_ref, out_ref, lse_ref = refs
     bits_ref = bits_ref[0] if bits_ref else None
     rope = q_ref.shape[-1] - latent
-    own = latent // warpgroups  # the output columns a warpgroup accumulates
-    handshake = warpgroups == 2
+    handshake = warpgroups > 1
+    own = latent // (FOLLOWERS if handshake else 1)  # the output columns an owner accumulates
     row_block, part, seq = (jax.lax.axis_index(name) for name in ("rows", "parts", "batch"))
     rows = pl.ds(row_block * BLOCK_M, BLOCK_M)
 
     def body(q_smem, q_rope_smem, table_smem, meta_smem, bound_smem, bits_smem, buffers, lse_smem, load_barriers,
-             kv_barriers, converted_barrier, p_ready, consumed, done_barrier):
+             kv_barriers, p_ready, consumed, done_barrier):
         tiles, out_smem = buffers
         wg = jax.lax.axis_index("wg")
         sources = [(q_ref.at[seq, rows, pl.ds(0, latent)], q_smem),
@@ -257,23 +263,23 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             buffer, which only the scores read, so P takes no shared memory of its own."""
             return tiles["staged"][-1].at[jax.lax.rem(i, STAGES), :, pl.ds(0, BLOCK_N)]
 
-        def prepare(h, i):
-            """Warpgroup h's share of readying tile i: an FP8 tile's e4m3 values dequantized
-            (`mosaic_gpu.dequantize_rows`) into the bfloat16 operand, its own output columns, one
-            128-value scale block at a time; warpgroup 0 scores the whole tile, so both wait until
-            every column is there. Nothing to do for a bfloat16 cache."""
+        def prepare(i):
+            """The scorer's readying of tile i: an FP8 tile's e4m3 values dequantized
+            (`mosaic_gpu.dequantize_rows`) into the bfloat16 operand, one 128-value scale block at a
+            time. The scorer does it all: it carries no accumulator, where a follower's 64 x 256
+            float32 one left too few registers for a block's 64 values a thread (sm_90a: 432 bytes
+            of spills a thread, most in the followers' loops). The followers read the operand only
+            after `p_ready`, and the scorer writes it only after `consumed`. Nothing to do for a
+            bfloat16 cache."""
             if not fp8:
                 return None
             buffer = jax.lax.rem(i, STAGES)
             values, scales = tiles["staged"][0].at[buffer], tiles["staged"][1].at[buffer]
-            for first in range(h * own, (h + 1) * own, SCALE_BLOCK):
+            for first in range(0, latent, SCALE_BLOCK):
                 block = plgpu.layout_cast(values[:, pl.ds(first, SCALE_BLOCK)], plgpu.Layout.WGMMA)
                 block_scales = plgpu.layout_cast(scales[:, first // SCALE_BLOCK], plgpu.Layout.WGMMA.reduce(1))
                 tiles["operand"][:, pl.ds(first, SCALE_BLOCK)] = dequantize_rows(block, block_scales,
                                                                                  tiles["operand"].dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(converted_barrier)
-            plgpu.barrier_wait(converted_barrier)
             return None
 
         row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -311,51 +317,60 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             s = pl.run_scoped(product, plgpu.ACC((BLOCK_M, BLOCK_N), jnp.float32))
             return jnp.where(visible((lo + i) * BLOCK_N), s * softmax_scale, -jnp.inf)
 
-        def accumulate(h):
-            return lambda acc, alpha, i: accumulate_tile(acc, alpha, p_at(i), latent_tile(i).at[:, pl.ds(h * own, own)],
-                                                     interpret)
+        def accumulate(owner):
+            """The owner's `P V` step (owner None: the scorer beside its followers, which owns no column)."""
+            if owner is None:
+                return lambda acc, alpha, i: acc
+            return lambda acc, alpha, i: accumulate_tile(acc, alpha, p_at(i),
+                                                         latent_tile(i).at[:, pl.ds(owner * own, own)], interpret)
 
-        def finish(h, row_max, denom, acc):
-            """Warpgroup h's normalised columns (and warpgroup 0's log-sum-exp) to this part's outputs."""
+        def finish(owner, row_max, denom, acc):
+            """The owner's normalised columns (none for owner None) and, from the scorer (row_max
+            given), the log-sum-exp, to this part's outputs."""
             seen = denom > 0
             safe_denom = jnp.where(seen, denom, 1.0)
-            # Both warpgroups must be done with the tiles before the output staging reuses their
-            # memory, and warpgroup 1 with the denominator in lse_smem before the lse goes there.
+            # Every warpgroup must be done with the tiles before the output staging reuses their
+            # memory, and the followers with the denominator in lse_smem before the lse goes there.
             plgpu.barrier_arrive(done_barrier)
             plgpu.barrier_wait(done_barrier)
-            out_smem.at[h][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
-            if h == 0:
+            if owner is not None:
+                out_smem.at[owner][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
+            if row_max is not None:
                 store(lse_smem, jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[h], out_ref.at[seq, part, rows, pl.ds(h * own, own)])
-            if h == 0:
+            if owner is not None:
+                plgpu.copy_smem_to_gmem(out_smem.at[owner], out_ref.at[seq, part, rows, pl.ds(owner * own, own)])
+            if row_max is not None:
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, part, rows])
             plgpu.wait_smem_to_gmem(0)
 
         acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_M, own), jnp.float32), plgpu.Layout.WGMMA)
-        # The rescale (then the denominator) goes to warpgroup 1 through lse_smem, free until the end.
+        # The rescale (then the denominator) goes to the followers through lse_smem, free until the end.
         handshake_barriers = dict(alpha_smem=lse_smem, p_ready=p_ready, consumed=consumed)
 
         @pl.when(wg == 0)
         def _scorer():
+            owner = None if handshake else 0
+            if handshake:
+                plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
-                    plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), acc0)
+                    plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), () if handshake else acc0)
             row_max, denom, acc = scorer(num_tiles=num_tiles, init=init, wait=wait_tile,
-                                         prepare=functools.partial(prepare, 0), prefetch=issue, scores=scores,
-                                         p_at=p_at, accumulate=accumulate(0), handshake=handshake,
+                                         prepare=prepare, prefetch=issue, scores=scores,
+                                         p_at=p_at, accumulate=accumulate(owner), handshake=handshake,
                                          **handshake_barriers)
-            finish(0, row_max, denom, acc)
+            finish(owner, row_max, denom, acc)
+
+        def follow(owner):
+            plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
+
+            acc, denom = follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate(owner), row_layout=row_layout,
+                                  prepare=wait_tile, **handshake_barriers)
+            finish(owner, None, denom, acc)
 
         if handshake:
-            @pl.when(wg == 1)
-            def _follower():
-                def ready(i):
-                    wait_tile(i)
-                    prepare(1, i)
-
-                acc, denom = follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate(1), row_layout=row_layout,
-                                      prepare=ready, **handshake_barriers)
-                finish(1, None, denom, acc)
+            for owner in range(FOLLOWERS):
+                pl.when(wg == 1 + owner)(functools.partial(follow, owner))
 
     bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
     num_loads = 5 + (bits_ref is not None)
@@ -381,14 +396,13 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         plgpu.SMEM((COPY_WORDS,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
-        _union(tiles, plgpu.SMEM((warpgroups, BLOCK_M, own), jnp.float32, transforms=swizzled(jnp.float32, own)),
+        _union(tiles, plgpu.SMEM((latent // own, BLOCK_M, own), jnp.float32, transforms=swizzled(jnp.float32, own)),
                interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),
         plgpu.Barrier(num_arrivals=len(staged), num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=warpgroups) if fp8 else None,
         plgpu.Barrier(),
-        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=max(1, warpgroups - 1)),
         plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",
     )
@@ -431,7 +445,7 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     # Interpreted, one warpgroup owns the whole output (no register limit there): jax 0.10.2's
     # interpreter runs warpgroups as threads whose XLA executions it chains by ordered-effect
     # tokens, so two warpgroups that wait on each other at a barrier can deadlock (seen here).
-    warpgroups = 1 if interpret else WARPGROUPS
+    warpgroups = 1 if interpret else 1 + FOLLOWERS
     fp8 = isinstance(latent_cache, Fp8Pool)
     cache_operands = (latent_cache.values, latent_cache.scales, latent_cache.rope) if fp8 else (latent_cache,)
     queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)
