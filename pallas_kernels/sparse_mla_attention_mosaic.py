@@ -101,7 +101,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     [B * Q, Dl / 128, K] float32 (each selected slot's block scales); then the cache, flattened:
     cache_ref [P * page, Dl + Dr], or for an FP8 cache values_ref [P * page, Dl] e4m3 and rope_ref
     [P * page, Dr] bfloat16; out_ref [B * Q, Hp, Dl] (q_nope's dtype), lse_ref [B * Q, Hp].
-    Follower warpgroup 1 + f owns the output columns [(FOLLOWERS * column block + f) * out_block, + out_block).
+    Follower warpgroup 1 + f owns the output columns
+    [(FOLLOWERS * column block + f) * out_block, + out_block).
 
     A tile's rows sit in SMEM before its slots are gathered (`issue_keys`): tile t's arrive with
     tile t - 1's slots (the first before the loop), in two alternating buffers."""
@@ -174,20 +175,18 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             seen = denom > 0
             store(lse_ref.at[token, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
 
-        def columns_of(block):
-            def run():
-                plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
-                acc, denom = follower(
-                    num_tiles=num_tiles, acc0=acc0, row_layout=row_layout,
-                    accumulate=lambda acc, alpha, _tile: accumulate_tile(acc, alpha, p_smem,
-                                                                        kv_smem.at[:, columns(block)], interpret),
-                    **handshake_barriers)
-                write_out(acc, denom, block)
-            return run
+        def follow(block):
+            plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
+            acc, denom = follower(
+                num_tiles=num_tiles, acc0=acc0, row_layout=row_layout,
+                accumulate=lambda acc, alpha, _tile: accumulate_tile(acc, alpha, p_smem, kv_smem.at[:, columns(block)],
+                                                                    interpret),
+                **handshake_barriers)
+            write_out(acc, denom, block)
 
         if handshake:
             for block in range(FOLLOWERS):
-                pl.when(wg == 1 + block)(columns_of(block))
+                pl.when(wg == 1 + block)(functools.partial(follow, block))
 
     operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
     pl.run_scoped(
