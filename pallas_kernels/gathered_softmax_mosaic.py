@@ -39,6 +39,7 @@ the host's thread pool, and two waiting on each other deadlocked on a 2-core hos
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -56,7 +57,8 @@ OUT_BLOCK = 256
 # warpgroups share the SM's 64 K registers, 168 a thread each by default, at which sparse MLA's
 # scorer spilled 44 words a tile. They must sum to 512 in multiples of 8; the followers need their
 # accumulator and little else, and ptxas ignores a cut to 152 (C7507), hence 192 / 160: the scorer's
-# loop then keeps 3 spill stores and 23 spill loads a tile (sm_90a, bfloat16 sparse MLA).
+# loop then keeps 3 spill stores and 23 spill loads a tile (sm_90a, bfloat16 sparse MLA, jax 0.10.2;
+# 0 and 14 on jax 0.11.2).
 SCORER_REGISTERS, FOLLOWER_REGISTERS = 192, 160
 # Columns a register move handles: one 128-byte swizzle row of bfloat16.
 CHUNK = 64
@@ -248,11 +250,15 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
     accumulate(acc, alpha [M], t) -> acc: `accumulate_values` or `accumulate_tile` of tile t over
       warpgroup 0's columns (acc may be empty: sparse MLA's scorer owns none);
     alpha_smem [M] float32: the rescale, then the denominator, handed to the followers; handshake:
-      followers run beside it (False: warpgroup 0 alone, owning every column).
+      followers run beside it (False: warpgroup 0 alone, owning every column); it then starts by
+      taking the registers the followers hand over (SCORER_REGISTERS).
 
     A row that has seen no key yet keeps max -inf and denominator 0, and its rescale is exp(-inf) =
     0 rather than NaN, so an empty row ends with denominator 0 for the caller to handle. A tile a
     row sees nothing of is an exact no-op on that row (max unchanged, rescale exp(0) = 1, P = 0)."""
+    if handshake:
+        plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
+
     def step(tile, carry):
         row_max, denom, acc = carry
         wait(tile)
@@ -285,12 +291,21 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
     return row_max, denom, acc
 
 
+def start_followers(wg, follow: Callable) -> None:
+    """Run follow(f) on follower warpgroup 1 + f, for each of the FOLLOWERS."""
+    for block in range(FOLLOWERS):
+        pl.when(wg == 1 + block)(functools.partial(follow, block))
+
+
 def follower(*, num_tiles, acc0, accumulate: Callable, alpha_smem, row_layout, p_ready, consumed,
              prepare: Callable | None = None):
     """A follower warpgroup's loop: `P V` over its columns with warpgroup 0's P and rescales ->
     (acc, denom [M]). acc0: its zero accumulator; accumulate(acc, alpha, t) -> acc over its columns;
     prepare(t): what it does for tile t before it waits for P (dense MLA: wait for the tile's copies and
-    dequantize its own columns of an FP8 tile); the rest as in `scorer`."""
+    dequantize its own columns of an FP8 tile); the rest as in `scorer`. Starts by handing registers
+    to the scorer (FOLLOWER_REGISTERS)."""
+    plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
+
     def step(tile, acc):
         if prepare is not None:
             prepare(tile)

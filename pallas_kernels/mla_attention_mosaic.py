@@ -65,8 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
-from .gathered_softmax_mosaic import (FOLLOWER_REGISTERS, FOLLOWERS, OUT_BLOCK, SCORER_REGISTERS, accumulate_tile,
-                                      follower, scorer)
+from .gathered_softmax_mosaic import FOLLOWERS, OUT_BLOCK, accumulate_tile, follower, scorer, start_followers
 from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
                          swizzled)
 from .visibility import Visibility, kv_bound
@@ -351,8 +350,6 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         @pl.when(wg == 0)
         def _scorer():
             owner = None if handshake else 0
-            if handshake:
-                plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), () if handshake else acc0)
             row_max, denom, acc = scorer(num_tiles=num_tiles, init=init, wait=wait_tile,
@@ -362,15 +359,13 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
             finish(owner, row_max, denom, acc)
 
         def follow(owner):
-            plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
 
             acc, denom = follower(num_tiles=num_tiles, acc0=acc0, accumulate=accumulate(owner), row_layout=row_layout,
                                   prepare=wait_tile, **handshake_barriers)
             finish(owner, None, denom, acc)
 
         if handshake:
-            for owner in range(FOLLOWERS):
-                pl.when(wg == 1 + owner)(functools.partial(follow, owner))
+            start_followers(wg, follow)
 
     bits_scratch = None if bits_ref is None else plgpu.SMEM((bits_ref.shape[1], BLOCK_M), jnp.int32)
     num_loads = 5 + (bits_ref is not None)

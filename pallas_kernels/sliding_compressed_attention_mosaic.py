@@ -86,9 +86,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
-from .gathered_softmax_mosaic import (CHUNK, FOLLOWER_REGISTERS, FOLLOWERS, OUT_BLOCK, SCORER_REGISTERS,
-                                      accumulate_tile, check_part_width, copies_per_key, fetch_rows, follower,
-                                      gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer, staging)
+from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_tile, check_part_width, copies_per_key,
+                                      fetch_rows, follower, gathered_tiles, issue_keys, prepare_tile, rows_buffer,
+                                      scorer, staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
@@ -174,8 +174,6 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
 
         @pl.when(wg == 0)
         def _scorer():
-            if handshake:
-                plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
@@ -196,15 +194,13 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
                 write_out(a, denom, cols)
 
         def follow(block):
-            plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
             acc, denom = follower(num_tiles=num_tiles, acc0=acc0(columns(block)), row_layout=row_layout,
                                   accumulate=lambda acc, alpha, _step: accumulate(acc, alpha, columns(block)),
                                   **handshake_barriers)
             write_out(acc, denom, columns(block))
 
         if handshake:
-            for block in range(FOLLOWERS):
-                pl.when(wg == 1 + block)(functools.partial(follow, block))
+            start_followers(wg, follow)
 
     pl.run_scoped(
         body,

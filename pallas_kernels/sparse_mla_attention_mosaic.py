@@ -77,9 +77,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
-from .gathered_softmax_mosaic import (FOLLOWER_REGISTERS, FOLLOWERS, OUT_BLOCK, SCORER_REGISTERS, accumulate_tile,
-                                      copies_per_key, fetch_rows, follower, gathered_tiles, issue_keys, prepare_tile,
-                                      rows_buffer, scorer, staging)
+from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, copies_per_key, fetch_rows, follower,
+                                      gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer, staging,
+                                      start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows
@@ -150,8 +150,6 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
 
         @pl.when(wg == 0)
         def _scorer():
-            if handshake:
-                plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
@@ -176,7 +174,6 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             store(lse_ref.at[token, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
 
         def follow(block):
-            plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
             acc, denom = follower(
                 num_tiles=num_tiles, acc0=acc0, row_layout=row_layout,
                 accumulate=lambda acc, alpha, _tile: accumulate_tile(acc, alpha, p_smem, kv_smem.at[:, columns(block)],
@@ -185,8 +182,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             write_out(acc, denom, block)
 
         if handshake:
-            for block in range(FOLLOWERS):
-                pl.when(wg == 1 + block)(functools.partial(follow, block))
+            start_followers(wg, follow)
 
     operand_dtype = q_ref.dtype  # what the tensor cores read: the cache's dtype, or an FP8 cache's entries'
     pl.run_scoped(
