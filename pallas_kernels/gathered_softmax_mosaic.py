@@ -1,5 +1,5 @@
 """What the Mosaic GPU kernels that gather their keys share: the copies and register moves that
-fill a key tile, and the online softmax in two warpgroups.
+fill a key tile, and the online softmax split between a scoring warpgroup and its followers.
 
 `sparse_mla_attention_mosaic` (a token's top-k slots) and `sliding_compressed_attention_mosaic`
 (DeepSeek-V4's ring, compressed entries and extra keys) both run a program as one token's 64 heads
@@ -8,7 +8,8 @@ FlashMLA does: warpgroup 0 (`scorer`) waits for a tile's copies, moves the tile 
 operand, issues the next tile's copies, computes `S = Q K^T` and the float32 online softmax, and
 hands P and the rescale to the followers (`follower`) through SMEM; each accumulates `P V` over
 its own columns. On a GPU the scorer owns no columns and two followers own 256 columns each,
-accumulated in place (`accumulate_tile`); interpreted, the scorer alone owns them all. The kernels differ in where a tile's keys come from (their callbacks) and in where
+accumulated in place (`accumulate_tile`); interpreted, the scorer alone owns them all. The
+kernels differ in where a tile's keys come from (their callbacks) and in where
 the softmax starts (a sink, or nothing); the rest is this module's, once. Dense
 `mla_attention_mosaic` runs the same loop and handshake over its paged tiles (TMA copies straight
 into two alternating operand buffers, its scores masked per row), so a tile's scores are computed
@@ -248,7 +249,7 @@ def scorer(*, num_tiles, init, wait: Callable, prepare: Callable, prefetch: Call
       a key (`tile_scores` for the gathering kernels: `gathered_tiles`);
     p_at(t) -> the SMEM ref [M, T] (the keys' dtype) that takes tile t's P;
     accumulate(acc, alpha [M], t) -> acc: `accumulate_values` or `accumulate_tile` of tile t over
-      warpgroup 0's columns (acc may be empty: sparse MLA's scorer owns none);
+      warpgroup 0's columns (acc may be empty: beside followers the scorer owns none);
     alpha_smem [M] float32: the rescale, then the denominator, handed to the followers; handshake:
       followers run beside it (False: warpgroup 0 alone, owning every column); it then starts by
       taking the registers the followers hand over (SCORER_REGISTERS).
@@ -301,8 +302,8 @@ def follower(*, num_tiles, acc0, accumulate: Callable, alpha_smem, row_layout, p
              prepare: Callable | None = None):
     """A follower warpgroup's loop: `P V` over its columns with warpgroup 0's P and rescales ->
     (acc, denom [M]). acc0: its zero accumulator; accumulate(acc, alpha, t) -> acc over its columns;
-    prepare(t): what it does for tile t before it waits for P (dense MLA: wait for the tile's copies and
-    dequantize its own columns of an FP8 tile); the rest as in `scorer`. Starts by handing registers
+    prepare(t): what it does for tile t before it waits for P (dense MLA: wait for the tile's
+    copies); the rest as in `scorer`. Starts by handing registers
     to the scorer (FOLLOWER_REGISTERS)."""
     plgpu.set_max_registers(FOLLOWER_REGISTERS, action="decrease")
 
