@@ -536,6 +536,15 @@ def unit_rows(units: dict, unit: str) -> list[dict]:
             for row in (record.get("json") or {}).get("rows", [])]
 
 
+def row_seconds(row: dict) -> float:
+    """A benchmark row's time a call: its kernels' device time where it was measured
+    (`device_seconds`, `kernel_profile.device_seconds`), else its wall-clock time (rows from before
+    that, and the roofline rows). Calibration and the Mosaic / Triton verdicts use it: a decode
+    step pays an op's kernels, not a Python call's dispatch."""
+    device = row.get("device_seconds")
+    return row["seconds"] if device is None else device
+
+
 def calibrated_seconds(point: dict, fractions: dict) -> float | None:
     """An e2e point's step projected with the calibration `fractions` (`projection.step_seconds` of
     its own program's cost by op class; one GPU: no collectives); None without fractions."""
@@ -547,7 +556,7 @@ def calibrated_seconds(point: dict, fractions: dict) -> float | None:
 
 
 def calibration(report: Report) -> dict | None:
-    """Per op class, roofline time / measured time summed over the class's rows (CLASS_ROWS), on
+    """Per op class, roofline time / measured time (`row_seconds`) summed over the class's rows (CLASS_ROWS), on
     the target whose peaks match this device; None without any rows."""
     bandwidth, peak = target_peaks(target_of(report.device))
     fractions, counts = {}, {}
@@ -557,7 +566,7 @@ def calibration(report: Report) -> dict | None:
             for row in unit_rows(report.units, unit):
                 if row["op"].startswith(ops) and row["impl"] == auto_impl(report.device, row["op"], impl):
                     roofline += max(row["bytes"] / bandwidth, row["flops"] / peak)
-                    measured += row["seconds"]
+                    measured += row_seconds(row)
                     counts[name] = counts.get(name, 0) + 1
         if measured:
             fractions[name] = roofline / measured
@@ -588,7 +597,7 @@ def mosaic_against_triton(units: dict) -> dict[str, dict]:
                                                        "pallas_err": 0.0, "mosaic_err": 0.0, "checked": True})
         entry["shapes"] += 1
         for impl in ("pallas", "mosaic"):
-            entry[f"{impl}_s"] += pair[impl]["seconds"]
+            entry[f"{impl}_s"] += row_seconds(pair[impl])
             error = pair[impl].get("max_error")
             entry["checked"] &= error is not None
             entry[f"{impl}_err"] = max(entry[f"{impl}_err"], error or 0.0)
@@ -697,16 +706,21 @@ def markdown(report: Report) -> str:
             continue
         copy = next(record["json"]["copy_bytes_per_s"] for record in records.values() if record.get("json"))
         lines += [f"copy bandwidth {copy / 1e9:.0f} GB/s; roofline of {target_of(device)}: "
-                  f"{bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s; max err: against the op's reference", "",
-                  "| op | impl | shape | ms | GB/s | % roofline | max err |", "|---|---|---|---|---|---|---|"]
+                  f"{bandwidth / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s; ms: a call by the wall clock; device ms: "
+                  f"its kernels on the device, which GB/s and % roofline use where measured; max err: against the "
+                  f"op's reference", "",
+                  "| op | impl | shape | ms | device ms | GB/s | % roofline | max err |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in rows:
             shape = ", ".join(f"{k} {row[k]}" for k in ("layer", "batch", "context", "queries", "tokens", "programs",
                                                           "tiles", "keys") if k in row)
             roof = max(row["bytes"] / bandwidth, row["flops"] / peak)
             error = ("wrong rows" if row.get("correct") is False else "-" if row.get("max_error") is None
                      else f"{row['max_error']:.2e}")
-            lines.append(f"| {row['op']} | {row['impl']} | {shape} | {row['seconds'] * 1e3:.3f} | "
-                         f"{row['bytes'] / row['seconds'] / 1e9:.0f} | {100 * roof / row['seconds']:.0f}% | {error} |")
+            spent = row_seconds(row)
+            kernels_ms = "-" if row.get("device_seconds") is None else f"{row['device_seconds'] * 1e3:.3f}"
+            lines.append(f"| {row['op']} | {row['impl']} | {shape} | {row['seconds'] * 1e3:.3f} | {kernels_ms} | "
+                         f"{row['bytes'] / spent / 1e9:.0f} | {100 * roof / spent:.0f}% | {error} |")
         lines += [""] + (["Not measured or failed:"] + problems + [""] if problems else [])
     lines += ["## Exactness", ""]
     record = units.get("exactness")

@@ -3,6 +3,15 @@ per op class (`jaxspec.aot.OP_CLASSES`), beside the time between kernels.
 
     profile = profile_call(lambda: compiled(params, state))   # runs it once, traced
     profile["by_class_ms"], profile["busy_ms"], profile["span_ms"], profile["top"]
+    device_seconds({"pallas": lambda: f(x), "xla": lambda: g(x)}, iters=10)   # kernel s per call
+
+`device_seconds` is what the kernel benchmarks time with beside their wall clock: a call of a
+small op from Python costs tens of microseconds of dispatch, which calls issued back to back hide
+only when the device work is longer (on the lent H200, jax 0.11.2, the kernel benchmark's
+smallest ops took 52 to 75 us a call whatever their bytes: `lax.top_k` over 8 x 4096 scores 55 us,
+XLA's MLA decode of one row over 4096 slots 64 us). Inside
+a decode step the kernels run back to back in one program, so what the step pays for an op is its
+kernels' device time.
 
 `jax.profiler.trace` writes an XSpace protobuf, which `jax.profiler.ProfileData` (part of jaxlib)
 reads, so no profiler UI or TensorFlow is needed. On a GPU the kernels are the events of the
@@ -20,11 +29,14 @@ kernels (launch gaps, host round trips, waits), which no op class owns.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import os
 import re
+import sys
 import tempfile
+import time
 from typing import Callable
 
 import jax
@@ -38,6 +50,12 @@ CLASS_PATTERNS = (("attention", re.compile(r"mla_attention|sparse_mla|indexer_sc
                                            r"sliding_compressed")),
                   ("grouped_matmul", re.compile(r"grouped_matmul")))
 TOP_KERNELS = 12
+# `device_seconds`: the host annotation that names a call's window, the pause between windows, and
+# how far before its window a kernel may seem to start (the device's clock as the profiler maps it
+# onto the host's) and still be the window's.
+WINDOW_PREFIX = "device_seconds:"
+WINDOW_GAP_S = 0.02
+CLOCK_SKEW_NS = 5_000_000
 # Lines of a device plane that XLA's profiler derives from the kernels (they would count them twice).
 DERIVED_LINES = frozenset({"XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Framework Ops",
                            "Source code", "XLA TraceMe", "Launch Stats"})
@@ -68,6 +86,60 @@ def kernel_events(xspace_path: str) -> list[tuple[str, int, int]]:
                 if any(key == "hlo_op" for key, _ in event.stats):
                     events.append((event.name, int(event.start_ns), int(event.duration_ns)))
     return events
+
+
+def windows(xspace_path: str, prefix: str = WINDOW_PREFIX) -> list[tuple[str, int, int]]:
+    """(name without `prefix`, start ns, end ns) of the host annotations (`jax.profiler.TraceAnnotation`)
+    an XSpace file records whose names start with `prefix`."""
+    found = []
+    for plane in ProfileData.from_file(xspace_path).planes:
+        if plane.name.startswith("/host:"):
+            for line in plane.lines:
+                found += [(event.name[len(prefix):], int(event.start_ns), int(event.start_ns + event.duration_ns))
+                          for event in line.events if event.name.startswith(prefix)]
+    return found
+
+
+def per_window(events: list[tuple[str, int, int]], spans: list[tuple[str, int, int]], iters: int) -> dict:
+    """Each window's kernel time per call: events (kernel, start ns, duration ns) go to the window
+    (name, start ns, end ns) that started last before them (`CLOCK_SKEW_NS` allowed), the windows
+    being apart by more than that; name -> seconds per call (durations summed over `iters`), or
+    None where the window got fewer than `iters` kernels (a call launches at least one)."""
+    spans = sorted(spans, key=lambda span: span[1])
+    starts = [start for _, start, _ in spans]
+    total, count = collections.Counter(), collections.Counter()
+    for _, start, duration in events:
+        at = bisect.bisect_right(starts, start + CLOCK_SKEW_NS) - 1
+        if at >= 0 and start <= spans[at][2] + CLOCK_SKEW_NS:
+            total[spans[at][0]] += duration
+            count[spans[at][0]] += 1
+    return {name: total[name] / iters / 1e9 if count[name] >= iters else None for name, _, _ in spans}
+
+
+def device_seconds(calls: dict[str, Callable[[], object]], iters: int) -> dict[str, float | None]:
+    """Device time per call of each of `calls` (name, anything whose str() is distinct -> a
+    function of no arguments that dispatches one call; compiled and warmed up before): one
+    profiler trace in which each runs `iters` times
+    back to back in a window of its own (a host annotation, `WINDOW_GAP_S` apart, synchronised at
+    its end), its kernels' durations summed (`per_window`). That excludes dispatch and the gaps
+    between a call's kernels, which a call from Python pays and a compiled decode step mostly does
+    not. None for a call whose kernels were not found (said on stderr). On a CPU the kernels are
+    the host's XLA ops, nested ones included: the figure there only shows that the path runs."""
+    with tempfile.TemporaryDirectory() as scratch:
+        with jax.profiler.trace(scratch):
+            for name, call in calls.items():
+                with jax.profiler.TraceAnnotation(WINDOW_PREFIX + str(name)):
+                    for _ in range(iters):
+                        out = call()
+                    jax.block_until_ready(out)
+                time.sleep(WINDOW_GAP_S)
+        paths = glob.glob(os.path.join(scratch, "**", "*.xplane.pb"), recursive=True)
+        found = per_window([event for path in paths for event in kernel_events(path)],
+                           [span for path in paths for span in windows(path)], iters)
+    missing = [str(name) for name in calls if found.get(str(name)) is None]
+    if missing:
+        print(f"device_seconds: no kernels found for {', '.join(missing)} in the profiler's trace", file=sys.stderr)
+    return {name: found.get(str(name)) for name in calls}
 
 
 def summarize(events: list[tuple[str, int, int]]) -> dict:

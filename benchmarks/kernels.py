@@ -25,7 +25,11 @@ entries for the context), in random page order.
     python benchmarks/kernels.py --smoke               # tiny shapes, any machine (interpret mode)
 
 Shapes whose inputs (or a reference's intermediates) do not fit in device memory are skipped and
-said so. A timing is the best of three runs of --iters back-to-back calls (after --warmup calls).
+said so. A timing ("ms") is the best of three runs of --iters back-to-back calls (after --warmup
+calls); "dev ms" is the op's kernels' device time a call, from JAX's profiler
+(`kernel_profile.device_seconds`), which the rates, the ratio to XLA and the GPU report's
+verdicts use: a call from Python pays tens of microseconds of dispatch that a compiled decode
+step does not, and the smaller shapes' calls take that long whatever their kernels do.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kernel_profile import device_seconds
 
 from jaxspec import progress
 from jaxspec.cache_v4 import ring_capacities
@@ -131,6 +136,15 @@ def timed(fn, *args, iters: int, warmup: int) -> float:
         jax.block_until_ready(out)
         runs.append((time.perf_counter() - start) / iters)
     return min(runs)
+
+
+def timings(calls: dict, iters: int, warmup: int) -> dict[object, tuple[float, float | None]]:
+    """name -> (seconds a call by the wall clock, `timed`; its kernels' seconds a call on the
+    device, `kernel_profile.device_seconds`, one profiler trace for all of `calls`) for calls, name ->
+    a function of no arguments."""
+    seconds = {name: timed(call, iters=iters, warmup=warmup) for name, call in calls.items()}
+    device = device_seconds(calls, iters)
+    return {name: (seconds[name], device[name]) for name in calls}
 
 
 def copy_bandwidth(nbytes: int, iters: int, warmup: int) -> float:
@@ -337,7 +351,8 @@ def max_error(got, want) -> float:
 
 
 def topk_rows(scores, topk: int, iters: int, warmup: int):
-    """Time exact and approximate top-k on the kernel's scores [B, Q, S] -> [(name, seconds, recall)]."""
+    """Time exact and approximate top-k on the kernel's scores [B, Q, S] -> [(name, seconds a call,
+    device seconds a call, recall)]."""
     k = min(topk, scores.shape[-1])
     variants = {
         "lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, k)[1]),
@@ -351,7 +366,8 @@ def topk_rows(scores, topk: int, iters: int, warmup: int):
         got = np.sort(np.asarray(fn(scores)), axis=-1)
         hits = [np.intersect1d(g, e).size for g, e in zip(got.reshape(-1, k), exact.reshape(-1, k))]
         results.append((name, seconds, sum(hits) / exact.size))
-    return results
+    device = device_seconds({name: functools.partial(fn, scores) for name, fn in variants.items()}, iters)
+    return [(name, seconds, device[name], recall) for name, seconds, recall in results]
 
 
 def main(argv=None) -> int:
@@ -410,7 +426,7 @@ def main(argv=None) -> int:
         print(f"V4 ({'tiny-v4' if args.smoke else args.v4_preset}): heads {v4.num_attention_heads}, head_dim "
               f"{v4.head_dim} (K = V), window {v4.sliding_window}, CSA every {rates[CSA]} (top-{v4.index_topk}), "
               f"HCA every {rates[HCA]}, sinks")
-    header = (f"{'op':<16}{'impl':<22}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
+    header = (f"{'op':<16}{'impl':<22}{'B':>5}{'ctx':>7}{'Q':>3}{'ms':>10}{'dev ms':>10}{'GB/s':>9}{'TFLOP/s':>9}"
               f"{'%copy':>7}{'vs xla':>8}{'max err':>10}")
     print(header)
     print("-" * len(header))
@@ -437,15 +453,20 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
     label = f"{batch:>5}{context:>7}{queries:>3}"
     timed_rows = []
 
-    def row(op, impl, seconds, nbytes, flops, xla_seconds=None, error=None):
+    def row(op, impl, seconds, nbytes, flops, device=None, xla=None, error=None):
+        """One printed and recorded row: seconds a call (wall), device its kernels' seconds a call
+        (`kernel_profile.device_seconds`), which the rates and the ratio to xla's (its device
+        time, else its wall) use where it was measured."""
         timed_rows.append(dict(op=op, impl=impl, batch=batch, context=context, queries=queries, seconds=seconds,
-                               bytes=nbytes, flops=flops, cache_dtype=args.cache_dtype or "bfloat16",
-                               max_error=error))
-        bandwidth = nbytes / seconds
-        speedup = f"{xla_seconds / seconds:>7.2f}x" if xla_seconds else f"{'':>8}"
+                               device_seconds=device, bytes=nbytes, flops=flops,
+                               cache_dtype=args.cache_dtype or "bfloat16", max_error=error))
+        spent = device or seconds
+        bandwidth = nbytes / spent
+        speedup = f"{xla / spent:>7.2f}x" if xla else f"{'':>8}"
         err = f"{error:>10.2e}" if error is not None else ""
-        print(f"{op:<16}{impl:<22}{label}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>9.0f}{flops / seconds / 1e12:>9.1f}"
-              f"{100 * bandwidth / copy_bw:>6.0f}%{speedup}{err}")
+        shown = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
+        print(f"{op:<16}{impl:<22}{label}{seconds * 1e3:>10.3f}{shown}{bandwidth / 1e9:>9.0f}"
+              f"{flops / spent / 1e12:>9.1f}{100 * bandwidth / copy_bw:>6.0f}%{speedup}{err}")
 
     families = []  # (name, input bytes, the family's ops at this shape)
     if set(args.ops) & set(V32_OPS):
@@ -501,25 +522,31 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<22}{label}")
+            mosaic_seconds = {impl: timed(fn, *op.args, iters=args.iters, warmup=args.warmup) for impl, fn in mosaic}
+            del mosaic_outs
+            calls = {"pallas": functools.partial(op.pallas, *op.args),
+                     **{impl: functools.partial(fn, *op.args) for impl, fn in mosaic}}
+            if xla_seconds:
+                calls["xla"] = functools.partial(op.xla, *op.args)
+            device = device_seconds(calls, args.iters)
+            xla = device.get("xla") or xla_seconds
             # A tuned Triton kernel's rows say their tuning ("pallas block_n=32"): only untuned rows
             # calibrate the projection (benchmarks/gpu_report.py).
             pallas = " ".join(["pallas", *(f"{k}={v}" for k, v in tuning.items())]) if op.name in TUNED_OPS else "pallas"
-            row(op.name, pallas, pallas_seconds, op.bytes, op.flops, xla_seconds, error)
-            for impl, fn in mosaic:
-                row(op.name, impl, timed(fn, *op.args, iters=args.iters, warmup=args.warmup), op.bytes, op.flops,
-                    xla_seconds, mosaic_errors.get(impl))
-            del mosaic_outs
+            row(op.name, pallas, pallas_seconds, op.bytes, op.flops, device["pallas"], xla, error)
+            for impl, seconds in mosaic_seconds.items():
+                row(op.name, impl, seconds, op.bytes, op.flops, device[impl], xla, mosaic_errors.get(impl))
             if jax.devices()[0].device_kind in PEAKS:
                 bandwidth, compute = PEAKS[jax.devices()[0].device_kind]
                 row(op.name, "roofline", max(op.bytes / bandwidth, op.flops / compute), op.bytes, op.flops)
             if xla_seconds:
-                row(op.name, "xla", xla_seconds, op.bytes, op.flops)
+                row(op.name, "xla", xla_seconds, op.bytes, op.flops, device["xla"])
             elif not args.no_xla and not fits:
                 print(f"{op.name:<16}{'xla: skip memory':<22}{label}")
             if op.name == "indexer_scores":
                 score_bytes = batch * queries * pallas_out.shape[-1] * 4
-                for name, seconds, recall in topk_rows(pallas_out, dims.topk, args.iters, args.warmup):
-                    row("indexer_topk", name, seconds, score_bytes, 0.0)
+                for name, seconds, kernel_seconds, recall in topk_rows(pallas_out, dims.topk, args.iters, args.warmup):
+                    row("indexer_topk", name, seconds, score_bytes, 0.0, kernel_seconds)
                     if recall < 1:
                         print(f"{'':<16}{'  recall':<22}{label}{recall:>10.4f}")
             del pallas_out

@@ -14,18 +14,20 @@ weight once, in its stored dtype with its scales, plus activations in and out), 
 TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
 variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits that fill the GPU where a layer
 has few column blocks), a row each; --dtypes picks the weights' rows. A timing is
-`benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup.
+`benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
+beside the device time of the layer's kernels a call ("dev ms", which the rates use).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
+from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timings, write_rows
 
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
     copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
     print(f"device: {jax.devices()[0].device_kind}; copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    header = f"{'layer':<20}{'weight':>16}{'T':>6}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
+    header = f"{'layer':<20}{'weight':>16}{'T':>6}{'ms':>10}{'dev ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}"
     print(header)
     print("-" * len(header))
     rows = []
@@ -72,15 +74,20 @@ def main(argv=None) -> int:
             for tiles in args.tiles if label == "fp8" else [DEFAULT_VARIANT]:
                 impl = "xla" if label == "bf16" else "pallas" if tiles == DEFAULT_VARIANT else f"pallas:{tiles}"
                 shown = label if impl in ("xla", "pallas") else f"{label}:{tiles}"
-                for tokens in args.tokens:
-                    x = jax.random.normal(jax.random.key(tokens), (tokens, fan_in), jnp.bfloat16)
-                    with tile_variant(tiles):
-                        seconds = timed(fn, params, x, iters=args.iters, warmup=args.warmup)
+                calls = {tokens: functools.partial(fn, params, jax.random.normal(jax.random.key(tokens),
+                                                                                  (tokens, fan_in), jnp.bfloat16))
+                         for tokens in args.tokens}
+                with tile_variant(tiles):
+                    found = timings(calls, args.iters, args.warmup)
+                for tokens, (seconds, device) in found.items():
                     nbytes, flops = min_bytes(layer, tokens), 2 * tokens * fan_in * fan_out
                     rows.append(dict(op=f"linear_{label}", impl=impl, layer=name, tokens=tokens, seconds=seconds,
-                                     bytes=nbytes, flops=flops))
-                    print(f"{name:<20}{shown:>16}{tokens:>6}{seconds * 1e3:>10.3f}{nbytes / seconds / 1e9:>8.0f}"
-                          f"{100 * nbytes / seconds / copy_bw:>6.0f}%{flops / seconds / 1e12:>9.1f}", flush=True)
+                                     device_seconds=device, bytes=nbytes, flops=flops))
+                    spent = device or seconds
+                    shown_device = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
+                    print(f"{name:<20}{shown:>16}{tokens:>6}{seconds * 1e3:>10.3f}{shown_device}"
+                          f"{nbytes / spent / 1e9:>8.0f}{100 * nbytes / spent / copy_bw:>6.0f}%"
+                          f"{flops / spent / 1e12:>9.1f}", flush=True)
     if args.json:
         write_rows(args.json, copy_bw, rows)
     return 0

@@ -32,7 +32,8 @@ V3.2, 12.9 GB for V4-Flash); a path whose memory would not fit is skipped and sa
     python benchmarks/moe.py --weights fp8 --tiles k64 k128
     python benchmarks/moe.py --smoke            # tiny widths, any machine (interpret mode)
 
-A timing is the best of three runs of --iters back-to-back calls (after --warmup calls), as in
+A timing is the best of three runs of --iters back-to-back calls (after --warmup calls), beside
+the layer's kernels' device time a call ("dev ms", which the rates use), as in
 `benchmarks/kernels.py`, whose timing and copy-bandwidth helpers this script imports (run it as
 a script from the repository: `benchmarks/` is on the path then).
 """
@@ -47,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
+from kernels import MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, timings, write_rows
 
 from jaxspec import progress
 from jaxspec.memory_plan import device_memory
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
           f"{copy_bytes >> 20} MiB); {args.model}{' (smoke widths)' if args.smoke else ''}: hidden {dim}, "
           f"{experts} experts of {hidden}, top-{topk} by {config.scoring_func}, {config.n_shared_experts} shared; "
           f"expert weights ({args.weights}) {weight_bytes / 2**30:.1f} GiB")
-    header = f"{'T':>6}  {'path':<17}{'hit':>5}{'ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}{'vs pallas':>10}{'max diff':>10}"
+    header = f"{'T':>6}  {'path':<17}{'hit':>5}{'ms':>10}{'dev ms':>10}{'GB/s':>8}{'%copy':>7}{'TFLOP/s':>9}{'vs pallas':>10}{'max diff':>10}"
     print(header)
     print("-" * len(header))
 
@@ -139,21 +140,23 @@ def main(argv=None) -> int:
             try:
                 with tile_variant(tiles):
                     out = jax.block_until_ready(fn(params, x))
-                    seconds = timed(fn, params, x, iters=args.iters, warmup=args.warmup)
+                    (seconds, device), = timings({label: lambda: fn(params, x)}, args.iters, args.warmup).values()
             except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                 print(f"{prefix}  {type(failure).__name__}")
                 continue
+            spent = device or seconds  # the rates and ratios use the device's time where it was measured
             if backend == "pallas" and kernel_out is None:  # the first kernel row: what the others compare with
-                kernel_out, kernel_seconds = out, seconds
+                kernel_out, kernel_seconds = out, spent
             versus = diff = ""
             if kernel_out is not None:  # time / the kernel's time, and the largest output difference
-                versus = f"{seconds / kernel_seconds:>9.2f}x"
+                versus = f"{spent / kernel_seconds:>9.2f}x"
                 diff = f"{float(jnp.max(jnp.abs(out.astype(jnp.float32) - kernel_out.astype(jnp.float32)))):>10.2e}"
-            bandwidth = min_bytes / seconds
+            bandwidth = min_bytes / spent
             rows.append(dict(op=op, impl=label, tokens=num_tokens, experts_hit=hit, seconds=seconds,
-                             bytes=min_bytes, flops=flops))
-            print(f"{prefix}{seconds * 1e3:>10.3f}{bandwidth / 1e9:>8.0f}{100 * bandwidth / copy_bw:>6.0f}%"
-                  f"{flops / seconds / 1e12:>9.1f}{versus}{diff}")
+                             device_seconds=device, bytes=min_bytes, flops=flops))
+            shown = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
+            print(f"{prefix}{seconds * 1e3:>10.3f}{shown}{bandwidth / 1e9:>8.0f}{100 * bandwidth / copy_bw:>6.0f}%"
+                  f"{flops / spent / 1e12:>9.1f}{versus}{diff}")
             del out
             gc.collect()
     if args.json:

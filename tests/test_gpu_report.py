@@ -149,11 +149,13 @@ def test_calibration_is_roofline_over_measured_time_per_class():
     report = gpu_report.Report.__new__(gpu_report.Report)
     report.device, report.data = "NVIDIA H100 80GB HBM3", {}
     bandwidth, peak = target_peaks("h100")
-    row = lambda op, impl, seconds, nbytes: dict(op=op, impl=impl, seconds=seconds, bytes=nbytes, flops=1.0)
+    row = lambda op, impl, seconds, nbytes, device=None: dict(op=op, impl=impl, seconds=seconds, bytes=nbytes,
+                                                              flops=1.0, device_seconds=device)
     report.units = {  # one unit per op: their rows calibrate together
         "kernels/mla_attention": {"json": {"rows": [row("mla_attention", "pallas", 2e-3, bandwidth * 1e-3),
                                                     row("mla_attention", "xla", 1.0, 1.0)]}},  # a reference: not the kernel's class
-        "kernels/indexer_scores": {"json": {"rows": [row("indexer_scores", "pallas", 2e-3, bandwidth * 3e-3)]}},
+        # a call's dispatch (5 ms by the wall clock) is not the kernel's time (2 ms on the device)
+        "kernels/indexer_scores": {"json": {"rows": [row("indexer_scores", "pallas", 5e-3, bandwidth * 3e-3, 2e-3)]}},
         "moe": {"json": {"rows": [row("moe_layer", "pallas", 1e-3, bandwidth * 0.9e-3)]}},
     }
     found = gpu_report.calibration(report)
@@ -580,6 +582,7 @@ def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(
     assert failure["message"] == "RuntimeError: mosaic launch failed"
     impls = {row["impl"]: row for row in data["rows"]}
     assert set(impls) == {"pallas", "xla"}
+    assert all(row["device_seconds"] > 0 for row in data["rows"])  # the profiler found each call's kernels
     assert 0 <= impls["pallas"]["max_error"] < 5e-2 and impls["xla"]["max_error"] is None
 
 
@@ -614,6 +617,21 @@ def test_mosaic_against_triton_says_which_kernel_auto_should_run():
     report.device, report.units, report.data = "NVIDIA H100 80GB HBM3", units, {"runs": []}
     text = gpu_report.markdown(report)
     assert "| mla_attention | 2 | 0.40 |" in text and "AUTO_KERNELS['NVIDIA H100 80GB HBM3'][op] = \"mosaic\"" in text
+
+
+def test_device_seconds_gives_each_window_its_kernels():
+    """A kernel belongs to the window that started last before it, allowing for the device's clock
+    as the profiler maps it (`CLOCK_SKEW_NS`); a kernel outside every window is nobody's; a window
+    with fewer kernels than calls has no device time, rather than a wrong one."""
+    from kernel_profile import CLOCK_SKEW_NS, per_window
+    ms = 1_000_000
+    spans = [("b", 100 * ms, 130 * ms), ("a", 0, 50 * ms), ("c", 200 * ms, 210 * ms)]
+    events = [("k", 1 * ms, 2 * ms), ("k", 10 * ms, 2 * ms), ("fusion", 20 * ms, 1 * ms),
+              ("k", 100 * ms - CLOCK_SKEW_NS // 2, 4 * ms), ("k", 110 * ms, 4 * ms),  # b's first seems early
+              ("late", 130 * ms + 2 * CLOCK_SKEW_NS, 9 * ms),  # after b ended and before c: no window's
+              ("k", 201 * ms, 1 * ms)]
+    found = per_window(events, spans, iters=2)
+    assert found == {"a": pytest.approx(5e-3 / 2), "b": pytest.approx(8e-3 / 2), "c": None}
 
 
 def test_kernel_profile_sums_kernels_by_op_class():
