@@ -8,9 +8,9 @@ FlashMLA does: warpgroup 0 (`scorer`) waits for a tile's copies, moves the tile 
 operand, issues the next tile's copies, computes `S = Q K^T` and the float32 online softmax, and
 hands P and the rescale to the followers (`follower`) through SMEM; each accumulates `P V` over
 its own columns. On a GPU the scorer owns no columns and two followers own 256 columns each,
-accumulated in place (`accumulate_tile`); interpreted, the scorer alone owns them all. The
-kernels differ in where a tile's keys come from (their callbacks) and in where
-the softmax starts (a sink, or nothing); the rest is this module's, once. Dense
+accumulated in place (`accumulate_tile`); interpreted, by default the scorer alone owns them
+all. The kernels differ in where a tile's keys come from (their callbacks) and in where the softmax
+starts (a sink, or nothing); the rest is this module's, once. Dense
 `mla_attention_mosaic` runs the same loop and handshake over its paged tiles (TMA copies straight
 into two alternating operand buffers, its scores masked per row), so a tile's scores are computed
 once, not once per warpgroup.
@@ -33,9 +33,10 @@ The handshake, per tile t (`p_ready` takes one arrival, `consumed` one per follo
 and after the last tile warpgroup 0 waits for `consumed` once more, writes the denominator where the
 rescale was and arrives `p_ready`, which the followers wait for before their stores.
 
-Interpreted on the CPU the kernels run one warpgroup, which owns every column and makes no
-handshake (`handshake=False`): the simulator runs warpgroups as threads whose XLA executions share
-the host's thread pool, and two waiting on each other deadlocked on a 2-core host.
+Interpreted on the CPU the kernels run one warpgroup by default, which owns every column and makes
+no handshake (`handshake=False`); `kernel_warpgroups` gives the GPU's three where asked
+(`mosaic_gpu.interpreted_warpgroups`: it needs a larger XLA CPU thread pool and is 3 to 10 times
+slower), as `tests/test_mosaic_warpgroups.py` runs every kernel here.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .mosaic_gpu import dequantize_rows
+from .mosaic_gpu import dequantize_rows, interpreted_warpgroups
 
 # Warpgroups accumulating P V beside the scoring one, and the output columns each owns (at most): a
 # 64 x 256 float32 accumulator, in place (`accumulate_tile`), 128 registers a thread.
@@ -69,6 +70,13 @@ COPY_BYTES = 128
 # different banks (a 1152-byte row stride would put 8 rows on the same 4 banks); every row still
 # starts 16-byte aligned, as the bulk copies need.
 STAGING_PAD_BYTES = 16
+
+
+def kernel_warpgroups(interpret: bool) -> int:
+    """The warpgroups a kernel here runs: the scorer and its FOLLOWERS on a GPU; interpreted,
+    `mosaic_gpu.interpreted_warpgroups` of those (one, owning every column, unless asked for the
+    GPU's)."""
+    return interpreted_warpgroups(1 + FOLLOWERS) if interpret else 1 + FOLLOWERS
 
 
 def staging(rows: int, width: int, dtype) -> plgpu.SMEM:

@@ -65,7 +65,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
-from .gathered_softmax_mosaic import FOLLOWERS, OUT_BLOCK, accumulate_tile, follower, scorer, start_followers
+from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, follower, kernel_warpgroups, scorer,
+                                      start_followers)
 from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
                          swizzled)
 from .visibility import Visibility, kv_bound
@@ -190,9 +191,10 @@ def _union(*buffers, interpret: bool):
 def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, softmax_scale: float, warpgroups: int,
             interpret: bool, fp8: bool):
     """One (row block, part, sequence row) thread block, run by `warpgroups` warpgroups (1 +
-    FOLLOWERS on a GPU, 1 interpreted): warpgroup 0 scores each tile and hands P and the rescale to
-    the followers, each owning Dl / FOLLOWERS output columns (`gathered_softmax_mosaic.scorer` /
-    `follower`); interpreted, warpgroup 0 owns every column. Output columns are numbered by owner:
+    FOLLOWERS on a GPU; interpreted, `gathered_softmax_mosaic.kernel_warpgroups`, by default 1):
+    warpgroup 0 scores each tile and hands P and the rescale to the followers, each owning Dl /
+    FOLLOWERS output columns (`gathered_softmax_mosaic.scorer` / `follower`); alone, warpgroup 0
+    owns every column. Output columns are numbered by owner:
     follower f (warpgroup 1 + f), or warpgroup 0 alone as owner 0.
 
     q_ref [B, Mp, Dl + Dr] (queries, the rope part after the latent one); the cache: cache_ref
@@ -437,10 +439,7 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     tiles = capacity // BLOCK_N
     parts = num_parts(capacity, part_slots)
     tiles_per_part = pl.cdiv(tiles, parts)
-    # Interpreted, one warpgroup owns the whole output (no register limit there): jax 0.10.2's
-    # interpreter runs warpgroups as threads whose XLA executions it chains by ordered-effect
-    # tokens, so two warpgroups that wait on each other at a barrier can deadlock (seen here).
-    warpgroups = 1 if interpret else 1 + FOLLOWERS
+    warpgroups = kernel_warpgroups(interpret)
     fp8 = isinstance(latent_cache, Fp8Pool)
     cache_operands = (latent_cache.values, latent_cache.scales, latent_cache.rope) if fp8 else (latent_cache,)
     queries = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1).reshape(batch, rows, width)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,43 @@ JAX_RANGE = ">=0.10.2,<0.13"
 INTERPRET_SMS = 4
 # The widest SMEM swizzle, in bytes: 128-byte rows (64 bfloat16, 128 e4m3).
 SWIZZLE = 128
+# Set to "gpu", interpreted kernels run the warpgroups they run on a GPU (`interpreted_warpgroups`).
+WARPGROUPS_VARIABLE = "JAXSPEC_INTERPRET_WARPGROUPS"
+
+
+def xla_cpu_threads() -> int:
+    """The threads of XLA's CPU client pool in this process: XLA sizes it from the NPROC
+    environment variable where set, else from the CPUs the process may run on."""
+    nproc = os.environ.get("NPROC", "")
+    return int(nproc) if nproc.isdigit() and int(nproc) > 0 else len(os.sched_getaffinity(0))
+
+
+def interpreted_warpgroups(gpu_warpgroups: int) -> int:
+    """The warpgroups an interpreted kernel runs where a GPU runs `gpu_warpgroups`: by default 1
+    (warpgroup 0 owns every output column and there is no handshake), on any host; with
+    JAXSPEC_INTERPRET_WARPGROUPS=gpu the GPU's own, handshake and barriers included
+    (`tests/test_mosaic_warpgroups.py`). Read when a kernel is traced.
+
+    The simulator runs a launch's warpgroups as threads, each executing an XLA program on the CPU
+    client's thread pool (`xla_cpu_threads`), and a warpgroup waiting at a barrier holds its pool
+    thread. With fewer threads than the warpgroups plus the call that waits for them, the waiting
+    warpgroups can hold them all while the one they wait for never starts (on 2 CPUs, a watchdog over
+    the barriers showed the dense MLA kernel stopped so for good). So "gpu" needs
+    gpu_warpgroups + 1 pool threads (NPROC=4 for three warpgroups, set before JAX starts), and is
+    refused with a ValueError below that rather than left to hang. It is also 3 to 10 times slower
+    than one warpgroup (a program per warpgroup thread and launch): a setting for one test, not the
+    suite."""
+    asked = os.environ.get(WARPGROUPS_VARIABLE, "1")
+    if asked == "1":
+        return 1
+    if asked != "gpu":
+        raise ValueError(f"{WARPGROUPS_VARIABLE}={asked!r}: must be '1' (the default) or 'gpu'")
+    if xla_cpu_threads() < gpu_warpgroups + 1:
+        raise ValueError(f"{WARPGROUPS_VARIABLE}=gpu interprets {gpu_warpgroups} warpgroups, which needs "
+                         f"{gpu_warpgroups + 1} threads in XLA's CPU pool; it has {xla_cpu_threads()}: start the "
+                         f"process with NPROC={gpu_warpgroups + 1} (XLA sizes the pool from it) or leave "
+                         f"{WARPGROUPS_VARIABLE} unset")
+    return gpu_warpgroups
 
 
 def _interpret_module():

@@ -57,8 +57,8 @@ dtype) and the rescale to the two followers through SMEM; each follower accumula
 its own out_block (256) columns in place (`gathered_softmax_mosaic`, the loop, handshake and
 register split sparse MLA's kernel runs too, here starting at the sink). So a token's keys are
 gathered and `S` computed once per head block; two column-block programs of two warpgroups each
-did both twice. Interpreted, one warpgroup owns all the program's columns and the handshake is
-left out (see `_sliding_compressed`).
+did both twice. Interpreted, by default one warpgroup owns all the program's columns and the
+handshake is left out (`gathered_softmax_mosaic.kernel_warpgroups`).
 
 Shared memory at DeepSeek-V4-Flash's widths (D = 512): queries, staging and swizzled tiles of
 64 x 512 bf16 (64 KiB each, staging 0.5 KiB more for its padding), P (8 KiB), two tiles' rows,
@@ -87,8 +87,8 @@ from .contracts import check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
 from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_tile, check_part_width, copies_per_key,
-                                      fetch_rows, follower, gathered_tiles, issue_keys, prepare_tile, rows_buffer,
-                                      scorer, staging, start_followers)
+                                      fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups,
+                                      prepare_tile, rows_buffer, scorer, staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
@@ -103,8 +103,8 @@ MAX_ROWS = 2 ** 24
 def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], fp8: bool,
             scale: float, out_block: int, warpgroups: int, interpret: bool):
     """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
-    followers, each owning out_block of the program's columns (one warpgroup interpreted, scoring
-    and owning them all).
+    followers, each owning out_block of the program's columns (interpreted, by default one
+    warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`).
 
     q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE]
     float32 (each key's row in its array as an exact float32 integer, -1 unseen: `key_rows`),
@@ -351,10 +351,7 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
 def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sliding_window: int, scale: float,
                         compressed_kv, compressed_pages, compressed_indices, compressed_count, extra_kv,
                         extra_valid, interpret: bool):
-    # Interpreted, one warpgroup owns all the program's columns (no register limit there) and the
-    # warpgroups' handshake is left out: the simulator runs warpgroups as threads whose XLA
-    # executions share the host's thread pool, and two that wait on each other deadlocked here.
-    warpgroups = 1 if interpret else 1 + FOLLOWERS
+    warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
     fp8 = isinstance(window_kv, Fp8Pool)

@@ -40,8 +40,9 @@ whole-row copies use every HBM sector they fetch.
 
 Per tile: `S = Q K^T` ([64, 576] x [576, 64], the tile read transposed: a bit of the wgmma on the
 GPU), the scale, the mask and the online softmax in registers, P to SMEM in the cache's dtype, then
-`P V` into each follower's accumulator. Interpreted, warpgroup 0 does all of it with fresh
-accumulators (`accumulate_tile`): jax 0.10.2's interpreter runs no in-place accumulation.
+`P V` into each follower's accumulator. Interpreted, warpgroup 0 does all of it by default
+(`gathered_softmax_mosaic.kernel_warpgroups`), with fresh accumulators (`accumulate_tile`): jax
+0.10.2's interpreter runs no in-place accumulation.
 
 FP8 caches (`fp8_cache.Fp8Pool`, FlashMLA's token). A selected slot arrives as its 512 e4m3 values
 and its 64 bfloat16 RoPE values (a copy each) into two staging tiles, and the move to the swizzled
@@ -58,7 +59,8 @@ rescale (one 1 KiB-aligned buffer): 231,456 of the 232,448 bytes a block may use
 scratch is turned off (every reduction here stays inside a warp). With FP8 the staging holds e4m3
 rows (33 KiB) and RoPE rows (9 KiB), plus the tile's scales: 200,736 bytes.
 
-Interpreted on the CPU, warpgroup 0 does every warpgroup's work (`_sparse_mla`).
+Interpreted on the CPU, warpgroup 0 does every warpgroup's work unless the GPU's warpgroups are
+asked for (`mosaic_gpu.interpreted_warpgroups`).
 
 Constraints (ValueError): bfloat16 / float16 operands (an FP8 pool: e4m3 values, float32 scales,
 a bfloat16 RoPE part); Dl a multiple of 128 (of FOLLOWERS * OUT_BLOCK when wider), Dr of 64; at most
@@ -78,8 +80,8 @@ from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, copies_per_key, fetch_rows, follower,
-                                      gathered_tiles, issue_keys, prepare_tile, rows_buffer, scorer, staging,
-                                      start_followers)
+                                      gathered_tiles, issue_keys, kernel_warpgroups, prepare_tile, rows_buffer, scorer,
+                                      staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows
@@ -93,8 +95,8 @@ MAX_ROWS = 2 ** 24
 def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, fp8: bool, warpgroups: int,
                        interpret: bool):
     """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
-    followers, each owning out_block of the program's columns (one warpgroup interpreted, scoring
-    and owning them all: see `_sparse_mla`).
+    followers, each owning out_block of the program's columns (interpreted, by default one
+    warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`).
 
     q_ref [B * Q, Hp, Dl + Dr]; rows_ref [B * Q, K] float32 (each selected slot's row in the
     flattened cache as an exact float32 integer, -1 for none); for an FP8 cache scales_ref
@@ -249,12 +251,7 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "auto_barriers", "interpret"))
 def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, auto_barriers: bool,
                 interpret: bool):
-    # Interpreted, warpgroup 0 does every warpgroup's work (the same arithmetic, column block by
-    # column block): jax 0.10.2's interpreter runs warpgroups as threads that each execute XLA
-    # computations, and inside an outer jitted program (the decoding loop) on a 2-core host, one
-    # waiting at a barrier for another can hold the CPU threads the other needs (a deadlock, seen).
-    # Forced to the GPU's three warpgroups by hand, it ran the handshake to the same bits.
-    warpgroups = 1 if interpret else 1 + FOLLOWERS
+    warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
     tokens = batch * num_queries
