@@ -21,6 +21,10 @@ time that path alone, beside the alternatives, one program per SM, each walking 
                  on the same mbarrier): whether the per-copy cost is the issuing warpgroup's (the
                  H200 measured 113 ns a copy with or without the barriers: its threads' arrivals
                  and single-lane issue), which more issuers divide, or the SM's;
+  rows, 4 warps  one warpgroup whose four warps each issue 16 of the tile's copies (`plgpu.warp_map`:
+                 a copy's arrivals come from its warp's 32 threads, not the warpgroup's 128, and the
+                 warps issue side by side): the same question without a second warpgroup's
+                 registers, which the kernels' scorer and followers cannot spare;
   tile           64 consecutive rows a tile in 3 box copies of 192 columns into swizzled tiles (how
                  dense MLA reads a page): the same bytes without the scatter.
 
@@ -48,20 +52,30 @@ from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled
 
-# variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers, warpgroups issuing)
-VARIANTS = {"rows": (True, False, 1), "rows, no auto barriers": (True, True, 1), "rows, 2 warpgroups": (True, False, 2),
-            "tile": (False, False, 1)}
+# variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers, warpgroups issuing,
+# each warp issuing its share of the copies)
+VARIANTS = {"rows": (True, False, 1, False), "rows, no auto barriers": (True, True, 1, False),
+            "rows, 2 warpgroups": (True, False, 2, False), "rows, 4 warps": (True, False, 1, True),
+            "tile": (False, False, 1, False)}
+WARPS = 4  # warps in a warpgroup
 KEYS = 64  # rows a tile, as in the kernels
 PIECE = 192  # columns a "tile" copy moves (a TMA box is at most 256 wide; 576 = 3 x 192)
 FULL = dict(programs=132, tiles=32, cache_rows=1 << 19, width=576)
 SMOKE = dict(programs=1, tiles=2, cache_rows=256, width=192)
 
 
-def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool, warpgroups: int):
+def interpretable(variant: str) -> bool:
+    """Whether this jax's Mosaic GPU interpreter runs the variant: jax 0.10.2's has no `core_map`,
+    which `plgpu.warp_map` is (0.11.2's runs it)."""
+    return not VARIANTS[variant][3] or jax.__version_info__ >= (0, 11)
+
+
+def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool, warpgroups: int,
+                   per_warp: bool):
     """One program: rows_ref [programs, tiles * KEYS] float32 (cache rows, exact integers),
     cache_ref [N, W] -> out_ref [programs, KEYS, W] (its last tile as staged). With two
-    warpgroups each issues its half of a tile's row copies; warpgroup 0 fetches the rows and
-    writes the result."""
+    warpgroups each issues its half of a tile's row copies, with per_warp each warp its quarter;
+    warpgroup 0 fetches the rows and writes the result."""
     program = jax.lax.axis_index("program")
     wg = jax.lax.axis_index("wg") if warpgroups > 1 else 0
     share = KEYS // warpgroups  # copies a warpgroup issues a tile
@@ -82,7 +96,12 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
             if manual_barriers:  # every thread is past the last tile's reads of the buffers reused here
                 plgpu.commit_smem()
             rows = rows_buffer(rows_smem, tile)
-            if per_row:
+            if per_warp:
+                @plgpu.warp_map
+                def _(warp):
+                    mine = pl.ds(warp * (KEYS // WARPS), KEYS // WARPS)
+                    issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered)
+            elif per_row:
                 mine = pl.ds(wg * share, share)
                 issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered)
             else:  # the tile's rows are consecutive from its first: one box a piece of columns
@@ -127,10 +146,11 @@ def _gather(rows, cache, *, variant: str, interpret: bool):
     # Jitted once per variant, so that the timed calls run the compiled program; `interpret` only
     # keys the cache, so a program traced for the simulator is never reused on a GPU.
     del interpret
-    per_row, unsafe, warpgroups = VARIANTS[variant]
+    per_row, unsafe, warpgroups, per_warp = VARIANTS[variant]
     threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
     kernel = plgpu.kernel(
-        functools.partial(_gather_kernel, per_row=per_row, manual_barriers=unsafe, warpgroups=warpgroups),
+        functools.partial(_gather_kernel, per_row=per_row, manual_barriers=unsafe, warpgroups=warpgroups,
+                          per_warp=per_warp),
         out_type=jax.ShapeDtypeStruct((rows.shape[0], KEYS, cache.shape[1]), cache.dtype),
         grid=(rows.shape[0],), grid_names=("program",),
         compiler_params=compiler_params(unsafe_no_auto_barriers=unsafe), **threads)
@@ -170,7 +190,10 @@ def main(argv=None) -> int:
     print(f"{'variant':<24} {'ms':>8} {'us/tile':>8} {'ns/copy':>8} {'GB/s':>7}  check")
     out_rows = []
     for variant in args.variants:
-        per_row, _, _ = VARIANTS[variant]
+        if interpret and not interpretable(variant):
+            print(f"{variant:<24} not interpreted on jax {jax.__version__} (`interpretable`)", flush=True)
+            continue
+        per_row = VARIANTS[variant][0]
         rows = rows_for(variant, sizes["programs"], sizes["tiles"], sizes["cache_rows"], rng)
         rows_dev, run = jnp.asarray(rows), functools.partial(gather, variant, interpret=interpret)
         want = np.asarray(cache, np.float32)[rows[:, -KEYS:]]

@@ -23,7 +23,7 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
              copy a row, with and without Pallas' automatic barriers, and issued by two
-             warpgroups) beside a tile copy; then the
+             warpgroups or by four warps) beside a tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, and Mosaic without automatic
              barriers (kernels.py --no-auto-barriers);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
