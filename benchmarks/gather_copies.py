@@ -21,7 +21,7 @@ time that path alone, beside the alternatives, one program per SM, each walking 
                  on the same mbarrier): whether the per-copy cost is the issuing warpgroup's (the
                  H200 measured 113 ns a copy with or without the barriers: its threads' arrivals
                  and single-lane issue), which more issuers divide, or the SM's;
-  rows, 4 warps  one warpgroup whose four warps each issue 16 of the tile's copies (`plgpu.warp_map`:
+  rows, 4 warps  one warpgroup whose four warps each issue 16 of the tile's copies (`issue_keys`'s by_warp:
                  a copy's arrivals come from its warp's 32 threads, not the warpgroup's 128, and the
                  warps issue side by side): the same question without a second warpgroup's
                  registers, which the kernels' scorer and followers cannot spare;
@@ -50,14 +50,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
-from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled
+from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled, warp_map_interpretable
 
 # variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers, warpgroups issuing,
 # each warp issuing its share of the copies)
 VARIANTS = {"rows": (True, False, 1, False), "rows, no auto barriers": (True, True, 1, False),
             "rows, 2 warpgroups": (True, False, 2, False), "rows, 4 warps": (True, False, 1, True),
             "tile": (False, False, 1, False)}
-WARPS = 4  # warps in a warpgroup
 KEYS = 64  # rows a tile, as in the kernels
 PIECE = 192  # columns a "tile" copy moves (a TMA box is at most 256 wide; 576 = 3 x 192)
 FULL = dict(programs=132, tiles=32, cache_rows=1 << 19, width=576)
@@ -65,9 +64,9 @@ SMOKE = dict(programs=1, tiles=2, cache_rows=256, width=192)
 
 
 def interpretable(variant: str) -> bool:
-    """Whether this jax's Mosaic GPU interpreter runs the variant: jax 0.10.2's has no `core_map`,
-    which `plgpu.warp_map` is (0.11.2's runs it)."""
-    return not VARIANTS[variant][3] or jax.__version_info__ >= (0, 11)
+    """Whether this jax's Mosaic GPU interpreter runs the variant (`mosaic_gpu.warp_map_interpretable`
+    for the per-warp copies)."""
+    return not VARIANTS[variant][3] or warp_map_interpretable()
 
 
 def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool, warpgroups: int,
@@ -96,14 +95,10 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
             if manual_barriers:  # every thread is past the last tile's reads of the buffers reused here
                 plgpu.commit_smem()
             rows = rows_buffer(rows_smem, tile)
-            if per_warp:
-                @plgpu.warp_map
-                def _(warp):
-                    mine = pl.ds(warp * (KEYS // WARPS), KEYS // WARPS)
-                    issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered)
-            elif per_row:
+            if per_row:
                 mine = pl.ds(wg * share, share)
-                issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered)
+                issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered,
+                           by_warp=per_warp)
             else:  # the tile's rows are consecutive from its first: one box a piece of columns
                 start = rows[0].astype(jnp.int32)
                 for i in range(width // PIECE):

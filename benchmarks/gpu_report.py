@@ -24,8 +24,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
              copy a row, with and without Pallas' automatic barriers, and issued by two
              warpgroups or by four warps) beside a tile copy; then the
-             sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, and Mosaic without automatic
-             barriers (kernels.py --no-auto-barriers);
+             sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, Mosaic without automatic
+             barriers (kernels.py --no-auto-barriers) and Mosaic with its copies issued by warp
+             (--copies-by-warp);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
              (--num-stages 3), sparse MLA with both 32-slot tiles and three in flight, and with
              32-slot tiles (--block-n 32), to set against the kernels
@@ -136,13 +137,13 @@ BENCHMARK_UNITS = {
                                       "--no-xla", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--part-slots", "64", "--no-xla",
                 "--json", "{json}"])],
-    # The Mosaic kernels' gather of scattered rows timed alone, beside its candidate fix and a tile
-    # copy; then the sparse MLA kernel with that fix beside itself and Triton.
+    # The Mosaic kernels' gather of scattered rows timed alone, beside its candidate fixes and a tile
+    # copy; then the sparse MLA kernel with those fixes beside itself and Triton.
     "gather": [("gather", ["benchmarks/gather_copies.py", "--json", "{json}"],
                 ["benchmarks/gather_copies.py", "--smoke", "--json", "{json}"]),
                ("gather/sparse_mla", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "--queries",
-                                      "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--json",
-                                      "{json}"], None)],
+                                      "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--copies-by-warp",
+                                      "--json", "{json}"], None)],
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],

@@ -396,6 +396,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-auto-barriers", action="store_true",
                         help="also time the Mosaic sparse MLA kernel lowered without Pallas' automatic barriers "
                              "(auto_barriers=False), rows 'mosaic no auto barriers'")
+    parser.add_argument("--copies-by-warp", action="store_true",
+                        help="also time the Mosaic sparse MLA kernel with its slot copies issued by each of the "
+                             "scorer's four warps (copies_by_warp=True), rows 'mosaic copies by warp'")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
                         help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
                              "and queries e4m3, as DeepSeek's release keeps them)")
@@ -488,7 +491,8 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
             # The Mosaic kernel, for dense MLA its split-KV part lengths --part-slots asks for, and for
-            # sparse MLA its lowering without automatic barriers (--no-auto-barriers).
+            # sparse MLA its lowering without automatic barriers (--no-auto-barriers) and its copies
+            # issued by warp (--copies-by-warp).
             mosaic = []
             if op.mosaic is not None and not args.no_mosaic:
                 mosaic.append(("mosaic", op.mosaic))
@@ -497,6 +501,8 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                                for n in args.part_slots]
                 if op.name == "sparse_mla" and args.no_auto_barriers:
                     mosaic.append(("mosaic no auto barriers", functools.partial(op.mosaic, auto_barriers=False)))
+                if op.name == "sparse_mla" and args.copies_by_warp:
+                    mosaic.append(("mosaic copies by warp", functools.partial(op.mosaic, copies_by_warp=True)))
             mosaic_outs = {}
             for impl, fn in mosaic:
                 try:  # a Mosaic kernel refuses shapes it cannot tile (tiny-v4's D 32, FP8 dense MLA below 512)

@@ -51,6 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic_gpu import dequantize_rows, interpreted_warpgroups
 
+WARPS = 4  # warps in a warpgroup
 # Warpgroups accumulating P V beside the scoring one, and the output columns each owns (at most): a
 # 64 x 256 float32 accumulator, in place (`accumulate_tile`), 128 registers a thread.
 FOLLOWERS = 2
@@ -127,7 +128,7 @@ def copies_per_key(parts) -> int:
     return sum(len(pieces(part.shape[-1], part.dtype)) for part in parts)
 
 
-def issue_keys(rows, parts_at, stagings, copies: int, barrier) -> None:
+def issue_keys(rows, parts_at, stagings, copies: int, barrier, by_warp: bool = False) -> None:
     """Issue a tile's key copies: rows, an SMEM ref [T] float32, holds each key's row in its
     arrays (an exact float32 integer; -1 for no key); parts_at(row) -> the GMEM refs [W] of the
     key's parts. A key's copies go into its staging rows (`copy_key`); for no key, its `copies`
@@ -135,7 +136,23 @@ def issue_keys(rows, parts_at, stagings, copies: int, barrier) -> None:
 
     The rows are in SMEM, arrived with the tile before, because a key's copies cannot be issued
     before its row is known: read from global memory, every key would wait a load's latency in
-    turn (hundreds of cycles, 64 times a tile)."""
+    turn (hundreds of cycles, 64 times a tile).
+
+    by_warp: each of the issuing warpgroup's WARPS warps issues its T / WARPS keys
+    (`plgpu.warp_map`), side by side, a copy's arrivals coming from its warp's 32 threads instead
+    of the warpgroup's 128 after a warpgroup barrier (the barrier's count is the same). A tuning
+    to be timed: on a lent H200 each copy issued by the whole warpgroup cost 113 ns, with or
+    without the barrier (`benchmarks/gather_copies.py` times both ways). Interpreted only on jax
+    0.11 and later (`mosaic_gpu.warp_map_interpretable`)."""
+    if by_warp:
+        share = rows.shape[0] // WARPS
+
+        @plgpu.warp_map
+        def _(warp):
+            mine = pl.ds(warp * share, share)
+            issue_keys(rows.at[mine], parts_at, [stage.at[mine] for stage in stagings], copies, barrier)
+        return
+
     @pl.loop(0, rows.shape[0])
     def _(i):
         row = rows[i].astype(jnp.int32)

@@ -43,6 +43,12 @@ SWIZZLE = 128
 WARPGROUPS_VARIABLE = "JAXSPEC_INTERPRET_WARPGROUPS"
 
 
+def warp_map_interpretable() -> bool:
+    """Whether this jax's Mosaic GPU interpreter runs `plgpu.warp_map` (a `core_map` over the
+    warps): 0.10.2's has no `core_map`, 0.11.2's runs it. Both lower it for a GPU."""
+    return jax.__version_info__ >= (0, 11)
+
+
 def xla_cpu_threads() -> int:
     """The threads of XLA's CPU client pool in this process: XLA sizes it from the NPROC
     environment variable where set, else from the CPUs the process may run on."""

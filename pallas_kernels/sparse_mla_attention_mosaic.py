@@ -83,7 +83,7 @@ from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, cop
                                       gathered_tiles, issue_keys, kernel_warpgroups, prepare_tile, rows_buffer, scorer,
                                       staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store, warp_map_interpretable
 from .paged import read_slots, selected_rows
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -93,7 +93,7 @@ MAX_ROWS = 2 ** 24
 
 
 def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, fp8: bool, warpgroups: int,
-                       interpret: bool):
+                       copies_by_warp: bool, interpret: bool):
     """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
     followers, each owning out_block of the program's columns (interpreted, by default one
     warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`).
@@ -127,7 +127,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         if scales_ref is not None:
             plgpu.copy_gmem_to_smem(scales_ref.at[token, :, pl.ds(tile * TILE, TILE)], scales, barrier)
         issue_keys(rows_buffer(rows_smem, tile), lambda row: [part.at[row] for part in parts], stagings, copies,
-                   barrier)
+                   barrier, by_warp=copies_by_warp)
         fetch_rows(rows_at, tile + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
@@ -205,7 +205,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
 
 def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache, page_table: jax.Array,
                                 indices: jax.Array, *, softmax_scale: float, auto_barriers: bool = True,
-                                interpret: bool = False):
+                                copies_by_warp: bool = False, interpret: bool = False):
     """`sparse_mla_attention` as a Mosaic GPU kernel; same arguments and results as the reference.
 
     q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] or an
@@ -222,6 +222,10 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
       them; a store's region is written by its own threads only and read by the tensor cores after
       a `commit_smem`, or by the other warpgroup after an mbarrier; and the loads of a tile's rows
       follow the wait on the copies that brought them. The interpreter ignores it.
+    copies_by_warp: the scorer's four warps each issue a quarter of a tile's slot copies
+      (`gathered_softmax_mosaic.issue_keys`), a tuning to be timed (not yet the default); the same
+      bytes land in the same places, so the results do not change. Interpreted, it needs jax 0.11
+      or later (a ValueError on 0.10.2, whose interpreter has no `core_map`).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
@@ -236,21 +240,25 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     if latent % 128 or rope % 64 or (latent > FOLLOWERS * OUT_BLOCK and latent % (FOLLOWERS * OUT_BLOCK)):
         raise ValueError(f"sparse_mla_attention_mosaic: Dl={latent} must be a multiple of 128 (of "
                          f"{FOLLOWERS * OUT_BLOCK} when wider) and Dr={rope} of 64")
+    if copies_by_warp and interpret and not warp_map_interpretable():
+        raise ValueError(f"sparse_mla_attention_mosaic: copies_by_warp=True interpreted needs jax >= 0.11 (this is "
+                         f"{jax.__version__}, whose Mosaic GPU interpreter has no core_map); it lowers for a GPU on both")
     slots = latent_cache.shape[0] * latent_cache.shape[1]
     if slots > MAX_ROWS:
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache holds {slots} slots: at most {MAX_ROWS} (slot "
                          "rows reach the kernel as float32, exact integers to 2**24)")
     run = functools.partial(_sparse_mla, q_nope, q_rope, latent_cache, page_table, indices,
-                            softmax_scale=softmax_scale, auto_barriers=auto_barriers, interpret=interpret)
+                            softmax_scale=softmax_scale, auto_barriers=auto_barriers, copies_by_warp=copies_by_warp,
+                            interpret=interpret)
     if not interpret:
         return run()
     with interpreting():
         return run()
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "auto_barriers", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "auto_barriers", "copies_by_warp", "interpret"))
 def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, auto_barriers: bool,
-                interpret: bool):
+                copies_by_warp: bool, interpret: bool):
     warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
@@ -277,7 +285,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
                 jax.ShapeDtypeStruct((tokens, heads_padded), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, fp8=fp8,
-                          warpgroups=warpgroups, interpret=interpret),
+                          warpgroups=warpgroups, copies_by_warp=copies_by_warp, interpret=interpret),
         out_type=out_type,
         grid=(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
         num_threads=warpgroups, thread_name="wg",

@@ -28,6 +28,7 @@ from jaxspec.pallas_kernels import fp8_cache
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic, indexer_topk_mosaic
+from jaxspec.pallas_kernels.mosaic_gpu import warp_map_interpretable
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from test_fp8_cache import fp8_pool_of
 from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs, make_window, random_indices,
@@ -260,6 +261,23 @@ def test_sparse_mla_mosaic_matches_reference(case):
     assert_attention_close(got, want, window, jnp.bfloat16)
 
 
+def test_sparse_mla_mosaic_copies_by_warp_give_the_same_bits():
+    """copies_by_warp=True (each of the scorer's warps issues a quarter of a tile's slot copies)
+    moves the same bytes to the same places: interpreted, out and lse equal the default's bit for
+    bit, on a tile with -1 and past-the-pages slots (their arrivals without bytes come from the
+    warps then) and a token that selects nothing. jax 0.10.2's interpreter cannot run it (no
+    `core_map`), which is a ValueError before tracing; both versions compile it (below)."""
+    _, args = sparse_case(np.random.default_rng(51), batch=2, num_queries=2, heads=4, latent=128, rope=64,
+                          page_size=16, max_pages=6, topk=40)
+    run = functools.partial(sparse_mla_attention_mosaic, *args, softmax_scale=scale_for(128, 64), interpret=True)
+    if not warp_map_interpretable():
+        with pytest.raises(ValueError, match="copies_by_warp=True interpreted needs jax >= 0.11"):
+            run(copies_by_warp=True)
+        return
+    for got, want in zip(run(copies_by_warp=True), run()):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_sparse_mla_mosaic_reads_fp8_latents():
     """An FP8 latent pool (FlashMLA's token: e4m3 values, a float32 scale per 128, bfloat16 RoPE
     part; NaN in the pages no row owns): the kernel dequantizes each gathered row in registers as
@@ -342,10 +360,11 @@ def test_sparse_mla_mosaic_refuses_a_cache_past_exact_float32_rows():
 
 
 @functools.cache
-def sparse_mla_compile(num_queries: int, fp8: bool, auto_barriers: bool = True):
+def sparse_mla_compile(num_queries: int, fp8: bool, **tuning):
     """DeepSeek-V3.2's sparse MLA (128 heads, 512 + 64 in 64-slot pages, bfloat16 or FlashMLA's FP8
-    token, top-2048), B = 32, 4096 slots a row, compiled for one H100 (with Pallas' automatic
-    barriers, or without). Cached: the FP8 case compares itself with the bfloat16 one."""
+    token, top-2048), B = 32, 4096 slots a row, compiled for one H100 (with the kernel's `tuning`
+    arguments: auto_barriers, copies_by_warp). Cached: the FP8 case compares itself with the
+    bfloat16 one."""
     heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
     pages = BATCH * CONTEXT // 64
     cache = (Fp8Pool(Spec((pages, 64, latent), fp8_cache.E4M3), Spec((pages, 64, latent // 128), jnp.float32),
@@ -353,16 +372,18 @@ def sparse_mla_compile(num_queries: int, fp8: bool, auto_barriers: bool = True):
     args = (Spec((BATCH, num_queries, heads, latent), jnp.bfloat16),
             Spec((BATCH, num_queries, heads, rope), jnp.bfloat16), cache, Spec((BATCH, CONTEXT // 64), jnp.int32),
             Spec((BATCH, num_queries, V32.index_topk), jnp.int32))
-    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale,
-                               auto_barriers=auto_barriers)
+    kernel = functools.partial(sparse_mla_attention_mosaic, softmax_scale=V32.softmax_scale, **tuning)
     return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"))
 
 
-def test_sparse_mla_mosaic_compiles_without_automatic_barriers(h100):
-    """`auto_barriers=False` (`unsafe_no_auto_barriers`, the tuning the GPU report times beside the
-    default) lowers for an H100 at V3.2's shapes into the same launch: grid, threads and shared
-    memory (the barriers it drops cost none)."""
-    [launch] = aot.mosaic_launches(sparse_mla_compile(1, False, auto_barriers=False))
+@pytest.mark.parametrize("tuning", [dict(auto_barriers=False), dict(copies_by_warp=True)],
+                         ids=["no-auto-barriers", "copies-by-warp"])
+def test_sparse_mla_mosaic_compiles_with_each_tuning(h100, tuning):
+    """The tunings the GPU report times beside the default (`auto_barriers=False`, Pallas'
+    `unsafe_no_auto_barriers`; `copies_by_warp=True`, the scorer's warps issuing the slot copies)
+    lower for an H100 at V3.2's shapes into the same launch: grid, threads and shared memory
+    (neither costs any)."""
+    [launch] = aot.mosaic_launches(sparse_mla_compile(1, False, **tuning))
     [default] = aot.mosaic_launches(sparse_mla_compile(1, False))
     assert (launch.grid, launch.threads, launch.shared_memory) == (default.grid, default.threads,
                                                                    default.shared_memory)
