@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import glob
 import os
 import re
@@ -123,23 +124,48 @@ def device_seconds(calls: dict[str, Callable[[], object]], iters: int) -> dict[s
     back to back in a window of its own (a host annotation, `WINDOW_GAP_S` apart, synchronised at
     its end), its kernels' durations summed (`per_window`). That excludes dispatch and the gaps
     between a call's kernels, which a call from Python pays and a compiled decode step mostly does
-    not. None for a call whose kernels were not found (said on stderr). On a CPU the kernels are
-    the host's XLA ops, nested ones included: the figure there only shows that the path runs."""
+    not. None for a call whose kernels were not found (said on stderr), and for every call when
+    the profiler fails: the device time is a column beside the wall clock's, so a profiler that
+    cannot trace (CUPTI taken, an unreadable trace) costs that column, said on stderr, and not the
+    benchmark's rows on a GPU lent for minutes; a call that fails still raises. On a CPU the
+    kernels are the host's XLA ops, nested ones included: the figure there only shows that the
+    path runs."""
     with tempfile.TemporaryDirectory() as scratch:
-        with jax.profiler.trace(scratch):
+        # Broad catches around the profiler's own steps only (jaxlib's profiler raises several
+        # types); a call that fails still raises, after the trace is stopped.
+        try:
+            jax.profiler.start_trace(scratch)
+        except Exception as failure:  # noqa: BLE001
+            return _no_device_times(calls, failure)
+        try:
             for name, call in calls.items():
                 with jax.profiler.TraceAnnotation(WINDOW_PREFIX + str(name)):
                     for _ in range(iters):
                         out = call()
                     jax.block_until_ready(out)
                 time.sleep(WINDOW_GAP_S)
-        paths = glob.glob(os.path.join(scratch, "**", "*.xplane.pb"), recursive=True)
-        found = per_window([event for path in paths for event in kernel_events(path)],
-                           [span for path in paths for span in windows(path)], iters)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                jax.profiler.stop_trace()
+            raise
+        try:
+            jax.profiler.stop_trace()
+            paths = glob.glob(os.path.join(scratch, "**", "*.xplane.pb"), recursive=True)
+            found = per_window([event for path in paths for event in kernel_events(path)],
+                               [span for path in paths for span in windows(path)], iters)
+        except Exception as failure:  # noqa: BLE001
+            return _no_device_times(calls, failure)
     missing = [str(name) for name in calls if found.get(str(name)) is None]
     if missing:
         print(f"device_seconds: no kernels found for {', '.join(missing)} in the profiler's trace", file=sys.stderr)
     return {name: found.get(str(name)) for name in calls}
+
+
+def _no_device_times(calls: dict, failure: Exception) -> dict:
+    """`device_seconds`' answer when the profiler fails: None for every call, said on stderr."""
+    print(f"device_seconds: the profiler failed ({type(failure).__name__}: {str(failure)[:200]}); no device times",
+          file=sys.stderr)
+    return {name: None for name in calls}
 
 
 def summarize(events: list[tuple[str, int, int]]) -> dict:

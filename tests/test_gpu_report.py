@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -633,6 +635,32 @@ def test_device_seconds_gives_each_window_its_kernels():
               ("k", 201 * ms, 1 * ms)]
     found = per_window(events, spans, iters=2)
     assert found == {"a": pytest.approx(5e-3 / 2), "b": pytest.approx(8e-3 / 2), "c": None}
+
+
+def test_device_seconds_without_a_profiler_leaves_the_column_empty_and_a_failing_call_raises(monkeypatch, capsys):
+    """A profiler that cannot start (another trace running) gives no device times, said on stderr,
+    instead of failing the benchmark; a call that fails inside the trace still raises, and the
+    trace is stopped, so the next measurement can start one."""
+    import kernel_profile
+    add = jax.jit(lambda x: x + 1)
+    x = jnp.ones(4)
+    jax.block_until_ready(add(x))
+    real_start = jax.profiler.start_trace
+
+    def taken(path):
+        raise RuntimeError("Only one profile may be run at a time.")
+
+    monkeypatch.setattr(jax.profiler, "start_trace", taken)
+    assert kernel_profile.device_seconds({"add": lambda: add(x)}, iters=2) == {"add": None}
+    assert "the profiler failed (RuntimeError: Only one profile" in capsys.readouterr().err
+    monkeypatch.setattr(jax.profiler, "start_trace", real_start)
+
+    def broken():
+        raise ValueError("the call's own error")
+
+    with pytest.raises(ValueError, match="the call's own error"):
+        kernel_profile.device_seconds({"broken": broken}, iters=1)
+    assert kernel_profile.device_seconds({"add": lambda: add(x)}, iters=2)["add"] > 0
 
 
 def test_kernel_profile_sums_kernels_by_op_class():
