@@ -140,7 +140,8 @@ def issue_keys(rows, parts_at, stagings, copies: int, barrier, by_warp: bool = F
 
     by_warp: each of the issuing warpgroup's WARPS warps issues its T / WARPS keys
     (`plgpu.warp_map`), side by side, a copy's arrivals coming from its warp's 32 threads instead
-    of the warpgroup's 128 after a warpgroup barrier (the barrier's count is the same). A tuning
+    of the warpgroup's 128 (after a warpgroup barrier, under Pallas' automatic barriers); the
+    mbarrier's count is the same. T must be a multiple of WARPS (the kernels' 64 is). A tuning
     to be timed: on a lent H200 each copy issued by the whole warpgroup cost 113 ns, with or
     without the barrier (`benchmarks/gather_copies.py` times both ways). Interpreted only on jax
     0.11 and later (`mosaic_gpu.warp_map_interpretable`)."""
