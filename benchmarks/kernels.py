@@ -147,6 +147,13 @@ def timings(calls: dict, iters: int, warmup: int) -> dict[object, tuple[float, f
     return {name: (seconds[name], device[name]) for name in calls}
 
 
+def time_cells(seconds: float, device: float | None) -> tuple[float, str]:
+    """(the seconds a row's rates use: its kernels' device time where measured, else its wall time;
+    its printed "ms" and "dev ms" cells, 10 characters each)."""
+    shown = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
+    return device or seconds, f"{seconds * 1e3:>10.3f}{shown}"
+
+
 def copy_bandwidth(nbytes: int, iters: int, warmup: int) -> float:
     """Bytes/s of a device-to-device elementwise copy (read + write) of `nbytes`."""
     x = jnp.zeros((nbytes // ITEM,), jnp.bfloat16)
@@ -463,12 +470,11 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
         timed_rows.append(dict(op=op, impl=impl, batch=batch, context=context, queries=queries, seconds=seconds,
                                device_seconds=device, bytes=nbytes, flops=flops,
                                cache_dtype=args.cache_dtype or "bfloat16", max_error=error))
-        spent = device or seconds
+        spent, times = time_cells(seconds, device)
         bandwidth = nbytes / spent
         speedup = f"{xla / spent:>7.2f}x" if xla else f"{'':>8}"
         err = f"{error:>10.2e}" if error is not None else ""
-        shown = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
-        print(f"{op:<16}{impl:<22}{label}{seconds * 1e3:>10.3f}{shown}{bandwidth / 1e9:>9.0f}"
+        print(f"{op:<16}{impl:<22}{label}{times}{bandwidth / 1e9:>9.0f}"
               f"{flops / spent / 1e12:>9.1f}{100 * bandwidth / copy_bw:>6.0f}%{speedup}{err}")
 
     families = []  # (name, input bytes, the family's ops at this shape)

@@ -27,7 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timings, write_rows
+from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, time_cells, timings, write_rows
 
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
@@ -83,9 +83,8 @@ def main(argv=None) -> int:
                     nbytes, flops = min_bytes(layer, tokens), 2 * tokens * fan_in * fan_out
                     rows.append(dict(op=f"linear_{label}", impl=impl, layer=name, tokens=tokens, seconds=seconds,
                                      device_seconds=device, bytes=nbytes, flops=flops))
-                    spent = device or seconds
-                    shown_device = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
-                    print(f"{name:<20}{shown:>16}{tokens:>6}{seconds * 1e3:>10.3f}{shown_device}"
+                    spent, times = time_cells(seconds, device)
+                    print(f"{name:<20}{shown:>16}{tokens:>6}{times}"
                           f"{nbytes / spent / 1e9:>8.0f}{100 * nbytes / spent / copy_bw:>6.0f}%"
                           f"{flops / spent / 1e12:>9.1f}", flush=True)
     if args.json:

@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, timings, write_rows
+from kernels import (MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, time_cells, timings,
+                     write_rows)
 
 from jaxspec import progress
 from jaxspec.memory_plan import device_memory
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
             except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                 print(f"{prefix}  {type(failure).__name__}")
                 continue
-            spent = device or seconds  # the rates and ratios use the device's time where it was measured
+            spent, times = time_cells(seconds, device)  # the rates and ratios use the device's time where measured
             if backend == "pallas" and kernel_out is None:  # the first kernel row: what the others compare with
                 kernel_out, kernel_seconds = out, spent
             versus = diff = ""
@@ -154,8 +155,7 @@ def main(argv=None) -> int:
             bandwidth = min_bytes / spent
             rows.append(dict(op=op, impl=label, tokens=num_tokens, experts_hit=hit, seconds=seconds,
                              device_seconds=device, bytes=min_bytes, flops=flops))
-            shown = f"{device * 1e3:>10.3f}" if device is not None else f"{'-':>10}"
-            print(f"{prefix}{seconds * 1e3:>10.3f}{shown}{bandwidth / 1e9:>8.0f}{100 * bandwidth / copy_bw:>6.0f}%"
+            print(f"{prefix}{times}{bandwidth / 1e9:>8.0f}{100 * bandwidth / copy_bw:>6.0f}%"
                   f"{flops / spent / 1e12:>9.1f}{versus}{diff}")
             del out
             gc.collect()
