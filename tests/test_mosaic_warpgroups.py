@@ -40,7 +40,8 @@ from virtual_devices import REPO, virtual_devices_env  # noqa: E402
 
 
 def dense(fp8: bool, tree: bool, batch: int, part_slots: int):
-    """mla_attention_mosaic over two 64-slot pages (two tiles); rows long, padded and empty."""
+    """mla_attention_mosaic over two 64-slot pages (two tiles) a row, split into parts of part_slots;
+    the rows cycle long, padded, empty (`make_window`), so batch 1 is one long row."""
     rng = np.random.default_rng(70 + fp8)
     latent = 512 if fp8 else 256  # FP8 caches take whole 512-value blocks; 256 gives a follower 128 columns
     window = make_window(rng, batch, 3, 64, 2, tree=tree)
