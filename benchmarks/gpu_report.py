@@ -25,8 +25,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              copy a row, with and without Pallas' automatic barriers, and issued by two
              warpgroups or by four warps) beside a tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, Mosaic without automatic
-             barriers (kernels.py --no-auto-barriers) and Mosaic with its copies issued by warp
-             (--copies-by-warp);
+             barriers (kernels.py --no-auto-barriers), Mosaic with its copies issued by warp
+             (--copies-by-warp), and Mosaic with split-KV parts of 256 and 2048 slots beside
+             its 512 (--part-slots; 2048 is one part at top-2048);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
              (--num-stages 3), sparse MLA with both 32-slot tiles and three in flight, and with
              32-slot tiles (--block-n 32), to set against the kernels
@@ -104,8 +105,10 @@ KERNEL_OPS = ("mla_attention", "sparse_mla", "indexer_scores", "v4_csa", "v4_hca
 BENCHMARK_UNITS = {
     "kernels": [(f"kernels/{op}", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096", "--queries",
                                    "1", "4", "--ops", op, "--json", "{json}"],
-                 ["benchmarks/kernels.py", "--smoke", "--ops", op, "--no-xla", "--json", "{json}"]
-                 if op == "mla_attention" else None)
+                 # (smoke: with --part-slots, the path of the part kernels_part_slots, whose own
+                 # smoke would start a process to repeat these rows)
+                 ["benchmarks/kernels.py", "--smoke", "--ops", op, "--no-xla", "--part-slots", "64", "--json",
+                  "{json}"] if op == "mla_attention" else None)
                 for op in KERNEL_OPS]
                # Dense MLA at the long context the issue names (sparse MLA reads its top-k whatever the
                # context): after every op's 4096, so that a short lease has those first.
@@ -134,16 +137,14 @@ BENCHMARK_UNITS = {
               # partials they write are 45% of the cache's bytes at Q 1 and twice them at Q 4 (docs/kernels.md).
               ("kernels_part_slots", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "32768",
                                       "--queries", "1", "4", "--ops", "mla_attention", "--part-slots", "2048", "4096",
-                                      "--no-xla", "--json", "{json}"],
-               ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--part-slots", "64", "--no-xla",
-                "--json", "{json}"])],
+                                      "--no-xla", "--json", "{json}"], None)],
     # The Mosaic kernels' gather of scattered rows timed alone, beside its candidate fixes and a tile
-    # copy; then the sparse MLA kernel with those fixes beside itself and Triton.
+    # copy; then the sparse MLA kernel with those fixes and other part lengths beside itself and Triton.
     "gather": [("gather", ["benchmarks/gather_copies.py", "--json", "{json}"],
                 ["benchmarks/gather_copies.py", "--smoke", "--json", "{json}"]),
                ("gather/sparse_mla", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "--queries",
                                       "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--copies-by-warp",
-                                      "--json", "{json}"], None)],
+                                      "--part-slots", "256", "2048", "--json", "{json}"], None)],
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],

@@ -41,9 +41,10 @@ refuses to lower the untiled one without `optimized=False`) and the TMA unswizzl
 out. A block holds only its part's pages (`part_tables`), so the count does not grow with the
 context: DeepSeek-V3.2's 128k slots take what 4096 do.
 
-Split-KV: a row's capacity (max_pages * page_size slots) is cut into `num_parts(capacity)`
-contiguous parts of whole tiles, fixed by the capacity alone; each part stores a normalised
-float32 partial and its log-sum-exp, and `combine_parts` merges them.
+Split-KV: a row's capacity (max_pages * page_size slots) is cut into
+`split_kv.num_parts(capacity, part_slots)` contiguous parts of whole tiles, fixed by the capacity
+alone; each part stores a normalised float32 partial and its log-sum-exp, and
+`split_kv.combine_parts` merges them.
 
 Invariant by construction: a query row's bits depend only on its own query, its visible slots and
 the capacity. The tiles start at slot 0 and the parts at fixed slots; a tile past the token's
@@ -69,6 +70,7 @@ from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, fol
                                       start_followers)
 from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
                          swizzled)
+from .split_kv import combine_parts, num_parts
 from .visibility import Visibility, kv_bound
 
 BLOCK_M = 64  # query rows per thread block: wgmma's M
@@ -78,8 +80,6 @@ STAGES = 2  # KV tiles in flight
 # stay small next to the part's cache (576 x 2 bytes a slot against 512 x 4 bytes per query row),
 # short enough that B 32 at 4096 slots fills an H100's 132 SMs (2 row blocks x 4 parts x 32 rows).
 PART_SLOTS = 1024
-# Parts `combine_parts` folds in one XLA fusion: 16 spill a few bytes at Q 4 on sm_90a, 8 none.
-COMBINE_GROUP = 8
 # The query row's window-visibility bits are packed 32 to an int32 word.
 WORD = 32
 SUPPORTED_DTYPES = (jnp.bfloat16,)
@@ -89,11 +89,6 @@ FP8_LATENT_MULTIPLE = 4 * SCALE_BLOCK
 # A copy into shared memory moves a multiple of 128 bytes (one per thread of the warpgroup that
 # issues it): small int32 operands are padded to a multiple of this many words.
 COPY_WORDS = 32
-
-
-def num_parts(capacity: int, part_slots: int = PART_SLOTS) -> int:
-    """Split-KV parts of a row of `capacity` slots: set by the capacity only (never B or Q)."""
-    return max(1, pl.cdiv(capacity, part_slots))
 
 
 def part_tables(page_table: jax.Array, num_pages: int, page_size: int, parts: int, tiles_per_part: int):
@@ -403,29 +398,6 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         plgpu.Barrier(num_arrivals=warpgroups),
         collective_axes="wg",
     )
-
-
-def combine_parts(out: jax.Array, lse: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
-    """Merge split-KV parts: out [B, parts, Mp, Dl], lse [B, parts, Mp] float32 -> out [B, Mp, Dl]
-    (out_dtype), lse [B, Mp].
-
-    Elementwise per row, parts in a fixed order (a Python loop, not a reduction whose order XLA
-    may choose by shape), so a row's result does not depend on how many rows share the call.
-    Empty parts (lse == EMPTY_LSE) get weight 0; a row with only empty parts keeps output 0 and EMPTY_LSE.
-    """
-    parts = out.shape[1]
-    top = jnp.max(lse, axis=1)  # a maximum is exact in any order
-    merged, total = jnp.zeros_like(out[:, 0]), jnp.zeros_like(top)
-    for p in range(parts):
-        if p and p % COMBINE_GROUP == 0:
-            # One fusion over every part spills registers (3,388 bytes a thread at 128 parts, DeepSeek's
-            # 128k slots); a barrier every COMBINE_GROUP parts keeps the fold's order and so its bits.
-            merged, total = jax.lax.optimization_barrier((merged, total))
-        weight = jnp.where(lse[:, p] > EMPTY_LSE, jnp.exp(lse[:, p] - top), 0.0)
-        merged, total = merged + weight[..., None] * out[:, p], total + weight
-    seen = total > 0
-    safe_total = jnp.where(seen, total, 1.0)
-    return (merged / safe_total[..., None]).astype(out_dtype), jnp.where(seen, top + jnp.log(safe_total), EMPTY_LSE)
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "part_slots", "interpret"))

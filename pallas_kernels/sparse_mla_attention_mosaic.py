@@ -4,14 +4,19 @@ each query token over its own selected slots.
 Work unit. Every window token (b, q) has its own index list `indices[b, q, :]` (2048 slots for
 DeepSeek-V3.2) shared by its H heads, so tokens share no KV reads: a program holds one token's
 block of BLOCK_M (64) heads as the wgmma's M rows and FOLLOWERS * OUT_BLOCK (512) latent columns,
-all of DeepSeek's, in three warpgroups. Grid:
+all of DeepSeek's, in three warpgroups, over one part of the token's list. Grid:
 
-    (latent column blocks, head blocks, B * Q)   axis 0 fastest
+    (latent column blocks, head blocks, B * Q * parts)   axis 0 fastest
 
 (one column block up to 512 columns), so a token's rows are gathered and its scores computed once
-per head block. A program walks the whole index list in tiles of TILE (64) slots with an online
-softmax in float32. The list is never split, so a token's output bits depend on its own queries,
-indices and cache rows only, never on B or Q: invariant by construction.
+per head block. A program walks its part of the index list in tiles of TILE (64) slots with an
+online softmax in float32 and writes a normalised float32 partial and its log-sum-exp, which
+`split_kv.combine_parts` merges. Split-KV: the list is cut into `split_kv.num_parts(K,
+part_slots)` parts of whole tiles (K the list's length: 4 parts of PART_SLOTS at DeepSeek-V3.2's
+2048), so at B 1 a token's two head blocks run on 8 SMs, not 2, each walking 8 tiles, not 32 (the
+H200 measured 0.39 ms at B 1 and at B 32 without the split: one SM's tile rate, whatever B). The
+parts are set by K alone, so a token's output bits depend on its own queries, indices and cache
+rows only, never on B or Q: invariant by construction.
 
 Warpgroups (FlashMLA's split of the 512-wide output, with the scoring warpgroup apart).
 Warpgroup 0 gathers, computes `S`, runs the softmax and hands P and the rescale to warpgroups 1
@@ -49,7 +54,7 @@ and its 64 bfloat16 RoPE values (a copy each) into two staging tiles, and the mo
 tile dequantizes each value with its block's scale in registers (`mosaic_gpu.dequantize_rows`: the
 bits of `fp8_cache.entries`), so the kernel on an FP8 pool equals itself on the pool's dequantized
 entries bit for bit. The selected slots' scales (16 bytes a slot) are gathered in XLA before the
-call, `[B * Q, Dl / 128, K]`, and arrive one copy per tile: a copy moves a multiple of 128 bytes,
+call, `[B * Q * parts, Dl / 128, K / parts]`, and arrive one copy per tile: a copy moves a multiple of 128 bytes,
 so a slot's 16 cannot come on their own. That is 2.5%
 beside the 640 bytes a slot the kernel reads; no dequantized copy of the cache exists in HBM.
 
@@ -85,25 +90,34 @@ from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, cop
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store, warp_map_interpretable
 from .paged import read_slots, selected_rows
+from .split_kv import combine_parts, num_parts
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
 # Slots the cache may hold: the kernel takes slot rows as float32, whose integers are exact to here.
 MAX_ROWS = 2 ** 24
+# Selected slots per split-KV part. Shorter parts fill more SMs at small B (a token's program walks
+# its part at one SM's tile rate) but add a program's start (its query block and first tile, not
+# overlapped) and its float32 partial (64 x 512 x 4 bytes, written and merged) per part: 8 tiles
+# keep those near a tenth of a part's own work, and at B 32, Q 4 the 1024 programs fill the SMs
+# in 8 waves where 256 took 2, the second short. The GPU report times 256 and 2048 beside it.
+PART_SLOTS = 512
 
 
-def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, fp8: bool, warpgroups: int,
-                       copies_by_warp: bool, interpret: bool):
-    """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
-    followers, each owning out_block of the program's columns (interpreted, by default one
-    warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`).
+def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, splits: int, fp8: bool,
+                       warpgroups: int, copies_by_warp: bool, interpret: bool):
+    """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
+    and the followers, each owning out_block of the program's columns (interpreted, by default one
+    warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
+    `unit` on grid axis 2 is split-KV part `unit % splits` of token `unit // splits`.
 
-    q_ref [B * Q, Hp, Dl + Dr]; rows_ref [B * Q, K] float32 (each selected slot's row in the
-    flattened cache as an exact float32 integer, -1 for none); for an FP8 cache scales_ref
-    [B * Q, Dl / 128, K] float32 (each selected slot's block scales); then the cache, flattened:
-    cache_ref [P * page, Dl + Dr], or for an FP8 cache values_ref [P * page, Dl] e4m3 and rope_ref
-    [P * page, Dr] bfloat16; out_ref [B * Q, Hp, Dl] (q_nope's dtype), lse_ref [B * Q, Hp].
-    Follower warpgroup 1 + f owns the output columns
+    q_ref [B * Q, Hp, Dl + Dr]; rows_ref [B * Q * splits, K / splits] float32 (each selected slot's
+    row in the flattened cache as an exact float32 integer, -1 for none); for an FP8 cache
+    scales_ref [B * Q * splits, Dl / 128, K / splits] float32 (each selected slot's block scales);
+    then the cache, flattened: cache_ref [P * page, Dl + Dr], or for an FP8 cache values_ref
+    [P * page, Dl] e4m3 and rope_ref [P * page, Dr] bfloat16; out_ref [B * Q * splits, Hp, Dl]
+    float32 (the part's normalised partial, 0 where it saw nothing), lse_ref [B * Q * splits, Hp]
+    (EMPTY_LSE where it saw nothing). Follower warpgroup 1 + f owns the output columns
     [(FOLLOWERS * column block + f) * out_block, + out_block).
 
     A tile's rows sit in SMEM before its slots are gathered (`issue_keys`): tile t's arrive with
@@ -111,7 +125,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     scales_ref = refs[0] if fp8 else None
     *parts, out_ref, lse_ref = refs[1:] if fp8 else refs
     copies = copies_per_key(parts)
-    column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
+    column_block, head_block, unit = (jax.lax.axis_index(a) for a in ("column", "heads", "unit"))
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
     num_tiles = rows_ref.shape[1] // TILE
@@ -119,13 +133,13 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def rows_at(tile):
-        return rows_ref.at[token, pl.ds(tile * TILE, TILE)]
+        return rows_ref.at[unit, pl.ds(tile * TILE, TILE)]
 
     def gather(tile, stagings, rows_smem, scales, barrier):
         """Issue tile `tile`'s copies (its rows already in SMEM), its scales' and the next tile's rows',
         all arriving on `barrier` (the next rows without bytes after the last tile)."""
         if scales_ref is not None:
-            plgpu.copy_gmem_to_smem(scales_ref.at[token, :, pl.ds(tile * TILE, TILE)], scales, barrier)
+            plgpu.copy_gmem_to_smem(scales_ref.at[unit, :, pl.ds(tile * TILE, TILE)], scales, barrier)
         issue_keys(rows_buffer(rows_smem, tile), lambda row: [part.at[row] for part in parts], stagings, copies,
                    barrier, by_warp=copies_by_warp)
         fetch_rows(rows_at, tile + 1, num_tiles, rows_smem, barrier)
@@ -142,7 +156,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         def write_out(acc, denom, block):
             safe = jnp.where(denom > 0, denom, 1.0)
             out = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
-            store(out_ref.at[token, heads, columns(block)], out.astype(out_ref.dtype))
+            store(out_ref.at[unit, heads, columns(block)], out)
 
         # The column blocks warpgroup 0 accumulates: none beside its followers, both when it runs alone.
         owned = () if handshake else range(FOLLOWERS)
@@ -152,7 +166,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
 
         @pl.when(wg == 0)
         def _scorer():
-            plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
+            plgpu.copy_gmem_to_smem(q_ref.at[unit // splits, heads], q_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
             gather(0, stagings, rows_smem, scales, gathered)
@@ -173,7 +187,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             for a, block in zip(acc, owned):
                 write_out(a, denom, block)
             seen = denom > 0
-            store(lse_ref.at[token, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
+            store(lse_ref.at[unit, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
 
         def follow(block):
             acc, denom = follower(
@@ -204,8 +218,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
 
 
 def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache, page_table: jax.Array,
-                                indices: jax.Array, *, softmax_scale: float, auto_barriers: bool = True,
-                                copies_by_warp: bool = False, interpret: bool = False):
+                                indices: jax.Array, *, softmax_scale: float, part_slots: int = PART_SLOTS,
+                                auto_barriers: bool = True, copies_by_warp: bool = False, interpret: bool = False):
     """`sparse_mla_attention` as a Mosaic GPU kernel; same arguments and results as the reference.
 
     q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] or an
@@ -214,6 +228,8 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     it, so the result equals this kernel's on the dequantized cache bit for bit),
     page_table [B, max_pages] int32, indices [B, Q, K] int32 (-1 and slots past the row's pages are
     skipped) -> out [B, Q, H, Dl] (q_nope.dtype), lse [B, Q, H] float32.
+    part_slots: selected slots per split-KV part (a positive multiple of 64); a token's list of K
+      runs as ceil(K / part_slots) parts, padded with -1 to whole parts of whole tiles.
     auto_barriers: False lowers with `unsafe_no_auto_barriers`, a tuning to be timed (not yet the
       default): Pallas then drops the warpgroup barrier it puts before each of a tile's 64 slot
       copies and around each shared-memory store. Nothing here needs them: the scorer's
@@ -243,22 +259,25 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     if copies_by_warp and interpret and not warp_map_interpretable():
         raise ValueError(f"sparse_mla_attention_mosaic: copies_by_warp=True interpreted needs jax >= 0.11 (this is "
                          f"{jax.__version__}, whose Mosaic GPU interpreter has no core_map); it lowers for a GPU on both")
+    if part_slots < TILE or part_slots % TILE:
+        raise ValueError(f"sparse_mla_attention_mosaic: part_slots={part_slots}: must be a positive multiple of {TILE}")
     slots = latent_cache.shape[0] * latent_cache.shape[1]
     if slots > MAX_ROWS:
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache holds {slots} slots: at most {MAX_ROWS} (slot "
                          "rows reach the kernel as float32, exact integers to 2**24)")
     run = functools.partial(_sparse_mla, q_nope, q_rope, latent_cache, page_table, indices,
-                            softmax_scale=softmax_scale, auto_barriers=auto_barriers, copies_by_warp=copies_by_warp,
-                            interpret=interpret)
+                            softmax_scale=softmax_scale, part_slots=part_slots, auto_barriers=auto_barriers,
+                            copies_by_warp=copies_by_warp, interpret=interpret)
     if not interpret:
         return run()
     with interpreting():
         return run()
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "auto_barriers", "copies_by_warp", "interpret"))
-def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, auto_barriers: bool,
-                copies_by_warp: bool, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "part_slots", "auto_barriers", "copies_by_warp",
+                                             "interpret"))
+def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, part_slots: int,
+                auto_barriers: bool, copies_by_warp: bool, interpret: bool):
     warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
@@ -267,27 +286,31 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
     q = pad_to(jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), 2, BLOCK_M)
     q = q.reshape(tokens, -1, q.shape[-1]).astype(entry_dtype(latent_cache))
     topk = indices.shape[-1]
-    indices = pad_to(indices.astype(jnp.int32) + 1, 2, TILE) - 1  # pad with -1
+    parts = num_parts(topk, part_slots)
+    part_len = pl.cdiv(pl.cdiv(topk, TILE), parts) * TILE  # whole tiles a part
+    indices = pad_to(indices.astype(jnp.int32) + 1, 2, parts * part_len) - 1  # pad with -1
     # -1 and slots past the row's pages address nothing: row -1
-    rows = selected_rows(page_table, indices.reshape(batch, -1), page_size, latent_cache.shape[0]).reshape(tokens, -1)
+    rows = selected_rows(page_table, indices.reshape(batch, -1), page_size, latent_cache.shape[0])
+    rows = rows.reshape(tokens * parts, part_len)
     if fp8:
         # Each selected slot's block scales, [B * Q, Dl / 128, K]: 16 bytes a slot beside its 640 in
         # the kernel. Gathered here because a copy moves a multiple of 128 bytes, so the kernel
         # cannot fetch one slot's 16; a tile's scales then arrive in one copy, a block's as a row.
         scales = read_slots(latent_cache.scales, page_table, indices.reshape(batch, -1))
-        scale_operands = (jnp.swapaxes(scales.reshape(tokens, indices.shape[-1], -1), 1, 2),)
+        scale_operands = (jnp.swapaxes(scales.reshape(tokens * parts, part_len, -1), 1, 2),)
         cache_operands = (latent_cache.values, latent_cache.rope)
     else:
         cache_operands, scale_operands = (latent_cache,), ()
     out_block = min(latent // FOLLOWERS, OUT_BLOCK)  # columns per follower
     heads_padded = q.shape[1]
-    out_type = (jax.ShapeDtypeStruct((tokens, heads_padded, latent), q_nope.dtype),
-                jax.ShapeDtypeStruct((tokens, heads_padded), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((tokens * parts, heads_padded, latent), jnp.float32),
+                jax.ShapeDtypeStruct((tokens * parts, heads_padded), jnp.float32))
     kernel = plgpu.kernel(
-        functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, fp8=fp8,
+        functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, splits=parts, fp8=fp8,
                           warpgroups=warpgroups, copies_by_warp=copies_by_warp, interpret=interpret),
         out_type=out_type,
-        grid=(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
+        grid=(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * parts),
+        grid_names=("column", "heads", "unit"),
         num_threads=warpgroups, thread_name="wg",
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.
@@ -300,5 +323,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
                           rows, *out_type)
     with stating(cost, "sparse_mla_attention"):
         out, lse = kernel(q, rows, *scale_operands, *(flat_pool(part) for part in cache_operands))
+    out, lse = combine_parts(out.reshape(tokens, parts, heads_padded, latent), lse.reshape(tokens, parts, heads_padded),
+                             q_nope.dtype)
     out = out[:, :heads].reshape(batch, num_queries, heads, latent)
     return out, lse[:, :heads].reshape(batch, num_queries, heads)

@@ -23,7 +23,8 @@ from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility, fp8_cache, mla_attention, mla_attention_reference
 from jaxspec.pallas_kernels.backend import gpu_lowering
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
-from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic, num_parts
+from jaxspec.pallas_kernels.mla_attention_mosaic import PART_SLOTS, mla_attention_mosaic
+from jaxspec.pallas_kernels.split_kv import num_parts
 from jaxspec.presets import preset
 from test_fp8_cache import fp8_pool_of
 from test_kernels import assert_attention_close, latent_inputs, make_window, scale_for
@@ -187,12 +188,12 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
     batch, heads, latent = 32, 128, 512
     [launch] = aot.mosaic_launches(compiled)
     assert launch.threads == (384, 1, 1) and launch.shared_memory <= SM90_SMEM
-    assert math.prod(launch.grid) == num_queries * heads // 64 * num_parts(4096) * batch
+    assert math.prod(launch.grid) == num_queries * heads // 64 * num_parts(4096, PART_SLOTS) * batch
     assert_costed(compiled, "mla_attention", 2 * batch * num_queries * heads * 4096 * (2 * latent + 64))
     memory, rows = aot.memory(compiled), batch * num_queries * heads
     assert memory.output >= rows * (latent * 2 + 4)  # out bf16, lse float32
     # The float32 partials of the split-KV parts, as many as the capacity sets (4 at 4096 slots).
-    assert num_parts(4096) == 4 and memory.temp >= 4 * rows * latent * 4
+    assert num_parts(4096, PART_SLOTS) == 4 and memory.temp >= 4 * rows * latent * 4
     if fp8:
         assert memory.temp == aot.memory(deepseek_compile(num_queries, False)).temp
 
@@ -203,7 +204,7 @@ def test_shared_memory_does_not_grow_with_the_context(h100):
     memory is the same; the combine of 128 parts compiles without spills (the compile fails on one)."""
     longest, shorter = deepseek_compile(8, True, 131072, True), deepseek_compile(8, True, 32768, True)
     [launch], [short_launch] = aot.mosaic_launches(longest), aot.mosaic_launches(shorter)
-    assert launch.grid == (32, num_parts(131072), 16) and num_parts(131072) == 128
+    assert launch.grid == (32, num_parts(131072, PART_SLOTS), 16) and num_parts(131072, PART_SLOTS) == 128
     assert launch.shared_memory == short_launch.shared_memory <= SM90_SMEM
 
 

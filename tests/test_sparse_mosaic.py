@@ -29,7 +29,9 @@ from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.indexer import score_keys
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic, indexer_topk_mosaic
 from jaxspec.pallas_kernels.mosaic_gpu import warp_map_interpretable
+from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import PART_SLOTS as SPARSE_PART_SLOTS
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
+from jaxspec.pallas_kernels.split_kv import num_parts
 from test_fp8_cache import fp8_pool_of
 from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs, make_window, random_indices,
                           scale_for)
@@ -261,6 +263,31 @@ def test_sparse_mla_mosaic_matches_reference(case):
     assert_attention_close(got, want, window, jnp.bfloat16)
 
 
+def test_sparse_mla_mosaic_split_kv_parts():
+    """part_slots=64 cuts a list of 150 into three parts of one tile (the last padded with -1):
+    the merged result equals the reference; a token whose selection lies in its first part gives
+    the bits of that part's list alone (an empty part weighs exactly 0 in the merge); a token that
+    selects nothing keeps output 0 and EMPTY_LSE."""
+    window, (q_nope, q_rope, cache, page_table, indices) = sparse_case(
+        np.random.default_rng(54), batch=2, num_queries=3, heads=4, latent=128, rope=64, page_size=16, max_pages=10,
+        topk=150)
+    indices = np.array(indices)
+    assert all((indices[0, 1, part] >= 0).any() for part in (slice(0, 64), slice(64, 128), slice(128, 150)))
+    indices[0, 2, 64:] = -1  # this token's selection in part 0 only
+    assert (indices[0, 2] >= 0).any()
+    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=scale_for(128, 64), part_slots=64,
+                            interpret=True)
+    got = run(q_nope, q_rope, cache, page_table, jnp.asarray(indices))
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale_for(128, 64)))(
+            q_nope, q_rope, cache, page_table, jnp.asarray(indices))
+    assert_attention_close(got, want, window, jnp.bfloat16)
+    assert np.all(np.asarray(got[1][0, 0]) == np.float32(EMPTY_LSE)) and not np.asarray(got[0][0, 0]).any()
+    alone = run(q_nope[:1, 2:], q_rope[:1, 2:], cache, page_table[:1], jnp.asarray(indices[:1, 2:, :64]))
+    for got_part, alone_part in zip(got, alone):
+        np.testing.assert_array_equal(np.asarray(got_part[0, 2], np.float32), np.asarray(alone_part[0, 0], np.float32))
+
+
 def test_sparse_mla_mosaic_copies_by_warp_give_the_same_bits():
     """copies_by_warp=True (each of the scorer's warps issues a quarter of a tile's slot copies)
     moves the same bytes to the same places: interpreted, out and lse equal the default's bit for
@@ -303,15 +330,15 @@ def test_sparse_mla_mosaic_reads_fp8_latents():
 def test_sparse_mla_mosaic_output_does_not_depend_on_the_window(fp8):
     """A token's output bits are the same decoded alone (B = 1, Q = 1) and as the second token of a
     B = 2, Q = 2 tree window (a tree node's index list is just another list), on a bfloat16 cache and
-    on an FP8 one."""
+    on an FP8 one, with its list in two split-KV parts."""
     rng = np.random.default_rng(51)
     window, args = sparse_case(rng, batch=2, num_queries=2, heads=4, latent=128, rope=64, page_size=16,
-                               max_pages=4, topk=64)
+                               max_pages=8, topk=128)
     q_nope, q_rope, cache, page_table, indices = args
     if fp8:
         cache = fp8_pool_of(cache, 128)
         args = (q_nope, q_rope, cache, page_table, indices)
-    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, interpret=True)
+    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, part_slots=64, interpret=True)
     together = run(*args)
     alone = run(q_nope[:1, 1:], q_rope[:1, 1:], cache, page_table[:1], indices[:1, 1:])
     assert np.isfinite(np.asarray(alone[1])).all() and (np.asarray(alone[1]) > EMPTY_LSE).all()
@@ -393,16 +420,20 @@ def test_sparse_mla_mosaic_compiles_with_each_tuning(h100, tuning):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp8):
     """`sparse_mla_compile`: one Mosaic kernel of three warpgroups (the scorer and two followers
-    owning 256 columns each), a block per (head block, token), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
+    owning 256 columns each), a block per (head block, token, split-KV part: 4 of 512 slots at
+    top-2048), whose shared memory (Mosaic GPU's count) is within the 227 KiB a block may use
     (about 226 KiB in bfloat16, 196 KiB with FP8: its staging holds e4m3 rows); registers are not in
-    the program (Mosaic GPU's ptxas report: docs/kernels.md). With FP8 the temporaries exceed the bfloat16
-    program's by at most the selected slots' gathered scales (16 bytes a slot): no dequantized copy
-    of the cache exists."""
+    the program (Mosaic GPU's ptxas report: docs/kernels.md). The parts' float32 partials are
+    temporaries. With FP8 the temporaries exceed the bfloat16 program's by at most the selected
+    slots' gathered scales (16 bytes a slot): no dequantized copy of the cache exists."""
     compiled = sparse_mla_compile(num_queries, fp8)
     [launch] = aot.mosaic_launches(compiled)
-    assert launch.threads == (384, 1, 1) and math.prod(launch.grid) == 2 * BATCH * num_queries
+    parts = num_parts(V32.index_topk, SPARSE_PART_SLOTS)
+    assert parts == 4
+    assert launch.threads == (384, 1, 1) and math.prod(launch.grid) == 2 * BATCH * num_queries * parts
     assert launch.shared_memory <= SM90_SMEM
     heads, latent, rope = V32.num_attention_heads, V32.kv_lora_rank, V32.qk_rope_head_dim
+    assert aot.memory(compiled).temp >= parts * BATCH * num_queries * heads * latent * 4
     assert_costed(compiled, "sparse_mla_attention",
                   2 * BATCH * num_queries * heads * V32.index_topk * (2 * latent + rope))
     if fp8:
