@@ -398,8 +398,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-xla", action="store_true", help="skip the XLA references")
     parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels")
     parser.add_argument("--part-slots", type=int, nargs="+", default=[], metavar="N",
-                        help="also time the Mosaic mla_attention and sparse MLA kernels with split-KV parts of N slots "
-                             "(a multiple of 64; their defaults: 1024 and 512), rows 'mosaic part_slots=N'")
+                        help="also time the Mosaic attention kernels (mla_attention, sparse MLA, V4's) with split-KV "
+                             "parts of N slots (a multiple of 64; their defaults: 1024, 512, 256), rows "
+                             "'mosaic part_slots=N'")
     parser.add_argument("--no-auto-barriers", action="store_true",
                         help="also time the Mosaic sparse MLA kernel lowered without Pallas' automatic barriers "
                              "(auto_barriers=False), rows 'mosaic no auto barriers'")
@@ -496,13 +497,13 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
-            # The Mosaic kernel, for dense and sparse MLA with the split-KV part lengths --part-slots
-            # asks for, and for sparse MLA its lowering without automatic barriers (--no-auto-barriers)
-            # and its copies issued by warp (--copies-by-warp).
+            # The Mosaic kernel, with the split-KV part lengths --part-slots asks for (the attention
+            # ops: not the indexer), and for sparse MLA its lowering without automatic barriers
+            # (--no-auto-barriers) and its copies issued by warp (--copies-by-warp).
             mosaic = []
             if op.mosaic is not None and not args.no_mosaic:
                 mosaic.append(("mosaic", op.mosaic))
-                if op.name in ("mla_attention", "sparse_mla"):
+                if op.name != "indexer_scores":
                     mosaic += [(f"mosaic part_slots={n}", functools.partial(op.mosaic, part_slots=n))
                                for n in args.part_slots]
                 if op.name == "sparse_mla" and args.no_auto_barriers:

@@ -21,14 +21,18 @@ Work unit and invariance. As in `sparse_mla_attention_mosaic` (whose structure t
 shares): a program holds one token's block of BLOCK_M (64) heads as the wgmma's M rows and
 FOLLOWERS * out_block of the D output columns (all 512 of V4's) in three warpgroups; grid
 
-    (column blocks, head blocks, B * Q)   axis 0 fastest
+    (column blocks, head blocks, B * Q * parts)   axis 0 fastest
 
-and walks the token's whole list, tile by tile, with a float32 online softmax that starts at the
-head's sink (max = sink, denominator exp(0) = 1: the sink adds to the denominator only). A token's
-list is a function of its own inputs and the ring's size: ring index r sits at the same place
-whichever tokens share the call, a key the token does not see contributes an exact zero, and a
-tile it sees nothing of leaves the carry unchanged bit for bit. So a token's output bits do not
-depend on B, Q, the chain or tree around it: invariant by construction. The ring is read once per
+and walks one split-KV part of the token's seen tiles (parts of PART_SLOTS / 64 tiles, in order),
+tile by tile, with a float32 online softmax; part 0's starts at the head's sink (max = sink,
+denominator exp(0) = 1: the sink adds to the denominator only), the others at nothing. Each part
+writes a normalised float32 partial and its log-sum-exp, merged by `split_kv.combine_parts`.
+Without the split a V4 token (64 heads: one head block) was one program, and B 32, Q 1 left most
+SMs idle. A token's list is a function of its own inputs and the ring's size: ring index r sits
+at the same place whichever tokens share the call, a key the token does not see contributes an
+exact zero, a tile it sees nothing of leaves the carry unchanged bit for bit, and a part with no
+seen tile weighs exactly 0 in the merge. So a token's output bits do not depend on B, Q, the chain
+or tree around it: invariant by construction. The ring is read once per
 token rather than once per sequence row (up to Q times the ring's bytes in a verify step, from L2
 after the first token); that buys the invariance and the kernel's simplicity.
 
@@ -83,7 +87,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .contracts import check_arguments, extra_key_pool
+from .contracts import EMPTY_LSE, check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
 from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_tile, check_part_width, copies_per_key,
@@ -92,54 +96,69 @@ from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_ti
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
+from .split_kv import combine_parts, num_parts
 from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # keys per tile
 # Rows one key array may hold: the kernel takes key rows as float32, whose integers are exact to here.
 MAX_ROWS = 2 ** 24
+# Seen keys per split-KV part. V4's lists are short (V4-Flash's CSA: a 128-key ring, 512 selected
+# entries and the extra keys, 11 tiles), and at 64 heads a token is one head block, so without a
+# split B 32, Q 1 ran 32 programs on 132 SMs, each at one SM's tile rate (the H200 measured about
+# the same time at B 8 and B 32). Parts of 4 tiles make that 96; each costs a program's start and a
+# 128 KiB float32 partial, which the gathers' issue rate, not HBM, has room for.
+PART_SLOTS = 256
 
 
 def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], fp8: bool,
-            scale: float, out_block: int, warpgroups: int, interpret: bool):
-    """One (column block, head block, token) program of 1 + FOLLOWERS warpgroups: the scorer and the
-    followers, each owning out_block of the program's columns (interpreted, by default one
-    warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`).
+            scale: float, out_block: int, splits: int, part_tiles: int, warpgroups: int, interpret: bool):
+    """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
+    and the followers, each owning out_block of the program's columns (interpreted, by default one
+    warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
+    `unit` on grid axis 2 is split-KV part `unit % splits` of token `unit // splits`: the token's
+    seen tiles [part * part_tiles, + part_tiles), in order.
 
-    q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [Hp] float32, rows_ref [B * Q, T * TILE]
-    float32 (each key's row in its array as an exact float32 integer, -1 unseen: `key_rows`),
-    tiles_ref [B * Q, T] int32 (the tiles holding a seen key, in order, then anything), count_ref
-    [B * Q] int32 (how many of them); with FP8 keys scales_ref [Dq / 64, B * Q, T * TILE] float32
-    (each listed key's block scales, `listed_scales`); then per run its keys [rows, D], or
-    with FP8 keys their e4m3 values [rows, Dq] and bfloat16 RoPE values [rows, D - Dq] (tiles
-    [runs[i - 1], runs[i]) of the list read run i); out_ref [B * Q, Hp, D]. Follower warpgroup 1 + f
-    owns the output columns [(FOLLOWERS * column block + f) * out_block, + out_block).
+    q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [splits, Hp] float32 (row 0 the heads'
+    sinks, the others -inf: no sink), rows_ref [B * Q, T * TILE] float32 (each key's row in its
+    array as an exact float32 integer, -1 unseen: `key_rows`), tiles_ref [B * Q, T] int32 (the
+    tiles holding a seen key, in order, then anything), count_ref [B * Q] int32 (how many of
+    them); with FP8 keys scales_ref [Dq / 64, B * Q, T * TILE] float32 (each listed key's block
+    scales, `listed_scales`); then per run its keys [rows, D], or with FP8 keys their e4m3 values
+    [rows, Dq] and bfloat16 RoPE values [rows, D - Dq] (tiles [runs[i - 1], runs[i]) of the list
+    read run i); out_ref [B * Q * splits, Hp, D] float32 (the part's normalised partial, 0 where
+    it saw nothing), lse_ref [B * Q * splits, Hp] (EMPTY_LSE where it saw nothing, not even a
+    sink). Follower warpgroup 1 + f owns the output columns
+    [(FOLLOWERS * column block + f) * out_block, + out_block).
 
     A tile's rows sit in SMEM before its keys are gathered: tile s's arrive with tile s - 1's keys
     (the first before the loop), in two alternating buffers, so that issuing a key's copies reads
     its row from SMEM rather than waiting on a global load, key after key.
     """
     scales_ref = refs[0] if fp8 else None
-    *arrays, out_ref = refs[1:] if fp8 else refs
+    *arrays, out_ref, lse_ref = refs[1:] if fp8 else refs
     parts = 2 if fp8 else 1
     sources = [arrays[i:i + parts] for i in range(0, len(arrays), parts)]
     widths = [array.shape[-1] for array in sources[0]]
     copies = copies_per_key(sources[0])
-    column_block, head_block, token = (jax.lax.axis_index(a) for a in ("column", "heads", "token"))
+    column_block, head_block, unit = (jax.lax.axis_index(a) for a in ("column", "heads", "unit"))
+    token, part = jax.lax.div(unit, splits), jax.lax.rem(unit, splits)
+    first = part * part_tiles  # the part's first seen tile
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
-    num_tiles = count_ref[token]  # tiles with no seen key are skipped: an exact no-op anyway
+    # Tiles with no seen key are skipped (an exact no-op anyway); the part takes its share of the rest.
+    num_tiles = jnp.minimum(jnp.maximum(count_ref[token] - first, 0), part_tiles)
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def rows_at(step):  # the rows of the token's `step`-th seen tile
-        return rows_ref.at[token, pl.ds(tiles_ref[token, step] * TILE, TILE)]
+    def rows_at(step):  # the rows of the part's `step`-th seen tile
+        return rows_ref.at[token, pl.ds(tiles_ref[token, first + step] * TILE, TILE)]
 
     def gather(step, stagings, rows_smem, scales, barrier):
-        """Issue the copies of the token's `step`-th seen tile (its rows already in SMEM) into
+        """Issue the copies of the part's `step`-th seen tile (its rows already in SMEM) into
         `stagings` and its keys' scales into `scales`, and of the next tile's rows, all arriving
         on `barrier` (the next tile's rows without bytes after the last tile)."""
-        tile = tiles_ref[token, step]
+        tile = tiles_ref[token, first + step]
         rows = rows_buffer(rows_smem, step)
         if fp8:
             plgpu.copy_gmem_to_smem(scales_ref.at[:, token, pl.ds(tile * TILE, TILE)], scales, barrier)
@@ -166,8 +185,9 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
             return accumulate_tile(acc, alpha, p_smem, kv_smem.at[:, cols], interpret)
 
         def write_out(acc, denom, cols):
-            out = acc / jax.lax.broadcast_in_dim(denom, acc.shape, [0])  # denom >= exp(sink - max) > 0
-            store(out_ref.at[token, heads, cols], out.astype(out_ref.dtype))
+            # denom >= exp(sink - max) > 0 in part 0; a later part that saw nothing has 0 and acc 0
+            safe = jnp.where(denom > 0, denom, 1.0)
+            store(out_ref.at[unit, heads, cols], acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0]))
 
         def acc0(cols):
             return plgpu.layout_cast(jnp.zeros((BLOCK_M, cols.size), jnp.float32), plgpu.Layout.WGMMA)
@@ -175,15 +195,16 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         @pl.when(wg == 0)
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
-            plgpu.copy_gmem_to_smem(sinks_ref.at[heads], sinks_smem, q_barrier)
+            plgpu.copy_gmem_to_smem(sinks_ref.at[part, heads], sinks_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
             pl.when(num_tiles > 0)(lambda: gather(0, stagings, rows_smem, scales, gathered))
 
-            # The sink: max = sink, denominator exp(sink - sink) = 1, no value.
-            init = (plgpu.layout_cast(sinks_smem[...], row_layout),
-                    plgpu.layout_cast(jnp.ones((BLOCK_M,), jnp.float32), row_layout), tuple(map(acc0, scored)))
-            _, denom, acc = scorer(
+            # The sink: max = sink, denominator exp(sink - sink) = 1, no value; past part 0 the sink
+            # row is -inf: max -inf and denominator 0, what a part that has seen nothing holds.
+            sinks = plgpu.layout_cast(sinks_smem[...], row_layout)
+            init = (sinks, jnp.where(sinks > -jnp.inf, 1.0, 0.0), tuple(map(acc0, scored)))
+            row_max, denom, acc = scorer(
                 num_tiles=num_tiles, init=init,
                 prepare=functools.partial(prepare_tile, stagings, widths, kv_smem, rows_smem, scales=scales),
                 prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered),
@@ -192,6 +213,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
                 **handshake_barriers)
             for a, cols in zip(acc, scored):
                 write_out(a, denom, cols)
+            seen = denom > 0
+            store(lse_ref.at[unit, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
 
         def follow(block):
             acc, denom = follower(num_tiles=num_tiles, acc0=acc0(columns(block)), row_layout=row_layout,
@@ -317,7 +340,8 @@ def check_operands(q, window_kv, compressed_kv=None, extra_kv=None) -> None:
 def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, vis: Visibility, sinks, *,
                                         sliding_window: int, scale: float, compressed_kv=None,
                                         compressed_pages=None, compressed_indices=None, compressed_count=None,
-                                        extra_kv=None, extra_valid=None, interpret: bool = False):
+                                        extra_kv=None, extra_valid=None, part_slots: int = PART_SLOTS,
+                                        interpret: bool = False):
     """`sliding_compressed_attention` as a Mosaic GPU kernel; same arguments and result as the
     reference: q [B, Q, H, D], window_kv [P, page, D], window_pages [B, R / page], positions
     [B, Q], sinks [H], compressed_kv [Pc, page, D] with compressed_pages [B, E / page] and
@@ -331,7 +355,12 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
 
     Allowed (ValueError otherwise, before tracing): bfloat16 / float16 q and keys, the key arrays
     of one dtype (FP8 pools: a bfloat16 RoPE part and e4m3 values each a multiple of 64 wide, the
-    values at least 128); D a multiple of 128 (of 512 when wider).
+    values at least 128); D a multiple of 128 (of 512 when wider); part_slots a positive multiple
+    of 64.
+    part_slots: keys per split-KV part: a token's seen tiles, in order, run as parts of
+      part_slots / 64 tiles, ceil(T / (part_slots / 64)) of them for a list of T tiles, merged by
+      log-sum-exp; the sink goes into part 0. The parts come from the token's own list, so its bits
+      do not depend on B or Q; a part that sees nothing weighs exactly 0 in the merge.
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,
@@ -339,18 +368,21 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
                   extra_valid=extra_valid)
     check_arguments(q, window_kv, window_pages, positions, vis, sinks, **kwargs)
     check_operands(q, window_kv, compressed_kv, extra_kv)
+    if part_slots < TILE or part_slots % TILE:
+        raise ValueError(f"sliding_compressed_attention_mosaic: part_slots={part_slots}: must be a positive multiple "
+                         f"of {TILE}")
     run = functools.partial(_sliding_compressed, q, window_kv, window_pages, positions, vis, sinks, scale=scale,
-                            interpret=interpret, **kwargs)
+                            part_slots=part_slots, interpret=interpret, **kwargs)
     if not interpret:
         return run()
     with interpreting():
         return run()
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "part_slots", "interpret"))
 def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sliding_window: int, scale: float,
                         compressed_kv, compressed_pages, compressed_indices, compressed_count, extra_kv,
-                        extra_valid, interpret: bool):
+                        extra_valid, part_slots: int, interpret: bool):
     warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
@@ -364,23 +396,30 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     heads_padded = queries.shape[1]
     out_block = min(dim // FOLLOWERS, OUT_BLOCK)  # columns per follower
     arrays = [part for source in sources for part in ((source.values, source.rope) if fp8 else (source,))]
-    out_type = jax.ShapeDtypeStruct((tokens, heads_padded, dim), q.dtype)
+    part_tiles = part_slots // TILE
+    splits = num_parts(runs[-1], part_tiles)  # runs[-1]: the list's tiles
+    out_type = (jax.ShapeDtypeStruct((tokens * splits, heads_padded, dim), jnp.float32),
+                jax.ShapeDtypeStruct((tokens * splits, heads_padded), jnp.float32))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block,
-                          warpgroups=warpgroups, interpret=interpret),
+        functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block, splits=splits,
+                          part_tiles=part_tiles, warpgroups=warpgroups, interpret=interpret),
         out_type=out_type,
-        grid=(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens), grid_names=("column", "heads", "token"),
+        grid=(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * splits),
+        grid_names=("column", "heads", "unit"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
     seen = jnp.any(rows.reshape(tokens, -1, TILE) >= 0, axis=2)  # [B * Q, T]
     tiles = jnp.argsort(~seen, axis=1, stable=True).astype(jnp.int32)  # the seen tiles first, in order
     scales = (listed_scales(rows, runs, sources),) if fp8 else ()
     # Rows travel as float32 (exact below MAX_ROWS) to share the SMEM buffer of the float32 vectors.
-    small = (queries, pad_to(sinks.astype(jnp.float32), 0, BLOCK_M), rows.astype(jnp.float32), tiles,
-             jnp.sum(seen, axis=1, dtype=jnp.int32))
+    sinks = pad_to(sinks.astype(jnp.float32), 0, BLOCK_M)
+    part_sinks = jnp.concatenate([sinks[None], jnp.full((splits - 1, heads_padded), -jnp.inf, jnp.float32)])
+    small = (queries, part_sinks, rows.astype(jnp.float32), tiles, jnp.sum(seen, axis=1, dtype=jnp.int32))
     # Every listed key (tile padding included, as the tensor cores run it) read once per token
     # (tokens gather their own keys), by all its heads; an FP8 key's bytes hold its scales.
-    cost = attention_cost(tokens, heads, rows.shape[-1], 2 * dim, cache_token_bytes(window_kv), *small, out_type)
+    cost = attention_cost(tokens, heads, rows.shape[-1], 2 * dim, cache_token_bytes(window_kv), *small, *out_type)
     with stating(cost, "sliding_compressed_attention"):
-        out = kernel(*small, *scales, *arrays)
+        out, lse = kernel(*small, *scales, *arrays)
+    out, _ = combine_parts(out.reshape(tokens, splits, heads_padded, dim), lse.reshape(tokens, splits, heads_padded),
+                           q.dtype)
     return out[:, :heads].reshape(batch, num_queries, heads, dim)

@@ -24,7 +24,8 @@ from jaxspec.model_config import CSA, ModelConfig
 from jaxspec.models.v4_attention import V4Attention
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
 from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
-from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
+from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import PART_SLOTS, sliding_compressed_attention_mosaic
+from jaxspec.pallas_kernels.split_kv import num_parts
 from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
 from test_sparse_mosaic import assert_costed
 from test_v4_attention import HF_FIELDS
@@ -55,6 +56,20 @@ def test_mosaic_matches_reference(options):
     assert padding.any() and (got[padding] == 0).all()
 
 
+def test_mosaic_split_kv_parts_match_reference():
+    """part_slots=64: each token's seen tiles (ring, CSA entries, extra keys: three) run as parts of
+    one tile, merged by log-sum-exp with the sink in part 0 only. Within bf16 tolerance of the
+    reference; padding tokens, which see nothing, exactly 0."""
+    case = make_case(np.random.default_rng(63), **MOSAIC_CASES["tree-csa-extra-page8"])
+    args, kwargs = case.args(jnp.bfloat16)
+    got = np.asarray(sliding_compressed_attention_mosaic(*args, **kwargs, part_slots=64, interpret=True), np.float32)
+    want = np.asarray(run(case, jnp.bfloat16), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
+    assert padding.any() and (got[padding] == 0).all()
+
+
 def test_mosaic_token_seeing_nothing_returns_zero():
     """A tree token that is not its own ancestor, with no compressed entry and no extra key, sees
     nothing: 0 whatever its sink, beside a token that sees its ring slot."""
@@ -75,7 +90,8 @@ def test_mosaic_output_does_not_depend_on_the_window(fp8):
     """Token 1 of a row gives the same bits decoded alone (Q = 1, the token before it committed),
     inside a chain window (Q = 4), and as a node of a tree (root 0 with children 1 and 2, node 3
     under 2): same ring, entry list and extra keys; random float inputs, so any change of the
-    order of summation would show. fp8: the ring and entries V4 FP8 pools (D 256: 192 e4m3 values,
+    order of summation would show. Its seen tiles run as split-KV parts of one tile (part_slots=64:
+    three parts, the sink in the first). fp8: the ring and entries V4 FP8 pools (D 256: 192 e4m3 values,
     at least a copy's 128 bytes)."""
     case = make_case(np.random.default_rng(62), batch=1, num_queries=4, heads=4, dim=256 if fp8 else 128, extra=2,
                      topk=40, page=8, ring_pages=2, window=9)
@@ -85,7 +101,7 @@ def test_mosaic_output_does_not_depend_on_the_window(fp8):
         kwargs["compressed_kv"] = v4_pool(kwargs["compressed_kv"], 64)
     q, window_kv, window_pages, positions, vis, sinks = args
     prefix = int(case.prefix_len[0])
-    call = functools.partial(sliding_compressed_attention_mosaic, interpret=True)
+    call = functools.partial(sliding_compressed_attention_mosaic, part_slots=64, interpret=True)
     chain = call(*args, **kwargs)
     token = slice(1, 2)
     per_token = {k: v[:, token] if k in ("compressed_indices", "extra_kv", "extra_valid") else v
@@ -198,7 +214,9 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     """`v4_flash_compile`: the real Mosaic GPU lowering (copies, wgmma shapes, and Mosaic's check
     that the declared shared memory fits the 227 KiB a block may claim on sm_90, which raises
     otherwise) and XLA's compile around it: one Mosaic launch of three warpgroups (the scorer and
-    two followers owning 256 columns each), a block per (head block, token), output [B, Q, H, D] bf16. With FP8 the staging holds e4m3
+    two followers owning 256 columns each), a block per (head block, token, split-KV part of 4
+    tiles: 3 for the CSA list's 12 tiles, 2 for HCA's 5), whose float32 partials are temporaries, output
+    [B, Q, H, D] bf16. With FP8 the staging holds e4m3
     rows, so the block claims less shared memory, and the temporaries exceed the bfloat16
     program's by at most the listed keys' gathered scales (28 bytes a key), the pools' scale tables
     (read block-major) and the extra keys' quantized parts: no dequantized copy of a pool exists.
@@ -206,13 +224,16 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     compiled = v4_flash_compile(compressed, fp8)
     [launch] = aot.mosaic_launches(compiled)
     tokens = FLASH["batch"] * 8
-    assert launch.threads == (384, 1, 1) and math.prod(launch.grid) == tokens
-    assert launch.shared_memory <= SHARED_MEMORY_LIMIT
-    assert aot.memory(compiled).output == tokens * FLASH["heads"] * FLASH["dim"] * 2
     args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
     entries = kwargs["compressed_indices"].shape[-1] if compressed == "indices" else (
         kwargs["compressed_pages"].shape[1] * kwargs["compressed_kv"].shape[1])  # a row's whole capacity
     listed = sum(-(-n // 64) * 64 for n in (FLASH["window"] - 1 + 8, entries, 2))  # keys, in whole tiles
+    parts = num_parts(listed, PART_SLOTS)
+    assert parts == {"indices": 3, "count": 2}[compressed]
+    assert launch.threads == (384, 1, 1) and math.prod(launch.grid) == tokens * parts
+    assert launch.shared_memory <= SHARED_MEMORY_LIMIT
+    assert aot.memory(compiled).output == tokens * FLASH["heads"] * FLASH["dim"] * 2
+    assert aot.memory(compiled).temp >= parts * tokens * FLASH["heads"] * FLASH["dim"] * 4
     assert_costed(compiled, "sliding_compressed_attention", 4 * FLASH["heads"] * tokens * listed * FLASH["dim"])
     # `jaxspec aot`'s kernel table keeps its columns under the header, whatever a kernel's name
     header, *rows = [line for line in aot.report(compiled, "v4").splitlines()
