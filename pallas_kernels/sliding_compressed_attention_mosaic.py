@@ -116,8 +116,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
     """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
     and the followers, each owning out_block of the program's columns (interpreted, by default one
     warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
-    `unit` on grid axis 2 is split-KV part `unit % splits` of token `unit // splits`: the token's
-    seen tiles [part * part_tiles, + part_tiles), in order.
+    `unit` on grid axis 2 is split-KV part `split = unit % splits` of token `unit // splits`: the
+    token's seen tiles [split * part_tiles, + part_tiles), in order.
 
     q_ref [B * Q, Hp, D] (the keys' dtype), sinks_ref [splits, Hp] float32 (row 0 the heads'
     sinks, the others -inf: no sink), rows_ref [B * Q, T * TILE] float32 (each key's row in its
@@ -142,8 +142,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
     widths = [array.shape[-1] for array in sources[0]]
     copies = copies_per_key(sources[0])
     column_block, head_block, unit = (jax.lax.axis_index(a) for a in ("column", "heads", "unit"))
-    token, part = jax.lax.div(unit, splits), jax.lax.rem(unit, splits)
-    first = part * part_tiles  # the part's first seen tile
+    token, split = jax.lax.div(unit, splits), jax.lax.rem(unit, splits)
+    first = split * part_tiles  # the split-KV part's first seen tile
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
     # Tiles with no seen key are skipped (an exact no-op anyway); the part takes its share of the rest.
@@ -195,7 +195,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         @pl.when(wg == 0)
         def _scorer():
             plgpu.copy_gmem_to_smem(q_ref.at[token, heads], q_smem, q_barrier)
-            plgpu.copy_gmem_to_smem(sinks_ref.at[part, heads], sinks_smem, q_barrier)
+            plgpu.copy_gmem_to_smem(sinks_ref.at[split, heads], sinks_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
             pl.when(num_tiles > 0)(lambda: gather(0, stagings, rows_smem, scales, gathered))
