@@ -337,7 +337,14 @@ def v4_op(name: str, config: ModelConfig, arrays: dict) -> Op:
             q, kv, pages, pos, vis, sinks, sliding_window=config.sliding_window, scale=dim ** -0.5,
             compressed_kv=entries, compressed_pages=entry_pages, **{option: selection}))
 
-    mosaic = call(functools.partial(sliding_compressed_attention_mosaic, interpret=jax.default_backend() != "gpu"))
+    @functools.cache
+    def mosaic_with(tuning: tuple):  # one jitted call per tuning, so that a timed call is never a compile
+        return call(functools.partial(sliding_compressed_attention_mosaic, interpret=jax.default_backend() != "gpu",
+                                      **dict(tuning)))
+
+    def mosaic(*args, **tuning):  # the kernel's tunings as keywords, as the MLA ops' Mosaic calls take them
+        return mosaic_with(tuple(sorted(tuning.items())))(*args)
+
     return Op(name, call(sliding_compressed_attention_pallas), call(sliding_compressed_attention_reference),
               (q, arrays["window_kv"], arrays["window_pages"], positions, arrays["vis"], arrays["sinks"],
                entry_kv, entry_pages, selection),
@@ -405,8 +412,8 @@ def main(argv=None) -> int:
                         help="also time the Mosaic sparse MLA kernel lowered without Pallas' automatic barriers "
                              "(auto_barriers=False), rows 'mosaic no auto barriers'")
     parser.add_argument("--copies-by-warp", action="store_true",
-                        help="also time the Mosaic sparse MLA kernel with its slot copies issued by each of the "
-                             "scorer's four warps (copies_by_warp=True), rows 'mosaic copies by warp'")
+                        help="also time the Mosaic sparse MLA and V4 kernels with their key copies issued by each of "
+                             "the scorer's four warps (copies_by_warp=True), rows 'mosaic copies by warp'")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
                         help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
                              "and queries e4m3, as DeepSeek's release keeps them)")
@@ -498,8 +505,8 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
             pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
             # The Mosaic kernel, with the split-KV part lengths --part-slots asks for (the attention
-            # ops: not the indexer), and for sparse MLA its lowering without automatic barriers
-            # (--no-auto-barriers) and its copies issued by warp (--copies-by-warp).
+            # ops: not the indexer), for sparse MLA its lowering without automatic barriers
+            # (--no-auto-barriers), and for sparse MLA and V4 its copies issued by warp (--copies-by-warp).
             mosaic = []
             if op.mosaic is not None and not args.no_mosaic:
                 mosaic.append(("mosaic", op.mosaic))
@@ -508,7 +515,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                                for n in args.part_slots]
                 if op.name == "sparse_mla" and args.no_auto_barriers:
                     mosaic.append(("mosaic no auto barriers", functools.partial(op.mosaic, auto_barriers=False)))
-                if op.name == "sparse_mla" and args.copies_by_warp:
+                if op.name in ("sparse_mla", *V4_OPS) and args.copies_by_warp:
                     mosaic.append(("mosaic copies by warp", functools.partial(op.mosaic, copies_by_warp=True)))
             mosaic_outs = {}
             for impl, fn in mosaic:

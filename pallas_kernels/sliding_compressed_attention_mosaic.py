@@ -94,7 +94,7 @@ from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_ti
                                       fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups,
                                       prepare_tile, rows_buffer, scorer, staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store, warp_map_interpretable
 from .paged import flat_rows
 from .split_kv import combine_parts, num_parts
 from .visibility import Visibility, query_valid, ring_visible
@@ -112,7 +112,8 @@ PART_SLOTS = 256
 
 
 def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], fp8: bool,
-            scale: float, out_block: int, splits: int, part_tiles: int, warpgroups: int, interpret: bool):
+            scale: float, out_block: int, splits: int, part_tiles: int, warpgroups: int, copies_by_warp: bool,
+            interpret: bool):
     """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
     and the followers, each owning out_block of the program's columns (interpreted, by default one
     warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
@@ -165,7 +166,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         for run, source in enumerate(sources):
             pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))(functools.partial(
                 issue_keys, rows, lambda row, source=source: [array.at[row] for array in source], stagings, copies,
-                barrier))
+                barrier, by_warp=copies_by_warp))
         fetch_rows(rows_at, step + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
@@ -341,7 +342,7 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
                                         sliding_window: int, scale: float, compressed_kv=None,
                                         compressed_pages=None, compressed_indices=None, compressed_count=None,
                                         extra_kv=None, extra_valid=None, part_slots: int = PART_SLOTS,
-                                        interpret: bool = False):
+                                        copies_by_warp: bool = False, interpret: bool = False):
     """`sliding_compressed_attention` as a Mosaic GPU kernel; same arguments and result as the
     reference: q [B, Q, H, D], window_kv [P, page, D], window_pages [B, R / page], positions
     [B, Q], sinks [H], compressed_kv [Pc, page, D] with compressed_pages [B, E / page] and
@@ -361,6 +362,10 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
       part_slots / 64 tiles, ceil(T / (part_slots / 64)) of them for a list of T tiles, merged by
       log-sum-exp; the sink goes into part 0. The parts come from the token's own list, so its bits
       do not depend on B or Q; a part that sees nothing weighs exactly 0 in the merge.
+    copies_by_warp: the scorer's four warps each issue a quarter of a tile's key copies
+      (`gathered_softmax_mosaic.issue_keys`), as sparse MLA's tuning of that name: to be timed, not
+      yet the default; the same bytes land in the same places. Interpreted, it needs jax 0.11 or
+      later (a ValueError on 0.10.2, whose interpreter has no `core_map`).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,
@@ -371,18 +376,22 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
     if part_slots < TILE or part_slots % TILE:
         raise ValueError(f"sliding_compressed_attention_mosaic: part_slots={part_slots}: must be a positive multiple "
                          f"of {TILE}")
+    if copies_by_warp and interpret and not warp_map_interpretable():
+        raise ValueError(f"sliding_compressed_attention_mosaic: copies_by_warp=True interpreted needs jax >= 0.11 "
+                         f"(this is {jax.__version__}, whose Mosaic GPU interpreter has no core_map); it lowers for a "
+                         "GPU on both")
     run = functools.partial(_sliding_compressed, q, window_kv, window_pages, positions, vis, sinks, scale=scale,
-                            part_slots=part_slots, interpret=interpret, **kwargs)
+                            part_slots=part_slots, copies_by_warp=copies_by_warp, interpret=interpret, **kwargs)
     if not interpret:
         return run()
     with interpreting():
         return run()
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "part_slots", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "part_slots", "copies_by_warp", "interpret"))
 def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sliding_window: int, scale: float,
                         compressed_kv, compressed_pages, compressed_indices, compressed_count, extra_kv,
-                        extra_valid, part_slots: int, interpret: bool):
+                        extra_valid, part_slots: int, copies_by_warp: bool, interpret: bool):
     warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
@@ -402,7 +411,8 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
                 jax.ShapeDtypeStruct((tokens * splits, heads_padded), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block, splits=splits,
-                          part_tiles=part_tiles, warpgroups=warpgroups, interpret=interpret),
+                          part_tiles=part_tiles, warpgroups=warpgroups, copies_by_warp=copies_by_warp,
+                          interpret=interpret),
         out_type=out_type,
         grid=(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * splits),
         grid_names=("column", "heads", "unit"),

@@ -25,6 +25,7 @@ from jaxspec.models.v4_attention import V4Attention
 from jaxspec.pallas_kernels import Visibility, sliding_compressed_attention
 from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import PART_SLOTS, sliding_compressed_attention_mosaic
+from jaxspec.pallas_kernels.mosaic_gpu import warp_map_interpretable
 from jaxspec.pallas_kernels.split_kv import num_parts
 from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
 from test_sparse_mosaic import assert_costed
@@ -68,6 +69,22 @@ def test_mosaic_split_kv_parts_match_reference():
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
     padding = np.arange(case.q.shape[1])[None, :] >= case.query_len[:, None]
     assert padding.any() and (got[padding] == 0).all()
+
+
+def test_mosaic_copies_by_warp_give_the_same_bits():
+    """copies_by_warp=True (each of the scorer's warps issues a quarter of a tile's key copies)
+    moves the same bytes to the same places: interpreted, the output equals the default's bit for
+    bit over a tree window's ring, CSA entries (-1 and past-the-pages numbers) and extra keys, in
+    two split-KV parts. jax 0.10.2's interpreter cannot run it (no `core_map`): a ValueError
+    before tracing there; both versions compile it (below)."""
+    case = make_case(np.random.default_rng(64), **MOSAIC_CASES["tree-csa-extra-page8"])
+    args, kwargs = case.args(jnp.bfloat16)
+    run = functools.partial(sliding_compressed_attention_mosaic, *args, **kwargs, part_slots=128, interpret=True)
+    if not warp_map_interpretable():
+        with pytest.raises(ValueError, match="copies_by_warp=True interpreted needs jax >= 0.11"):
+            run(copies_by_warp=True)
+        return
+    np.testing.assert_array_equal(np.asarray(run(copies_by_warp=True), np.float32), np.asarray(run(), np.float32))
 
 
 def test_mosaic_token_seeing_nothing_returns_zero():
@@ -199,13 +216,25 @@ def test_window_invariant_chain_on_the_mosaic_kernel_equals_single_steps(monkeyp
 
 
 @functools.cache
-def v4_flash_compile(compressed: str, fp8: bool):
+def v4_flash_compile(compressed: str, fp8: bool, copies_by_warp: bool = False):
     """V4-Flash widths (64 heads, D = 512, window 128, top-512), B = 32, a verification tree of 8
-    with extra keys, the ring and entries bfloat16 or V4 FP8 pools, compiled for one H100. Cached:
-    the FP8 case compares itself with the bfloat16 one."""
+    with extra keys, the ring and entries bfloat16 or V4 FP8 pools, compiled for one H100 (with the
+    kernel's copies_by_warp tuning or without). Cached: the FP8 case compares itself with the
+    bfloat16 one."""
     args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
-    return aot.compile_gpu(sliding_compressed_attention_mosaic, *args, devices=aot.gpu_devices("h100"),
+    kernel = functools.partial(sliding_compressed_attention_mosaic, copies_by_warp=copies_by_warp)
+    return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"),
                            static_argnames=("sliding_window", "scale"), **kwargs)
+
+
+def test_mosaic_compiles_with_copies_by_warp(h100):
+    """The tuning the GPU report times beside the default (`copies_by_warp=True`: the scorer's warps
+    issue the key copies, `plgpu.warp_map` inside the `pl.when` that picks a tile's run) lowers for an H100 at
+    V4-Flash's CSA shapes into the same launch: grid, threads and shared memory."""
+    [launch] = aot.mosaic_launches(v4_flash_compile("indices", False, True))
+    [default] = aot.mosaic_launches(v4_flash_compile("indices", False))
+    assert (launch.grid, launch.threads, launch.shared_memory) == (default.grid, default.threads,
+                                                                   default.shared_memory)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
