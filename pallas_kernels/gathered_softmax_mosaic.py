@@ -49,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .mosaic_gpu import dequantize_rows, interpreted_warpgroups
+from .contracts import EMPTY_LSE
+from .mosaic_gpu import dequantize_rows, interpreted_warpgroups, warp_map_interpretable
 
 WARPS = 4  # warps in a warpgroup
 # Warpgroups accumulating P V beside the scoring one, and the output columns each owns (at most): a
@@ -165,6 +166,14 @@ def issue_keys(rows, parts_at, stagings, copies: int, barrier, by_warp: bool = F
                 plgpu.barrier_arrive(barrier)
 
 
+def check_copies_by_warp(name: str, copies_by_warp: bool, interpret: bool) -> None:
+    """ValueError before tracing where `issue_keys(by_warp=True)` would run on an interpreter that
+    cannot (jax 0.10.2's has no `core_map`: `mosaic_gpu.warp_map_interpretable`)."""
+    if copies_by_warp and interpret and not warp_map_interpretable():
+        raise ValueError(f"{name}: copies_by_warp=True interpreted needs jax >= 0.11 (this is {jax.__version__}, "
+                         "whose Mosaic GPU interpreter has no core_map); it lowers for a GPU on both")
+
+
 def rows_buffer(rows_smem, step):
     """Of rows_smem [2, T] float32, the buffer tile `step`'s rows use (they alternate)."""
     return rows_smem.at[jax.lax.rem(step, 2)]
@@ -248,6 +257,18 @@ def accumulate_tile(acc, alpha, p_smem, values_smem, interpret: bool):
         return accumulate_values(acc, alpha, p_smem, values_smem)
     scaled = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
     return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_smem, values_smem))(plgpu.ACC.init(scaled))
+
+
+def normalised(acc, denom):
+    """acc [M, N] float32 / denom [M]: a row that saw nothing (denominator 0, acc 0) stays 0."""
+    return acc / jax.lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), acc.shape, [0])
+
+
+def part_lse(row_max, denom):
+    """The log-sum-exp [M] of a softmax ending at row_max [M], denom [M]: EMPTY_LSE for a row that
+    saw nothing (denominator 0), which the split-KV merge weighs 0."""
+    seen = denom > 0
+    return jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE)
 
 
 def gathered_tiles(q_smem, kv_smem, p_smem, scale: float, gathered) -> dict:

@@ -63,14 +63,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
-from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, follower, kernel_warpgroups, scorer,
-                                      start_followers)
+from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, follower, kernel_warpgroups, normalised,
+                                      part_lse, scorer, start_followers)
 from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
                          swizzled)
-from .split_kv import combine_parts, num_parts
+from .split_kv import check_part_slots, combine_parts, num_parts
 from .visibility import Visibility, kv_bound
 
 BLOCK_M = 64  # query rows per thread block: wgmma's M
@@ -136,8 +135,7 @@ def check_operands(q_nope, q_rope, latent_cache, page_table, part_slots: int):
     if latent // FOLLOWERS > OUT_BLOCK:
         raise ValueError(f"q_nope last dim (Dl) = {latent}: at most {FOLLOWERS * OUT_BLOCK} (a follower's "
                          f"{OUT_BLOCK} columns)")
-    if part_slots < BLOCK_N or part_slots % BLOCK_N:
-        raise ValueError(f"part_slots={part_slots}: must be a positive multiple of {BLOCK_N}")
+    check_part_slots("mla_attention_mosaic", part_slots, BLOCK_N)
     if page_table.ndim != 2 or page_table.shape[0] != q_nope.shape[0]:
         raise ValueError(f"page_table shape {page_table.shape}: must be [B, max_pages] with B = {q_nope.shape[0]}")
     if part_slots // latent_cache.shape[1] + 1 > 256 * COPY_WORDS:
@@ -323,16 +321,14 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         def finish(owner, row_max, denom, acc):
             """The owner's normalised columns (none for owner None) and, from the scorer (row_max
             given), the log-sum-exp, to this part's outputs."""
-            seen = denom > 0
-            safe_denom = jnp.where(seen, denom, 1.0)
             # Every warpgroup must be done with the tiles before the output staging reuses their
             # memory, and the followers with the denominator in lse_smem before the lse goes there.
             plgpu.barrier_arrive(done_barrier)
             plgpu.barrier_wait(done_barrier)
             if owner is not None:
-                out_smem.at[owner][...] = acc / jax.lax.broadcast_in_dim(safe_denom, acc.shape, [0])
+                out_smem.at[owner][...] = normalised(acc, denom)
             if row_max is not None:
-                store(lse_smem, jnp.where(seen, row_max + jnp.log(safe_denom), EMPTY_LSE))
+                store(lse_smem, part_lse(row_max, denom))
             plgpu.commit_smem()
             if owner is not None:
                 plgpu.copy_smem_to_gmem(out_smem.at[owner], out_ref.at[seq, part, rows, pl.ds(owner * own, own)])

@@ -87,16 +87,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .contracts import EMPTY_LSE, check_arguments, extra_key_pool
+from .contracts import check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
-from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_tile, check_part_width, copies_per_key,
-                                      fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups,
-                                      prepare_tile, rows_buffer, scorer, staging, start_followers)
+from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_tile, check_copies_by_warp,
+                                      check_part_width, copies_per_key, fetch_rows, follower, gathered_tiles,
+                                      issue_keys, kernel_warpgroups, normalised, part_lse, prepare_tile, rows_buffer,
+                                      scorer, staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store, warp_map_interpretable
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
-from .split_kv import combine_parts, num_parts
+from .split_kv import check_part_slots, combine_parts, num_parts
 from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -187,8 +188,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
 
         def write_out(acc, denom, cols):
             # denom >= exp(sink - max) > 0 in part 0; a later part that saw nothing has 0 and acc 0
-            safe = jnp.where(denom > 0, denom, 1.0)
-            store(out_ref.at[unit, heads, cols], acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0]))
+            store(out_ref.at[unit, heads, cols], normalised(acc, denom))
 
         def acc0(cols):
             return plgpu.layout_cast(jnp.zeros((BLOCK_M, cols.size), jnp.float32), plgpu.Layout.WGMMA)
@@ -214,8 +214,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
                 **handshake_barriers)
             for a, cols in zip(acc, scored):
                 write_out(a, denom, cols)
-            seen = denom > 0
-            store(lse_ref.at[unit, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
+            store(lse_ref.at[unit, heads], part_lse(row_max, denom))
 
         def follow(block):
             acc, denom = follower(num_tiles=num_tiles, acc0=acc0(columns(block)), row_layout=row_layout,
@@ -373,13 +372,8 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
                   extra_valid=extra_valid)
     check_arguments(q, window_kv, window_pages, positions, vis, sinks, **kwargs)
     check_operands(q, window_kv, compressed_kv, extra_kv)
-    if part_slots < TILE or part_slots % TILE:
-        raise ValueError(f"sliding_compressed_attention_mosaic: part_slots={part_slots}: must be a positive multiple "
-                         f"of {TILE}")
-    if copies_by_warp and interpret and not warp_map_interpretable():
-        raise ValueError(f"sliding_compressed_attention_mosaic: copies_by_warp=True interpreted needs jax >= 0.11 "
-                         f"(this is {jax.__version__}, whose Mosaic GPU interpreter has no core_map); it lowers for a "
-                         "GPU on both")
+    check_part_slots("sliding_compressed_attention_mosaic", part_slots, TILE)
+    check_copies_by_warp("sliding_compressed_attention_mosaic", copies_by_warp, interpret)
     run = functools.partial(_sliding_compressed, q, window_kv, window_pages, positions, vis, sinks, scale=scale,
                             part_slots=part_slots, copies_by_warp=copies_by_warp, interpret=interpret, **kwargs)
     if not interpret:

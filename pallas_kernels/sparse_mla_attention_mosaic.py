@@ -81,16 +81,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .contracts import EMPTY_LSE
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
-from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, copies_per_key, fetch_rows, follower,
-                                      gathered_tiles, issue_keys, kernel_warpgroups, prepare_tile, rows_buffer, scorer,
-                                      staging, start_followers)
+from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, check_copies_by_warp, copies_per_key,
+                                      fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups, normalised,
+                                      part_lse, prepare_tile, rows_buffer, scorer, staging, start_followers)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
-from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store, warp_map_interpretable
+from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows
-from .split_kv import combine_parts, num_parts
+from .split_kv import check_part_slots, combine_parts, num_parts
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
@@ -154,9 +153,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             return pl.ds((FOLLOWERS * column_block + block) * out_block, out_block)
 
         def write_out(acc, denom, block):
-            safe = jnp.where(denom > 0, denom, 1.0)
-            out = acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])
-            store(out_ref.at[unit, heads, columns(block)], out)
+            store(out_ref.at[unit, heads, columns(block)], normalised(acc, denom))
 
         # The column blocks warpgroup 0 accumulates: none beside its followers, both when it runs alone.
         owned = () if handshake else range(FOLLOWERS)
@@ -186,8 +183,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
                 **handshake_barriers)
             for a, block in zip(acc, owned):
                 write_out(a, denom, block)
-            seen = denom > 0
-            store(lse_ref.at[unit, heads], jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), EMPTY_LSE))
+            store(lse_ref.at[unit, heads], part_lse(row_max, denom))
 
         def follow(block):
             acc, denom = follower(
@@ -256,11 +252,8 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     if latent % 128 or rope % 64 or (latent > FOLLOWERS * OUT_BLOCK and latent % (FOLLOWERS * OUT_BLOCK)):
         raise ValueError(f"sparse_mla_attention_mosaic: Dl={latent} must be a multiple of 128 (of "
                          f"{FOLLOWERS * OUT_BLOCK} when wider) and Dr={rope} of 64")
-    if copies_by_warp and interpret and not warp_map_interpretable():
-        raise ValueError(f"sparse_mla_attention_mosaic: copies_by_warp=True interpreted needs jax >= 0.11 (this is "
-                         f"{jax.__version__}, whose Mosaic GPU interpreter has no core_map); it lowers for a GPU on both")
-    if part_slots < TILE or part_slots % TILE:
-        raise ValueError(f"sparse_mla_attention_mosaic: part_slots={part_slots}: must be a positive multiple of {TILE}")
+    check_copies_by_warp("sparse_mla_attention_mosaic", copies_by_warp, interpret)
+    check_part_slots("sparse_mla_attention_mosaic", part_slots, TILE)
     slots = latent_cache.shape[0] * latent_cache.shape[1]
     if slots > MAX_ROWS:
         raise ValueError(f"sparse_mla_attention_mosaic: latent_cache holds {slots} slots: at most {MAX_ROWS} (slot "

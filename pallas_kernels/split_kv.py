@@ -26,6 +26,13 @@ def num_parts(slots: int, part_slots: int) -> int:
     return max(1, pl.cdiv(slots, part_slots))
 
 
+def check_part_slots(name: str, part_slots: int, tile: int) -> None:
+    """ValueError unless part_slots is a positive multiple of the kernel's `tile` (parts are whole
+    tiles)."""
+    if part_slots < tile or part_slots % tile:
+        raise ValueError(f"{name}: part_slots={part_slots}: must be a positive multiple of {tile}")
+
+
 def combine_parts(out: jax.Array, lse: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
     """Merge split-KV parts: out [G, parts, M, D], lse [G, parts, M] float32 -> out [G, M, D]
     (out_dtype), lse [G, M].
