@@ -25,8 +25,9 @@ time that path alone, beside the alternatives, one program per SM, each walking 
                  a copy's arrivals come from its warp's 32 threads, not the warpgroup's 128, and the
                  warps issue side by side): the same question without a second warpgroup's
                  registers, which the kernels' scorer and followers cannot spare;
-  tile           64 consecutive rows a tile in 3 box copies of 192 columns into swizzled tiles (how
-                 dense MLA reads a page): the same bytes without the scatter.
+  tile           a page of 64 consecutive rows a tile (its first row a multiple of 64) in 3 box
+                 copies of 192 columns into swizzled tiles (how dense MLA reads a page): the same
+                 bytes without the scatter.
 
 Each program copies its rows into a staging tile and, after its last tile, writes that tile out
 through registers (as the kernels read it), which every run checks against the rows it asked for
@@ -153,11 +154,18 @@ def _gather(rows, cache, *, variant: str, interpret: bool):
 
 
 def rows_for(variant: str, programs: int, tiles: int, cache_rows: int, rng) -> np.ndarray:
-    """[programs, tiles * KEYS] int32 cache rows: at random ("tile": each tile's consecutive rows
-    from a random start)."""
+    """[programs, tiles * KEYS] int32 cache rows: at random ("tile": each tile one random page of
+    KEYS consecutive rows, as dense MLA reads a page).
+
+    A "tile" start is a multiple of KEYS: its box copy lands in 8-row swizzled tiles, and Mosaic
+    GPU splits a dynamic row index of such a copy into (index // 8, index % 8), the remainder
+    becoming the start inside an 8-row tile dimension of the copy's descriptor, so a start off
+    the 8-row grid reads rows past that dimension's end, which the TMA fills with zeros. The
+    interpreter does not model the tiling, which is why unaligned starts staged the right rows
+    there and wrong rows on an H200."""
     if VARIANTS[variant][0]:
         return rng.integers(0, cache_rows, (programs, tiles * KEYS)).astype(np.int32)
-    starts = rng.integers(0, cache_rows - KEYS + 1, (programs, tiles, 1))
+    starts = rng.integers(0, cache_rows // KEYS, (programs, tiles, 1)) * KEYS
     return (starts + np.arange(KEYS)).reshape(programs, tiles * KEYS).astype(np.int32)
 
 

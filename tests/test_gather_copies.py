@@ -11,6 +11,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,3 +33,16 @@ def test_each_variant_compiles_for_h100(h100, variant):
     warpgroups = gather_copies.VARIANTS[variant][2]
     assert launch.grid == (sizes["programs"], 1, 1) and launch.threads == (128 * warpgroups, 1, 1)
     assert launch.shared_memory <= SM90_SMEM
+
+
+def test_tile_rows_are_whole_pages_and_row_copies_scatter():
+    """A "tile" copy's first row is a multiple of KEYS (a tiled copy's dynamic row splits into
+    (row // 8, row % 8), and a start off the 8-row grid reads zeros past the tile: `rows_for`);
+    the row variants' rows are scattered over the whole cache."""
+    rng = np.random.default_rng(0)
+    tiles = gather_copies.rows_for("tile", 3, 5, 1024, rng).reshape(3, 5, gather_copies.KEYS)
+    assert (tiles[..., 0] % gather_copies.KEYS == 0).all()
+    np.testing.assert_array_equal(tiles - tiles[..., :1], np.broadcast_to(np.arange(gather_copies.KEYS), tiles.shape))
+    assert tiles.max() < 1024 and len(np.unique(tiles[..., 0])) > 1
+    rows = gather_copies.rows_for("rows", 3, 5, 1024, rng)
+    assert rows.min() >= 0 and rows.max() < 1024 and (np.diff(rows, axis=1) != 1).any()
