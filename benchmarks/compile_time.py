@@ -24,6 +24,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxspec import aot  # noqa: E402
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mtp", type=int, default=3, help="MTP draft length k (default 3)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     args = parser.parse_args(argv)
+    # Each row is a compile, never a load or a store: a JAX_COMPILATION_CACHE_DIR in the environment
+    # (the test suite sets one) would add writing the program to the time.
+    jax.config.update("jax_enable_compilation_cache", False)
 
     config = preset(args.preset)
     devices = aot.gpu_devices(args.target, args.devices)
