@@ -16,7 +16,8 @@ dequantized, or kept with --dtype fp8; progress on stderr), writes DST with
 tokenizer files, so that DST runs on its own: `examples/generate.py --checkpoint DST --dtype
 bfloat16` restores it much faster than SRC converts. SRC may also be an orbax directory
 (`jaxspec.checkpoint.load_model`): `jaxspec convert OLD NEW` rewrites a save from before the
-decoder layers were stacked (one array per layer) in today's stacked layout.
+decoder layers were stacked (one array per layer) in today's stacked layout, in the dtype it was
+saved in unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import time
 import jax.numpy as jnp
 
 from jaxspec import progress
-from jaxspec.checkpoint import load_model
+from jaxspec.checkpoint import is_orbax_checkpoint, load_model
 from jaxspec.flags import add_cache_dtype_flag, add_prefill_flag, checkpoint_dir
-from jaxspec.orbax_io import save_model
+from jaxspec.orbax_io import save_model, saved_dtype
 from jaxspec.platforms import use_cpu_without_nvidia_driver
 
 # --dtype choices. "fp8" keeps a checkpoint's float8_e4m3fn weights and their 128 x 128 block scales
@@ -47,11 +48,15 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def convert(src: str, dst: str, *, dtype=jnp.bfloat16) -> None:
+def convert(src: str, dst: str, *, dtype=None) -> None:
     """Convert the Hugging Face checkpoint, or orbax save, `src` into the orbax directory `dst`
-    (parameters in `dtype`, layers stacked as the model holds them)."""
+    (parameters in `dtype`, layers stacked as the model holds them). dtype None: bfloat16 from a
+    Hugging Face checkpoint; an orbax save keeps the dtype it was saved in (`saved_dtype`), so
+    rewriting an old save in today's layout, as `restore_model`'s message suggests, changes no bit."""
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: SRC and DST are the same directory ({src}); choose a new DST")
+    if dtype is None:
+        dtype = saved_dtype(src) if is_orbax_checkpoint(src) else jnp.bfloat16
     start = time.perf_counter()
     model = load_model(src, dtype=dtype, log=_log)
     loaded = time.perf_counter()
@@ -122,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                                 help="Hugging Face checkpoint directory (config.json + *.safetensors), or an "
                                      "orbax directory (config.json + params/)")
     convert_parser.add_argument("dst", help="output directory (config.json + params/ + tokenizer files)")
-    convert_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                                help=f"parameter dtype (default: bfloat16); {FP8_HELP}")
+    convert_parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                                help="parameter dtype (default: bfloat16 from a Hugging Face checkpoint; an orbax "
+                                     f"save keeps the dtype it was saved in); {FP8_HELP}")
     aot_parser = commands.add_parser(
         "aot", help="compile prefill or a decode step for an H100/H200 without a GPU and report its costs",
         description="Compile the model's prefill or one speculative decode step for NVIDIA GPUs on this host "
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.mtp = 1  # a tree drafts with the MTP module; its nodes, not num_draft, decide the drafts
             aot(args)
         else:
-            convert(args.src, args.dst, dtype=DTYPES[args.dtype])
+            convert(args.src, args.dst, dtype=None if args.dtype is None else DTYPES[args.dtype])
     except (ValueError, RuntimeError) as error:
         # XLA names no kernel when ptxas spills. The report's spills column covers the Pallas kernels
         # (grouped_matmul's masked tiles at the tiny presets' unaligned widths spill on sm_90a); the

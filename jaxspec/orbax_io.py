@@ -87,6 +87,13 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
         checkpointer.save(os.path.join(directory, PARAMS_DIR), params, force=True)
 
 
+def saved_dtype(directory: str | os.PathLike) -> jnp.dtype:
+    """The dtype `save_model` wrote `directory`'s parameters in (config.json's `torch_dtype`;
+    float32 where a save does not say, which holds any floating-point save exactly)."""
+    with open(os.path.join(os.fspath(directory), CONFIG_FILE)) as f:
+        return jnp.dtype(json.load(f).get("torch_dtype", "float32"))
+
+
 def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
                   plan: str = sharding.DEFAULT_PLAN, log: Callable[[str], None] = progress.write) -> DeepseekV3:
     """Build the model `directory/config.json` describes and load its parameters.

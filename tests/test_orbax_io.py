@@ -16,7 +16,7 @@ from flax import nnx
 from jaxspec import cli
 from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3
-from jaxspec.orbax_io import restore_model, save_model
+from jaxspec.orbax_io import restore_model, save_model, saved_dtype
 from jaxspec.presets import preset
 
 
@@ -97,7 +97,9 @@ def test_per_layer_save_restores_stacked_and_converts(model, tmp_path):
         np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(want[path]), err_msg=str(path))
     assert any(f"jaxspec convert {tmp_path / 'old'} NEW" in line for line in lines), lines
 
-    assert cli.main(["convert", str(tmp_path / "old"), str(tmp_path / "new"), "--dtype", "float32"]) == 0
+    # without --dtype: the save's own dtype (float32 here), so the rewrite changes no bit
+    assert cli.main(["convert", str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    assert saved_dtype(tmp_path / "new") == saved_dtype(tmp_path / "old") == jnp.float32
     with ocp.StandardCheckpointer() as checkpointer:
         names = set(checkpointer.metadata(tmp_path / "new" / "params").item_metadata.keys())
     assert names == set(_dotted(model))
@@ -106,6 +108,14 @@ def test_per_layer_save_restores_stacked_and_converts(model, tmp_path):
     assert not lines
     for path in want:
         np.testing.assert_array_equal(np.asarray(converted[path]), np.asarray(want[path]), err_msg=str(path))
+
+    # a bfloat16 save stays bfloat16, its bits unchanged
+    save_model(model, tmp_path / "half", dtype=jnp.bfloat16)
+    assert cli.main(["convert", str(tmp_path / "half"), str(tmp_path / "half-new")]) == 0
+    assert saved_dtype(tmp_path / "half-new") == jnp.bfloat16
+    half, rewritten = (_params(restore_model(tmp_path / name)) for name in ("half", "half-new"))
+    for path in half:
+        np.testing.assert_array_equal(np.asarray(rewritten[path]), np.asarray(half[path]), err_msg=str(path))
 
 
 def test_not_a_checkpoint(tmp_path):
