@@ -88,9 +88,16 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
 
 
 def saved_dtype(directory: str | os.PathLike) -> jnp.dtype:
-    """The dtype `save_model` wrote `directory`'s parameters in (config.json's `torch_dtype`;
-    float32 where a save does not say, which holds any floating-point save exactly)."""
-    with open(os.path.join(os.fspath(directory), CONFIG_FILE)) as f:
+    """The dtype to restore `directory`'s save in without changing it: float8_e4m3fn for a save
+    of FP8 weights (it holds their `_scale_inv` block scales; such a model computes in bfloat16,
+    which its config.json names), else config.json's `torch_dtype`, float32 where a save does not
+    say (which holds any floating-point save exactly)."""
+    directory = os.fspath(directory)
+    with ocp.StandardCheckpointer() as checkpointer:
+        names = checkpointer.metadata(os.path.abspath(os.path.join(directory, PARAMS_DIR))).item_metadata.keys()
+    if any(name.endswith("_scale_inv") for name in names):
+        return jnp.dtype(jnp.float8_e4m3fn)
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
         return jnp.dtype(json.load(f).get("torch_dtype", "float32"))
 
 

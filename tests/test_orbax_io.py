@@ -118,6 +118,21 @@ def test_per_layer_save_restores_stacked_and_converts(model, tmp_path):
         np.testing.assert_array_equal(np.asarray(rewritten[path]), np.asarray(half[path]), err_msg=str(path))
 
 
+def test_convert_keeps_an_fp8_save_fp8(tmp_path):
+    """`jaxspec convert` without --dtype rewrites a save of FP8 weights as FP8 weights with the same
+    block scales, byte for byte (its config.json names bfloat16, the dtype such a model computes in)."""
+    fp8 = DeepseekV3(preset("tiny"), rngs=nnx.Rngs(4), dtype=jnp.float8_e4m3fn)
+    save_model(fp8, tmp_path / "fp8")
+    assert cli.main(["convert", str(tmp_path / "fp8"), str(tmp_path / "fp8-new")]) == 0
+    assert saved_dtype(tmp_path / "fp8") == saved_dtype(tmp_path / "fp8-new") == jnp.float8_e4m3fn
+    want, got = (_params(restore_model(tmp_path / name, dtype=jnp.float8_e4m3fn)) for name in ("fp8", "fp8-new"))
+    assert got.keys() == want.keys() and any("scale_inv" in str(path) for path in want)
+    for path in want:  # as bytes: the FP8 weights' bits, not their values
+        assert got[path].dtype == want[path].dtype, path
+        np.testing.assert_array_equal(np.asarray(got[path]).view(np.uint8), np.asarray(want[path]).view(np.uint8),
+                                      err_msg=str(path))
+
+
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a saved model"):
         restore_model(tmp_path)
