@@ -79,8 +79,8 @@ else:
 # units, the scripts the examples and mesh tests start), and jax.clear_caches() after each module
 # drops the in-memory copies. Every program is cached, however quick to compile (the gains are
 # spread over hundreds of them). Two full runs of this tree on a quiet 2-core host: 1012 s
-# without, 882 s with (32.2 against 27.9 minutes of CPU); clean-clone `.ci/run`s then took 875 and
-# 930 s of pytest, against 1029 and 1062 s before. A run started with
+# without, 882 s with (32.2 against 27.9 minutes of CPU); clean-clone `.ci/run`s then took 875,
+# 930 and 982 s of pytest, against 1029 and 1062 s before. A run started with
 # JAX_COMPILATION_CACHE_DIR keeps that directory; the one made here is removed when the run ends.
 # Not on a GPU: there a deviceless compile (`jaxspec.aot`) could load a stored program instead of
 # compiling, and the instrument reads what the compile writes (on the CPU its program cannot be
