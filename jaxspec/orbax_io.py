@@ -87,6 +87,11 @@ def save_model(model: DeepseekV3, directory: str | os.PathLike, *, dtype=None) -
         checkpointer.save(os.path.join(directory, PARAMS_DIR), params, force=True)
 
 
+def _holds_fp8_scales(names) -> bool:
+    """Whether stored parameter `names` include FP8 weights' 128 x 128 block scales."""
+    return any(name.endswith("_scale_inv") for name in names)
+
+
 def saved_dtype(directory: str | os.PathLike) -> jnp.dtype:
     """The dtype to restore `directory`'s save in without changing it: float8_e4m3fn for a save
     of FP8 weights (it holds their `_scale_inv` block scales; such a model computes in bfloat16,
@@ -95,7 +100,7 @@ def saved_dtype(directory: str | os.PathLike) -> jnp.dtype:
     directory = os.fspath(directory)
     with ocp.StandardCheckpointer() as checkpointer:
         names = checkpointer.metadata(os.path.abspath(os.path.join(directory, PARAMS_DIR))).item_metadata.keys()
-    if any(name.endswith("_scale_inv") for name in names):
+    if _holds_fp8_scales(names):
         return jnp.dtype(jnp.float8_e4m3fn)
     with open(os.path.join(directory, CONFIG_FILE)) as f:
         return jnp.dtype(json.load(f).get("torch_dtype", "float32"))
@@ -147,7 +152,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         problems += [f"{name}: checkpoint {available[name]} != model {tuple(expected[name].shape)}"
                      for name in sorted(expected.keys() & available.keys())
                      if available[name] != tuple(expected[name].shape)]
-        if jnp.dtype(dtype) == jnp.float8_e4m3fn and not any(name.endswith("_scale_inv") for name in stored):
+        if jnp.dtype(dtype) == jnp.float8_e4m3fn and not _holds_fp8_scales(stored):
             raise ValueError(f"dtype=float8_e4m3fn restores FP8 weights with their scales, but {params_path} was saved "
                              "without them (from a float model): restore it with dtype=bfloat16, or convert the "
                              "Hugging Face checkpoint again with `jaxspec convert --dtype fp8`")
