@@ -82,9 +82,8 @@ else:
 # without, 882 s with (32.2 against 27.9 minutes of CPU); clean-clone `.ci/run`s then took 875,
 # 930 and 982 s of pytest, against 1029 and 1062 s before. A run started with
 # JAX_COMPILATION_CACHE_DIR keeps that directory; the one made here is removed when the run ends.
-# Not on a GPU: there a deviceless compile (`jaxspec.aot`) could load a stored program instead of
-# compiling, and the instrument reads what the compile writes (on the CPU its program cannot be
-# loaded, so it compiles again).
+# Not on a GPU, where no run of the suite has yet finished to show what a cache there changes
+# (deviceless compiles, `jaxspec.aot`, write nothing to it either way).
 OWNS_COMPILE_CACHE = not ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if OWNS_COMPILE_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-tests-compile-cache-")

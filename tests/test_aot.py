@@ -11,6 +11,10 @@ program counts for each kernel equals the kernel's arithmetic.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +125,37 @@ def test_collectives_of_a_two_device_program(h100):
     compiled = aot.compile_gpu(lambda x: x.sum(axis=0), Spec((1024, 512), jnp.float32, sharding=rows), devices=devices)
     (collective,) = aot.collectives(compiled)
     assert (collective.op, collective.bytes) == ("all-reduce", 512 * 4)
+
+
+# In a process of its own, with a persistent compilation cache of its own: JAX decides once per
+# process whether the cache is used, and this suite's CPU run shares one cache between its workers.
+CACHE_PROBE = textwrap.dedent("""
+    import os, warnings
+    import jax, jax.numpy as jnp
+    from jaxspec import aot
+    entries = lambda: len(os.listdir(os.environ["JAX_COMPILATION_CACHE_DIR"]))
+    devices = aot.gpu_devices("h100")
+    fn = lambda x: jnp.sin(x @ x.T).sum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled = aot.compile_gpu(fn, jax.ShapeDtypeStruct((256, 256), jnp.float32), devices=devices)
+            print("deviceless", entries(), any(name.endswith(".ptx") for name in os.listdir(compiled.dump_dir)))
+    print("warnings", sum("compilation cache" in str(w.message) for w in caught))
+    jax.jit(fn).lower(jax.ShapeDtypeStruct((256, 256), jnp.float32)).compile()
+    print("jit", entries())
+""")
+
+
+def test_deviceless_compiles_stay_out_of_the_persistent_compilation_cache(h100, tmp_path):
+    """Under a user's JAX_COMPILATION_CACHE_DIR, `compile_gpu` writes no entry, so compiling the
+    same program again neither warns about an unreadable entry nor loads one in place of the dump
+    it reads (each compile dumps its PTX); a program compiled after it in the same process is
+    cached as before (the write threshold is restored)."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    done = subprocess.run([sys.executable, "-c", CACHE_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:4] == ["deviceless 0 True", "deviceless 0 True", "warnings 0", "jit 1"], done.stdout
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ Requirements (checked by `gpu_devices`, which says what is missing):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.resources
@@ -118,6 +119,26 @@ def _place(tree, devices: Sequence):
     return jax.tree.map(place, tree)
 
 
+@contextlib.contextmanager
+def _not_persistently_cached():
+    """Compiles inside write nothing to JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`).
+
+    Off a GPU a deviceless program cannot be loaded back: the next identical compile fails to read
+    its entry, warns ("Error reading persistent compilation cache entry") and compiles again, so the
+    entry is only disk and a warning. On a GPU host one that loaded would skip the compile whose
+    dump `jaxspec.aot` reads. JAX decides once per process whether the cache is used, so the switch
+    here is its write threshold (a compile's seconds), raised for the compile and restored: process-
+    wide while it lasts, so another thread's compile in that window is not cached either.
+    """
+    option = "jax_persistent_cache_min_compile_time_secs"
+    previous = getattr(jax.config, option)
+    jax.config.update(option, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(option, previous)
+
+
 @dataclasses.dataclass
 class GpuCompiled:
     """A program compiled for a GPU target: the `jax.stages.Compiled` (its attributes are reachable
@@ -164,17 +185,18 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
         lowered = jax.jit(fn, static_argnames=tuple(static_argnames),
                           donate_argnums=tuple(donate_argnums),
                           donate_argnames=tuple(donate_argnames)).lower(*args, **kwargs)
-    compiled = lowered.compile(compiler_options={
-        "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spill, "xla_dump_to": dump_dir,
-        # The PTX, which `analysis.kernel_launches` gives to ptxas: from jax 0.11 XLA dumps it only
-        # for the emitters this names ("ptx": the PTX alone, no per-fusion logs).
-        "xla_dump_emitter_re": "ptx",
-        # XLA sizes a CUB radix sort's scratch by asking the CUDA runtime, which fails without a
-        # device ("invalid device ordinal"): large sorts (top-k of the DSA indexer) use XLA's own
-        # sort kernel here, where a GPU host's compile would call CUB.
-        "xla_gpu_enable_cub_radix_sort": False,
-        # The instrument measures the program a GPU host would build, whatever the process's
-        # XLA_FLAGS say (the test suite lowers XLA's optimization level for its CPU programs; at
-        # level 0 ptxas spills kernels that fit at the default level).
-        "xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False})
+    with _not_persistently_cached():
+        compiled = lowered.compile(compiler_options={
+            "xla_gpu_fail_ptx_compilation_on_register_spilling": fail_on_spill, "xla_dump_to": dump_dir,
+            # The PTX, which `analysis.kernel_launches` gives to ptxas: from jax 0.11 XLA dumps it only
+            # for the emitters this names ("ptx": the PTX alone, no per-fusion logs).
+            "xla_dump_emitter_re": "ptx",
+            # XLA sizes a CUB radix sort's scratch by asking the CUDA runtime, which fails without a
+            # device ("invalid device ordinal"): large sorts (top-k of the DSA indexer) use XLA's own
+            # sort kernel here, where a GPU host's compile would call CUB.
+            "xla_gpu_enable_cub_radix_sort": False,
+            # The instrument measures the program a GPU host would build, whatever the process's
+            # XLA_FLAGS say (the test suite lowers XLA's optimization level for its CPU programs; at
+            # level 0 ptxas spills kernels that fit at the default level).
+            "xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False})
     return GpuCompiled(compiled, dump_dir, time.perf_counter() - start, owner)
