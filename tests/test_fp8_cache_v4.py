@@ -25,6 +25,7 @@ from jaxspec.pallas_kernels.fp8_cache import V4_RULE, Fp8Pool
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.presets import preset
+from conftest import MOSAIC_INTERPRET
 from test_sliding_compressed_attention import make_case, v4_pool
 from test_v4_attention import check_nodes_equal_branches, run, tree_case
 
@@ -132,15 +133,15 @@ MOSAIC_FP8_CASES = {
 
 @pytest.mark.parametrize("options", MOSAIC_FP8_CASES.values(), ids=MOSAIC_FP8_CASES.keys())
 def test_mosaic_kernel_reads_fp8_pools(options):
-    """The Mosaic kernel (interpreted) on V4 FP8 pools of three scale blocks (D 256 = 192 + 64, so
-    each 64-column move takes its own block's scale), raw extra keys beside them: bit for bit the
-    kernel on the pools' entries and the extra keys as stored (its dequantization is
-    `fp8_cache.entries`', its extra keys the op's), and the reference within bfloat16's
-    tolerance; finite, padding tokens 0."""
+    """The Mosaic kernel (interpreted; compiled on a GPU host) on V4 FP8 pools of three scale
+    blocks (D 256 = 192 + 64, so each 64-column move takes its own block's scale), raw extra keys
+    beside them: bit for bit the kernel on the pools' entries and the extra keys as stored (its
+    dequantization is `fp8_cache.entries`', its extra keys the op's), and the reference within
+    bfloat16's tolerance; finite, padding tokens 0."""
     case, (args, kwargs), (plain_args, plain_kwargs) = fp8_case(256, 64, jnp.bfloat16, **options)
     static = {name: kwargs.pop(name) for name in ("sliding_window", "scale")}
     plain_kwargs = {k: v for k, v in plain_kwargs.items() if k not in static}
-    call = functools.partial(sliding_compressed_attention_mosaic, interpret=True, **static)
+    call = functools.partial(sliding_compressed_attention_mosaic, interpret=MOSAIC_INTERPRET, **static)
     got = np.asarray(call(*args, **kwargs), np.float32)
     np.testing.assert_array_equal(got, np.asarray(call(*plain_args, **plain_kwargs), np.float32))
     with jax.default_matmul_precision("highest"):
@@ -164,7 +165,7 @@ def test_mosaic_kernel_refuses_fp8_pools_it_cannot_tile(change, match):
     if change == "plain-entries":
         kwargs["compressed_kv"] = plain_kwargs["compressed_kv"]
     with pytest.raises(ValueError, match=match):
-        sliding_compressed_attention_mosaic(*args, **kwargs, interpret=True)
+        sliding_compressed_attention_mosaic(*args, **kwargs, interpret=MOSAIC_INTERPRET)
 
 
 def test_triton_kernel_on_fp8_pools_compiles_for_h100_without_spills(h100):

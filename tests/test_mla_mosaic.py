@@ -1,5 +1,6 @@
-"""The Mosaic GPU `mla_attention` kernel: interpreted on the CPU against the reference on bfloat16
-and FP8 latent caches, invariant bit for bit, and compiled for an H100 without a GPU.
+"""The Mosaic GPU `mla_attention` kernel: interpreted on the CPU (compiled and run on a GPU host,
+`conftest.MOSAIC_INTERPRET`) against the reference on bfloat16 and FP8 latent caches, invariant bit
+for bit, and compiled for an H100 without a GPU.
 
 Interpret mode (`pallas_kernels/mosaic_gpu.py`) runs the kernel's TMA copies, barriers, two
 warpgroups and split-KV parts on the CPU; it is slow (seconds a call), so the shapes are small:
@@ -26,6 +27,7 @@ from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.mla_attention_mosaic import PART_SLOTS, mla_attention_mosaic
 from jaxspec.pallas_kernels.split_kv import num_parts
 from jaxspec.presets import preset
+from conftest import MOSAIC_INTERPRET
 from test_fp8_cache import fp8_pool_of
 from test_kernels import assert_attention_close, latent_inputs, make_window, scale_for
 from test_sparse_mosaic import SM90_SMEM, assert_costed
@@ -34,7 +36,7 @@ LATENT, ROPE, PAGE = 128, 64, 64
 
 
 def run_mosaic(args, scale, **kwargs):
-    return mla_attention_mosaic(*args, softmax_scale=scale, interpret=True, **kwargs)
+    return mla_attention_mosaic(*args, softmax_scale=scale, interpret=MOSAIC_INTERPRET, **kwargs)
 
 
 def reference(args, scale):

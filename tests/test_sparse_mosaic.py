@@ -1,5 +1,6 @@
 """The Mosaic GPU kernels of DSA, the indexer (`indexer_mosaic.py`) and sparse MLA
-(`sparse_mla_attention_mosaic.py`), interpreted on the CPU against their references, on
+(`sparse_mla_attention_mosaic.py`), interpreted on the CPU (compiled and run on a GPU host,
+`conftest.MOSAIC_INTERPRET`) against their references, on
 compute-dtype and FP8 caches (`fp8_cache.Fp8Pool`); their invariance to the window they share a
 call with, bit for bit; their argument checks; the `backend="mosaic"` dispatch; and their compiles
 for an H100 (sm_90a) without a GPU, with the shared memory their launches claim
@@ -32,6 +33,7 @@ from jaxspec.pallas_kernels.mosaic_gpu import warp_map_interpretable
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import PART_SLOTS as SPARSE_PART_SLOTS
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic
 from jaxspec.pallas_kernels.split_kv import num_parts
+from conftest import MOSAIC_INTERPRET
 from test_fp8_cache import fp8_pool_of
 from test_kernels import (assert_attention_close, indexer_inputs, latent_inputs, make_window, random_indices,
                           scale_for)
@@ -75,8 +77,8 @@ def test_indexer_mosaic_matches_reference(case):
     window = make_window(rng, batch=4, **case)
     args = (*indexer_inputs(rng, window, heads, dim, jnp.bfloat16, integer), jnp.asarray(window.page_table),
             window.vis())
-    scores = np.asarray(indexer_scores_mosaic(*args, interpret=True))
-    indices = np.asarray(indexer_topk_mosaic(*args, topk=topk, interpret=True))
+    scores = np.asarray(indexer_scores_mosaic(*args, interpret=MOSAIC_INTERPRET))
+    indices = np.asarray(indexer_topk_mosaic(*args, topk=topk, interpret=MOSAIC_INTERPRET))
     with jax.default_matmul_precision("highest"):
         want_scores = np.asarray(jax.jit(indexer_scores_reference)(*args))
         want_indices = np.asarray(jax.jit(functools.partial(indexer_topk_reference, topk=topk))(*args))
@@ -109,7 +111,7 @@ def test_indexer_mosaic_reads_fp8_keys(case):
     window = make_window(rng, batch=4, **case)
     q_idx, weights, keys = indexer_inputs(rng, window, heads, dim, jnp.float32, integer=True)
     args = (q_idx.astype(fp8_cache.E4M3), weights, fp8_keys(rng, keys), jnp.asarray(window.page_table), window.vis())
-    scores = np.asarray(indexer_scores_mosaic(*args, interpret=True))
+    scores = np.asarray(indexer_scores_mosaic(*args, interpret=MOSAIC_INTERPRET))
     want = np.asarray(jax.jit(indexer_scores_reference)(*args))
     assert np.isfinite(want).any() and not np.isnan(scores).any()
     np.testing.assert_array_equal(scores, want)
@@ -131,7 +133,7 @@ def test_indexer_mosaic_scores_do_not_depend_on_the_window(fp8):
     q_window = jnp.asarray(rng.normal(size=(1, 4, heads, dim)), fp8_cache.E4M3 if fp8 else jnp.bfloat16)
     w_window = jnp.asarray(rng.normal(size=(1, 4, heads)), jnp.float32)
     token = 3  # window token 3; in the tree its ancestors are 0 and 1 (slot prefix + 2 is a sibling's)
-    run = functools.partial(indexer_scores_mosaic, key_cache=keys, page_table=jnp.asarray(pages), interpret=True)
+    run = functools.partial(indexer_scores_mosaic, key_cache=keys, page_table=jnp.asarray(pages), interpret=MOSAIC_INTERPRET)
     one = lambda value: jnp.asarray([value], jnp.int32)
     alone = run(q_window[:, token:token + 1], w_window[:, token:token + 1], vis=Visibility(one(prefix + token), one(1)))
     chain = run(q_window, w_window, vis=Visibility(one(prefix), one(4)))
@@ -193,7 +195,7 @@ def test_indexer_mosaic_refuses_what_it_cannot_tile(dtype, dim, page_size, match
     if isinstance(dtype, str):
         keys = Fp8Pool(*fp8_cache.quantize_act(keys), None, fp8_cache.INDEX_RULE)
     with pytest.raises(ValueError, match=match):
-        indexer_scores_mosaic(queries, jnp.zeros((1, 1, 4)), keys, jnp.zeros((1, 4), jnp.int32), vis, interpret=True)
+        indexer_scores_mosaic(queries, jnp.zeros((1, 1, 4)), keys, jnp.zeros((1, 4), jnp.int32), vis, interpret=MOSAIC_INTERPRET)
 
 
 V32 = preset("deepseek-v3.2")
@@ -255,7 +257,7 @@ def sparse_case(rng, *, batch, num_queries, heads, latent, rope, page_size, max_
 def test_sparse_mla_mosaic_matches_reference(case):
     window, args = sparse_case(np.random.default_rng(50), batch=2, **case)
     scale = scale_for(case["latent"], case["rope"])
-    got = sparse_mla_attention_mosaic(*args, softmax_scale=scale, interpret=True)
+    got = sparse_mla_attention_mosaic(*args, softmax_scale=scale, interpret=MOSAIC_INTERPRET)
     with jax.default_matmul_precision("highest"):
         want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale))(*args)
     assert got[0].dtype == jnp.bfloat16 and got[0].shape == args[0].shape
@@ -276,7 +278,7 @@ def test_sparse_mla_mosaic_split_kv_parts():
     indices[0, 2, 64:] = -1  # this token's selection in part 0 only
     assert (indices[0, 2] >= 0).any()
     run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=scale_for(128, 64), part_slots=64,
-                            interpret=True)
+                            interpret=MOSAIC_INTERPRET)
     got = run(q_nope, q_rope, cache, page_table, jnp.asarray(indices))
     with jax.default_matmul_precision("highest"):
         want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale_for(128, 64)))(
@@ -296,7 +298,7 @@ def test_sparse_mla_mosaic_copies_by_warp_give_the_same_bits():
     `core_map`), which is a ValueError before tracing; both versions compile it (below)."""
     _, args = sparse_case(np.random.default_rng(51), batch=2, num_queries=2, heads=4, latent=128, rope=64,
                           page_size=16, max_pages=6, topk=40)
-    run = functools.partial(sparse_mla_attention_mosaic, *args, softmax_scale=scale_for(128, 64), interpret=True)
+    run = functools.partial(sparse_mla_attention_mosaic, *args, softmax_scale=scale_for(128, 64), interpret=MOSAIC_INTERPRET)
     if not warp_map_interpretable():
         with pytest.raises(ValueError, match="copies_by_warp=True interpreted needs jax >= 0.11"):
             run(copies_by_warp=True)
@@ -315,9 +317,9 @@ def test_sparse_mla_mosaic_reads_fp8_latents():
         topk=40)
     pool = fp8_pool_of(cache, 128)
     scale = scale_for(128, 64)
-    got = sparse_mla_attention_mosaic(q_nope, q_rope, pool, page_table, indices, softmax_scale=scale, interpret=True)
+    got = sparse_mla_attention_mosaic(q_nope, q_rope, pool, page_table, indices, softmax_scale=scale, interpret=MOSAIC_INTERPRET)
     on_entries = sparse_mla_attention_mosaic(q_nope, q_rope, fp8_cache.entries(pool), page_table, indices,
-                                             softmax_scale=scale, interpret=True)
+                                             softmax_scale=scale, interpret=MOSAIC_INTERPRET)
     with jax.default_matmul_precision("highest"):
         want = jax.jit(functools.partial(sparse_mla_attention_reference, softmax_scale=scale))(
             q_nope, q_rope, pool, page_table, indices)
@@ -338,7 +340,7 @@ def test_sparse_mla_mosaic_output_does_not_depend_on_the_window(fp8):
     if fp8:
         cache = fp8_pool_of(cache, 128)
         args = (q_nope, q_rope, cache, page_table, indices)
-    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, part_slots=64, interpret=True)
+    run = functools.partial(sparse_mla_attention_mosaic, softmax_scale=0.125, part_slots=64, interpret=MOSAIC_INTERPRET)
     together = run(*args)
     alone = run(q_nope[:1, 1:], q_rope[:1, 1:], cache, page_table[:1], indices[:1, 1:])
     assert np.isfinite(np.asarray(alone[1])).all() and (np.asarray(alone[1]) > EMPTY_LSE).all()
@@ -374,7 +376,7 @@ def test_sparse_mla_mosaic_refuses_what_it_cannot_tile(dtype, latent, rope, matc
     with pytest.raises(ValueError, match=match):
         sparse_mla_attention_mosaic(jnp.zeros((1, 1, 4, latent), query_dtype), jnp.zeros((1, 1, 4, rope), query_dtype),
                                     cache, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 1, 8), jnp.int32),
-                                    softmax_scale=0.1, interpret=True)
+                                    softmax_scale=0.1, interpret=MOSAIC_INTERPRET)
 
 
 def test_sparse_mla_mosaic_refuses_a_cache_past_exact_float32_rows():

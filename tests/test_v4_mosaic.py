@@ -1,5 +1,6 @@
 """DeepSeek-V4's `sliding_compressed_attention` as a Mosaic GPU kernel
-(`sliding_compressed_attention_mosaic.py`): interpreted on the CPU against the reference, a token's
+(`sliding_compressed_attention_mosaic.py`): interpreted on the CPU (compiled and run on a GPU host,
+`conftest.MOSAIC_INTERPRET`) against the reference, a token's
 output bits whatever window it shares a call with, the argument checks, the `backend="mosaic"`
 dispatch, and its compile for an H100 (sm_90a) at DeepSeek-V4-Flash's widths without a GPU, on
 bfloat16 arrays and FP8 pools (the kernel's FP8 reads: `tests/test_fp8_cache_v4.py`).
@@ -27,6 +28,7 @@ from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import PART_SLOTS, sliding_compressed_attention_mosaic
 from jaxspec.pallas_kernels.mosaic_gpu import warp_map_interpretable
 from jaxspec.pallas_kernels.split_kv import num_parts
+from conftest import MOSAIC_INTERPRET
 from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
 from test_sparse_mosaic import assert_costed
 from test_v4_attention import HF_FIELDS
@@ -63,7 +65,7 @@ def test_mosaic_split_kv_parts_match_reference():
     reference; padding tokens, which see nothing, exactly 0."""
     case = make_case(np.random.default_rng(63), **MOSAIC_CASES["tree-csa-extra-page8"])
     args, kwargs = case.args(jnp.bfloat16)
-    got = np.asarray(sliding_compressed_attention_mosaic(*args, **kwargs, part_slots=64, interpret=True), np.float32)
+    got = np.asarray(sliding_compressed_attention_mosaic(*args, **kwargs, part_slots=64, interpret=MOSAIC_INTERPRET), np.float32)
     want = np.asarray(run(case, jnp.bfloat16), np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
@@ -79,7 +81,7 @@ def test_mosaic_copies_by_warp_give_the_same_bits():
     before tracing there; both versions compile it (below)."""
     case = make_case(np.random.default_rng(64), **MOSAIC_CASES["tree-csa-extra-page8"])
     args, kwargs = case.args(jnp.bfloat16)
-    run = functools.partial(sliding_compressed_attention_mosaic, *args, **kwargs, part_slots=128, interpret=True)
+    run = functools.partial(sliding_compressed_attention_mosaic, *args, **kwargs, part_slots=128, interpret=MOSAIC_INTERPRET)
     if not warp_map_interpretable():
         with pytest.raises(ValueError, match="copies_by_warp=True interpreted needs jax >= 0.11"):
             run(copies_by_warp=True)
@@ -118,7 +120,7 @@ def test_mosaic_output_does_not_depend_on_the_window(fp8):
         kwargs["compressed_kv"] = v4_pool(kwargs["compressed_kv"], 64)
     q, window_kv, window_pages, positions, vis, sinks = args
     prefix = int(case.prefix_len[0])
-    call = functools.partial(sliding_compressed_attention_mosaic, part_slots=64, interpret=True)
+    call = functools.partial(sliding_compressed_attention_mosaic, part_slots=64, interpret=MOSAIC_INTERPRET)
     chain = call(*args, **kwargs)
     token = slice(1, 2)
     per_token = {k: v[:, token] if k in ("compressed_indices", "extra_kv", "extra_valid") else v
@@ -150,7 +152,7 @@ def test_mosaic_refuses_what_it_cannot_tile(change, match):
     if "compressed_kv" in change:
         kwargs["compressed_kv"] = kwargs["compressed_kv"].astype(change["compressed_kv"])
     with pytest.raises(ValueError, match=match):
-        sliding_compressed_attention_mosaic(*args, **kwargs, interpret=True)
+        sliding_compressed_attention_mosaic(*args, **kwargs, interpret=MOSAIC_INTERPRET)
 
 
 def test_mosaic_refuses_key_arrays_past_exact_float32_rows():
