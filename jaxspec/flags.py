@@ -62,7 +62,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, default_preset: str) -> 
                              "DeepSeek-V4 (sliding, CSA and HCA layers, mHC, hash routing) "
                              f"(default: {default_preset})")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="attention kernels: xla (pure-jnp references), pallas, or auto (pallas on GPU)")
+                        help="the kernels: xla (pure-jnp references), pallas (Triton), mosaic (Mosaic GPU where "
+                             "the op has one, else Triton), or auto (on a GPU the kernel measured fastest on its "
+                             "kind, backend.AUTO_KERNELS; the references elsewhere)")
 
 
 def add_cache_dtype_flag(parser: argparse.ArgumentParser) -> None:
