@@ -25,6 +25,14 @@ time that path alone, beside the alternatives, one program per SM, each walking 
                  a copy's arrivals come from its warp's 32 threads, not the warpgroup's 128, and the
                  warps issue side by side): the same question without a second warpgroup's
                  registers, which the kernels' scorer and followers cannot spare;
+  rows, one arrival
+                 one copy per row as above, but written in Mosaic GPU itself (`plgpu.inline_mgpu`,
+                 below Pallas): one thread sets the tile's expected bytes on an mbarrier of the
+                 benchmark's own, one arrival a tile, and the first 64 threads issue a row's copy each
+                 side by side, with no arrival or barrier per copy. What is left is the copy's own
+                 issue: if this variant is fast, the per-copy cost was Pallas' arrivals, and the
+                 kernels' gather can be written this way (compiled only: the Mosaic GPU interpreter
+                 runs Pallas, not inline Mosaic GPU code, so its check is the GPU run's);
   tile           a page of 64 consecutive rows a tile (its first row a multiple of 64) in 3 box
                  copies of 192 columns into swizzled tiles (how dense MLA reads a page): the same
                  bytes without the scatter.
@@ -43,21 +51,33 @@ import argparse
 import functools
 import sys
 
+from typing import NamedTuple
+
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, nvvm
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental import pallas as pl
 from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled, warp_map_interpretable
 
-# variant -> (one copy a row (else one copy a tile), unsafe_no_auto_barriers, warpgroups issuing,
-# each warp issuing its share of the copies)
-VARIANTS = {"rows": (True, False, 1, False), "rows, no auto barriers": (True, True, 1, False),
-            "rows, 2 warpgroups": (True, False, 2, False), "rows, 4 warps": (True, False, 1, True),
-            "tile": (False, False, 1, False)}
+class Variant(NamedTuple):
+    per_row: bool  # one copy a row (else one copy a tile)
+    unsafe: bool = False  # unsafe_no_auto_barriers
+    warpgroups: int = 1  # warpgroups issuing
+    per_warp: bool = False  # each warp issuing its share of the copies
+    one_arrival: bool = False  # the copies in inline Mosaic GPU code, one arrival a tile
+
+
+VARIANTS = {"rows": Variant(True), "rows, no auto barriers": Variant(True, unsafe=True),
+            "rows, 2 warpgroups": Variant(True, warpgroups=2), "rows, 4 warps": Variant(True, per_warp=True),
+            "rows, one arrival": Variant(True, one_arrival=True), "tile": Variant(False)}
 KEYS = 64  # rows a tile, as in the kernels
 PIECE = 192  # columns a "tile" copy moves (a TMA box is at most 256 wide; 576 = 3 x 192)
 FULL = dict(programs=132, tiles=32, cache_rows=1 << 19, width=576)
@@ -66,16 +86,70 @@ SMOKE = dict(programs=1, tiles=2, cache_rows=256, width=192)
 
 def interpretable(variant: str) -> bool:
     """Whether this jax's Mosaic GPU interpreter runs the variant (`mosaic_gpu.warp_map_interpretable`
-    for the per-warp copies)."""
-    return not VARIANTS[variant][3] or warp_map_interpretable()
+    for the per-warp copies; never the one written in Mosaic GPU itself)."""
+    return not VARIANTS[variant].one_arrival and (not VARIANTS[variant].per_warp or warp_map_interpretable())
 
 
-def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barriers: bool, warpgroups: int,
-                   per_warp: bool):
+def _init_mbarrier(state: dict):
+    """Inline Mosaic GPU: one mbarrier (arrival count 1) in the [2] uint32 SMEM buffer it is given
+    (Pallas has no 64-bit SMEM without x64), kept in `state["barrier"]` for `_issue_rows`. Its
+    phase lives in a per-thread local, as in `mgpu.BarrierRef.initialize`, which would take the
+    two words for two barriers."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def init(ctx, words):
+        i32 = ir.IntegerType.get_signless(32)
+        address = mgpu_utils.memref_ptr(words)
+        phases = memref.alloca(ir.MemRefType.get((), i32), [], [])
+        memref.store(mgpu_utils.c(0, i32), phases, [])
+        nvvm.mbarrier_init(address, mgpu_utils.c(1, i32),
+                           predicate=mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK))
+        nvvm.fence_mbarrier_init()
+        mgpu_utils.warpgroup_barrier()
+        state["barrier"] = mgpu.BarrierRef(address, mgpu_utils.c(0, i32), phases, 1)
+
+    return init
+
+
+def _issue_rows(state: dict, width: int, itemsize: int):
+    """Inline Mosaic GPU: a tile's row copies, (rows [KEYS] float32 SMEM, cache [N, W] GMEM,
+    staging [KEYS, >= W] SMEM). Thread 0 arrives once with the tile's bytes; thread k < KEYS reads
+    row k's cache row from SMEM and issues its bulk copy with no arrival (`_wait_rows` waits)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def issue(ctx, rows, cache, stage):
+        barrier = state["barrier"]
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+        barrier.arrive_expect_tx(KEYS * width * itemsize,
+                                 predicate=arith.cmpi(arith.CmpIPredicate.eq, thread, mgpu_utils.c(0, i32)))
+        key = arith.index_cast(index, arith.minui(thread, mgpu_utils.c(KEYS - 1, i32)))
+        row = arith.index_cast(index, arith.fptosi(i32, memref.load(rows, [key])))
+        ctx.async_copy(src_ref=cache, dst_ref=mgpu_utils.memref_slice(stage, (key, mgpu_utils.ds(0, width))),
+                       gmem_slice=(row,), barrier=barrier, arrive=False,
+                       predicate=arith.cmpi(arith.CmpIPredicate.ult, thread, mgpu_utils.c(KEYS, i32)),
+                       oob_mode=mgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+    return issue
+
+
+def _wait_rows(state: dict):
+    """Inline Mosaic GPU: every thread waits for the tile `_issue_rows` issued (the barrier's next
+    phase)."""
+
+    @plgpu.inline_mgpu()
+    def wait(ctx):
+        state["barrier"].wait()
+
+    return wait
+
+
+def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
     """One program: rows_ref [programs, tiles * KEYS] float32 (cache rows, exact integers),
     cache_ref [N, W] -> out_ref [programs, KEYS, W] (its last tile as staged). With two
     warpgroups each issues its half of a tile's row copies, with per_warp each warp its quarter;
     warpgroup 0 fetches the rows and writes the result."""
+    per_row, warpgroups = variant.per_row, variant.warpgroups
     program = jax.lax.axis_index("program")
     wg = jax.lax.axis_index("wg") if warpgroups > 1 else 0
     share = KEYS // warpgroups  # copies a warpgroup issues a tile
@@ -85,27 +159,34 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
     def rows_at(tile):
         return rows_ref.at[program, pl.ds(tile * KEYS, KEYS)]
 
-    def body(rows_smem, tile_smem, first, gathered):
+    def body(rows_smem, tile_smem, first, gathered, *words):
         @pl.when(wg == 0)
         def _():
             fetch_rows(rows_at, 0, tiles, rows_smem, first)
 
         plgpu.barrier_wait(first)
+        state = {}
+        if variant.one_arrival:
+            _init_mbarrier(state)(*words)
 
         def step(tile, carry):
-            if manual_barriers:  # every thread is past the last tile's reads of the buffers reused here
+            if variant.unsafe:  # every thread is past the last tile's reads of the buffers reused here
                 plgpu.commit_smem()
             rows = rows_buffer(rows_smem, tile)
-            if per_row:
+            if variant.one_arrival:  # its own barrier; `gathered` then counts the rows' copy alone
+                _issue_rows(state, width, jnp.dtype(cache_ref.dtype).itemsize)(rows, cache_ref, tile_smem)
+            elif per_row:
                 mine = pl.ds(wg * share, share)
                 issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered,
-                           by_warp=per_warp)
+                           by_warp=variant.per_warp)
             else:  # the tile's rows are consecutive from its first: one box a piece of columns
                 start = rows[0].astype(jnp.int32)
                 for i in range(width // PIECE):
                     plgpu.copy_gmem_to_smem(cache_ref.at[pl.ds(start, KEYS), pl.ds(i * PIECE, PIECE)],
                                             tile_smem.at[i], gathered)
             pl.when(wg == 0)(lambda: fetch_rows(rows_at, tile + 1, tiles, rows_smem, gathered))
+            if variant.one_arrival:
+                _wait_rows(state)()
             plgpu.barrier_wait(gathered)
             return carry
 
@@ -123,8 +204,10 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, per_row: bool, manual_barrie
     tile_smem = (staging(KEYS, width, cache_ref.dtype) if per_row
                  else plgpu.SMEM((width // PIECE, KEYS, PIECE), cache_ref.dtype,
                                  transforms=swizzled(cache_ref.dtype, PIECE)))
+    copies = 0 if variant.one_arrival else KEYS if per_row else width // PIECE  # on `gathered`, a tile
+    words = [plgpu.SMEM((2,), jnp.uint32)] if variant.one_arrival else []  # its own mbarrier's 8 bytes
     pl.run_scoped(body, plgpu.SMEM((2, KEYS), jnp.float32), tile_smem, plgpu.Barrier(num_arrivals=1),
-                  plgpu.Barrier(num_arrivals=(KEYS if per_row else width // PIECE) + 1),
+                  plgpu.Barrier(num_arrivals=copies + 1), *words,
                   **(dict(collective_axes="wg") if warpgroups > 1 else {}))  # the warpgroups share them
 
 
@@ -142,14 +225,13 @@ def _gather(rows, cache, *, variant: str, interpret: bool):
     # Jitted once per variant, so that the timed calls run the compiled program; `interpret` only
     # keys the cache, so a program traced for the simulator is never reused on a GPU.
     del interpret
-    per_row, unsafe, warpgroups, per_warp = VARIANTS[variant]
-    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
+    chosen = VARIANTS[variant]
+    threads = dict(num_threads=chosen.warpgroups, thread_name="wg") if chosen.warpgroups > 1 else {}
     kernel = plgpu.kernel(
-        functools.partial(_gather_kernel, per_row=per_row, manual_barriers=unsafe, warpgroups=warpgroups,
-                          per_warp=per_warp),
+        functools.partial(_gather_kernel, variant=chosen),
         out_type=jax.ShapeDtypeStruct((rows.shape[0], KEYS, cache.shape[1]), cache.dtype),
         grid=(rows.shape[0],), grid_names=("program",),
-        compiler_params=compiler_params(unsafe_no_auto_barriers=unsafe), **threads)
+        compiler_params=compiler_params(unsafe_no_auto_barriers=chosen.unsafe), **threads)
     return kernel(rows.astype(jnp.float32), cache)
 
 
@@ -163,7 +245,7 @@ def rows_for(variant: str, programs: int, tiles: int, cache_rows: int, rng) -> n
     the 8-row grid reads rows past that dimension's end, which the TMA fills with zeros. The
     interpreter does not model the tiling, which is why unaligned starts staged the right rows
     there and wrong rows on an H200."""
-    if VARIANTS[variant][0]:
+    if VARIANTS[variant].per_row:
         return rng.integers(0, cache_rows, (programs, tiles * KEYS)).astype(np.int32)
     starts = rng.integers(0, cache_rows // KEYS, (programs, tiles, 1)) * KEYS
     return (starts + np.arange(KEYS)).reshape(programs, tiles * KEYS).astype(np.int32)
@@ -196,7 +278,7 @@ def main(argv=None) -> int:
         if interpret and not interpretable(variant):
             print(f"{variant:<24} not interpreted on jax {jax.__version__} (`interpretable`)", flush=True)
             continue
-        per_row = VARIANTS[variant][0]
+        per_row = VARIANTS[variant].per_row
         rows = rows_for(variant, sizes["programs"], sizes["tiles"], sizes["cache_rows"], rng)
         rows_dev, run = jnp.asarray(rows), functools.partial(gather, variant, interpret=interpret)
         want = np.asarray(cache, np.float32)[rows[:, -KEYS:]]

@@ -22,8 +22,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
-             copy a row, with and without Pallas' automatic barriers, and issued by two
-             warpgroups or by four warps) beside a tile copy; then the
+             copy a row, with and without Pallas' automatic barriers, issued by two
+             warpgroups or by four warps, or in Mosaic GPU with one arrival a tile) beside a
+             tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, Mosaic without automatic
              barriers (kernels.py --no-auto-barriers), Mosaic with its copies issued by warp
              (--copies-by-warp), and Mosaic with split-KV parts of 256 and 2048 slots beside

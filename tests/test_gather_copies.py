@@ -30,7 +30,7 @@ def test_each_variant_compiles_for_h100(h100, variant):
     compiled = aot.compile_gpu(functools.partial(gather_copies.gather, variant, interpret=False), rows, cache,
                                devices=h100)
     [launch] = aot.mosaic_launches(compiled)
-    warpgroups = gather_copies.VARIANTS[variant][2]
+    warpgroups = gather_copies.VARIANTS[variant].warpgroups
     assert launch.grid == (sizes["programs"], 1, 1) and launch.threads == (128 * warpgroups, 1, 1)
     assert launch.shared_memory <= SM90_SMEM
 
