@@ -59,7 +59,8 @@ def _runs_on_gpu() -> bool:
 ON_GPU = os.environ.setdefault("JAXSPEC_TESTS_ON_GPU", str(int(_runs_on_gpu()))) == "1"
 # The Mosaic GPU kernels' tests (`interpret=MOSAIC_INTERPRET`) run the simulator on the CPU, and on a
 # GPU the kernels themselves, compiled for it: the same assertions, bit-for-bit ones included, then
-# hold for the real kernels (every shape those tests interpret also compiles for sm_90a).
+# hold for the real kernels (every shape those tests interpret also compiles for sm_90a:
+# `tests/mosaic_native_probe.py`).
 MOSAIC_INTERPRET = not ON_GPU
 if ON_GPU:
     # Several pytest workers share the GPU: each allocates what it needs instead of 75% of it. The
