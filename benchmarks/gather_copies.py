@@ -50,18 +50,19 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-
 from typing import NamedTuple
 
 import jax
 import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 import numpy as np
+# Inline Mosaic GPU code builds MLIR through jax's bundled bindings, as Mosaic GPU's own code does
+# (private modules, present in the jax versions the project supports: 0.10.2 and 0.11).
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, memref, nvvm
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental import pallas as pl
 from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
