@@ -25,14 +25,14 @@ time that path alone, beside the alternatives, one program per SM, each walking 
                  a copy's arrivals come from its warp's 32 threads, not the warpgroup's 128, and the
                  warps issue side by side): the same question without a second warpgroup's
                  registers, which the kernels' scorer and followers cannot spare;
-  rows, one arrival
-                 one copy per row as above, but written in Mosaic GPU itself (`plgpu.inline_mgpu`,
-                 below Pallas): one thread sets the tile's expected bytes on an mbarrier of the
-                 benchmark's own, one arrival a tile, and the first 64 threads issue a row's copy each
-                 side by side, with no arrival or barrier per copy. What is left is the copy's own
-                 issue: if this variant is fast, the per-copy cost was Pallas' arrivals, and the
-                 kernels' gather can be written this way (compiled only: the Mosaic GPU interpreter
-                 runs Pallas, not inline Mosaic GPU code, so its check is the GPU run's);
+  rows, by thread
+                 one copy per row as above, issued by the row's own thread, which arrives once
+                 with its bytes (`thread_copies_mosaic.ThreadCopies`: Mosaic GPU code inlined
+                 under Pallas, on an mbarrier of its own): 64 arrivals a tile instead of 8,192, the
+                 copies issued side by side, no barrier between them. Fast, it says the per-copy
+                 cost was Pallas' arrivals (the sparse MLA kernel takes it as copies_by_thread).
+                 Compiled only: the interpreter runs Pallas, not inline Mosaic GPU code, so its
+                 check is the GPU run's;
   tile           a page of 64 consecutive rows a tile (its first row a multiple of 64) in 3 box
                  copies of 192 columns into swizzled tiles (how dense MLA reads a page): the same
                  bytes without the scatter.
@@ -53,32 +53,27 @@ import sys
 from typing import NamedTuple
 
 import jax
-import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 import numpy as np
-# Inline Mosaic GPU code builds MLIR through jax's bundled bindings, as Mosaic GPU's own code does
-# (private modules, present in the jax versions the project supports: 0.10.2 and 0.11).
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, nvvm
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled, warp_map_interpretable
+from jaxspec.pallas_kernels.thread_copies_mosaic import ThreadCopies
 
 class Variant(NamedTuple):
     per_row: bool  # one copy a row (else one copy a tile)
     unsafe: bool = False  # unsafe_no_auto_barriers
     warpgroups: int = 1  # warpgroups issuing
     per_warp: bool = False  # each warp issuing its share of the copies
-    one_arrival: bool = False  # the copies in inline Mosaic GPU code, one arrival a tile
+    by_thread: bool = False  # each row's copy issued by its own thread (`ThreadCopies`)
 
 
 VARIANTS = {"rows": Variant(True), "rows, no auto barriers": Variant(True, unsafe=True),
             "rows, 2 warpgroups": Variant(True, warpgroups=2), "rows, 4 warps": Variant(True, per_warp=True),
-            "rows, one arrival": Variant(True, one_arrival=True), "tile": Variant(False)}
+            "rows, by thread": Variant(True, by_thread=True), "tile": Variant(False)}
 KEYS = 64  # rows a tile, as in the kernels
 PIECE = 192  # columns a "tile" copy moves (a TMA box is at most 256 wide; 576 = 3 x 192)
 FULL = dict(programs=132, tiles=32, cache_rows=1 << 19, width=576)
@@ -88,61 +83,7 @@ SMOKE = dict(programs=1, tiles=2, cache_rows=256, width=192)
 def interpretable(variant: str) -> bool:
     """Whether this jax's Mosaic GPU interpreter runs the variant (`mosaic_gpu.warp_map_interpretable`
     for the per-warp copies; never the one written in Mosaic GPU itself)."""
-    return not VARIANTS[variant].one_arrival and (not VARIANTS[variant].per_warp or warp_map_interpretable())
-
-
-def _init_mbarrier(state: dict):
-    """Inline Mosaic GPU: one mbarrier (arrival count 1) in the [2] uint32 SMEM buffer it is given
-    (Pallas has no 64-bit SMEM without x64), kept in `state["barrier"]` for `_issue_rows`. Its
-    phase lives in a per-thread local, as in `mgpu.BarrierRef.initialize`, which would take the
-    two words for two barriers."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def init(ctx, words):
-        i32 = ir.IntegerType.get_signless(32)
-        address = mgpu_utils.memref_ptr(words)
-        phases = memref.alloca(ir.MemRefType.get((), i32), [], [])
-        memref.store(mgpu_utils.c(0, i32), phases, [])
-        nvvm.mbarrier_init(address, mgpu_utils.c(1, i32),
-                           predicate=mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.BLOCK))
-        nvvm.fence_mbarrier_init()
-        mgpu_utils.warpgroup_barrier()
-        state["barrier"] = mgpu.BarrierRef(address, mgpu_utils.c(0, i32), phases, 1)
-
-    return init
-
-
-def _issue_rows(state: dict, width: int, itemsize: int):
-    """Inline Mosaic GPU: a tile's row copies, (rows [KEYS] float32 SMEM, cache [N, W] GMEM,
-    staging [KEYS, >= W] SMEM). Thread 0 arrives once with the tile's bytes; thread k < KEYS reads
-    row k's cache row from SMEM and issues its bulk copy with no arrival (`_wait_rows` waits)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
-    def issue(ctx, rows, cache, stage):
-        barrier = state["barrier"]
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        thread = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-        barrier.arrive_expect_tx(KEYS * width * itemsize,
-                                 predicate=arith.cmpi(arith.CmpIPredicate.eq, thread, mgpu_utils.c(0, i32)))
-        key = arith.index_cast(index, arith.minui(thread, mgpu_utils.c(KEYS - 1, i32)))
-        row = arith.index_cast(index, arith.fptosi(i32, memref.load(rows, [key])))
-        ctx.async_copy(src_ref=cache, dst_ref=mgpu_utils.memref_slice(stage, (key, mgpu_utils.ds(0, width))),
-                       gmem_slice=(row,), barrier=barrier, arrive=False,
-                       predicate=arith.cmpi(arith.CmpIPredicate.ult, thread, mgpu_utils.c(KEYS, i32)),
-                       oob_mode=mgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-
-    return issue
-
-
-def _wait_rows(state: dict):
-    """Inline Mosaic GPU: every thread waits for the tile `_issue_rows` issued (the barrier's next
-    phase)."""
-
-    @plgpu.inline_mgpu()
-    def wait(ctx):
-        state["barrier"].wait()
-
-    return wait
+    return not VARIANTS[variant].by_thread and (not VARIANTS[variant].per_warp or warp_map_interpretable())
 
 
 def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
@@ -166,16 +107,16 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
             fetch_rows(rows_at, 0, tiles, rows_smem, first)
 
         plgpu.barrier_wait(first)
-        state = {}
-        if variant.one_arrival:
-            _init_mbarrier(state)(*words)
+        copies = ThreadCopies(KEYS)
+        if variant.by_thread:
+            copies.init(*words)
 
         def step(tile, carry):
             if variant.unsafe:  # every thread is past the last tile's reads of the buffers reused here
                 plgpu.commit_smem()
             rows = rows_buffer(rows_smem, tile)
-            if variant.one_arrival:  # its own barrier; `gathered` then counts the rows' copy alone
-                _issue_rows(state, width, jnp.dtype(cache_ref.dtype).itemsize)(rows, cache_ref, tile_smem)
+            if variant.by_thread:  # its own barrier; `gathered` then counts the rows' copy alone
+                copies.issue(rows, [cache_ref], [tile_smem])
             elif per_row:
                 mine = pl.ds(wg * share, share)
                 issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered,
@@ -186,8 +127,8 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
                     plgpu.copy_gmem_to_smem(cache_ref.at[pl.ds(start, KEYS), pl.ds(i * PIECE, PIECE)],
                                             tile_smem.at[i], gathered)
             pl.when(wg == 0)(lambda: fetch_rows(rows_at, tile + 1, tiles, rows_smem, gathered))
-            if variant.one_arrival:
-                _wait_rows(state)()
+            if variant.by_thread:
+                copies.wait()
             plgpu.barrier_wait(gathered)
             return carry
 
@@ -205,10 +146,10 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
     tile_smem = (staging(KEYS, width, cache_ref.dtype) if per_row
                  else plgpu.SMEM((width // PIECE, KEYS, PIECE), cache_ref.dtype,
                                  transforms=swizzled(cache_ref.dtype, PIECE)))
-    copies = 0 if variant.one_arrival else KEYS if per_row else width // PIECE  # on `gathered`, a tile
-    words = [plgpu.SMEM((2,), jnp.uint32)] if variant.one_arrival else []  # its own mbarrier's 8 bytes
+    arrivals = 0 if variant.by_thread else KEYS if per_row else width // PIECE  # on `gathered`, a tile's
+    words = [plgpu.SMEM((2,), jnp.uint32)] if variant.by_thread else []  # ThreadCopies' mbarrier
     pl.run_scoped(body, plgpu.SMEM((2, KEYS), jnp.float32), tile_smem, plgpu.Barrier(num_arrivals=1),
-                  plgpu.Barrier(num_arrivals=copies + 1), *words,
+                  plgpu.Barrier(num_arrivals=arrivals + 1), *words,
                   **(dict(collective_axes="wg") if warpgroups > 1 else {}))  # the warpgroups share them
 
 

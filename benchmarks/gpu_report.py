@@ -23,11 +23,11 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
              copy a row, with and without Pallas' automatic barriers, issued by two
-             warpgroups or by four warps, or in Mosaic GPU with one arrival a tile) beside a
-             tile copy; then the
+             warpgroups, by four warps or by one thread a row) beside a tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, Mosaic without automatic
              barriers (kernels.py --no-auto-barriers), Mosaic with its copies issued by warp
-             (--copies-by-warp), and Mosaic with split-KV parts of 256 and 2048 slots beside
+             (--copies-by-warp) or by thread (--copies-by-thread), and Mosaic with split-KV
+             parts of 256 and 2048 slots beside
              its 512 (--part-slots; 2048 is one part at top-2048);
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
              (--num-stages 3), sparse MLA with both 32-slot tiles and three in flight, and with
@@ -153,7 +153,8 @@ BENCHMARK_UNITS = {
                 ["benchmarks/gather_copies.py", "--smoke", "--json", "{json}"]),
                ("gather/sparse_mla", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "--queries",
                                       "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--copies-by-warp",
-                                      "--part-slots", "256", "2048", "--json", "{json}"], None)],
+                                      "--copies-by-thread", "--part-slots", "256", "2048", "--json", "{json}"],
+                None)],
     "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],

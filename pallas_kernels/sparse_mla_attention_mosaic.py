@@ -90,6 +90,7 @@ from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows
 from .split_kv import check_part_slots, combine_parts, num_parts
+from .thread_copies_mosaic import ThreadCopies, check_copies_by_thread
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
 TILE = 64  # selected slots per tile
@@ -104,7 +105,7 @@ PART_SLOTS = 512
 
 
 def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: int, splits: int, fp8: bool,
-                       warpgroups: int, copies_by_warp: bool, interpret: bool):
+                       warpgroups: int, copies_by_warp: bool, copies_by_thread: bool, interpret: bool):
     """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
     and the followers, each owning out_block of the program's columns (interpreted, by default one
     warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
@@ -119,8 +120,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     (EMPTY_LSE where it saw nothing). Follower warpgroup 1 + f owns the output columns
     [(FOLLOWERS * column block + f) * out_block, + out_block).
 
-    A tile's rows sit in SMEM before its slots are gathered (`issue_keys`): tile t's arrive with
-    tile t - 1's slots (the first before the loop), in two alternating buffers."""
+    A tile's rows sit in SMEM before its slots are gathered (`issue_keys`, or with copies_by_thread
+    `ThreadCopies` on an mbarrier of its own in the vectors buffer's fourth row): tile t's arrive
+    with tile t - 1's slots (the first before the loop), in two alternating buffers."""
     scales_ref = refs[0] if fp8 else None
     *parts, out_ref, lse_ref = refs[1:] if fp8 else refs
     copies = copies_per_key(parts)
@@ -130,6 +132,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     num_tiles = rows_ref.shape[1] // TILE
     heads = pl.ds(head_block * BLOCK_M, BLOCK_M)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    by_thread = ThreadCopies(TILE) if copies_by_thread else None
 
     def rows_at(tile):
         return rows_ref.at[unit, pl.ds(tile * TILE, TILE)]
@@ -139,8 +142,11 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         all arriving on `barrier` (the next rows without bytes after the last tile)."""
         if scales_ref is not None:
             plgpu.copy_gmem_to_smem(scales_ref.at[unit, :, pl.ds(tile * TILE, TILE)], scales, barrier)
-        issue_keys(rows_buffer(rows_smem, tile), lambda row: [part.at[row] for part in parts], stagings, copies,
-                   barrier, by_warp=copies_by_warp)
+        if by_thread is not None:  # the slots' copies on its own barrier
+            by_thread.issue(rows_buffer(rows_smem, tile), parts, stagings)
+        else:
+            issue_keys(rows_buffer(rows_smem, tile), lambda row: [part.at[row] for part in parts], stagings, copies,
+                       barrier, by_warp=copies_by_warp)
         fetch_rows(rows_at, tile + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
@@ -166,12 +172,17 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
             plgpu.copy_gmem_to_smem(q_ref.at[unit // splits, heads], q_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
+            if by_thread is not None:
+                by_thread.init(vectors.at[3])
             gather(0, stagings, rows_smem, scales, gathered)
 
             def accumulate(acc, alpha, _tile):
                 return tuple(accumulate_tile(a, alpha, p_smem, kv_smem.at[:, columns(block)], interpret)
                              for a, block in zip(acc, owned))
 
+            tiles = gathered_tiles(q_smem, kv_smem, p_smem, softmax_scale, gathered)
+            if by_thread is not None:
+                tiles["wait"] = lambda tile: (plgpu.barrier_wait(gathered), by_thread.wait())
             init = (plgpu.layout_cast(jnp.full((BLOCK_M,), -jnp.inf, jnp.float32), row_layout),
                     plgpu.layout_cast(jnp.zeros((BLOCK_M,), jnp.float32), row_layout), (acc0,) * len(owned))
             row_max, denom, acc = scorer(
@@ -179,8 +190,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
                 prepare=functools.partial(prepare_tile, stagings, [part.shape[-1] for part in parts], kv_smem,
                                           rows_smem, scales=scales),
                 prefetch=lambda tile: gather(tile, stagings, rows_smem, scales, gathered), accumulate=accumulate,
-                **gathered_tiles(q_smem, kv_smem, p_smem, softmax_scale, gathered), handshake=handshake,
-                **handshake_barriers)
+                **tiles, handshake=handshake, **handshake_barriers)
             for a, block in zip(acc, owned):
                 write_out(a, denom, block)
             store(lse_ref.at[unit, heads], part_lse(row_max, denom))
@@ -202,10 +212,12 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
         plgpu.SMEM((BLOCK_M, width), operand_dtype, transforms=SWIZZLED),
         plgpu.SMEM((TILE, width), operand_dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_M, TILE), operand_dtype, transforms=SWIZZLED),
-        plgpu.SMEM((3, TILE), jnp.float32),
+        # Two tiles' rows, the rescale, and with copies_by_thread 8 bytes of its mbarrier (within
+        # the 1 KiB the buffer takes anyway).
+        plgpu.SMEM((3 + copies_by_thread, TILE), jnp.float32),
         None if scales_ref is None else plgpu.SMEM((scales_ref.shape[1], TILE), jnp.float32),
         plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
+        plgpu.Barrier(num_arrivals=(0 if copies_by_thread else TILE * copies) + 1 + fp8),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=max(1, warpgroups - 1)),
         *(staging(TILE, part.shape[-1], part.dtype) for part in parts),
@@ -215,7 +227,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
 
 def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cache, page_table: jax.Array,
                                 indices: jax.Array, *, softmax_scale: float, part_slots: int = PART_SLOTS,
-                                auto_barriers: bool = True, copies_by_warp: bool = False, interpret: bool = False):
+                                auto_barriers: bool = True, copies_by_warp: bool = False,
+                                copies_by_thread: bool = False, interpret: bool = False):
     """`sparse_mla_attention` as a Mosaic GPU kernel; same arguments and results as the reference.
 
     q_nope [B, Q, H, Dl], q_rope [B, Q, H, Dr], latent_cache [P, page, Dl + Dr] or an
@@ -238,6 +251,11 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
       (`gathered_softmax_mosaic.issue_keys`), a tuning to be timed (not yet the default); the same
       bytes land in the same places, so the results do not change. Interpreted, it needs jax 0.11
       or later (a ValueError on 0.10.2, whose interpreter has no `core_map`).
+    copies_by_thread: each of the scorer's first 64 threads issues one slot's copies and arrives
+      once for them (`thread_copies_mosaic.ThreadCopies`: 64 arrivals a tile where Pallas' copies
+      make 128 a copy), a tuning to be timed (not yet the default); the same bytes land in the same
+      places. Compiled only (a ValueError interpreted: the simulator does not run inline Mosaic
+      GPU code); not with copies_by_warp.
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     latent, rope = q_nope.shape[-1], q_rope.shape[-1]
@@ -252,6 +270,7 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
     if latent % 128 or rope % 64 or (latent > FOLLOWERS * OUT_BLOCK and latent % (FOLLOWERS * OUT_BLOCK)):
         raise ValueError(f"sparse_mla_attention_mosaic: Dl={latent} must be a multiple of 128 (of "
                          f"{FOLLOWERS * OUT_BLOCK} when wider) and Dr={rope} of 64")
+    check_copies_by_thread("sparse_mla_attention_mosaic", copies_by_thread, copies_by_warp, interpret)
     check_copies_by_warp("sparse_mla_attention_mosaic", copies_by_warp, interpret)
     check_part_slots("sparse_mla_attention_mosaic", part_slots, TILE)
     slots = latent_cache.shape[0] * latent_cache.shape[1]
@@ -260,7 +279,7 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
                          "rows reach the kernel as float32, exact integers to 2**24)")
     run = functools.partial(_sparse_mla, q_nope, q_rope, latent_cache, page_table, indices,
                             softmax_scale=softmax_scale, part_slots=part_slots, auto_barriers=auto_barriers,
-                            copies_by_warp=copies_by_warp, interpret=interpret)
+                            copies_by_warp=copies_by_warp, copies_by_thread=copies_by_thread, interpret=interpret)
     if not interpret:
         return run()
     with interpreting():
@@ -268,9 +287,9 @@ def sparse_mla_attention_mosaic(q_nope: jax.Array, q_rope: jax.Array, latent_cac
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "part_slots", "auto_barriers", "copies_by_warp",
-                                             "interpret"))
+                                             "copies_by_thread", "interpret"))
 def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_scale: float, part_slots: int,
-                auto_barriers: bool, copies_by_warp: bool, interpret: bool):
+                auto_barriers: bool, copies_by_warp: bool, copies_by_thread: bool, interpret: bool):
     warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, latent = q_nope.shape
     page_size = latent_cache.shape[1]
@@ -300,7 +319,8 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
                 jax.ShapeDtypeStruct((tokens * parts, heads_padded), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, splits=parts, fp8=fp8,
-                          warpgroups=warpgroups, copies_by_warp=copies_by_warp, interpret=interpret),
+                          warpgroups=warpgroups, copies_by_warp=copies_by_warp, copies_by_thread=copies_by_thread,
+                          interpret=interpret),
         out_type=out_type,
         grid=(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * parts),
         grid_names=("column", "heads", "unit"),

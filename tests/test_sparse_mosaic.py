@@ -133,7 +133,8 @@ def test_indexer_mosaic_scores_do_not_depend_on_the_window(fp8):
     q_window = jnp.asarray(rng.normal(size=(1, 4, heads, dim)), fp8_cache.E4M3 if fp8 else jnp.bfloat16)
     w_window = jnp.asarray(rng.normal(size=(1, 4, heads)), jnp.float32)
     token = 3  # window token 3; in the tree its ancestors are 0 and 1 (slot prefix + 2 is a sibling's)
-    run = functools.partial(indexer_scores_mosaic, key_cache=keys, page_table=jnp.asarray(pages), interpret=MOSAIC_INTERPRET)
+    run = functools.partial(indexer_scores_mosaic, key_cache=keys, page_table=jnp.asarray(pages),
+                            interpret=MOSAIC_INTERPRET)
     one = lambda value: jnp.asarray([value], jnp.int32)
     alone = run(q_window[:, token:token + 1], w_window[:, token:token + 1], vis=Visibility(one(prefix + token), one(1)))
     chain = run(q_window, w_window, vis=Visibility(one(prefix), one(4)))
@@ -195,7 +196,8 @@ def test_indexer_mosaic_refuses_what_it_cannot_tile(dtype, dim, page_size, match
     if isinstance(dtype, str):
         keys = Fp8Pool(*fp8_cache.quantize_act(keys), None, fp8_cache.INDEX_RULE)
     with pytest.raises(ValueError, match=match):
-        indexer_scores_mosaic(queries, jnp.zeros((1, 1, 4)), keys, jnp.zeros((1, 4), jnp.int32), vis, interpret=MOSAIC_INTERPRET)
+        indexer_scores_mosaic(queries, jnp.zeros((1, 1, 4)), keys, jnp.zeros((1, 4), jnp.int32), vis,
+                              interpret=MOSAIC_INTERPRET)
 
 
 V32 = preset("deepseek-v3.2")
@@ -298,12 +300,36 @@ def test_sparse_mla_mosaic_copies_by_warp_give_the_same_bits():
     `core_map`), which is a ValueError before tracing; both versions compile it (below)."""
     _, args = sparse_case(np.random.default_rng(51), batch=2, num_queries=2, heads=4, latent=128, rope=64,
                           page_size=16, max_pages=6, topk=40)
-    run = functools.partial(sparse_mla_attention_mosaic, *args, softmax_scale=scale_for(128, 64), interpret=MOSAIC_INTERPRET)
+    run = functools.partial(sparse_mla_attention_mosaic, *args, softmax_scale=scale_for(128, 64),
+                            interpret=MOSAIC_INTERPRET)
     if not warp_map_interpretable():
         with pytest.raises(ValueError, match="copies_by_warp=True interpreted needs jax >= 0.11"):
             run(copies_by_warp=True)
         return
     for got, want in zip(run(copies_by_warp=True), run()):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_sparse_mla_mosaic_copies_by_thread_give_the_same_bits(fp8):
+    """copies_by_thread=True (each of the scorer's first 64 threads issues one slot's copies on an
+    mbarrier of its own, in inline Mosaic GPU code) moves the same bytes to the same places: on a
+    GPU out and lse equal the default's bit for bit, on a tile with -1 and past-the-pages slots
+    and a token that selects nothing, bfloat16 and FP8 (two parts a slot). The simulator does not
+    run inline Mosaic GPU code: interpreted it is a ValueError before tracing, as is asking for it
+    with copies_by_warp."""
+    _, (q_nope, q_rope, cache, page_table, indices) = sparse_case(
+        np.random.default_rng(52), batch=2, num_queries=2, heads=4, latent=128, rope=64, page_size=16, max_pages=6,
+        topk=40)
+    run = functools.partial(sparse_mla_attention_mosaic, q_nope, q_rope, fp8_pool_of(cache, 128) if fp8 else cache,
+                            page_table, indices, softmax_scale=scale_for(128, 64), interpret=MOSAIC_INTERPRET)
+    with pytest.raises(ValueError, match="choose one"):
+        run(copies_by_thread=True, copies_by_warp=True)
+    if MOSAIC_INTERPRET:
+        with pytest.raises(ValueError, match="copies_by_thread=True runs compiled only"):
+            run(copies_by_thread=True)
+        return
+    for got, want in zip(run(copies_by_thread=True), run()):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -317,7 +343,8 @@ def test_sparse_mla_mosaic_reads_fp8_latents():
         topk=40)
     pool = fp8_pool_of(cache, 128)
     scale = scale_for(128, 64)
-    got = sparse_mla_attention_mosaic(q_nope, q_rope, pool, page_table, indices, softmax_scale=scale, interpret=MOSAIC_INTERPRET)
+    got = sparse_mla_attention_mosaic(q_nope, q_rope, pool, page_table, indices, softmax_scale=scale,
+                                      interpret=MOSAIC_INTERPRET)
     on_entries = sparse_mla_attention_mosaic(q_nope, q_rope, fp8_cache.entries(pool), page_table, indices,
                                              softmax_scale=scale, interpret=MOSAIC_INTERPRET)
     with jax.default_matmul_precision("highest"):
@@ -405,15 +432,17 @@ def sparse_mla_compile(num_queries: int, fp8: bool, **tuning):
     return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"))
 
 
-@pytest.mark.parametrize("tuning", [dict(auto_barriers=False), dict(copies_by_warp=True)],
-                         ids=["no-auto-barriers", "copies-by-warp"])
-def test_sparse_mla_mosaic_compiles_with_each_tuning(h100, tuning):
+@pytest.mark.parametrize("tuning, fp8", [(dict(auto_barriers=False), False), (dict(copies_by_warp=True), False),
+                                         (dict(copies_by_thread=True), False), (dict(copies_by_thread=True), True)],
+                         ids=["no-auto-barriers", "copies-by-warp", "copies-by-thread", "copies-by-thread-fp8"])
+def test_sparse_mla_mosaic_compiles_with_each_tuning(h100, tuning, fp8):
     """The tunings the GPU report times beside the default (`auto_barriers=False`, Pallas'
-    `unsafe_no_auto_barriers`; `copies_by_warp=True`, the scorer's warps issuing the slot copies)
-    lower for an H100 at V3.2's shapes into the same launch: grid, threads and shared memory
-    (neither costs any)."""
-    [launch] = aot.mosaic_launches(sparse_mla_compile(1, False, **tuning))
-    [default] = aot.mosaic_launches(sparse_mla_compile(1, False))
+    `unsafe_no_auto_barriers`; `copies_by_warp=True`, the scorer's warps issuing the slot copies;
+    `copies_by_thread=True`, one thread a slot in inline Mosaic GPU code, on FP8 pools' two parts
+    too) lower for an H100 at V3.2's shapes into the same launch: grid, threads and shared memory
+    (none costs any: copies_by_thread's mbarrier sits in the 1 KiB the vectors buffer takes)."""
+    [launch] = aot.mosaic_launches(sparse_mla_compile(1, fp8, **tuning))
+    [default] = aot.mosaic_launches(sparse_mla_compile(1, fp8))
     assert (launch.grid, launch.threads, launch.shared_memory) == (default.grid, default.threads,
                                                                    default.shared_memory)
 

@@ -65,7 +65,8 @@ def test_mosaic_split_kv_parts_match_reference():
     reference; padding tokens, which see nothing, exactly 0."""
     case = make_case(np.random.default_rng(63), **MOSAIC_CASES["tree-csa-extra-page8"])
     args, kwargs = case.args(jnp.bfloat16)
-    got = np.asarray(sliding_compressed_attention_mosaic(*args, **kwargs, part_slots=64, interpret=MOSAIC_INTERPRET), np.float32)
+    got = np.asarray(sliding_compressed_attention_mosaic(*args, **kwargs, part_slots=64, interpret=MOSAIC_INTERPRET),
+                     np.float32)
     want = np.asarray(run(case, jnp.bfloat16), np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
@@ -81,7 +82,8 @@ def test_mosaic_copies_by_warp_give_the_same_bits():
     before tracing there; both versions compile it (below)."""
     case = make_case(np.random.default_rng(64), **MOSAIC_CASES["tree-csa-extra-page8"])
     args, kwargs = case.args(jnp.bfloat16)
-    run = functools.partial(sliding_compressed_attention_mosaic, *args, **kwargs, part_slots=128, interpret=MOSAIC_INTERPRET)
+    run = functools.partial(sliding_compressed_attention_mosaic, *args, **kwargs, part_slots=128,
+                            interpret=MOSAIC_INTERPRET)
     if not warp_map_interpretable():
         with pytest.raises(ValueError, match="copies_by_warp=True interpreted needs jax >= 0.11"):
             run(copies_by_warp=True)
