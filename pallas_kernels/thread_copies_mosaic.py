@@ -27,7 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .gathered_softmax_mosaic import pieces
 
-WARPGROUP = 128  # threads
+WARPGROUP = mgpu_utils.WARPGROUP_SIZE  # threads
 
 
 def check_copies_by_thread(name: str, copies_by_thread: bool, copies_by_warp: bool, interpret: bool) -> None:
