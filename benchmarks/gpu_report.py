@@ -35,7 +35,7 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              part's two and 16 (the defaults), and the Mosaic mla_attention with
              split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k,
              and V4's (v4_csa) with parts of 64 and 1024 slots beside its 256 and with its copies
-             issued by warp (--copies-by-warp);
+             issued by warp or by thread (--copies-by-warp, --copies-by-thread);
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
              K splits that fill the GPU for one decoded token) side by side: the FP8 linears (matmuls.py
              --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
@@ -143,10 +143,11 @@ BENCHMARK_UNITS = {
                                       "--no-xla", "--json", "{json}"], None),
               # V4's Mosaic kernel with split-KV parts of one tile (the most programs) and of 16 (one part
               # for V4-Flash's 12-tile CSA list: the layout before the split) beside its 4, and with its
-              # key copies issued by warp (as the gather part's sparse MLA rows).
+              # key copies issued by warp or by thread (as the gather part's sparse MLA rows).
               ("kernels_v4_tunings", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
                                       "--queries", "1", "4", "--ops", "v4_csa", "--part-slots", "64", "1024",
-                                      "--copies-by-warp", "--no-xla", "--json", "{json}"], None)],
+                                      "--copies-by-warp", "--copies-by-thread", "--no-xla", "--json", "{json}"],
+               None)],
     # The Mosaic kernels' gather of scattered rows timed alone, beside its candidate fixes and a tile
     # copy; then the sparse MLA kernel with those fixes and other part lengths beside itself and Triton.
     "gather": [("gather", ["benchmarks/gather_copies.py", "--json", "{json}"],

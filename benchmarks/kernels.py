@@ -415,8 +415,8 @@ def main(argv=None) -> int:
                         help="also time the Mosaic sparse MLA and V4 kernels with their key copies issued by each of "
                              "the scorer's four warps (copies_by_warp=True), rows 'mosaic copies by warp'")
     parser.add_argument("--copies-by-thread", action="store_true",
-                        help="also time the Mosaic sparse MLA kernel with each slot's copies issued by its own "
-                             "thread, one arrival a slot (copies_by_thread=True; compiled only), rows "
+                        help="also time the Mosaic sparse MLA and V4 kernels with each key's copies issued by its "
+                             "own thread, one arrival a key (copies_by_thread=True; compiled only), rows "
                              "'mosaic copies by thread'")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
                         help="fp8: the ops read FP8 caches (the latent in FlashMLA's tokens, the indexer's keys "
@@ -511,7 +511,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
             # The Mosaic kernel, with the split-KV part lengths --part-slots asks for (the attention
             # ops: not the indexer), for sparse MLA its lowering without automatic barriers
             # (--no-auto-barriers), for sparse MLA and V4 its copies issued by warp (--copies-by-warp), and
-            # for sparse MLA by thread on a GPU (--copies-by-thread: the simulator cannot run them).
+            # by thread on a GPU (--copies-by-thread: the simulator cannot run them).
             mosaic = []
             if op.mosaic is not None and not args.no_mosaic:
                 mosaic.append(("mosaic", op.mosaic))
@@ -522,7 +522,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     mosaic.append(("mosaic no auto barriers", functools.partial(op.mosaic, auto_barriers=False)))
                 if op.name in ("sparse_mla", *V4_OPS) and args.copies_by_warp:
                     mosaic.append(("mosaic copies by warp", functools.partial(op.mosaic, copies_by_warp=True)))
-                if op.name == "sparse_mla" and args.copies_by_thread and jax.default_backend() == "gpu":
+                if op.name in ("sparse_mla", *V4_OPS) and args.copies_by_thread and jax.default_backend() == "gpu":
                     mosaic.append(("mosaic copies by thread", functools.partial(op.mosaic, copies_by_thread=True)))
             mosaic_outs = {}
             for impl, fn in mosaic:

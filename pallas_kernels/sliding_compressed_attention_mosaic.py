@@ -98,6 +98,7 @@ from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
 from .split_kv import check_part_slots, combine_parts, num_parts
+from .thread_copies_mosaic import ThreadCopies, check_copies_by_thread
 from .visibility import Visibility, query_valid, ring_visible
 
 BLOCK_M = 64  # head rows per program: one warpgroup's wgmma M
@@ -114,7 +115,7 @@ PART_SLOTS = 256
 
 def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple[int, ...], fp8: bool,
             scale: float, out_block: int, splits: int, part_tiles: int, warpgroups: int, copies_by_warp: bool,
-            interpret: bool):
+            copies_by_thread: bool, interpret: bool):
     """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
     and the followers, each owning out_block of the program's columns (interpreted, by default one
     warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
@@ -135,7 +136,8 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
 
     A tile's rows sit in SMEM before its keys are gathered: tile s's arrive with tile s - 1's keys
     (the first before the loop), in two alternating buffers, so that issuing a key's copies reads
-    its row from SMEM rather than waiting on a global load, key after key.
+    its row from SMEM rather than waiting on a global load, key after key. With copies_by_thread
+    the keys' copies are `ThreadCopies`', on an mbarrier in the vectors buffer's fifth row.
     """
     scales_ref = refs[0] if fp8 else None
     *arrays, out_ref, lse_ref = refs[1:] if fp8 else refs
@@ -143,6 +145,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
     sources = [arrays[i:i + parts] for i in range(0, len(arrays), parts)]
     widths = [array.shape[-1] for array in sources[0]]
     copies = copies_per_key(sources[0])
+    by_thread = ThreadCopies(TILE) if copies_by_thread else None
     column_block, head_block, unit = (jax.lax.axis_index(a) for a in ("column", "heads", "unit"))
     token, split = jax.lax.div(unit, splits), jax.lax.rem(unit, splits)
     first = split * part_tiles  # the split-KV part's first seen tile
@@ -165,9 +168,12 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         if fp8:
             plgpu.copy_gmem_to_smem(scales_ref.at[:, token, pl.ds(tile * TILE, TILE)], scales, barrier)
         for run, source in enumerate(sources):
-            pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))(functools.partial(
-                issue_keys, rows, lambda row, source=source: [array.at[row] for array in source], stagings, copies,
-                barrier, by_warp=copies_by_warp))
+            if by_thread is not None:  # the keys' copies on its own barrier
+                issue = functools.partial(by_thread.issue, rows, source, stagings)
+            else:
+                keys_at = functools.partial(lambda row, source: [array.at[row] for array in source], source=source)
+                issue = functools.partial(issue_keys, rows, keys_at, stagings, copies, barrier, by_warp=copies_by_warp)
+            pl.when((tile >= (runs[run - 1] if run else 0)) & (tile < runs[run]))(issue)
         fetch_rows(rows_at, step + 1, num_tiles, rows_smem, barrier)
 
     def body(q_smem, kv_smem, p_smem, vectors, scales, q_barrier, gathered, p_ready, consumed, *stagings):
@@ -199,19 +205,23 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
             plgpu.copy_gmem_to_smem(sinks_ref.at[split, heads], sinks_smem, q_barrier)
             fetch_rows(rows_at, 0, num_tiles, rows_smem, q_barrier)
             plgpu.barrier_wait(q_barrier)
+            if by_thread is not None:
+                by_thread.init(vectors.at[4])
             pl.when(num_tiles > 0)(lambda: gather(0, stagings, rows_smem, scales, gathered))
 
             # The sink: max = sink, denominator exp(sink - sink) = 1, no value; past part 0 the sink
             # row is -inf: max -inf and denominator 0, what a part that has seen nothing holds.
             sinks = plgpu.layout_cast(sinks_smem[...], row_layout)
             init = (sinks, jnp.where(sinks > -jnp.inf, 1.0, 0.0), tuple(map(acc0, scored)))
+            tiles = gathered_tiles(q_smem, kv_smem, p_smem, scale, gathered)
+            if by_thread is not None:
+                tiles["wait"] = lambda step: (plgpu.barrier_wait(gathered), by_thread.wait())
             row_max, denom, acc = scorer(
                 num_tiles=num_tiles, init=init,
                 prepare=functools.partial(prepare_tile, stagings, widths, kv_smem, rows_smem, scales=scales),
                 prefetch=lambda step: gather(step, stagings, rows_smem, scales, gathered),
                 accumulate=lambda acc, alpha, _step: tuple(accumulate(a, alpha, cols) for a, cols in zip(acc, scored)),
-                **gathered_tiles(q_smem, kv_smem, p_smem, scale, gathered), handshake=handshake,
-                **handshake_barriers)
+                **tiles, handshake=handshake, **handshake_barriers)
             for a, cols in zip(acc, scored):
                 write_out(a, denom, cols)
             store(lse_ref.at[unit, heads], part_lse(row_max, denom))
@@ -230,10 +240,10 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
         plgpu.SMEM((BLOCK_M, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((TILE, width), q_ref.dtype, transforms=SWIZZLED),
         plgpu.SMEM((BLOCK_M, TILE), q_ref.dtype, transforms=SWIZZLED),
-        plgpu.SMEM((4, TILE), jnp.float32),
+        plgpu.SMEM((4 + copies_by_thread, TILE), jnp.float32),  # + ThreadCopies' mbarrier
         plgpu.SMEM((scales_ref.shape[0], TILE), jnp.float32) if fp8 else None,
         plgpu.Barrier(num_arrivals=3),
-        plgpu.Barrier(num_arrivals=TILE * copies + 1 + fp8),
+        plgpu.Barrier(num_arrivals=(0 if copies_by_thread else TILE * copies) + 1 + fp8),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=max(1, warpgroups - 1)),
         *(staging(TILE, w, array.dtype) for w, array in zip(widths, sources[0])),
@@ -341,7 +351,8 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
                                         sliding_window: int, scale: float, compressed_kv=None,
                                         compressed_pages=None, compressed_indices=None, compressed_count=None,
                                         extra_kv=None, extra_valid=None, part_slots: int = PART_SLOTS,
-                                        copies_by_warp: bool = False, interpret: bool = False):
+                                        copies_by_warp: bool = False, copies_by_thread: bool = False,
+                                        interpret: bool = False):
     """`sliding_compressed_attention` as a Mosaic GPU kernel; same arguments and result as the
     reference: q [B, Q, H, D], window_kv [P, page, D], window_pages [B, R / page], positions
     [B, Q], sinks [H], compressed_kv [Pc, page, D] with compressed_pages [B, E / page] and
@@ -365,6 +376,10 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
       (`gathered_softmax_mosaic.issue_keys`), as sparse MLA's tuning of that name: to be timed, not
       yet the default; the same bytes land in the same places. Interpreted, it needs jax 0.11 or
       later (a ValueError on 0.10.2, whose interpreter has no `core_map`).
+    copies_by_thread: each of the scorer's first 64 threads issues one key's copies and arrives
+      once for them (`thread_copies_mosaic.ThreadCopies`), as sparse MLA's tuning of that name: to
+      be timed, not yet the default; the same bytes land in the same places. Compiled only (a
+      ValueError interpreted); not with copies_by_warp.
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     kwargs = dict(sliding_window=sliding_window, compressed_kv=compressed_kv, compressed_pages=compressed_pages,
@@ -373,19 +388,23 @@ def sliding_compressed_attention_mosaic(q, window_kv, window_pages, positions, v
     check_arguments(q, window_kv, window_pages, positions, vis, sinks, **kwargs)
     check_operands(q, window_kv, compressed_kv, extra_kv)
     check_part_slots("sliding_compressed_attention_mosaic", part_slots, TILE)
+    check_copies_by_thread("sliding_compressed_attention_mosaic", copies_by_thread, copies_by_warp, interpret)
     check_copies_by_warp("sliding_compressed_attention_mosaic", copies_by_warp, interpret)
     run = functools.partial(_sliding_compressed, q, window_kv, window_pages, positions, vis, sinks, scale=scale,
-                            part_slots=part_slots, copies_by_warp=copies_by_warp, interpret=interpret, **kwargs)
+                            part_slots=part_slots, copies_by_warp=copies_by_warp, copies_by_thread=copies_by_thread,
+                            interpret=interpret, **kwargs)
     if not interpret:
         return run()
     with interpreting():
         return run()
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "part_slots", "copies_by_warp", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "part_slots", "copies_by_warp",
+                                             "copies_by_thread", "interpret"))
 def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sliding_window: int, scale: float,
                         compressed_kv, compressed_pages, compressed_indices, compressed_count, extra_kv,
-                        extra_valid, part_slots: int, copies_by_warp: bool, interpret: bool):
+                        extra_valid, part_slots: int, copies_by_warp: bool, copies_by_thread: bool,
+                        interpret: bool):
     warpgroups = kernel_warpgroups(interpret)
     batch, num_queries, heads, dim = q.shape
     tokens = batch * num_queries
@@ -406,7 +425,7 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
     kernel = plgpu.kernel(
         functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block, splits=splits,
                           part_tiles=part_tiles, warpgroups=warpgroups, copies_by_warp=copies_by_warp,
-                          interpret=interpret),
+                          copies_by_thread=copies_by_thread, interpret=interpret),
         out_type=out_type,
         grid=(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * splits),
         grid_names=("column", "heads", "unit"),

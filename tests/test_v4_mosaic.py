@@ -91,6 +91,26 @@ def test_mosaic_copies_by_warp_give_the_same_bits():
     np.testing.assert_array_equal(np.asarray(run(copies_by_warp=True), np.float32), np.asarray(run(), np.float32))
 
 
+def test_mosaic_copies_by_thread_give_the_same_bits():
+    """copies_by_thread=True (each of the scorer's first 64 threads issues one key's copies, in
+    inline Mosaic GPU code, inside the `pl.when` that picks a tile's run) moves the same bytes to
+    the same places: on a GPU the output equals the default's bit for bit over a tree window's
+    ring, CSA entries (-1 and past-the-pages numbers) and extra keys, in two split-KV parts. The
+    simulator does not run inline Mosaic GPU code: interpreted it is a ValueError before tracing,
+    as is asking for it with copies_by_warp."""
+    case = make_case(np.random.default_rng(65), **MOSAIC_CASES["tree-csa-extra-page8"])
+    args, kwargs = case.args(jnp.bfloat16)
+    run = functools.partial(sliding_compressed_attention_mosaic, *args, **kwargs, part_slots=128,
+                            interpret=MOSAIC_INTERPRET)
+    with pytest.raises(ValueError, match="choose one"):
+        run(copies_by_thread=True, copies_by_warp=True)
+    if MOSAIC_INTERPRET:
+        with pytest.raises(ValueError, match="copies_by_thread=True runs compiled only"):
+            run(copies_by_thread=True)
+        return
+    np.testing.assert_array_equal(np.asarray(run(copies_by_thread=True), np.float32), np.asarray(run(), np.float32))
+
+
 def test_mosaic_token_seeing_nothing_returns_zero():
     """A tree token that is not its own ancestor, with no compressed entry and no extra key, sees
     nothing: 0 whatever its sink, beside a token that sees its ring slot."""
@@ -220,25 +240,33 @@ def test_window_invariant_chain_on_the_mosaic_kernel_equals_single_steps(monkeyp
 
 
 @functools.cache
-def v4_flash_compile(compressed: str, fp8: bool, copies_by_warp: bool = False):
+def v4_flash_compile(compressed: str, fp8: bool, **tuning):
     """V4-Flash widths (64 heads, D = 512, window 128, top-512), B = 32, a verification tree of 8
     with extra keys, the ring and entries bfloat16 or V4 FP8 pools, compiled for one H100 (with the
-    kernel's copies_by_warp tuning or without). Cached: the FP8 case compares itself with the
-    bfloat16 one."""
+    kernel's `tuning` arguments: copies_by_warp, copies_by_thread). Cached: the FP8 case compares
+    itself with the bfloat16 one."""
     args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
-    kernel = functools.partial(sliding_compressed_attention_mosaic, copies_by_warp=copies_by_warp)
+    kernel = functools.partial(sliding_compressed_attention_mosaic, **tuning)
     return aot.compile_gpu(kernel, *args, devices=aot.gpu_devices("h100"),
                            static_argnames=("sliding_window", "scale"), **kwargs)
 
 
-def test_mosaic_compiles_with_copies_by_warp(h100):
-    """The tuning the GPU report times beside the default (`copies_by_warp=True`: the scorer's warps
-    issue the key copies, `plgpu.warp_map` inside the `pl.when` that picks a tile's run) lowers for an H100 at
-    V4-Flash's CSA shapes into the same launch: grid, threads and shared memory."""
-    [launch] = aot.mosaic_launches(v4_flash_compile("indices", False, True))
-    [default] = aot.mosaic_launches(v4_flash_compile("indices", False))
+@pytest.mark.parametrize("tuning, fp8", [(dict(copies_by_warp=True), False), (dict(copies_by_thread=True), False),
+                                         (dict(copies_by_thread=True), True)],
+                         ids=["copies-by-warp", "copies-by-thread", "copies-by-thread-fp8"])
+def test_mosaic_compiles_with_each_tuning(h100, tuning, fp8):
+    """The tunings the GPU report times beside the default (`copies_by_warp=True`: the scorer's
+    warps issue the key copies, `plgpu.warp_map` inside the `pl.when` that picks a tile's run;
+    `copies_by_thread=True`: one thread a key, in inline Mosaic GPU code there) lower for an H100
+    at V4-Flash's CSA shapes into the same grid and threads, and the same shared memory but for
+    copies_by_thread's mbarrier: the vectors buffer's fifth row, 1 KiB more (buffers start on
+    1 KiB boundaries), still within the 227 KiB a block may use."""
+    [launch] = aot.mosaic_launches(v4_flash_compile("indices", fp8, **tuning))
+    [default] = aot.mosaic_launches(v4_flash_compile("indices", fp8))
+    extra = 1024 if tuning.get("copies_by_thread") else 0
     assert (launch.grid, launch.threads, launch.shared_memory) == (default.grid, default.threads,
-                                                                   default.shared_memory)
+                                                                   default.shared_memory + extra)
+    assert launch.shared_memory <= SHARED_MEMORY_LIMIT
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
