@@ -310,6 +310,18 @@ def test_sparse_mla_mosaic_copies_by_warp_give_the_same_bits():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def refuses_copies_by_thread(run) -> bool:
+    """`run(**tuning)` of a Mosaic kernel refuses copies_by_thread beside copies_by_warp, and alone
+    where it is interpreted (the simulator does not run inline Mosaic GPU code), before tracing ->
+    whether this run interprets, so that there is nothing to compare."""
+    with pytest.raises(ValueError, match="choose one"):
+        run(copies_by_thread=True, copies_by_warp=True)
+    if MOSAIC_INTERPRET:
+        with pytest.raises(ValueError, match="copies_by_thread=True runs compiled only"):
+            run(copies_by_thread=True)
+    return MOSAIC_INTERPRET
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_sparse_mla_mosaic_copies_by_thread_give_the_same_bits(fp8):
     """copies_by_thread=True (each of the scorer's first 64 threads issues one slot's copies on an
@@ -323,11 +335,7 @@ def test_sparse_mla_mosaic_copies_by_thread_give_the_same_bits(fp8):
         topk=40)
     run = functools.partial(sparse_mla_attention_mosaic, q_nope, q_rope, fp8_pool_of(cache, 128) if fp8 else cache,
                             page_table, indices, softmax_scale=scale_for(128, 64), interpret=MOSAIC_INTERPRET)
-    with pytest.raises(ValueError, match="choose one"):
-        run(copies_by_thread=True, copies_by_warp=True)
-    if MOSAIC_INTERPRET:
-        with pytest.raises(ValueError, match="copies_by_thread=True runs compiled only"):
-            run(copies_by_thread=True)
+    if refuses_copies_by_thread(run):
         return
     for got, want in zip(run(copies_by_thread=True), run()):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
