@@ -30,7 +30,7 @@ time that path alone, beside the alternatives, one program per SM, each walking 
                  with its bytes (`thread_copies_mosaic.ThreadCopies`: Mosaic GPU code inlined
                  under Pallas, on an mbarrier of its own): 64 arrivals a tile instead of 8,192, the
                  copies issued side by side, no barrier between them. Fast, it says the per-copy
-                 cost was Pallas' arrivals (the sparse MLA kernel takes it as copies_by_thread).
+                 cost was Pallas' arrivals (the sparse MLA and V4 kernels take it as copies_by_thread).
                  Compiled only: the interpreter runs Pallas, not inline Mosaic GPU code, so its
                  check is the GPU run's;
   tile           a page of 64 consecutive rows a tile (its first row a multiple of 64) in 3 box
@@ -107,16 +107,16 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
             fetch_rows(rows_at, 0, tiles, rows_smem, first)
 
         plgpu.barrier_wait(first)
-        copies = ThreadCopies(KEYS)
-        if variant.by_thread:
-            copies.init(*words)
+        by_thread = ThreadCopies(KEYS) if variant.by_thread else None
+        if by_thread is not None:
+            by_thread.init(*words)
 
         def step(tile, carry):
             if variant.unsafe:  # every thread is past the last tile's reads of the buffers reused here
                 plgpu.commit_smem()
             rows = rows_buffer(rows_smem, tile)
-            if variant.by_thread:  # its own barrier; `gathered` then counts the rows' copy alone
-                copies.issue(rows, [cache_ref], [tile_smem])
+            if by_thread is not None:  # its own barrier; `gathered` then counts the rows' copy alone
+                by_thread.issue(rows, [cache_ref], [tile_smem])
             elif per_row:
                 mine = pl.ds(wg * share, share)
                 issue_keys(rows.at[mine], lambda row: [cache_ref.at[row]], [tile_smem.at[mine]], 1, gathered,
@@ -127,8 +127,8 @@ def _gather_kernel(rows_ref, cache_ref, out_ref, *, variant: Variant):
                     plgpu.copy_gmem_to_smem(cache_ref.at[pl.ds(start, KEYS), pl.ds(i * PIECE, PIECE)],
                                             tile_smem.at[i], gathered)
             pl.when(wg == 0)(lambda: fetch_rows(rows_at, tile + 1, tiles, rows_smem, gathered))
-            if variant.by_thread:
-                copies.wait()
+            if by_thread is not None:
+                by_thread.wait()
             plgpu.barrier_wait(gathered)
             return carry
 

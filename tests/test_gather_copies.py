@@ -1,7 +1,8 @@
 """`benchmarks/gather_copies.py`, the Mosaic GPU kernels' gather timed alone: each variant compiles
 for an H100 without one, one program per SM within the shared memory a block may use. That every
-variant stages the rows it was asked for is checked by its own run, interpreted in the GPU
-report's smoke run (`tests/test_gpu_report.py`) and again on every GPU."""
+variant stages the rows it was asked for is checked by its own run: interpreted in the GPU
+report's smoke run (`tests/test_gpu_report.py`), except the variants the simulator cannot run
+(`interpretable`), and again on every GPU."""
 
 from __future__ import annotations
 
