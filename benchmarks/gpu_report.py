@@ -41,6 +41,11 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
              B 32, k 3 and B 1, k 0 with GMM_E2E_TILES (against the e2e part's default-tile points;
              not under --smoke, where the e2e part runs the same code);
+  flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 cache, top-2048)
+             decode kernels at the kernels part's shapes, the ground truth beside ours (its harness
+             binary must be there: built with `flashmla.py --build` and carried), then our sparse
+             MLA kernels on the FP8 cache (kernels.py --cache-dtype fp8); report.md sets each
+             FlashMLA row beside our rows of the same op, shape and cache (not under --smoke);
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one),
              and one more step profiled (`kernel_profile`: the kernels' time per op class, and the
@@ -90,7 +95,7 @@ from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIAN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
-PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "gather", "gmm", "e2e")
+PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "gather", "gmm", "e2e", "flashmla")
 # The headline point first, then the rest of its batch: a short lease measures what matters most.
 E2E_POINTS = [(b, k) for b in (32, 8, 1) for k in (3, 0, 1)]
 SMOKE_E2E_POINTS = [(2, 1)]  # one step with a draft: the part's code path
@@ -171,6 +176,13 @@ BENCHMARK_UNITS = {
                              "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
               "--json", "{json}"])],
+    # FlashMLA, DeepSeek's CUDA decode kernels, at the kernels part's MLA shapes (its harness, built
+    # where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA kernels on the
+    # FP8 cache FlashMLA's sparse decode reads, so that both of its ops have rows of ours beside them.
+    "flashmla": [("flashmla", ["benchmarks/flashmla.py", "--json", "{json}"], None),
+                 ("flashmla/sparse_mla_fp8", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+                                              "--queries", "1", "4", "--ops", "sparse_mla", "--cache-dtype", "fp8",
+                                              "--json", "{json}"], None)],
     "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
                     "2", "--max-new-tokens", "2", "--json", "{json}"])],
@@ -622,6 +634,36 @@ def mosaic_against_triton(units: dict) -> dict[str, dict]:
     return found
 
 
+def against_flashmla(units: dict) -> list[str]:
+    """report.md's section on FlashMLA: each shape its harness timed (op, B, context, Q, cache dtype),
+    its time a call and our kernels' (kernels.py's default tunings: the kernels part's rows and the
+    flashmla part's FP8 sparse rows) as a multiple of it, each by `row_seconds`."""
+    theirs, ours = {}, {}
+    for name, record in units.items():
+        if not (name.startswith("kernels/") or name == "flashmla" or name.startswith("flashmla/")):
+            continue
+        for row in (record.get("json") or {}).get("rows", []):
+            key = (row["op"], row["batch"], row["context"], row["queries"], row.get("cache_dtype", "bfloat16"))
+            if row["impl"] == "flashmla":
+                theirs[key] = row
+            elif row["impl"] in ("pallas", "mosaic", "xla"):
+                ours.setdefault(key, {})[row["impl"]] = row
+    lines = ["## FlashMLA beside ours", ""]
+    if not theirs:
+        return lines + ["not measured", ""]
+    lines += ["FlashMLA's time a call (split-KV kernel and combine, CUDA events) and ours as a multiple of it "
+              "(device time where measured): under 1 is faster than FlashMLA.", "",
+              "| op | B | ctx | Q | cache | FlashMLA ms | FlashMLA GB/s | FlashMLA max err | Triton / FlashMLA | "
+              "Mosaic / FlashMLA | XLA / FlashMLA |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, row in sorted(theirs.items()):
+        spent = row_seconds(row)
+        ratios = [f"{row_seconds(ours[key][impl]) / spent:.2f}" if impl in ours.get(key, {}) else "-"
+                  for impl in ("pallas", "mosaic", "xla")]
+        lines.append(f"| {' | '.join(map(str, key))} | {spent * 1e3:.3f} | {row['bytes'] / spent / 1e9:.0f} | "
+                     f"{row['max_error']:.2e} | {' | '.join(ratios)} |")
+    return lines + [""]
+
+
 def headline(report: Report) -> dict | None:
     """The e2e point HEADLINE: measured / projected, and per op class its time, share of the step
     and fraction of its roofline (classes under GOAL named). From the point's profile where it has
@@ -704,7 +746,7 @@ def markdown(report: Report) -> str:
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
     for part in ("kernels", "kernels_stages3", "kernels_n32_stages3", "kernels_block_n32", "kernels_part_slots",
-                 "kernels_v4_tunings", "gather", "moe", "matmuls", "gmm"):
+                 "kernels_v4_tunings", "gather", "flashmla", "moe", "matmuls", "gmm"):
         records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else
@@ -735,6 +777,7 @@ def markdown(report: Report) -> str:
             lines.append(f"| {row['op']} | {row['impl']} | {shape} | {row['seconds'] * 1e3:.3f} | {kernels_ms} | "
                          f"{row['bytes'] / spent / 1e9:.0f} | {100 * roof / spent:.0f}% | {error} |")
         lines += [""] + (["Not measured or failed:"] + problems + [""] if problems else [])
+    lines += against_flashmla(units)
     lines += ["## Exactness", ""]
     record = units.get("exactness")
     if record and record.get("json"):

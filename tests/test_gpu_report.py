@@ -312,11 +312,18 @@ def test_every_benchmark_units_gpu_command_parses(monkeypatch, tmp_path):
         asked.append((script, smoke))
         return False
 
+    def no_gpu(binary, *args):  # flashmla.py's gate: its harness's first call, the copy baseline
+        asked.append((binary, False))
+        raise RuntimeError("no GPU")
+
     commands = [argv for units in gpu_report.BENCHMARK_UNITS.values() for _, argv, _ in units
                 if argv[0] != "benchmarks/exactness.py"]  # exactness runs anywhere: its command is --json only
     for argv in commands:
         module = importlib.import_module(os.path.basename(argv[0])[:-len(".py")])
-        monkeypatch.setattr(module, "gpu_or_smoke", decline)
+        if argv[0] == "benchmarks/flashmla.py":
+            monkeypatch.setattr(module, "run_binary", no_gpu)
+        else:
+            monkeypatch.setattr(module, "gpu_or_smoke", decline)
         assert module.main([a.replace("{json}", str(tmp_path / "rows.json")) for a in argv[1:]]) in (1, 2), argv
     assert len(asked) == len(commands) and not any(smoke for _, smoke in asked)
     assert gpu_report.BENCHMARK_UNITS["exactness"][0][1][1:] == ["--json", "{json}"]

@@ -1,0 +1,404 @@
+// FlashMLA's Hopper decode kernels (github.com/deepseek-ai/FlashMLA) timed at the shapes of
+// benchmarks/kernels.py: the ground truth beside jaxspec's MLA kernels. benchmarks/flashmla.py
+// builds this file against a FlashMLA checkout and runs it; it is not part of jaxspec.
+//
+// Why a harness of its own instead of FlashMLA's Python package: the package is a PyTorch
+// extension, which must be built against the lent GPU machine's own PyTorch and takes most of
+// its sources' compile time there. This file calls the same host entry points the package's
+// API calls (csrc/api/dense_decode.h, sparse_decode.h: scheduler metadata, the split-KV kernel,
+// the combine kernel), with buffers from cudaMalloc, so it needs only nvcc and FlashMLA's
+// headers, and links four of its translation units.
+//
+//   flashmla_bench dense  BATCH CONTEXT QUERIES ITERS        bf16 latent cache [pages, 64, 576]
+//   flashmla_bench sparse BATCH CONTEXT QUERIES ITERS TOPK   V3.2's FP8 cache (656 bytes a slot)
+//   flashmla_bench copy   MIB                                device-to-device copy, the bandwidth baseline
+//
+// prints one JSON object: the median and best time of ITERS calls (split-KV kernel + combine,
+// each call timed by CUDA events; the scheduler metadata, which a decode step computes once for
+// all its layers, is timed apart), the bytes and flops as kernels.py counts them (cache reads,
+// sparse indices, queries, outputs; every score of the window, masked or not), and the largest error of a few output rows against a
+// float64 reference computed here from the same data.
+//
+// Data: 128 query heads, latent 512 + RoPE 64, pages of 64 slots in a random order, every row
+// at CONTEXT tokens. Dense: a window of QUERIES > 1 tokens is causal (token i sees the first
+// CONTEXT - QUERIES + i + 1 slots), as a chain verification window is. Sparse: each query token
+// selects TOPK distinct random slots among those it sees (indices into the page pool).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "params.h"
+#include "sm90/decode/dense/splitkv_mla.h"
+#include "sm90/decode/sparse_fp8/splitkv_mla.h"
+#include "smxx/decode/combine/combine.h"
+#include "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.h"
+
+namespace {
+
+constexpr int kHeads = 128, kDim = 576, kLatent = 512, kPage = 64;
+constexpr int kFp8Slot = kLatent + 4 * 4 + 64 * 2;  // e4m3 latent, 4 float32 tile scales, bf16 RoPE
+constexpr float kScale = 0.0722f;                    // about DeepSeek-V3's softmax scale
+
+#define CHECK(call)                                                                          \
+    do {                                                                                     \
+        cudaError_t status_ = (call);                                                              \
+        if (status_ != cudaSuccess) {                                                            \
+            fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(status_), __FILE__, __LINE__); \
+            exit(2);                                                                         \
+        }                                                                                    \
+    } while (0)
+
+__device__ __host__ inline uint32_t mix(uint64_t x) {
+    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33;
+    return static_cast<uint32_t>(x);
+}
+
+// Element i of a stream: uniform in [-1, 1), a function of (seed, i) so the host reference can
+// recompute any element without copying the device's buffers back.
+__device__ __host__ inline float uniform(uint64_t seed, uint64_t i) {
+    return (mix(seed * 0x9e3779b97f4a7c15ULL + i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+__global__ void fill_bf16(cutlass::bfloat16_t* out, uint64_t n, uint64_t seed) {
+    for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
+        out[i] = cutlass::bfloat16_t(uniform(seed, i));
+}
+
+// An e4m3 byte of stream element i: finite (0x7f and 0xff are NaN in e4m3fn).
+__device__ __host__ inline uint8_t fp8_byte(uint64_t seed, uint64_t i) {
+    uint8_t b = mix(seed * 0x9e3779b97f4a7c15ULL + i) & 0xff;
+    return (b & 0x7f) == 0x7f ? b - 1 : b;
+}
+
+__device__ __host__ inline float fp8_value(uint8_t b) {
+    int sign = b >> 7, exponent = (b >> 3) & 15, mantissa = b & 7;
+    float magnitude = exponent == 0 ? ldexpf(mantissa / 8.0f, -6) : ldexpf(1.0f + mantissa / 8.0f, exponent - 7);
+    return sign ? -magnitude : magnitude;
+}
+
+// Slot s of the FP8 pool: its latent bytes, its four tile scales (powers of two, 2^-8 .. 2^-5:
+// the quantized latent then spans about what the bf16 one does) and its RoPE part.
+__device__ __host__ inline float fp8_scale(uint64_t seed, uint64_t slot, int tile) {
+    return ldexpf(1.0f, -5 - int(mix(seed + 7 * slot + tile) & 3));
+}
+
+__global__ void fill_fp8_pool(uint8_t* pool, uint64_t slots, uint64_t seed) {
+    for (uint64_t s = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; s < slots; s += uint64_t(gridDim.x) * blockDim.x) {
+        uint8_t* slot = pool + s * kFp8Slot;
+        for (int j = 0; j < kLatent; ++j) slot[j] = fp8_byte(seed, s * kLatent + j);
+        float* scales = reinterpret_cast<float*>(slot + kLatent);
+        for (int t = 0; t < 4; ++t) scales[t] = fp8_scale(seed, s, t);
+        cutlass::bfloat16_t* rope = reinterpret_cast<cutlass::bfloat16_t*>(slot + kLatent + 16);
+        for (int j = 0; j < 64; ++j) rope[j] = cutlass::bfloat16_t(uniform(seed + 1, s * 64 + j));
+    }
+}
+
+// Stream values as bf16 rounds them (the host reference reads what the device holds).
+inline float bf16_of(uint64_t seed, uint64_t i) { return float(cutlass::bfloat16_t(uniform(seed, i))); }
+
+struct Timing { double median_us, best_us, metadata_us; };
+
+template <typename Call>
+Timing time_calls(Call call, int iters, double metadata_us) {
+    for (int i = 0; i < 5; ++i) call();
+    std::vector<cudaEvent_t> events(iters + 1);
+    for (auto& e : events) CHECK(cudaEventCreate(&e));
+    CHECK(cudaEventRecord(events[0]));
+    for (int i = 0; i < iters; ++i) { call(); CHECK(cudaEventRecord(events[i + 1])); }
+    CHECK(cudaEventSynchronize(events[iters]));
+    CHECK(cudaGetLastError());
+    std::vector<double> us(iters);
+    for (int i = 0; i < iters; ++i) {
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+        us[i] = ms * 1e3;
+    }
+    for (auto& e : events) CHECK(cudaEventDestroy(e));
+    std::sort(us.begin(), us.end());
+    return {us[iters / 2], us[0], metadata_us};
+}
+
+// One call's time, after one untimed call (a kernel's first launch loads its module).
+template <typename Call>
+double time_once(Call call) {
+    call();
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a)); CHECK(cudaEventCreate(&b));
+    CHECK(cudaEventRecord(a)); call(); CHECK(cudaEventRecord(b)); CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e3;
+}
+
+// Softmax attention of one query row over the given keys, in float64: (scores -> weights) x latent.
+std::vector<double> attend(const std::vector<double>& q, const std::vector<std::vector<double>>& keys) {
+    std::vector<double> scores(keys.size());
+    double top = -INFINITY;
+    for (size_t k = 0; k < keys.size(); ++k) {
+        double s = 0;
+        for (int j = 0; j < kDim; ++j) s += q[j] * keys[k][j];
+        scores[k] = s * kScale;
+        top = std::max(top, scores[k]);
+    }
+    std::vector<double> out(kLatent, 0.0);
+    double total = 0;
+    for (size_t k = 0; k < keys.size(); ++k) {
+        double w = std::exp(scores[k] - top);
+        total += w;
+        for (int j = 0; j < kLatent; ++j) out[j] += w * keys[k][j];
+    }
+    for (auto& v : out) v /= total;
+    return out;
+}
+
+void print_json(const char* op, int batch, int context, int queries, int topk, const Timing& t, double bytes,
+                double flops, double max_err, int num_sm_parts) {
+    printf("{\"op\": \"%s\", \"impl\": \"flashmla\", \"batch\": %d, \"context\": %d, \"queries\": %d, "
+           "\"heads\": %d, \"topk\": %d, \"median_us\": %.3f, \"best_us\": %.3f, \"metadata_us\": %.3f, "
+           "\"bytes\": %.0f, \"flops\": %.0f, \"max_abs_err\": %.3g, \"num_sm_parts\": %d}\n",
+           op, batch, context, queries, kHeads, topk, t.median_us, t.best_us, t.metadata_us, bytes, flops, max_err,
+           num_sm_parts);
+}
+
+int num_sms() {
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    if (prop.major != 9) {
+        fprintf(stderr, "FlashMLA's sm90 kernels need a Hopper GPU, found compute capability %d.%d\n", prop.major, prop.minor);
+        exit(2);
+    }
+    return prop.multiProcessorCount;
+}
+
+// Rows [b, s, h] the reference checks: first, last and one in between.
+std::vector<std::array<int, 3>> checked_rows(int batch, int queries) {
+    return {{0, 0, 0}, {batch - 1, queries - 1, kHeads - 1}, {batch / 2, queries / 2, 77}};
+}
+
+void run_dense(int batch, int context, int queries, int iters) {
+    const int sms = num_sms();
+    const int pages = (context + kPage - 1) / kPage, num_blocks = batch * pages;
+    const int rows = queries * kHeads;  // q_seq_per_hk: one KV head
+    const int num_sm_parts = std::max(sms / ((rows + 63) / 64), 1);
+    const bool causal = queries > 1;
+    const uint64_t q_seed = 1, k_seed = 2;
+
+    std::vector<int> table(num_blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(3));
+    std::vector<int> lengths(batch, context);
+
+    cutlass::bfloat16_t *q, *cache, *out;
+    float *lse, *lse_accum, *out_accum;
+    int *d_table, *d_lengths, *num_splits;
+    DecodingSchedMeta* meta;
+    const size_t q_size = size_t(batch) * rows * kDim, cache_size = size_t(num_blocks) * kPage * kDim;
+    const int total_splits = batch + num_sm_parts;
+    CHECK(cudaMalloc(&q, q_size * 2));
+    CHECK(cudaMalloc(&cache, cache_size * 2));
+    CHECK(cudaMalloc(&out, size_t(batch) * rows * kLatent * 2));
+    CHECK(cudaMalloc(&lse, size_t(batch) * rows * 4));
+    CHECK(cudaMalloc(&lse_accum, size_t(total_splits) * rows * 4));
+    CHECK(cudaMalloc(&out_accum, size_t(total_splits) * rows * kLatent * 4));
+    CHECK(cudaMalloc(&d_table, num_blocks * 4));
+    CHECK(cudaMalloc(&d_lengths, batch * 4));
+    CHECK(cudaMalloc(&num_splits, (batch + 1) * 4));
+    CHECK(cudaMalloc(&meta, num_sm_parts * sizeof(DecodingSchedMeta)));
+    fill_bf16<<<1024, 256>>>(q, q_size, q_seed);
+    fill_bf16<<<1024, 256>>>(cache, cache_size, k_seed);
+    CHECK(cudaMemcpy(d_table, table.data(), num_blocks * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_lengths, lengths.data(), batch * 4, cudaMemcpyHostToDevice));
+
+    GetDecodeSchedMetaParams meta_params = {batch, queries, 64, 5, -1, -1, nullptr, nullptr, d_lengths, meta,
+                                            num_splits, num_sm_parts, nullptr};
+    double metadata_us = time_once([&] { smxx::decode::run_get_decoding_sched_meta_kernel(meta_params); });
+
+    DenseAttnDecodeParams p = {};
+    p.b = batch; p.s_q = queries; p.q_seq_per_hk = rows; p.d = kDim; p.d_v = kLatent; p.h_q = kHeads; p.h_k = 1;
+    p.num_blocks = num_blocks; p.q_head_per_hk = kHeads; p.is_causal = causal;
+    p.scale_softmax = kScale; p.scale_softmax_log2 = float(kScale * M_LOG2E);
+    p.q_ptr = q; p.k_ptr = cache; p.o_ptr = out; p.softmax_lse_ptr = lse;
+    p.q_batch_stride = int64_t(rows) * kDim; p.k_batch_stride = int64_t(kPage) * kDim; p.o_batch_stride = int64_t(rows) * kLatent;
+    p.q_row_stride = kDim; p.k_row_stride = kDim; p.o_row_stride = kLatent;
+    p.q_head_stride = kDim; p.k_head_stride = kDim; p.o_head_stride = int64_t(rows) * kLatent;
+    p.block_table = d_table; p.block_table_batch_stride = pages; p.page_block_size = kPage; p.seqlens_k_ptr = d_lengths;
+    p.tile_scheduler_metadata_ptr = meta; p.num_sm_parts = num_sm_parts; p.num_splits_ptr = num_splits;
+    p.total_num_splits = total_splits; p.softmax_lseaccum_ptr = lse_accum; p.oaccum_ptr = out_accum; p.stream = nullptr;
+    CombineParams c = {batch, queries, kHeads, kLatent, lse, out, rows, kHeads, kHeads * queries * kLatent,
+                       kHeads * kLatent, kLatent, lse_accum, out_accum, rows, kHeads, kHeads * queries * kLatent,
+                       kHeads * kLatent, kLatent, meta, num_splits, num_sm_parts, nullptr, nullptr};
+    Timing t = time_calls([&] {
+        sm90::run_flash_splitkv_mla_kernel<cutlass::bfloat16_t>(p);
+        smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
+    }, iters, metadata_us);
+
+    double max_err = 0;
+    for (auto [b, s, h] : checked_rows(batch, queries)) {
+        std::vector<double> query(kDim);
+        const uint64_t q_row = (uint64_t(b) * rows + uint64_t(s) * kHeads + h) * kDim;
+        for (int j = 0; j < kDim; ++j) query[j] = bf16_of(q_seed, q_row + j);
+        const int seen = causal ? context - queries + s + 1 : context;
+        std::vector<std::vector<double>> keys(seen, std::vector<double>(kDim));
+        for (int t2 = 0; t2 < seen; ++t2) {
+            const uint64_t slot = uint64_t(table[b * pages + t2 / kPage]) * kPage + t2 % kPage;
+            for (int j = 0; j < kDim; ++j) keys[t2][j] = bf16_of(k_seed, slot * kDim + j);
+        }
+        std::vector<double> want = attend(query, keys);
+        std::vector<cutlass::bfloat16_t> got(kLatent);
+        CHECK(cudaMemcpy(got.data(), out + (uint64_t(b) * rows + uint64_t(s) * kHeads + h) * kLatent, kLatent * 2,
+                         cudaMemcpyDeviceToHost));
+        for (int j = 0; j < kLatent; ++j) max_err = std::max(max_err, std::abs(double(float(got[j])) - want[j]));
+    }
+    const double bytes = double(num_blocks) * kPage * kDim * 2 + double(q_size) * 2 + double(batch) * rows * kLatent * 2;
+    // (a causal window's masked scores counted too, as kernels.py counts them)
+    const double flops = 2.0 * batch * rows * double(context) * (kDim + kLatent);
+    print_json("mla_attention", batch, context, queries, -1, t, bytes, flops, max_err, num_sm_parts);
+}
+
+void run_sparse(int batch, int context, int queries, int iters, int topk) {
+    const int sms = num_sms();
+    if (topk > context - queries + 1) {
+        fprintf(stderr, "TOPK %d: the first query token sees only %d slots\n", topk, context - queries + 1);
+        exit(2);
+    }
+    const int pages = (context + kPage - 1) / kPage, num_blocks = batch * pages;
+    const int num_sm_parts = std::max(sms / queries / (kHeads / 64), 1);
+    const uint64_t q_seed = 4, k_seed = 5;
+
+    std::vector<int> table(num_blocks);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(6));
+    std::vector<int> indices(size_t(batch) * queries * topk);
+    std::mt19937 rng(7);
+    std::vector<int> order(context);
+    for (int b = 0; b < batch; ++b)
+        for (int s = 0; s < queries; ++s) {
+            const int seen = context - queries + s + 1;
+            std::iota(order.begin(), order.begin() + seen, 0);
+            for (int k = 0; k < topk; ++k) {  // the first topk of a partial shuffle: distinct slots
+                std::swap(order[k], order[k + rng() % (seen - k)]);
+                const int t2 = order[k];
+                indices[(size_t(b) * queries + s) * topk + k] = table[b * pages + t2 / kPage] * kPage + t2 % kPage;
+            }
+        }
+
+    cutlass::bfloat16_t *q, *out;
+    uint8_t* pool;
+    float *lse, *lse_accum, *out_accum;
+    int *d_indices, *num_splits;
+    DecodingSchedMeta* meta;
+    const size_t q_size = size_t(batch) * queries * kHeads * kDim;
+    const int total_splits = batch + num_sm_parts;
+    CHECK(cudaMalloc(&q, q_size * 2));
+    CHECK(cudaMalloc(&pool, size_t(num_blocks) * kPage * kFp8Slot));
+    CHECK(cudaMalloc(&out, size_t(batch) * queries * kHeads * kLatent * 2));
+    CHECK(cudaMalloc(&lse, size_t(batch) * queries * kHeads * 4));
+    CHECK(cudaMalloc(&lse_accum, size_t(total_splits) * queries * kHeads * 4));
+    CHECK(cudaMalloc(&out_accum, size_t(total_splits) * queries * kHeads * kLatent * 4));
+    CHECK(cudaMalloc(&d_indices, indices.size() * 4));
+    CHECK(cudaMalloc(&num_splits, (batch + 1) * 4));
+    CHECK(cudaMalloc(&meta, num_sm_parts * sizeof(DecodingSchedMeta)));
+    fill_bf16<<<1024, 256>>>(q, q_size, q_seed);
+    fill_fp8_pool<<<1024, 256>>>(pool, uint64_t(num_blocks) * kPage, k_seed);
+    CHECK(cudaMemcpy(d_indices, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice));
+
+    GetDecodeSchedMetaParams meta_params = {batch, queries, 64, 5, topk, 0, nullptr, nullptr, nullptr, meta,
+                                            num_splits, num_sm_parts, nullptr};
+    double metadata_us = time_once([&] { smxx::decode::run_get_decoding_sched_meta_kernel(meta_params); });
+
+    SparseAttnDecodeParams p = {};
+    p.b = batch; p.s_q = queries; p.h_q = kHeads; p.h_kv = 1; p.d_qk = kDim; p.d_v = kLatent;
+    p.sm_scale = kScale; p.sm_scale_div_log2 = kScale * 1.44269504f;
+    p.num_blocks = num_blocks; p.page_block_size = kPage; p.topk = topk; p.model_type = ModelType::V32;
+    p.q = q; p.kv = reinterpret_cast<cutlass::bfloat16_t*>(pool); p.indices = d_indices;
+    p.lse = lse; p.out = out;
+    p.stride_q_b = queries * kHeads * kDim; p.stride_q_s_q = kHeads * kDim; p.stride_q_h_q = kDim;
+    p.stride_kv_block = kPage * kFp8Slot; p.stride_kv_row = kFp8Slot;  // bytes, as the API passes a byte tensor's
+    p.stride_indices_b = queries * topk; p.stride_indices_s_q = topk;
+    p.stride_lse_b = queries * kHeads; p.stride_lse_s_q = kHeads;
+    p.stride_o_b = queries * kHeads * kLatent; p.stride_o_s_q = kHeads * kLatent; p.stride_o_h_q = kLatent;
+    p.lse_accum = lse_accum; p.o_accum = out_accum;
+    p.stride_lse_accum_split = queries * kHeads; p.stride_lse_accum_s_q = kHeads;
+    p.stride_o_accum_split = queries * kHeads * kLatent; p.stride_o_accum_s_q = kHeads * kLatent;
+    p.stride_o_accum_h_q = kLatent;
+    p.tile_scheduler_metadata_ptr = meta; p.num_splits_ptr = num_splits; p.num_sm_parts = num_sm_parts;
+    CombineParams c = {batch, queries, kHeads, kLatent, lse, out, p.stride_lse_b, p.stride_lse_s_q, p.stride_o_b,
+                       p.stride_o_s_q, p.stride_o_h_q, lse_accum, out_accum, p.stride_lse_accum_split,
+                       p.stride_lse_accum_s_q, p.stride_o_accum_split, p.stride_o_accum_s_q, p.stride_o_accum_h_q,
+                       meta, num_splits, num_sm_parts, nullptr, nullptr};
+    Timing t = time_calls([&] {
+        sm90::decode::sparse_fp8::run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32, 128>(p);
+        smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
+    }, iters, metadata_us);
+
+    double max_err = 0;
+    for (auto [b, s, h] : checked_rows(batch, queries)) {
+        std::vector<double> query(kDim);
+        const uint64_t q_row = ((uint64_t(b) * queries + s) * kHeads + h) * kDim;
+        for (int j = 0; j < kDim; ++j) query[j] = bf16_of(q_seed, q_row + j);
+        std::vector<std::vector<double>> keys(topk, std::vector<double>(kDim));
+        for (int k = 0; k < topk; ++k) {
+            const uint64_t slot = indices[(size_t(b) * queries + s) * topk + k];
+            for (int j = 0; j < kLatent; ++j)
+                keys[k][j] = double(fp8_value(fp8_byte(k_seed, slot * kLatent + j))) * fp8_scale(k_seed, slot, j / 128);
+            for (int j = 0; j < 64; ++j) keys[k][kLatent + j] = bf16_of(k_seed + 1, slot * 64 + j);
+        }
+        std::vector<double> want = attend(query, keys);
+        std::vector<cutlass::bfloat16_t> got(kLatent);
+        CHECK(cudaMemcpy(got.data(), out + ((uint64_t(b) * queries + s) * kHeads + h) * kLatent, kLatent * 2,
+                         cudaMemcpyDeviceToHost));
+        for (int j = 0; j < kLatent; ++j) max_err = std::max(max_err, std::abs(double(float(got[j])) - want[j]));
+    }
+    const double tokens = double(batch) * queries;
+    const double bytes = tokens * topk * (kFp8Slot + 4) + double(q_size) * 2 + tokens * kHeads * kLatent * 2;
+    const double flops = 2.0 * tokens * kHeads * topk * (kDim + kLatent);
+    print_json("sparse_mla", batch, context, queries, topk, t, bytes, flops, max_err, num_sm_parts);
+}
+
+// Bytes/s of a device-to-device copy of `mib` MiB (read + write), the median of 20 after warm-up.
+void run_copy(int mib) {
+    const size_t n = size_t(mib) << 20;
+    void *a, *b;
+    CHECK(cudaMalloc(&a, n));
+    CHECK(cudaMalloc(&b, n));
+    CHECK(cudaMemset(a, 1, n));
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    Timing t = time_calls([&] { CHECK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); }, 20, 0);
+    printf("{\"op\": \"copy\", \"device\": \"%s\", \"bytes\": %.0f, \"median_us\": %.3f, \"bytes_per_s\": %.6g}\n",
+           prop.name, 2.0 * n, t.median_us, 2.0 * n / (t.median_us * 1e-6));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc == 3 && std::string(argv[1]) == "copy" && atoi(argv[2]) >= 1) {
+        run_copy(atoi(argv[2]));
+        return 0;
+    }
+    if (argc < 6 || (std::string(argv[1]) != "dense" && std::string(argv[1]) != "sparse") ||
+        (std::string(argv[1]) == "sparse" && argc < 7)) {
+        fprintf(stderr, "usage: %s dense BATCH CONTEXT QUERIES ITERS | sparse BATCH CONTEXT QUERIES ITERS TOPK | copy MIB\n",
+                argv[0]);
+        return 2;
+    }
+    const int batch = atoi(argv[2]), context = atoi(argv[3]), queries = atoi(argv[4]), iters = atoi(argv[5]);
+    if (batch < 1 || context < queries || queries < 1 || iters < 1) {
+        fprintf(stderr, "BATCH, QUERIES and ITERS must be >= 1 and CONTEXT >= QUERIES\n");
+        return 2;
+    }
+    if (std::string(argv[1]) == "dense") run_dense(batch, context, queries, iters);
+    else run_sparse(batch, context, queries, iters, atoi(argv[6]));
+    return 0;
+}
