@@ -2,11 +2,11 @@
 jaxspec's MLA kernels (GPU; a Hopper GPU for the run, only nvcc for the build).
 
 FlashMLA (github.com/deepseek-ai/FlashMLA) is DeepSeek's CUDA MLA decode library, what SGLang and
-vLLM serve V3 and V3.2 with. Its Python package is a PyTorch extension; this script instead builds
+vLLM serve V3, V3.2 and V4 with. Its Python package is a PyTorch extension; this script instead builds
 `flashmla_bench.cu` (beside it) against a FlashMLA checkout: a harness that calls the package's
 own host entry points with cudaMalloc'd buffers, so it needs nvcc and FlashMLA's sources (with
-its `csrc/cutlass` submodule), not a PyTorch of matching CUDA, and compiles four of FlashMLA's
-translation units (about two minutes on two cores). The binary runs on any Hopper host whose
+its `csrc/cutlass` submodule), not a PyTorch of matching CUDA, and compiles five of FlashMLA's
+translation units (under two minutes on two cores). The binary runs on any Hopper host whose
 driver takes its CUDA version: build it where nvcc is, carry it to the GPU.
 
     python benchmarks/flashmla.py --build --src ~/FlashMLA     # -> .flashmla/flashmla_bench
@@ -16,9 +16,13 @@ driver takes its CUDA version: build it where nvcc is, carry it to the GPU.
 Shapes (`kernels.py`'s): dense MLA (`flash_mla_with_kvcache` on a bfloat16 latent cache, pages of 64
 in a random order, a window of Q > 1 tokens causal) at B x context x Q; sparse MLA (its FP8 sparse
 decode on V3.2's 656-byte cache, each query token's top-k distinct random slots) at B x Q over a
-context of 4096. Each row is the median of --iters calls timed by CUDA events (split-KV kernel and
+context of 4096; DeepSeek-V4-Flash's attention (the same kernel on FlashMLA's MODEL1 FP8 token, 64
+heads of 512, per-head sinks: each token's 128-token window as its extra cache, and CSA's top-512
+of the entries closed every 4 tokens, or HCA's every entry closed every 128) at B x Q, context
+4096. Each row is the median of --iters calls timed by CUDA events (split-KV kernel and
 combine; the scheduler metadata, computed once a step for every layer, is printed apart), with the
-bytes the op must move at least as `kernels.py` counts them (cache, queries, outputs), and the
+bytes the op must move at least as `kernels.py` counts them (cache, queries, outputs; V4: every
+token's keys once, where kernels.py counts a row's distinct entries once), and the
 largest error of three output rows against a float64 reference the harness computes from the same
 data. `--json` writes the rows as `kernels.py --json` does, so `gpu_report.py`'s `flashmla` part
 puts them beside jaxspec's rows of the same shape.
@@ -40,8 +44,10 @@ REPO = os.path.dirname(HERE)
 HARNESS = os.path.join(HERE, "flashmla_bench.cu")
 DEFAULT_BINARY = os.path.join(REPO, ".flashmla", "flashmla_bench")
 # FlashMLA's translation units the harness calls into (paths under its csrc/): the dense bf16 decode
-# kernel, V3.2's FP8 sparse decode kernel at 128 heads, the scheduler metadata and the combine.
+# kernel, the FP8 sparse decode kernel for V3.2 at 128 heads and for V4 (MODEL1) at V4-Flash's 64,
+# the scheduler metadata and the combine.
 SOURCES = ("sm90/decode/dense/instantiations/bf16.cu", "sm90/decode/sparse_fp8/instantiations/v32_persistent_h128.cu",
+           "sm90/decode/sparse_fp8/instantiations/model1_persistent_h64.cu",
            "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu", "smxx/decode/combine/combine.cu")
 # FlashMLA's own nvcc flags (its setup.py), for sm_90a only.
 NVCC_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated-declarations",
@@ -50,7 +56,11 @@ NVCC_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-depr
               "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a")
 INCLUDES = ("", "kerutils/include", "sm90", "cutlass/include", "cutlass/tools/util/include")  # under csrc/
 TOPK = 2048  # DeepSeek-V3.2's index_topk
-SPARSE_CONTEXT = 4096  # the sparse rows' context: the op reads its top-k slots whatever the context
+SPARSE_CONTEXT = 4096  # the sparse and V4 rows' context (kernels.py's V4 rows have it too)
+# V4-Flash's compressed layer kinds as kernels.py times them: (entries closed every RATE tokens, the
+# entries a token attends to at most: CSA's index_topk; HCA's every one, at most 64 at 4096).
+V4_KINDS = {"v4_csa": (4, 512), "v4_hca": (128, 64)}
+OPS = ("mla_attention", "sparse_mla", *V4_KINDS)
 COPY_MIB = 1024
 
 
@@ -124,22 +134,38 @@ def row_of(result: dict) -> dict:
     seconds = result["median_us"] * 1e-6
     return dict(op=result["op"], impl="flashmla", batch=result["batch"], context=result["context"],
                 queries=result["queries"], seconds=seconds, device_seconds=seconds, bytes=result["bytes"],
-                flops=result["flops"], cache_dtype="fp8" if result["op"] == "sparse_mla" else "bfloat16",
+                flops=result["flops"], cache_dtype="bfloat16" if result["op"] == "mla_attention" else "fp8",
                 max_error=result["max_abs_err"], metadata_seconds=result["metadata_us"] * 1e-6,
                 num_sm_parts=result["num_sm_parts"])
 
 
 def cases(args) -> list[tuple]:
-    """The harness calls, dense first: ("dense", B, ctx, Q, iters) and ("sparse", B, ctx, Q, iters, topk)."""
-    dense = [("dense", b, c, q, args.iters) for b, c, q in itertools.product(args.batch, args.context, args.queries)]
-    sparse = [("sparse", b, SPARSE_CONTEXT, q, args.iters, args.topk)
-              for b, q in itertools.product(args.batch, args.queries)] if not args.dense_only else []
-    return dense + sparse
+    """The harness calls of --ops, in OPS' order: ("dense", B, ctx, Q, iters), ("sparse", B, ctx, Q,
+    iters, topk), ("v4", B, ctx, Q, iters, rate, topk)."""
+    calls = []
+    for op in (op for op in OPS if op in args.ops):
+        if op == "mla_attention":
+            calls += [("dense", b, c, q, args.iters) for b, c, q in itertools.product(args.batch, args.context,
+                                                                                    args.queries)]
+        elif op == "sparse_mla":
+            calls += [("sparse", b, SPARSE_CONTEXT, q, args.iters, args.topk)
+                      for b, q in itertools.product(args.batch, args.queries)]
+        else:
+            calls += [("v4", b, SPARSE_CONTEXT, q, args.iters, *V4_KINDS[op])
+                      for b, q in itertools.product(args.batch, args.queries)]
+    return calls
+
+
+def op_of(case: tuple) -> str:
+    """The op a harness call (`cases`) times, as kernels.py names it."""
+    if case[0] == "v4":
+        return next(op for op, kind in V4_KINDS.items() if kind == case[5:])
+    return "mla_attention" if case[0] == "dense" else "sparse_mla"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--build", action="store_true", help="compile the harness against --src first")
+    parser.add_argument("--build", action="store_true", help="compile the harness against --src, and only that")
     parser.add_argument("--src", default=os.environ.get("FLASHMLA_SRC"),
                         help="a FlashMLA checkout with its csrc/cutlass submodule (default $FLASHMLA_SRC)")
     parser.add_argument("--binary", default=DEFAULT_BINARY, help="the harness binary (default %(default)s)")
@@ -149,7 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 32768], help="dense rows' contexts")
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--topk", type=int, default=TOPK)
-    parser.add_argument("--dense-only", action="store_true")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", metavar="PATH", help="also write the rows (and the copy bandwidth) here")
     args = parser.parse_args(argv)
@@ -158,10 +184,12 @@ def main(argv=None) -> int:
             parser.error(f"--{name}: every value must be >= 1")
     if args.iters < 1 or args.jobs < 1 or not 1 <= args.topk <= SPARSE_CONTEXT - max(args.queries) + 1:
         parser.error(f"--iters and --jobs must be >= 1, --topk in [1, {SPARSE_CONTEXT - max(args.queries) + 1}]")
-    if args.build:
+    if args.build:  # build only: the machine with nvcc is often not the one with the GPU
         if not args.src:
             parser.error("--build needs --src (or $FLASHMLA_SRC): a FlashMLA checkout")
         build(args.src, args.binary, find_nvcc(args.nvcc), args.jobs)
+        print(f"built {args.binary}", file=sys.stderr)
+        return 0
 
     try:
         baseline = run_binary(args.binary, "copy", COPY_MIB)
@@ -171,8 +199,10 @@ def main(argv=None) -> int:
     copy = baseline["bytes_per_s"]
     source = open(args.binary + ".source").read().strip() if os.path.exists(args.binary + ".source") else "unknown"
     print(f"FlashMLA {source}")
-    print(f"device: {baseline['device']}; copy bandwidth {copy / 1e9:.0f} GB/s (read + write of {COPY_MIB} MiB); FlashMLA, 128 heads, latent "
-          f"512+64, pages of 64; sparse: FP8 cache, top-{args.topk} of {SPARSE_CONTEXT}")
+    print(f"device: {baseline['device']}; copy bandwidth {copy / 1e9:.0f} GB/s (read + write of {COPY_MIB} MiB)\n"
+          f"V3.2: 128 heads, latent 512+64, pages of 64; sparse on an FP8 cache, top-{args.topk} of {SPARSE_CONTEXT}\n"
+          f"V4-Flash: 64 heads of 512, MODEL1 FP8 pools, window 128; CSA top-512 of every 4th token's entry, HCA "
+          f"every 128th's")
     header = f"{'op':<15}{'B':>4}{'ctx':>7}{'Q':>3}{'us':>10}{'GB/s':>8}{'TFLOP/s':>9}{'%copy':>7}{'meta us':>9}{'max err':>10}"
     print(header + "\n" + "-" * len(header))
     rows, failures = [], []
@@ -180,9 +210,9 @@ def main(argv=None) -> int:
         try:
             row = row_of(run_binary(args.binary, *case))
         except RuntimeError as error:
-            print(f"{case[0]:<15}{case[1]:>4}{case[2]:>7}{case[3]:>3}  failed: {error}")
-            failures.append(dict(op="mla_attention" if case[0] == "dense" else "sparse_mla", impl="flashmla",
-                                 batch=case[1], context=case[2], queries=case[3], message=str(error)))
+            print(f"{op_of(case):<15}{case[1]:>4}{case[2]:>7}{case[3]:>3}  failed: {error}")
+            failures.append(dict(op=op_of(case), impl="flashmla", batch=case[1], context=case[2], queries=case[3],
+                                 message=str(error)))
         else:
             rows.append(row)
             rate = row["bytes"] / row["seconds"]

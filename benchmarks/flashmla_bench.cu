@@ -11,6 +11,7 @@
 //
 //   flashmla_bench dense  BATCH CONTEXT QUERIES ITERS        bf16 latent cache [pages, 64, 576]
 //   flashmla_bench sparse BATCH CONTEXT QUERIES ITERS TOPK   V3.2's FP8 cache (656 bytes a slot)
+//   flashmla_bench v4     BATCH CONTEXT QUERIES ITERS RATE TOPK   DeepSeek-V4-Flash (MODEL1 FP8 pools)
 //   flashmla_bench copy   MIB                                device-to-device copy, the bandwidth baseline
 //
 // prints one JSON object: the median and best time of ITERS calls (split-KV kernel + combine,
@@ -22,7 +23,11 @@
 // Data: 128 query heads, latent 512 + RoPE 64, pages of 64 slots in a random order, every row
 // at CONTEXT tokens. Dense: a window of QUERIES > 1 tokens is causal (token i sees the first
 // CONTEXT - QUERIES + i + 1 slots), as a chain verification window is. Sparse: each query token
-// selects TOPK distinct random slots among those it sees (indices into the page pool).
+// selects TOPK distinct random slots among those it sees (indices into the page pool). V4: 64
+// heads of 512 (448 + 64 RoPE; K = V), FlashMLA's MODEL1 FP8 token, per-head attention sinks;
+// each query token attends to its 128-token sliding window (FlashMLA's extra cache: a ring of
+// 192 slots a row) and to TOPK of the entries closed every RATE tokens it sees (CSA: RATE 4, TOPK
+// 512 of them at random; HCA: RATE 128, every one, the list padded with -1 to TOPK).
 
 #include <cuda_runtime.h>
 
@@ -162,12 +167,12 @@ std::vector<double> attend(const std::vector<double>& q, const std::vector<std::
     return out;
 }
 
-void print_json(const char* op, int batch, int context, int queries, int topk, const Timing& t, double bytes,
+void print_json(const char* op, int batch, int context, int queries, int heads, int topk, const Timing& t, double bytes,
                 double flops, double max_err, int num_sm_parts) {
     printf("{\"op\": \"%s\", \"impl\": \"flashmla\", \"batch\": %d, \"context\": %d, \"queries\": %d, "
            "\"heads\": %d, \"topk\": %d, \"median_us\": %.3f, \"best_us\": %.3f, \"metadata_us\": %.3f, "
            "\"bytes\": %.0f, \"flops\": %.0f, \"max_abs_err\": %.3g, \"num_sm_parts\": %d}\n",
-           op, batch, context, queries, kHeads, topk, t.median_us, t.best_us, t.metadata_us, bytes, flops, max_err,
+           op, batch, context, queries, heads, topk, t.median_us, t.best_us, t.metadata_us, bytes, flops, max_err,
            num_sm_parts);
 }
 
@@ -263,7 +268,7 @@ void run_dense(int batch, int context, int queries, int iters) {
     const double bytes = double(num_blocks) * kPage * kDim * 2 + double(q_size) * 2 + double(batch) * rows * kLatent * 2;
     // (a causal window's masked scores counted too, as kernels.py counts them)
     const double flops = 2.0 * batch * rows * double(context) * (kDim + kLatent);
-    print_json("mla_attention", batch, context, queries, -1, t, bytes, flops, max_err, num_sm_parts);
+    print_json("mla_attention", batch, context, queries, kHeads, -1, t, bytes, flops, max_err, num_sm_parts);
 }
 
 void run_sparse(int batch, int context, int queries, int iters, int topk) {
@@ -363,7 +368,181 @@ void run_sparse(int batch, int context, int queries, int iters, int topk) {
     const double tokens = double(batch) * queries;
     const double bytes = tokens * topk * (kFp8Slot + 4) + double(q_size) * 2 + tokens * kHeads * kLatent * 2;
     const double flops = 2.0 * tokens * kHeads * topk * (kDim + kLatent);
-    print_json("sparse_mla", batch, context, queries, topk, t, bytes, flops, max_err, num_sm_parts);
+    print_json("sparse_mla", batch, context, queries, kHeads, topk, t, bytes, flops, max_err, num_sm_parts);
+}
+
+// DeepSeek-V4-Flash's widths and FlashMLA's MODEL1 page: per slot 448 e4m3 and 64 bf16 RoPE
+// values (576 bytes), the page's 64 slots of those first, then 8 scale bytes a slot (7 e8m0
+// exponents, one per 64 values, and a pad byte), the page padded to a multiple of 576 bytes.
+constexpr int kV4Heads = 64, kV4Dim = 512, kV4Nope = 448, kV4Window = 128, kV4Ring = 192;
+constexpr int kV4Slot = kV4Nope + 64 * 2, kV4Token = kV4Slot + 8;
+constexpr int kV4PageBytes = (kPage * kV4Token + 575) / 576 * 576;
+
+__device__ __host__ inline uint8_t v4_scale_byte(uint64_t seed, uint64_t slot, int tile) {
+    return uint8_t(120 + (mix(seed + 7 * slot + tile) & 3));  // 2^-7 .. 2^-4
+}
+
+__global__ void fill_model1_pool(uint8_t* pool, uint64_t pages, uint64_t seed) {
+    for (uint64_t s = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; s < pages * kPage;
+         s += uint64_t(gridDim.x) * blockDim.x) {
+        uint8_t* page = pool + (s / kPage) * kV4PageBytes;
+        uint8_t* values = page + (s % kPage) * kV4Slot;
+        for (int j = 0; j < kV4Nope; ++j) values[j] = fp8_byte(seed, s * kV4Nope + j);
+        cutlass::bfloat16_t* rope = reinterpret_cast<cutlass::bfloat16_t*>(values + kV4Nope);
+        for (int j = 0; j < 64; ++j) rope[j] = cutlass::bfloat16_t(uniform(seed + 1, s * 64 + j));
+        uint8_t* scales = page + kPage * kV4Slot + (s % kPage) * 8;
+        for (int t = 0; t < 8; ++t) scales[t] = t < 7 ? v4_scale_byte(seed, s, t) : 0;
+    }
+}
+
+// Slot s of a MODEL1 pool filled with `seed`, as FlashMLA dequantizes it: [512] values.
+std::vector<double> model1_slot(uint64_t seed, uint64_t s) {
+    std::vector<double> key(kV4Dim);
+    for (int j = 0; j < kV4Nope; ++j)
+        key[j] = double(fp8_value(fp8_byte(seed, s * kV4Nope + j))) * std::ldexp(1.0, v4_scale_byte(seed, s, j / 64) - 127);
+    for (int j = 0; j < 64; ++j) key[kV4Nope + j] = bf16_of(seed + 1, s * 64 + j);
+    return key;
+}
+
+void run_v4(int batch, int context, int queries, int iters, int rate, int topk) {
+    const int sms = num_sms();
+    if (rate < 1 || topk < 64 || topk % 64 != 0 || context < kV4Window + queries) {
+        fprintf(stderr, "RATE must be >= 1, TOPK a positive multiple of 64, CONTEXT >= %d + QUERIES\n", kV4Window);
+        exit(2);
+    }
+    const float scale = 1.0f / std::sqrt(float(kV4Dim));
+    const int entries = context / rate, entry_pages = (entries + kPage - 1) / kPage, ring_pages = kV4Ring / kPage;
+    const int num_sm_parts = std::max(sms / queries / (kV4Heads / 64), 1);
+    const uint64_t q_seed = 8, entry_seed = 9, ring_seed = 10;
+
+    std::vector<int> entry_table(batch * entry_pages), ring_table(batch * ring_pages);
+    std::iota(entry_table.begin(), entry_table.end(), 0);
+    std::iota(ring_table.begin(), ring_table.end(), 0);
+    std::mt19937 rng(11);
+    std::shuffle(entry_table.begin(), entry_table.end(), rng);
+    std::shuffle(ring_table.begin(), ring_table.end(), rng);
+    auto entry_slot = [&](int b, int e) { return entry_table[b * entry_pages + e / kPage] * kPage + e % kPage; };
+    auto ring_slot = [&](int b, int position) {
+        const int r = position % kV4Ring;
+        return ring_table[b * ring_pages + r / kPage] * kPage + r % kPage;
+    };
+    std::vector<int> indices(size_t(batch) * queries * topk, -1), extra(size_t(batch) * queries * kV4Window);
+    std::vector<int> order(std::max(entries, 1));
+    for (int b = 0; b < batch; ++b)
+        for (int s = 0; s < queries; ++s) {
+            const int position = context - queries + s;
+            const int seen = (position + 1) / rate;  // entry e closes at position (e + 1) * rate - 1
+            const int chosen = std::min(seen, topk);
+            std::iota(order.begin(), order.begin() + seen, 0);
+            for (int k = 0; k < chosen; ++k) {
+                if (chosen < seen) std::swap(order[k], order[k + rng() % (seen - k)]);
+                indices[(size_t(b) * queries + s) * topk + k] = entry_slot(b, order[k]);
+            }
+            for (int w = 0; w < kV4Window; ++w)
+                extra[(size_t(b) * queries + s) * kV4Window + w] = ring_slot(b, position - kV4Window + 1 + w);
+        }
+    std::vector<float> sinks(kV4Heads);
+    for (int h = 0; h < kV4Heads; ++h) sinks[h] = uniform(12, h);
+
+    cutlass::bfloat16_t *q, *out;
+    uint8_t *entry_pool, *ring_pool;
+    float *lse, *lse_accum, *out_accum, *d_sinks;
+    int *d_indices, *d_extra, *num_splits;
+    DecodingSchedMeta* meta;
+    const size_t rows = size_t(batch) * queries * kV4Heads, q_size = rows * kV4Dim;
+    const int total_splits = batch + num_sm_parts;
+    CHECK(cudaMalloc(&q, q_size * 2));
+    CHECK(cudaMalloc(&entry_pool, size_t(batch) * entry_pages * kV4PageBytes));
+    CHECK(cudaMalloc(&ring_pool, size_t(batch) * ring_pages * kV4PageBytes));
+    CHECK(cudaMalloc(&out, rows * kV4Dim * 2));
+    CHECK(cudaMalloc(&lse, rows * 4));
+    CHECK(cudaMalloc(&lse_accum, size_t(total_splits) * queries * kV4Heads * 4));
+    CHECK(cudaMalloc(&out_accum, size_t(total_splits) * queries * kV4Heads * kV4Dim * 4));
+    CHECK(cudaMalloc(&d_sinks, kV4Heads * 4));
+    CHECK(cudaMalloc(&d_indices, indices.size() * 4));
+    CHECK(cudaMalloc(&d_extra, extra.size() * 4));
+    CHECK(cudaMalloc(&num_splits, (batch + 1) * 4));
+    CHECK(cudaMalloc(&meta, num_sm_parts * sizeof(DecodingSchedMeta)));
+    fill_bf16<<<1024, 256>>>(q, q_size, q_seed);
+    fill_model1_pool<<<1024, 256>>>(entry_pool, uint64_t(batch) * entry_pages, entry_seed);
+    fill_model1_pool<<<1024, 256>>>(ring_pool, uint64_t(batch) * ring_pages, ring_seed);
+    CHECK(cudaMemcpy(d_sinks, sinks.data(), kV4Heads * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_indices, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(d_extra, extra.data(), extra.size() * 4, cudaMemcpyHostToDevice));
+
+    GetDecodeSchedMetaParams meta_params = {batch, queries, 64, 5, topk, kV4Window, nullptr, nullptr, nullptr, meta,
+                                            num_splits, num_sm_parts, nullptr};
+    double metadata_us = time_once([&] { smxx::decode::run_get_decoding_sched_meta_kernel(meta_params); });
+
+    SparseAttnDecodeParams p = {};
+    p.b = batch; p.s_q = queries; p.h_q = kV4Heads; p.h_kv = 1; p.d_qk = kV4Dim; p.d_v = kV4Dim;
+    p.sm_scale = scale; p.sm_scale_div_log2 = scale * 1.44269504f;
+    p.num_blocks = batch * entry_pages; p.page_block_size = kPage; p.topk = topk; p.model_type = ModelType::MODEL1;
+    p.q = q; p.kv = reinterpret_cast<cutlass::bfloat16_t*>(entry_pool); p.indices = d_indices; p.attn_sink = d_sinks;
+    p.lse = lse; p.out = out;
+    p.extra_num_blocks = batch * ring_pages; p.extra_page_block_size = kPage; p.extra_topk = kV4Window;
+    p.extra_kv = reinterpret_cast<cutlass::bfloat16_t*>(ring_pool); p.extra_indices = d_extra;
+    p.stride_q_b = queries * kV4Heads * kV4Dim; p.stride_q_s_q = kV4Heads * kV4Dim; p.stride_q_h_q = kV4Dim;
+    p.stride_kv_block = kV4PageBytes; p.stride_kv_row = kV4Token;  // bytes; the row stride is FlashMLA's check
+    p.stride_indices_b = queries * topk; p.stride_indices_s_q = topk;
+    p.stride_lse_b = queries * kV4Heads; p.stride_lse_s_q = kV4Heads;
+    p.stride_o_b = queries * kV4Heads * kV4Dim; p.stride_o_s_q = kV4Heads * kV4Dim; p.stride_o_h_q = kV4Dim;
+    p.stride_extra_kv_block = kV4PageBytes; p.stride_extra_kv_row = kV4Token;
+    p.stride_extra_indices_b = queries * kV4Window; p.stride_extra_indices_s_q = kV4Window;
+    p.lse_accum = lse_accum; p.o_accum = out_accum;
+    p.stride_lse_accum_split = queries * kV4Heads; p.stride_lse_accum_s_q = kV4Heads;
+    p.stride_o_accum_split = queries * kV4Heads * kV4Dim; p.stride_o_accum_s_q = kV4Heads * kV4Dim;
+    p.stride_o_accum_h_q = kV4Dim;
+    p.tile_scheduler_metadata_ptr = meta; p.num_splits_ptr = num_splits; p.num_sm_parts = num_sm_parts;
+    CombineParams c = {batch, queries, kV4Heads, kV4Dim, lse, out, p.stride_lse_b, p.stride_lse_s_q, p.stride_o_b,
+                       p.stride_o_s_q, p.stride_o_h_q, lse_accum, out_accum, p.stride_lse_accum_split,
+                       p.stride_lse_accum_s_q, p.stride_o_accum_split, p.stride_o_accum_s_q, p.stride_o_accum_h_q,
+                       meta, num_splits, num_sm_parts, d_sinks, nullptr};
+    Timing t = time_calls([&] {
+        sm90::decode::sparse_fp8::run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::MODEL1, kV4Heads>(p);
+        smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
+    }, iters, metadata_us);
+
+    double max_err = 0;
+    int valid_total = 0;
+    for (int index : indices) valid_total += index >= 0;
+    for (auto [b, s, h] : checked_rows(batch, queries)) {
+        h %= kV4Heads;
+        std::vector<double> query(kV4Dim);
+        const uint64_t q_row = ((uint64_t(b) * queries + s) * kV4Heads + h) * kV4Dim;
+        for (int j = 0; j < kV4Dim; ++j) query[j] = bf16_of(q_seed, q_row + j);
+        std::vector<std::vector<double>> keys;
+        for (int k = 0; k < topk; ++k) {
+            const int slot = indices[(size_t(b) * queries + s) * topk + k];
+            if (slot >= 0) keys.push_back(model1_slot(entry_seed, slot));
+        }
+        for (int w = 0; w < kV4Window; ++w)
+            keys.push_back(model1_slot(ring_seed, extra[(size_t(b) * queries + s) * kV4Window + w]));
+        double top = sinks[h];
+        std::vector<double> scores(keys.size());
+        for (size_t k = 0; k < keys.size(); ++k) {
+            scores[k] = scale * std::inner_product(query.begin(), query.end(), keys[k].begin(), 0.0);
+            top = std::max(top, scores[k]);
+        }
+        double total = std::exp(sinks[h] - top);  // the sink: in the softmax's denominator only
+        std::vector<double> want(kV4Dim, 0.0);
+        for (size_t k = 0; k < keys.size(); ++k) {
+            const double w = std::exp(scores[k] - top);
+            total += w;
+            for (int j = 0; j < kV4Dim; ++j) want[j] += w * keys[k][j];
+        }
+        std::vector<cutlass::bfloat16_t> got(kV4Dim);
+        CHECK(cudaMemcpy(got.data(), out + q_row, kV4Dim * 2, cudaMemcpyDeviceToHost));
+        for (int j = 0; j < kV4Dim; ++j) max_err = std::max(max_err, std::abs(double(float(got[j])) - want[j] / total));
+    }
+    // Every token's keys read once (its selected entries and its window), its index lists, queries
+    // and outputs; flops of every listed key.
+    const double tokens = double(batch) * queries;
+    const double bytes = (double(valid_total) + tokens * kV4Window) * kV4Token + (double(indices.size()) + extra.size()) * 4
+                         + double(q_size) * 2 + double(rows) * kV4Dim * 2;
+    const double flops = 4.0 * rows * (topk + kV4Window) * kV4Dim;
+    print_json(rate == 4 ? "v4_csa" : rate == 128 ? "v4_hca" : "v4", batch, context, queries, kV4Heads, topk, t, bytes,
+               flops, max_err, num_sm_parts);
 }
 
 // Bytes/s of a device-to-device copy of `mib` MiB (read + write), the median of 20 after warm-up.
@@ -387,10 +566,11 @@ int main(int argc, char** argv) {
         run_copy(atoi(argv[2]));
         return 0;
     }
-    if (argc < 6 || (std::string(argv[1]) != "dense" && std::string(argv[1]) != "sparse") ||
-        (std::string(argv[1]) == "sparse" && argc < 7)) {
-        fprintf(stderr, "usage: %s dense BATCH CONTEXT QUERIES ITERS | sparse BATCH CONTEXT QUERIES ITERS TOPK | copy MIB\n",
-                argv[0]);
+    const int needed = argc < 2 ? 0 : std::string(argv[1]) == "dense" ? 6 : std::string(argv[1]) == "sparse" ? 7
+                       : std::string(argv[1]) == "v4" ? 8 : 0;
+    if (needed == 0 || argc < needed) {
+        fprintf(stderr, "usage: %s dense BATCH CONTEXT QUERIES ITERS | sparse BATCH CONTEXT QUERIES ITERS TOPK | "
+                "v4 BATCH CONTEXT QUERIES ITERS RATE TOPK | copy MIB\n", argv[0]);
         return 2;
     }
     const int batch = atoi(argv[2]), context = atoi(argv[3]), queries = atoi(argv[4]), iters = atoi(argv[5]);
@@ -398,7 +578,9 @@ int main(int argc, char** argv) {
         fprintf(stderr, "BATCH, QUERIES and ITERS must be >= 1 and CONTEXT >= QUERIES\n");
         return 2;
     }
-    if (std::string(argv[1]) == "dense") run_dense(batch, context, queries, iters);
-    else run_sparse(batch, context, queries, iters, atoi(argv[6]));
+    const std::string mode = argv[1];
+    if (mode == "dense") run_dense(batch, context, queries, iters);
+    else if (mode == "sparse") run_sparse(batch, context, queries, iters, atoi(argv[6]));
+    else run_v4(batch, context, queries, iters, atoi(argv[6]), atoi(argv[7]));
     return 0;
 }

@@ -41,11 +41,12 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
              B 32, k 3 and B 1, k 0 with GMM_E2E_TILES (against the e2e part's default-tile points;
              not under --smoke, where the e2e part runs the same code);
-  flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 cache, top-2048)
-             decode kernels at the kernels part's shapes, the ground truth beside ours (its harness
-             binary must be there: built with `flashmla.py --build` and carried), then our sparse
-             MLA kernels on the FP8 cache (kernels.py --cache-dtype fp8); report.md sets each
-             FlashMLA row beside our rows of the same op, shape and cache (not under --smoke);
+  flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 caches: V3.2's
+             top-2048, V4-Flash's CSA and HCA) decode kernels at the kernels part's shapes, the
+             ground truth beside ours (its harness binary must be there: built with
+             `flashmla.py --build` and carried), then our sparse MLA and V4 kernels on FP8 caches
+             (kernels.py --cache-dtype fp8); report.md sets each FlashMLA row beside our rows of
+             the same op, shape and cache (not under --smoke);
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one),
              and one more step profiled (`kernel_profile`: the kernels' time per op class, and the
@@ -176,13 +177,13 @@ BENCHMARK_UNITS = {
                              "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
               "--json", "{json}"])],
-    # FlashMLA, DeepSeek's CUDA decode kernels, at the kernels part's MLA shapes (its harness, built
-    # where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA kernels on the
-    # FP8 cache FlashMLA's sparse decode reads, so that both of its ops have rows of ours beside them.
+    # FlashMLA, DeepSeek's CUDA decode kernels, at the kernels part's MLA and V4 shapes (its harness,
+    # built where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA and V4
+    # kernels on the FP8 caches FlashMLA's sparse decode reads, so that its rows have ours beside them.
     "flashmla": [("flashmla", ["benchmarks/flashmla.py", "--json", "{json}"], None),
-                 ("flashmla/sparse_mla_fp8", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
-                                              "--queries", "1", "4", "--ops", "sparse_mla", "--cache-dtype", "fp8",
-                                              "--json", "{json}"], None)],
+                 ("flashmla/fp8_caches", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+                                          "--queries", "1", "4", "--ops", "sparse_mla", "v4_csa", "v4_hca",
+                                          "--cache-dtype", "fp8", "--json", "{json}"], None)],
     "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
                     "2", "--max-new-tokens", "2", "--json", "{json}"])],
@@ -637,7 +638,7 @@ def mosaic_against_triton(units: dict) -> dict[str, dict]:
 def against_flashmla(units: dict) -> list[str]:
     """report.md's section on FlashMLA: each shape its harness timed (op, B, context, Q, cache dtype),
     its time a call and our kernels' (kernels.py's default tunings: the kernels part's rows and the
-    flashmla part's FP8 sparse rows) as a multiple of it, each by `row_seconds`."""
+    flashmla part's FP8-cache rows) as a multiple of it, each by `row_seconds`."""
     theirs, ours = {}, {}
     for name, record in units.items():
         if not (name.startswith("kernels/") or name == "flashmla" or name.startswith("flashmla/")):

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import flashmla  # noqa: E402
 import gpu_report  # noqa: E402
 
-# A stand-in for flashmla_bench: logs its argv, answers as the harness does, and fails the sparse
-# call at B 8 the way the harness fails (a message on stderr, exit 2).
+# A stand-in for flashmla_bench: logs its argv, answers as the harness does (V4's op by its rate),
+# and fails the sparse call at B 8 the way the harness fails (a message on stderr, exit 2).
 FAKE_HARNESS = """#!{python}
 import json, sys
 with open({log!r}, "a") as f:
@@ -33,7 +33,8 @@ if mode == "sparse" and batch == 8:
     print("CUDA error an illegal memory access was encountered", file=sys.stderr)
     sys.exit(2)
 print("some progress first")
-print(json.dumps({{"op": "mla_attention" if mode == "dense" else "sparse_mla", "impl": "flashmla", "batch": batch,
+op = {{"dense": "mla_attention", "sparse": "sparse_mla"}}.get(mode) or {{"4": "v4_csa", "128": "v4_hca"}}[sys.argv[6]]
+print(json.dumps({{"op": op, "impl": "flashmla", "batch": batch,
                   "context": context, "queries": queries, "heads": 128, "topk": -1, "median_us": 10.0 * batch,
                   "best_us": 9.0 * batch, "metadata_us": 3.0, "bytes": 1e6 * batch, "flops": 1e9,
                   "max_abs_err": 1e-3, "num_sm_parts": 66}}))
@@ -58,16 +59,18 @@ def test_the_driver_writes_each_shapes_row_and_records_a_failing_call(harness, t
     assert code == 1  # one call failed
     calls = log.read_text().splitlines()
     assert calls == ["copy 1024", "dense 2 128 1 3", "dense 2 256 1 3", "dense 8 128 1 3", "dense 8 256 1 3",
-                     "sparse 2 4096 1 3 16", "sparse 8 4096 1 3 16"]
+                     "sparse 2 4096 1 3 16", "sparse 8 4096 1 3 16", "v4 2 4096 1 3 4 512", "v4 8 4096 1 3 4 512",
+                     "v4 2 4096 1 3 128 64", "v4 8 4096 1 3 128 64"]
     data = json.loads(out.read_text())
     assert data["device"] == "NVIDIA H200" and data["copy_bytes_per_s"] == 4.0e12
     assert data["flashmla"].startswith("9241ae3")
     rows = data["rows"]
     assert [(r["op"], r["batch"], r["context"]) for r in rows] == [
         ("mla_attention", 2, 128), ("mla_attention", 2, 256), ("mla_attention", 8, 128), ("mla_attention", 8, 256),
-        ("sparse_mla", 2, 4096)]
-    dense, sparse = rows[0], rows[-1]
-    assert dense["impl"] == "flashmla" and dense["cache_dtype"] == "bfloat16" and sparse["cache_dtype"] == "fp8"
+        ("sparse_mla", 2, 4096), ("v4_csa", 2, 4096), ("v4_csa", 8, 4096), ("v4_hca", 2, 4096), ("v4_hca", 8, 4096)]
+    dense, sparse = rows[0], rows[4]
+    assert dense["impl"] == "flashmla" and dense["cache_dtype"] == "bfloat16"
+    assert all(row["cache_dtype"] == "fp8" for row in rows[4:])
     assert dense["seconds"] == dense["device_seconds"] == pytest.approx(20e-6)
     assert dense["max_error"] == 1e-3 and dense["metadata_seconds"] == pytest.approx(3e-6)
     (failure,) = data["failures"]
@@ -75,6 +78,13 @@ def test_the_driver_writes_each_shapes_row_and_records_a_failing_call(harness, t
     assert "illegal memory access" in failure["message"]
     printed = capsys.readouterr().out
     assert "FlashMLA 9241ae3" in printed and "failed:" in printed
+
+
+def test_ops_pick_the_calls(harness, tmp_path):
+    binary, log = harness
+    assert flashmla.main(["--binary", binary, "--ops", "v4_hca", "mla_attention", "--batch", "1", "--queries", "4",
+                          "--context", "4096"]) == 0
+    assert log.read_text().splitlines() == ["copy 1024", "dense 1 4096 4 50", "v4 1 4096 4 50 128 64"]
 
 
 def test_without_a_harness_or_a_gpu_it_says_so(tmp_path, capsys):
@@ -119,7 +129,7 @@ def test_the_report_sets_flashmla_beside_our_rows_of_the_same_shape():
                                                     row("mla_attention", "mosaic", 32, 9.0, device_ms=0.075),
                                                     row("mla_attention", "roofline", 32, 0.03),
                                                     row("mla_attention", "mosaic", 8, 0.01)]}},
-        "flashmla/sparse_mla_fp8": {"json": {"rows": [row("sparse_mla", "pallas", 32, 0.3, "fp8")]}},
+        "flashmla/fp8_caches": {"json": {"rows": [row("sparse_mla", "pallas", 32, 0.3, "fp8")]}},
         "kernels/sparse_mla": {"json": {"rows": [row("sparse_mla", "pallas", 32, 0.2)]}},  # bf16: no FlashMLA row
     }
     lines = gpu_report.against_flashmla(units)
