@@ -146,22 +146,23 @@ double time_once(Call call) {
     return ms * 1e3;
 }
 
-// Softmax attention of one query row over the given keys, in float64: (scores -> weights) x latent.
-std::vector<double> attend(const std::vector<double>& q, const std::vector<std::vector<double>>& keys) {
+// Softmax attention of one query row over the given keys, in float64: (q . key x scale -> weights)
+// x the keys' first `values` entries; a finite `sink` is a logit in the denominator only (V4's,
+// as FlashMLA takes it).
+std::vector<double> attend(const std::vector<double>& q, const std::vector<std::vector<double>>& keys, double scale,
+                           int values, double sink = -INFINITY) {
     std::vector<double> scores(keys.size());
-    double top = -INFINITY;
+    double top = sink;
     for (size_t k = 0; k < keys.size(); ++k) {
-        double s = 0;
-        for (int j = 0; j < kDim; ++j) s += q[j] * keys[k][j];
-        scores[k] = s * kScale;
+        scores[k] = scale * std::inner_product(q.begin(), q.end(), keys[k].begin(), 0.0);
         top = std::max(top, scores[k]);
     }
-    std::vector<double> out(kLatent, 0.0);
-    double total = 0;
+    std::vector<double> out(values, 0.0);
+    double total = std::isfinite(sink) ? std::exp(sink - top) : 0.0;
     for (size_t k = 0; k < keys.size(); ++k) {
-        double w = std::exp(scores[k] - top);
+        const double w = std::exp(scores[k] - top);
         total += w;
-        for (int j = 0; j < kLatent; ++j) out[j] += w * keys[k][j];
+        for (int j = 0; j < values; ++j) out[j] += w * keys[k][j];
     }
     for (auto& v : out) v /= total;
     return out;
@@ -259,7 +260,7 @@ void run_dense(int batch, int context, int queries, int iters) {
             const uint64_t slot = uint64_t(table[b * pages + t2 / kPage]) * kPage + t2 % kPage;
             for (int j = 0; j < kDim; ++j) keys[t2][j] = bf16_of(k_seed, slot * kDim + j);
         }
-        std::vector<double> want = attend(query, keys);
+        std::vector<double> want = attend(query, keys, kScale, kLatent);
         std::vector<cutlass::bfloat16_t> got(kLatent);
         CHECK(cudaMemcpy(got.data(), out + (uint64_t(b) * rows + uint64_t(s) * kHeads + h) * kLatent, kLatent * 2,
                          cudaMemcpyDeviceToHost));
@@ -271,14 +272,84 @@ void run_dense(int batch, int context, int queries, int iters) {
     print_json("mla_attention", batch, context, queries, kHeads, -1, t, bytes, flops, max_err, num_sm_parts);
 }
 
+// A device array of n T, and a device copy of a host vector.
+template <typename T>
+T* device_array(size_t n) {
+    T* device;
+    CHECK(cudaMalloc(&device, n * sizeof(T)));
+    return device;
+}
+
+template <typename T>
+T* to_device(const std::vector<T>& host) {
+    T* device = device_array<T>(host.size());
+    CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return device;
+}
+
+// A paged FP8 pool FlashMLA's sparse decode reads: its pages and their layout (bytes).
+struct Pool { uint8_t* data; int num_blocks, page_bytes, token_bytes; };
+
+// FlashMLA's sparse decode call over contiguous buffers, its parameters set as
+// csrc/api/sparse_decode.h sets them from tensors (strides in elements, a pool's in bytes): queries
+// [B, Q, heads, d_qk] filled from `q_seed`, outputs [B, Q, heads, d_v], `indices` [B, Q, topk] into
+// `pool`, with V4 an `extra` pool and its `extra_indices` [B, Q, extra_topk] and per-head `sinks`;
+// the split-KV scratch allocated and the scheduler metadata computed (and timed).
+struct SparseCall {
+    SparseAttnDecodeParams params;
+    CombineParams combine;
+    double metadata_us;
+};
+
+SparseCall sparse_call(ModelType model, int batch, int queries, int heads, int d_qk, int d_v, float scale,
+                       uint64_t q_seed, Pool pool, const std::vector<int>& indices, int topk, Pool extra = {},
+                       const std::vector<int>& extra_indices = {}, int extra_topk = 0, float* sinks = nullptr) {
+    const int num_sm_parts = std::max(num_sms() / queries / (heads / 64), 1);
+    const size_t rows = size_t(batch) * queries * heads;
+    SparseAttnDecodeParams p = {};
+    p.q = device_array<cutlass::bfloat16_t>(rows * d_qk);
+    p.out = device_array<cutlass::bfloat16_t>(rows * d_v);
+    p.lse = device_array<float>(rows);
+    p.lse_accum = device_array<float>(size_t(batch + num_sm_parts) * queries * heads);
+    p.o_accum = device_array<float>(size_t(batch + num_sm_parts) * queries * heads * d_v);
+    p.num_splits_ptr = device_array<int>(batch + 1);
+    p.tile_scheduler_metadata_ptr = device_array<DecodingSchedMeta>(num_sm_parts);
+    fill_bf16<<<1024, 256>>>(p.q, rows * d_qk, q_seed);
+    p.b = batch; p.s_q = queries; p.h_q = heads; p.h_kv = 1; p.d_qk = d_qk; p.d_v = d_v;
+    p.sm_scale = scale; p.sm_scale_div_log2 = scale * 1.44269504f; p.model_type = model;
+    p.kv = reinterpret_cast<cutlass::bfloat16_t*>(pool.data); p.num_blocks = pool.num_blocks; p.page_block_size = kPage;
+    p.stride_kv_block = pool.page_bytes; p.stride_kv_row = pool.token_bytes;
+    p.indices = to_device(indices); p.topk = topk; p.stride_indices_b = queries * topk; p.stride_indices_s_q = topk;
+    if (extra.data) {
+        p.extra_kv = reinterpret_cast<cutlass::bfloat16_t*>(extra.data); p.extra_num_blocks = extra.num_blocks;
+        p.extra_page_block_size = kPage; p.stride_extra_kv_block = extra.page_bytes;
+        p.stride_extra_kv_row = extra.token_bytes; p.extra_indices = to_device(extra_indices);
+        p.extra_topk = extra_topk; p.stride_extra_indices_b = queries * extra_topk;
+        p.stride_extra_indices_s_q = extra_topk;
+    }
+    p.attn_sink = sinks;
+    p.stride_q_b = queries * heads * d_qk; p.stride_q_s_q = heads * d_qk; p.stride_q_h_q = d_qk;
+    p.stride_lse_b = queries * heads; p.stride_lse_s_q = heads;
+    p.stride_o_b = queries * heads * d_v; p.stride_o_s_q = heads * d_v; p.stride_o_h_q = d_v;
+    p.stride_lse_accum_split = queries * heads; p.stride_lse_accum_s_q = heads;
+    p.stride_o_accum_split = queries * heads * d_v; p.stride_o_accum_s_q = heads * d_v; p.stride_o_accum_h_q = d_v;
+    p.num_sm_parts = num_sm_parts;
+    GetDecodeSchedMetaParams meta = {batch, queries, 64, 5, topk, extra_topk, nullptr, nullptr, nullptr,
+                                     p.tile_scheduler_metadata_ptr, p.num_splits_ptr, num_sm_parts, nullptr};
+    const double metadata_us = time_once([&] { smxx::decode::run_get_decoding_sched_meta_kernel(meta); });
+    CombineParams c = {batch, queries, heads, d_v, p.lse, p.out, p.stride_lse_b, p.stride_lse_s_q, p.stride_o_b,
+                       p.stride_o_s_q, p.stride_o_h_q, p.lse_accum, p.o_accum, p.stride_lse_accum_split,
+                       p.stride_lse_accum_s_q, p.stride_o_accum_split, p.stride_o_accum_s_q, p.stride_o_accum_h_q,
+                       p.tile_scheduler_metadata_ptr, p.num_splits_ptr, num_sm_parts, sinks, nullptr};
+    return {p, c, metadata_us};
+}
+
 void run_sparse(int batch, int context, int queries, int iters, int topk) {
-    const int sms = num_sms();
     if (topk > context - queries + 1) {
         fprintf(stderr, "TOPK %d: the first query token sees only %d slots\n", topk, context - queries + 1);
         exit(2);
     }
     const int pages = (context + kPage - 1) / kPage, num_blocks = batch * pages;
-    const int num_sm_parts = std::max(sms / queries / (kHeads / 64), 1);
     const uint64_t q_seed = 4, k_seed = 5;
 
     std::vector<int> table(num_blocks);
@@ -298,50 +369,12 @@ void run_sparse(int batch, int context, int queries, int iters, int topk) {
             }
         }
 
-    cutlass::bfloat16_t *q, *out;
     uint8_t* pool;
-    float *lse, *lse_accum, *out_accum;
-    int *d_indices, *num_splits;
-    DecodingSchedMeta* meta;
-    const size_t q_size = size_t(batch) * queries * kHeads * kDim;
-    const int total_splits = batch + num_sm_parts;
-    CHECK(cudaMalloc(&q, q_size * 2));
     CHECK(cudaMalloc(&pool, size_t(num_blocks) * kPage * kFp8Slot));
-    CHECK(cudaMalloc(&out, size_t(batch) * queries * kHeads * kLatent * 2));
-    CHECK(cudaMalloc(&lse, size_t(batch) * queries * kHeads * 4));
-    CHECK(cudaMalloc(&lse_accum, size_t(total_splits) * queries * kHeads * 4));
-    CHECK(cudaMalloc(&out_accum, size_t(total_splits) * queries * kHeads * kLatent * 4));
-    CHECK(cudaMalloc(&d_indices, indices.size() * 4));
-    CHECK(cudaMalloc(&num_splits, (batch + 1) * 4));
-    CHECK(cudaMalloc(&meta, num_sm_parts * sizeof(DecodingSchedMeta)));
-    fill_bf16<<<1024, 256>>>(q, q_size, q_seed);
     fill_fp8_pool<<<1024, 256>>>(pool, uint64_t(num_blocks) * kPage, k_seed);
-    CHECK(cudaMemcpy(d_indices, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice));
-
-    GetDecodeSchedMetaParams meta_params = {batch, queries, 64, 5, topk, 0, nullptr, nullptr, nullptr, meta,
-                                            num_splits, num_sm_parts, nullptr};
-    double metadata_us = time_once([&] { smxx::decode::run_get_decoding_sched_meta_kernel(meta_params); });
-
-    SparseAttnDecodeParams p = {};
-    p.b = batch; p.s_q = queries; p.h_q = kHeads; p.h_kv = 1; p.d_qk = kDim; p.d_v = kLatent;
-    p.sm_scale = kScale; p.sm_scale_div_log2 = kScale * 1.44269504f;
-    p.num_blocks = num_blocks; p.page_block_size = kPage; p.topk = topk; p.model_type = ModelType::V32;
-    p.q = q; p.kv = reinterpret_cast<cutlass::bfloat16_t*>(pool); p.indices = d_indices;
-    p.lse = lse; p.out = out;
-    p.stride_q_b = queries * kHeads * kDim; p.stride_q_s_q = kHeads * kDim; p.stride_q_h_q = kDim;
-    p.stride_kv_block = kPage * kFp8Slot; p.stride_kv_row = kFp8Slot;  // bytes, as the API passes a byte tensor's
-    p.stride_indices_b = queries * topk; p.stride_indices_s_q = topk;
-    p.stride_lse_b = queries * kHeads; p.stride_lse_s_q = kHeads;
-    p.stride_o_b = queries * kHeads * kLatent; p.stride_o_s_q = kHeads * kLatent; p.stride_o_h_q = kLatent;
-    p.lse_accum = lse_accum; p.o_accum = out_accum;
-    p.stride_lse_accum_split = queries * kHeads; p.stride_lse_accum_s_q = kHeads;
-    p.stride_o_accum_split = queries * kHeads * kLatent; p.stride_o_accum_s_q = kHeads * kLatent;
-    p.stride_o_accum_h_q = kLatent;
-    p.tile_scheduler_metadata_ptr = meta; p.num_splits_ptr = num_splits; p.num_sm_parts = num_sm_parts;
-    CombineParams c = {batch, queries, kHeads, kLatent, lse, out, p.stride_lse_b, p.stride_lse_s_q, p.stride_o_b,
-                       p.stride_o_s_q, p.stride_o_h_q, lse_accum, out_accum, p.stride_lse_accum_split,
-                       p.stride_lse_accum_s_q, p.stride_o_accum_split, p.stride_o_accum_s_q, p.stride_o_accum_h_q,
-                       meta, num_splits, num_sm_parts, nullptr, nullptr};
+    auto [p, c, metadata_us] = sparse_call(ModelType::V32, batch, queries, kHeads, kDim, kLatent, kScale, q_seed,
+                                           {pool, num_blocks, kPage * kFp8Slot, kFp8Slot}, indices, topk);
+    const size_t q_size = size_t(batch) * queries * kHeads * kDim;
     Timing t = time_calls([&] {
         sm90::decode::sparse_fp8::run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32, 128>(p);
         smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
@@ -359,16 +392,16 @@ void run_sparse(int batch, int context, int queries, int iters, int topk) {
                 keys[k][j] = double(fp8_value(fp8_byte(k_seed, slot * kLatent + j))) * fp8_scale(k_seed, slot, j / 128);
             for (int j = 0; j < 64; ++j) keys[k][kLatent + j] = bf16_of(k_seed + 1, slot * 64 + j);
         }
-        std::vector<double> want = attend(query, keys);
+        std::vector<double> want = attend(query, keys, kScale, kLatent);
         std::vector<cutlass::bfloat16_t> got(kLatent);
-        CHECK(cudaMemcpy(got.data(), out + ((uint64_t(b) * queries + s) * kHeads + h) * kLatent, kLatent * 2,
+        CHECK(cudaMemcpy(got.data(), p.out + ((uint64_t(b) * queries + s) * kHeads + h) * kLatent, kLatent * 2,
                          cudaMemcpyDeviceToHost));
         for (int j = 0; j < kLatent; ++j) max_err = std::max(max_err, std::abs(double(float(got[j])) - want[j]));
     }
     const double tokens = double(batch) * queries;
     const double bytes = tokens * topk * (kFp8Slot + 4) + double(q_size) * 2 + tokens * kHeads * kLatent * 2;
     const double flops = 2.0 * tokens * kHeads * topk * (kDim + kLatent);
-    print_json("sparse_mla", batch, context, queries, kHeads, topk, t, bytes, flops, max_err, num_sm_parts);
+    print_json("sparse_mla", batch, context, queries, kHeads, topk, t, bytes, flops, max_err, p.num_sm_parts);
 }
 
 // DeepSeek-V4-Flash's widths and FlashMLA's MODEL1 page: per slot 448 e4m3 and 64 bf16 RoPE
@@ -405,14 +438,12 @@ std::vector<double> model1_slot(uint64_t seed, uint64_t s) {
 }
 
 void run_v4(int batch, int context, int queries, int iters, int rate, int topk) {
-    const int sms = num_sms();
     if (rate < 1 || topk < 64 || topk % 64 != 0 || context < kV4Window + queries) {
         fprintf(stderr, "RATE must be >= 1, TOPK a positive multiple of 64, CONTEXT >= %d + QUERIES\n", kV4Window);
         exit(2);
     }
     const float scale = 1.0f / std::sqrt(float(kV4Dim));
     const int entries = context / rate, entry_pages = (entries + kPage - 1) / kPage, ring_pages = kV4Ring / kPage;
-    const int num_sm_parts = std::max(sms / queries / (kV4Heads / 64), 1);
     const uint64_t q_seed = 8, entry_seed = 9, ring_seed = 10;
 
     std::vector<int> entry_table(batch * entry_pages), ring_table(batch * ring_pages);
@@ -444,60 +475,16 @@ void run_v4(int batch, int context, int queries, int iters, int rate, int topk) 
     std::vector<float> sinks(kV4Heads);
     for (int h = 0; h < kV4Heads; ++h) sinks[h] = uniform(12, h);
 
-    cutlass::bfloat16_t *q, *out;
     uint8_t *entry_pool, *ring_pool;
-    float *lse, *lse_accum, *out_accum, *d_sinks;
-    int *d_indices, *d_extra, *num_splits;
-    DecodingSchedMeta* meta;
-    const size_t rows = size_t(batch) * queries * kV4Heads, q_size = rows * kV4Dim;
-    const int total_splits = batch + num_sm_parts;
-    CHECK(cudaMalloc(&q, q_size * 2));
     CHECK(cudaMalloc(&entry_pool, size_t(batch) * entry_pages * kV4PageBytes));
     CHECK(cudaMalloc(&ring_pool, size_t(batch) * ring_pages * kV4PageBytes));
-    CHECK(cudaMalloc(&out, rows * kV4Dim * 2));
-    CHECK(cudaMalloc(&lse, rows * 4));
-    CHECK(cudaMalloc(&lse_accum, size_t(total_splits) * queries * kV4Heads * 4));
-    CHECK(cudaMalloc(&out_accum, size_t(total_splits) * queries * kV4Heads * kV4Dim * 4));
-    CHECK(cudaMalloc(&d_sinks, kV4Heads * 4));
-    CHECK(cudaMalloc(&d_indices, indices.size() * 4));
-    CHECK(cudaMalloc(&d_extra, extra.size() * 4));
-    CHECK(cudaMalloc(&num_splits, (batch + 1) * 4));
-    CHECK(cudaMalloc(&meta, num_sm_parts * sizeof(DecodingSchedMeta)));
-    fill_bf16<<<1024, 256>>>(q, q_size, q_seed);
     fill_model1_pool<<<1024, 256>>>(entry_pool, uint64_t(batch) * entry_pages, entry_seed);
     fill_model1_pool<<<1024, 256>>>(ring_pool, uint64_t(batch) * ring_pages, ring_seed);
-    CHECK(cudaMemcpy(d_sinks, sinks.data(), kV4Heads * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(d_indices, indices.data(), indices.size() * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(d_extra, extra.data(), extra.size() * 4, cudaMemcpyHostToDevice));
-
-    GetDecodeSchedMetaParams meta_params = {batch, queries, 64, 5, topk, kV4Window, nullptr, nullptr, nullptr, meta,
-                                            num_splits, num_sm_parts, nullptr};
-    double metadata_us = time_once([&] { smxx::decode::run_get_decoding_sched_meta_kernel(meta_params); });
-
-    SparseAttnDecodeParams p = {};
-    p.b = batch; p.s_q = queries; p.h_q = kV4Heads; p.h_kv = 1; p.d_qk = kV4Dim; p.d_v = kV4Dim;
-    p.sm_scale = scale; p.sm_scale_div_log2 = scale * 1.44269504f;
-    p.num_blocks = batch * entry_pages; p.page_block_size = kPage; p.topk = topk; p.model_type = ModelType::MODEL1;
-    p.q = q; p.kv = reinterpret_cast<cutlass::bfloat16_t*>(entry_pool); p.indices = d_indices; p.attn_sink = d_sinks;
-    p.lse = lse; p.out = out;
-    p.extra_num_blocks = batch * ring_pages; p.extra_page_block_size = kPage; p.extra_topk = kV4Window;
-    p.extra_kv = reinterpret_cast<cutlass::bfloat16_t*>(ring_pool); p.extra_indices = d_extra;
-    p.stride_q_b = queries * kV4Heads * kV4Dim; p.stride_q_s_q = kV4Heads * kV4Dim; p.stride_q_h_q = kV4Dim;
-    p.stride_kv_block = kV4PageBytes; p.stride_kv_row = kV4Token;  // bytes; the row stride is FlashMLA's check
-    p.stride_indices_b = queries * topk; p.stride_indices_s_q = topk;
-    p.stride_lse_b = queries * kV4Heads; p.stride_lse_s_q = kV4Heads;
-    p.stride_o_b = queries * kV4Heads * kV4Dim; p.stride_o_s_q = kV4Heads * kV4Dim; p.stride_o_h_q = kV4Dim;
-    p.stride_extra_kv_block = kV4PageBytes; p.stride_extra_kv_row = kV4Token;
-    p.stride_extra_indices_b = queries * kV4Window; p.stride_extra_indices_s_q = kV4Window;
-    p.lse_accum = lse_accum; p.o_accum = out_accum;
-    p.stride_lse_accum_split = queries * kV4Heads; p.stride_lse_accum_s_q = kV4Heads;
-    p.stride_o_accum_split = queries * kV4Heads * kV4Dim; p.stride_o_accum_s_q = kV4Heads * kV4Dim;
-    p.stride_o_accum_h_q = kV4Dim;
-    p.tile_scheduler_metadata_ptr = meta; p.num_splits_ptr = num_splits; p.num_sm_parts = num_sm_parts;
-    CombineParams c = {batch, queries, kV4Heads, kV4Dim, lse, out, p.stride_lse_b, p.stride_lse_s_q, p.stride_o_b,
-                       p.stride_o_s_q, p.stride_o_h_q, lse_accum, out_accum, p.stride_lse_accum_split,
-                       p.stride_lse_accum_s_q, p.stride_o_accum_split, p.stride_o_accum_s_q, p.stride_o_accum_h_q,
-                       meta, num_splits, num_sm_parts, d_sinks, nullptr};
+    auto [p, c, metadata_us] = sparse_call(
+        ModelType::MODEL1, batch, queries, kV4Heads, kV4Dim, kV4Dim, scale, q_seed,
+        {entry_pool, batch * entry_pages, kV4PageBytes, kV4Token}, indices, topk,
+        {ring_pool, batch * ring_pages, kV4PageBytes, kV4Token}, extra, kV4Window, to_device(sinks));
+    const size_t rows = size_t(batch) * queries * kV4Heads, q_size = rows * kV4Dim;
     Timing t = time_calls([&] {
         sm90::decode::sparse_fp8::run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::MODEL1, kV4Heads>(p);
         smxx::decode::run_flash_mla_combine_kernel<cutlass::bfloat16_t>(c);
@@ -518,22 +505,10 @@ void run_v4(int batch, int context, int queries, int iters, int rate, int topk) 
         }
         for (int w = 0; w < kV4Window; ++w)
             keys.push_back(model1_slot(ring_seed, extra[(size_t(b) * queries + s) * kV4Window + w]));
-        double top = sinks[h];
-        std::vector<double> scores(keys.size());
-        for (size_t k = 0; k < keys.size(); ++k) {
-            scores[k] = scale * std::inner_product(query.begin(), query.end(), keys[k].begin(), 0.0);
-            top = std::max(top, scores[k]);
-        }
-        double total = std::exp(sinks[h] - top);  // the sink: in the softmax's denominator only
-        std::vector<double> want(kV4Dim, 0.0);
-        for (size_t k = 0; k < keys.size(); ++k) {
-            const double w = std::exp(scores[k] - top);
-            total += w;
-            for (int j = 0; j < kV4Dim; ++j) want[j] += w * keys[k][j];
-        }
+        std::vector<double> want = attend(query, keys, scale, kV4Dim, sinks[h]);
         std::vector<cutlass::bfloat16_t> got(kV4Dim);
-        CHECK(cudaMemcpy(got.data(), out + q_row, kV4Dim * 2, cudaMemcpyDeviceToHost));
-        for (int j = 0; j < kV4Dim; ++j) max_err = std::max(max_err, std::abs(double(float(got[j])) - want[j] / total));
+        CHECK(cudaMemcpy(got.data(), p.out + q_row, kV4Dim * 2, cudaMemcpyDeviceToHost));
+        for (int j = 0; j < kV4Dim; ++j) max_err = std::max(max_err, std::abs(double(float(got[j])) - want[j]));
     }
     // Every token's keys read once (its selected entries and its window), its index lists, queries
     // and outputs; flops of every listed key.
@@ -542,7 +517,7 @@ void run_v4(int batch, int context, int queries, int iters, int rate, int topk) 
                          + double(q_size) * 2 + double(rows) * kV4Dim * 2;
     const double flops = 4.0 * rows * (topk + kV4Window) * kV4Dim;
     print_json(rate == 4 ? "v4_csa" : rate == 128 ? "v4_hca" : "v4", batch, context, queries, kV4Heads, topk, t, bytes,
-               flops, max_err, num_sm_parts);
+               flops, max_err, p.num_sm_parts);
 }
 
 // Bytes/s of a device-to-device copy of `mib` MiB (read + write), the median of 20 after warm-up.
