@@ -14,8 +14,9 @@ Putting the keys on the M side needs no transposed operand: the queries are tran
 (`[B, Q, Di, Hp]`, small), and Mosaic GPU's CPU interpreter in jax 0.10 executes only untransposed
 wgmma operands.
 
-Grid: `(Q, slot chunks, B)`, axis 0 fastest, so the Q programs that read the same key chunk run side
-by side and the chunk comes from HBM once, the rest of its reads from L2. A token's scores are a
+Grid: `(B, slot chunks, Q)`, its last axis fastest (Mosaic GPU launches a Pallas grid reversed: the
+last axis is CUDA's x), so the Q programs that read the same key chunk run side by side and the
+chunk comes from HBM once, the rest of its reads from L2. A token's scores are a
 function of its own queries, weights and keys only (fixed tiles, one wgmma per token and tile): they
 do not depend on B, Q or the chunking, bit for bit. Tiles wholly past a token's last visible slot
 are written as -inf without reading keys. Visibility inside the kernel is the chain bound
@@ -261,7 +262,7 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
     kernel = plgpu.kernel(
         functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries,
                           fp8=fp8),
-        out_type=out_type, grid=(num_queries, chunks, batch), grid_names=("token", "chunk", "row"),
+        out_type=out_type, grid=(batch, chunks, num_queries), grid_names=("row", "chunk", "token"),
         compiler_params=compiler_params())
     tables = (page_table.astype(jnp.int32), bound)
     cost = indexer_cost(batch, num_queries, heads, num_slots, dim, cache_token_bytes(key_cache), q_t, w, *tables,

@@ -2,7 +2,9 @@
 
 Work layout. The Q window tokens x H heads of a sequence row fold into M = Q * H query rows (row
 m = q * H + h), padded to whole blocks of BLOCK_M = 64 (wgmma's M). A thread block owns one block
-of 64 rows, one part of the row's slots and one sequence row; grid `(row blocks, parts, B)`. It
+of 64 rows, one part of the row's slots and one sequence row; grid `(B, parts, row blocks)`, its
+last axis fastest (Mosaic GPU launches a Pallas grid reversed), so the row blocks that read the
+same pages run side by side and the pages come from HBM once, the other reads from L2. It
 streams the part's cache past its rows in tiles of BLOCK_N = 64 slots, two TMA copies of a page
 slice per tile (its [64, Dl] latent and [64, Dr] RoPE parts), double-buffered so the next tile
 lands while this one is multiplied. Three warpgroups share the work as in the gathering kernels
@@ -419,7 +421,7 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     kernel = plgpu.kernel(
         functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
                           softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret, fp8=fp8),
-        out_type=out_type, grid=(rows_padded // BLOCK_M, parts, batch), grid_names=("rows", "parts", "batch"),
+        out_type=out_type, grid=(batch, parts, rows_padded // BLOCK_M), grid_names=("batch", "parts", "rows"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
     small = (table, meta, bound) + (() if bits is None else (bits,))

@@ -21,7 +21,7 @@ Work unit and invariance. As in `sparse_mla_attention_mosaic` (whose structure t
 shares): a program holds one token's block of BLOCK_M (64) heads as the wgmma's M rows and
 FOLLOWERS * out_block of the D output columns (all 512 of V4's) in three warpgroups; grid
 
-    (column blocks, head blocks, B * Q * parts)   axis 0 fastest
+    (column blocks, head blocks, B * Q * parts)   the last axis fastest (a Pallas grid launches reversed)
 
 and walks one split-KV part of the token's seen tiles (parts of PART_SLOTS / 64 tiles, in order),
 tile by tile, with a float32 online softmax; part 0's starts at the head's sink (max = sink,

@@ -6,10 +6,13 @@ DeepSeek-V3.2) shared by its H heads, so tokens share no KV reads: a program hol
 block of BLOCK_M (64) heads as the wgmma's M rows and FOLLOWERS * OUT_BLOCK (512) latent columns,
 all of DeepSeek's, in three warpgroups, over one part of the token's list. Grid:
 
-    (latent column blocks, head blocks, B * Q * parts)   axis 0 fastest
+    (latent column blocks, head blocks, B * Q * parts)   the last axis fastest (a Pallas grid launches reversed)
 
 (one column block up to 512 columns), so a token's rows are gathered and its scores computed once
-per head block. A program walks its part of the index list in tiles of TILE (64) slots with an
+per head block. A token's two head blocks (DeepSeek's 128 heads) launch B * Q * parts blocks apart,
+so the second reads the token's rows from L2 only if they are still there: the index axis is
+CUDA's x, the only one without the 65,535 limit a prefill's B * Q * parts can pass, and bringing
+them side by side means folding the head blocks into it. A program walks its part of the index list in tiles of TILE (64) slots with an
 online softmax in float32 and writes a normalised float32 partial and its log-sum-exp, which
 `split_kv.combine_parts` merges. Split-KV: the list is cut into `split_kv.num_parts(K,
 part_slots)` parts of whole tiles (K the list's length: 4 parts of PART_SLOTS at DeepSeek-V3.2's

@@ -206,7 +206,8 @@ def test_shared_memory_does_not_grow_with_the_context(h100):
     memory is the same; the combine of 128 parts compiles without spills (the compile fails on one)."""
     longest, shorter = deepseek_compile(8, True, 131072, True), deepseek_compile(8, True, 32768, True)
     [launch], [short_launch] = aot.mosaic_launches(longest), aot.mosaic_launches(shorter)
-    assert launch.grid == (32, num_parts(131072, PART_SLOTS), 16) and num_parts(131072, PART_SLOTS) == 128
+    # Mosaic GPU launches the grid reversed: the row blocks (16 at 128 heads, Q 8) are CUDA's x.
+    assert launch.grid == (16, num_parts(131072, PART_SLOTS), 32) and num_parts(131072, PART_SLOTS) == 128
     assert launch.shared_memory == short_launch.shared_memory <= SM90_SMEM
 
 

@@ -227,6 +227,8 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
     [launch] = aot.mosaic_launches(compiled)
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
     assert launch.threads == (128, 1, 1) and launch.shared_memory <= SM90_SMEM
+    # The Q programs of one key chunk side by side: Mosaic GPU launches the grid reversed, Q as CUDA's x.
+    assert launch.grid == (num_queries, CONTEXT // 1024, BATCH)
     assert_costed(compiled, "indexer_scores", BATCH * num_queries * heads * CONTEXT * (2 * dim + 3))
     table_row = r"^indexer_scores \(Mosaic\)\s+1\s+\S+\s+128\s+(\d+)\s+-\s+-$"  # `jaxspec aot`'s kernel table
     row = re.search(table_row, aot.report(compiled, "indexer"), re.M)
