@@ -13,7 +13,9 @@ verification at B 32, k = 3). Each row prints time, the bytes the layer must mov
 weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
 TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
 variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits that fill the GPU where a layer
-has few column blocks), a row each; --dtypes picks the weights' rows. A timing is
+has few column blocks), a row each; --mosaic adds the FP8 layers on the Mosaic GPU kernel
+(`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton), a
+row per K-split setting among the variants; --dtypes picks the weights' rows. A timing is
 `benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
 beside the device time of the layer's kernels a call ("dev ms", which the rates use).
 """
@@ -27,9 +29,10 @@ import sys
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, time_cells, timings, write_rows
+from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matmul_runs, time_cells, timings, write_rows
 
 from jaxspec.models.layers import Linear
+from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 
 SHAPES = {"q_a_proj": (7168, 1536), "kv_a_proj_with_mqa": (7168, 576), "q_b_proj": (1536, 24576),
@@ -52,6 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the weights' dtypes")
     parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the FP8 kernel's tile variants, a row each")
+    parser.add_argument("--mosaic", action="store_true",
+                        help="also the FP8 layers on the Mosaic GPU grouped matmul, a row per K-split setting of --tiles")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):
@@ -70,10 +75,15 @@ def main(argv=None) -> int:
         for label in args.dtypes:
             layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=DTYPES[label])
             graphdef, params = nnx.split(layer)
-            fn = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, backend="pallas"))
-            for tiles in args.tiles if label == "fp8" else [DEFAULT_VARIANT]:
-                impl = "xla" if label == "bf16" else "pallas" if tiles == DEFAULT_VARIANT else f"pallas:{tiles}"
-                shown = label if impl in ("xla", "pallas") else f"{label}:{tiles}"
+            runs = (grouped_matmul_runs(args.tiles, args.mosaic) if label == "fp8"
+                    else [("xla", "pallas", DEFAULT_VARIANT)])  # a bfloat16 weight is XLA's dot on "pallas"
+            for impl, backend, tiles in runs:
+                shown = label if impl in ("xla", "pallas") else f"{label}:{impl.removeprefix('pallas:')}"
+                if backend == "mosaic" and not accepts(jax.ShapeDtypeStruct((1, fan_in), jnp.bfloat16),
+                                                       layer.weight[...][None], layer.weight_scale_inv[...][None]):
+                    print(f"{name:<20}{shown:>16}  skipped: not whole 128-blocks, the op runs it on Triton")
+                    continue
+                fn = jax.jit(lambda p, x, backend=backend: nnx.merge(graphdef, p)(x, backend=backend))
                 calls = {tokens: functools.partial(fn, params, jax.random.normal(jax.random.key(tokens),
                                                                                   (tokens, fan_in), jnp.bfloat16))
                          for tokens in args.tokens}

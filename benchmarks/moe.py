@@ -15,7 +15,8 @@ The three paths:
 --weights fp8 stores the experts as DeepSeek ships them (float8_e4m3fn with 128 x 128 block
 scales, as the end-to-end step runs them) and times the kernel alone (the XLA paths would first
 dequantize every expert). --tiles times the kernel once per grouped-matmul tile variant
-(`grouped_matmul_pallas.VARIANTS`: the K step, K splits), one row each.
+(`grouped_matmul_pallas.VARIANTS`: the K step, K splits), one row each; --mosaic adds the Mosaic
+GPU kernel (`grouped_matmul_mosaic.py`), a row per K-split setting among them.
 
 For T tokens per call (default 8, 32, 128, 1024: decode at batch 8 and 32, verification at k = 3,
 prefill) it prints time per layer, the distinct experts the call hit, achieved bandwidth (the bytes
@@ -48,12 +49,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import (MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, time_cells, timings,
-                     write_rows)
+from kernels import (MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matmul_runs, time_cells,
+                     timings, write_rows)
 
 from jaxspec import progress
 from jaxspec.memory_plan import device_memory
 from jaxspec.models.moe import MoE, route
+from jaxspec.pallas_kernels import block_fp8
+from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 from jaxspec.presets import preset
 
@@ -66,6 +69,21 @@ MODELS = ("deepseek-v3.2", "deepseek-v4-flash")
 SMOKE_WIDTHS = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
                     n_shared_experts=1)
 SMOKE_MODEL_WIDTHS = {"deepseek-v3.2": dict(n_group=4, topk_group=2), "deepseek-v4-flash": dict(intermediate_size=32)}
+
+
+def mosaic_takes(config, weight_dtype) -> bool:
+    """Whether the Mosaic grouped matmul takes the layer's expert matmuls (gate and up [E, D, H],
+    down [E, H, D]); where it does not, the op would run them on Triton."""
+    dim, hidden, experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+    lhs = jax.ShapeDtypeStruct((1, dim), jnp.bfloat16)
+
+    def fits(depth, width):
+        rhs = jax.ShapeDtypeStruct((experts, depth, width), weight_dtype)
+        fp8 = jnp.dtype(weight_dtype) == jnp.dtype(block_fp8.FP8)
+        scales = jax.ShapeDtypeStruct(block_fp8.scale_shape(rhs.shape), jnp.float32) if fp8 else None
+        return accepts(lhs, rhs, scales)
+
+    return fits(dim, hidden) and fits(hidden, dim)
 
 
 def extra_memory(label: str, config, num_tokens: int) -> int:
@@ -89,6 +107,8 @@ def main(argv=None) -> int:
                         help="the experts' stored dtype (fp8: block-scaled, the kernel path only)")
     parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the kernel's tile variants, a row each")
+    parser.add_argument("--mosaic", action="store_true",
+                        help="also the Mosaic GPU grouped matmul, a row per K-split setting of --tiles")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
 
@@ -107,9 +127,8 @@ def main(argv=None) -> int:
     graphdef, params = nnx.split(moe)
     memory = device_memory()
     weight_bytes = experts * expert_bytes
-    # The kernel once per tile variant, then (bf16 weights) the XLA paths.
-    paths = [(label if tiles == DEFAULT_VARIANT else f"{label}:{tiles}", path, backend, tiles)
-             for label, path, backend in PATHS[:1] for tiles in args.tiles]
+    # The kernel once per tile variant (and the Mosaic kernel), then (bf16 weights) the XLA paths.
+    paths = [(label, "grouped", backend, tiles) for label, backend, tiles in grouped_matmul_runs(args.tiles, args.mosaic)]
     paths += [] if fp8 else [(label, path, backend, DEFAULT_VARIANT) for label, path, backend in PATHS[1:]]
     op = "moe_layer_fp8" if fp8 else "moe_layer"
 
@@ -134,6 +153,9 @@ def main(argv=None) -> int:
         kernel_out = kernel_seconds = None
         for label, path, backend, tiles in paths:
             prefix = f"{num_tokens:>6}  {label:<17}{hit:>5}"
+            if backend == "mosaic" and not mosaic_takes(config, WEIGHTS[args.weights]):
+                print(f"{prefix}  skipped: the Mosaic kernel needs hidden and expert widths in 128-blocks")
+                continue
             if memory is not None and weight_bytes + extra_memory(label, config, num_tokens) > MEMORY_FRACTION * memory:
                 print(f"{prefix}  skipped: memory")
                 continue

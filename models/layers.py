@@ -51,8 +51,8 @@ class Linear(nnx.Module):
     [in, out] and `weight_scale_inv` float32 [ceil(in / 128), ceil(out / 128)], both named `names`
     (random weights are quantized from a normal draw); with any other dtype `weight_scale_inv` is
     None. A quantized layer multiplies by its dequantized bfloat16 weight
-    (`pallas_kernels.block_fp8`) without storing it: on the "pallas" backend through the
-    grouped-matmul kernel as one group, which dequantizes each weight tile after loading it (XLA's
+    (`pallas_kernels.block_fp8`) without storing it: on the "pallas" and "mosaic" backends through
+    a grouped-matmul kernel as one group, which dequantizes each weight tile after loading it (XLA's
     GPU gemm fusion takes in an FP8 convert but not the block scales' multiply, so its dot writes a
     bfloat16 copy of the weight first); on "xla" as XLA's dot of
     the dequantized weight (bit for bit the layer a model dequantized at load computes).
@@ -79,12 +79,12 @@ class Linear(nnx.Module):
         16-bit dtype: XLA's gemms would read the row only after copying it out of the stack."""
         weight = self.weight.get_value()
         stacked = isinstance(weight, StackRow) and weight.dtype == x.dtype and jnp.dtype(x.dtype).itemsize == 2
-        if (self.weight_scale_inv is not None or stacked) and resolve_backend(backend) == "pallas":
+        if (self.weight_scale_inv is not None or stacked) and resolve_backend(backend, "grouped_matmul") != "xla":
             rows = x.reshape(-1, x.shape[-1])
             stack, row = in_place(weight)
             scales = None if self.weight_scale_inv is None else in_place(self.weight_scale_inv.get_value())[0][:, None]
             y = grouped_matmul(rows, stack[:, None], jnp.full((1,), rows.shape[0], jnp.int32), scales, rhs_row=row,
-                               backend="pallas").reshape(*x.shape[:-1], -1)
+                               backend=backend).reshape(*x.shape[:-1], -1)
         else:
             y = x @ self.dense_weight().astype(x.dtype)
         if self.bias is not None:

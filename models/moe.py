@@ -108,8 +108,8 @@ EP_CHUNK_TOKENS = 512
 
 def expert_path(num_assignments: int, num_experts: int, backend: str) -> str:
     """"grouped" or "gathered" (module docstring) for a call with `num_assignments` = T * k token-expert
-    pairs on a resolved `backend` ("xla" or "pallas"): the only place the choice is made."""
-    if backend == "pallas" or num_assignments > num_experts:
+    pairs on a resolved `backend` ("xla", "pallas" or "mosaic"): the only place the choice is made."""
+    if backend != "xla" or num_assignments > num_experts:
         return "grouped"
     return "gathered"
 
@@ -182,7 +182,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, *, backend: str = "auto", path: str | None = None,
                  token_ids: jax.Array | None = None) -> jax.Array:
-        """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas" or "auto", as for the attention ops.
+        """x [B, Q, D] -> [B, Q, D]. backend: "xla", "pallas", "mosaic" or "auto", as for the attention ops
+        (the grouped matmul's implementation: `pallas_kernels.grouped_matmul_backend`).
         path: None = `expert_path`'s choice; "gathered" or "grouped" forces one (benchmarks/moe.py).
         token_ids [B, Q] int32: the tokens' ids, which a hash-routed layer needs (ignored otherwise)."""
         if path not in (None, *EXPERT_PATHS):
@@ -197,7 +198,7 @@ class MoE(nnx.Module):
                                      experts=self.tid2eid[...][token_ids.reshape(-1)])
         else:
             weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
-        backend = resolve_backend(backend)
+        backend = resolve_backend(backend, "grouped_matmul")
         par = current()
         if par is None:
             per_assignment = self._routed(tokens, experts, None, backend, path)

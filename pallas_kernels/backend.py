@@ -18,7 +18,8 @@ import jax
 BACKENDS = ("auto", "xla", "pallas", "mosaic")
 
 # Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...).
-MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention", "sliding_compressed_attention"})
+MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention", "sliding_compressed_attention",
+                        "grouped_matmul"})
 
 # device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}; an op
 # or a device it does not name runs on Triton ("pallas"). Each entry is a measurement's verdict

@@ -6,8 +6,9 @@ with `offset_g = sum(group_sizes[:g])`; rows past `sum(group_sizes)` are zero. T
 `jax.lax.ragged_dot`'s definition, and the reference is that op. The MoE runs its experts with it
 (rows = token-expert assignments sorted by expert, groups = experts). XLA's GPU backend lowers
 `ragged_dot` to one dense matmul over every group (256x the routed work at DeepSeek-V3's 256
-experts), so on a GPU the op runs the Pallas kernel (`grouped_matmul_pallas.py`), which reads only
-the groups that have rows.
+experts), so on a GPU the op runs a Pallas kernel that reads only the groups that have rows: the
+Triton one (`grouped_matmul_pallas.py`), or the Mosaic GPU one (`grouped_matmul_mosaic.py`) where
+the backend asks for it and it takes the operands (`grouped_matmul_backend`).
 
 FP8 groups: `rhs` may be DeepSeek's block-scaled `float8_e4m3fn` [G, K, N] with its float32 scales
 `rhs_scale_inv` [G, ceil(K / 128), ceil(N / 128)] (`block_fp8`). Its matrices are then the
@@ -36,6 +37,22 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
 
 
+def grouped_matmul_backend(backend: str, lhs, rhs, rhs_scale_inv=None) -> str:
+    """The implementation `grouped_matmul` runs for these operands (arrays or
+    `jax.ShapeDtypeStruct`s; rhs [G, K, N] or a stack [n, G, K, N]): `resolve_backend`'s, except
+    that where it names the Mosaic kernel but that kernel does not take the operands
+    (`grouped_matmul_mosaic.accepts`: float32, or K or N not whole 128-blocks, as kv_a_proj's 576
+    columns), the Triton kernel runs them. Unlike the attention ops, an explicit "mosaic" falls
+    back too: one model's linears and experts all go through this op at many shapes, and one
+    backend name must serve the model."""
+    implementation = resolve_backend(backend, "grouped_matmul")
+    if implementation == "mosaic":
+        from .grouped_matmul_mosaic import accepts
+        if not accepts(lhs, rhs, rhs_scale_inv):
+            return "pallas"
+    return implementation
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_scale_inv: jax.Array | None = None,
                    *, rhs_row: jax.Array | None = None, backend: str = "auto") -> jax.Array:
     """Multiply each group of rows by its group's matrix.
@@ -48,7 +65,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
         rhs_scale_inv [n, G, ...]) of which the groups' matrices are row r, as a layer inside a
         scan holds its weights (`models.stack.StackRow`). The kernel reads row r where it lies in
         the stack: slicing it out first would make XLA copy it (all of a layer's experts).
-      backend: "xla" (`jax.lax.ragged_dot`), "pallas" or "auto".
+      backend: "xla" (`jax.lax.ragged_dot`), "pallas" (Triton), "mosaic" (Mosaic GPU where it takes the
+        operands, `grouped_matmul_backend`) or "auto".
 
     Returns:
       [M, N] in the promoted dtype of lhs and rhs (lhs's dtype for an FP8 rhs, whose values are bfloat16).
@@ -57,14 +75,20 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
         if rhs.ndim != 4 or (rhs_scale_inv is not None and rhs_scale_inv.ndim != 4):
             raise ValueError(f"rhs: with rhs_row, must be a stack [n, G, K, N] (and rhs_scale_inv [n, G, ...]), "
                              f"got shape {rhs.shape}")
-        if resolve_backend(backend) != "pallas":  # the reference reads the row as a plain value
+        if resolve_backend(backend, "grouped_matmul") == "xla":  # the reference reads the row as a plain value
             row = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, rhs_row, keepdims=False)
             return grouped_matmul(lhs, row(rhs), group_sizes, row(rhs_scale_inv), backend="xla")
         check_grouped_matmul_args(lhs, rhs[0], group_sizes, None if rhs_scale_inv is None else rhs_scale_inv[0])
     else:
         check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
-    if resolve_backend(backend) == "pallas":
+    implementation = grouped_matmul_backend(backend, lhs, rhs, rhs_scale_inv)
+    if implementation != "xla":
         from .grouped_matmul_pallas import current_tiles, grouped_matmul_pallas
+    if implementation == "mosaic":  # its K step is its own; it splits K where the tile variant does
+        from .grouped_matmul_mosaic import grouped_matmul_mosaic
+        return grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row,
+                                     split_k=current_tiles().split_k, interpret=interpret_mode())
+    if implementation == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, interpret=interpret_mode(),
                                      tiles=current_tiles())
     return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale_inv)

@@ -360,9 +360,14 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                  name="grouped_matmul", interpret=interpret, cost=cost)(
         operand, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
-    # The partial sums added one split after another, so each element's order is fixed (a reduce
-    # over the split axis would leave the order to XLA).
-    total = functools.reduce(jnp.add, (out[i] for i in range(1, splits)), out[0])
-    # No program writes the rows past sum(group_sizes): they are defined as zero.
+    return summed_splits(out, group_sizes, num_rows, width, out_dtype)
+
+
+def summed_splits(out: jax.Array, group_sizes: jax.Array, num_rows: int, width: int, out_dtype) -> jax.Array:
+    """A launch's output [splits, >= M, >= N] (each K split's sums) -> the op's [M, N] in out_dtype:
+    the splits added one after another, so each element's order is fixed (a reduce over the split
+    axis would leave the order to XLA), and the rows past sum(group_sizes), which no program
+    writes, set to zero as the op defines them. Shared by the Triton and Mosaic GPU kernels."""
+    total = functools.reduce(jnp.add, (out[i] for i in range(1, out.shape[0])), out[0])
     covered = jnp.arange(num_rows) < jnp.sum(jnp.maximum(group_sizes, 0))
     return jnp.where(covered[:, None], total[:num_rows, :width], 0).astype(out_dtype)

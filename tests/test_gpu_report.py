@@ -60,9 +60,11 @@ def test_smoke_run_records_every_part(smoke_report):
     assert all(row["correct"] for row in units["gather"]["json"]["rows"])
     # the tuned rows say their tuning, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
-    # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only
+    # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only, and the
+    # Mosaic kernel's with and without K splits
     assert {(row["op"], row["impl"]) for row in units["gmm/matmuls"]["json"]["rows"]} == {
-        ("linear_fp8", "pallas"), ("linear_fp8", f"pallas:{gpu_report.GMM_E2E_TILES}")}
+        ("linear_fp8", "pallas"), ("linear_fp8", f"pallas:{gpu_report.GMM_E2E_TILES}"), ("linear_fp8", "mosaic"),
+        ("linear_fp8", "mosaic:split")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
     # the Mosaic kernel's split-KV parts (the tiles part's --part-slots, here in the kernels part's
     # smoke): its default and 64-slot parts side by side, only the Triton rows calibrating

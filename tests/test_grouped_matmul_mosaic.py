@@ -1,0 +1,189 @@
+"""The Mosaic GPU grouped matmul (`grouped_matmul_mosaic`): interpreted on the CPU against the
+reference and a float64 loop, FP8 weights against their dequantized bfloat16 values bit for bit, a
+row's bits alone and among other rows, a stack's row read in place, K splits; which operands it
+takes and how the op dispatches to it; and compiled for an H100 without a GPU at DeepSeek-V3.2's
+widths (grid, shared memory, stated cost). On a GPU host the `gpu` test runs it natively.
+
+Inputs are seeded random; group sizes include empty groups, a group of more than one 16-row tile,
+rows past the groups' total, and fewer rows than a tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_backend, grouped_matmul_reference
+from jaxspec.pallas_kernels.grouped_matmul_mosaic import (BLOCK_K, accepts, check_operands,
+                                                           grouped_matmul_mosaic)
+from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_N, Tiles, k_splits, num_work_items
+from test_grouped_matmul import V32_WEIGHTS, grouped_loop, random_sizes
+
+SM90_SMEM = 227 * 1024
+
+CASES = {
+    # name: (rows, K, N, groups, rows in groups, empty fraction)
+    "mixed": (60, 256, 256, 6, 52, 0.3),  # a group past one 16-row tile, empty groups, 8 rows past the total
+    "decode": (8, 384, 128, 16, 8, 0.0),  # fewer rows than a tile, mostly one row a group
+}
+
+
+def fp8_weights(rng, shape):
+    """Block-quantized FP8 weights with scales spread over three decades, and their bfloat16 values."""
+    groups, depth, width = shape[-3:]
+    weights = rng.normal(size=shape) * rng.uniform(0.01, 10, (*shape[:-2], 1, width)) * depth ** -0.5
+    quantized, scale_inv = block_fp8.quantize(jnp.asarray(weights, jnp.float32))
+    return quantized, scale_inv, block_fp8.dequantize(quantized, scale_inv)
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_matches_reference(case):
+    """bfloat16 weights: within bfloat16 rounding of the reference and of a float64 loop (the
+    reference sums K in another order), rows past the total zero; FP8 weights: bit for bit the
+    kernel's own result for their dequantized bfloat16 values."""
+    rows, depth, width, groups, total, empty = CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)))
+    sizes = random_sizes(rng, groups, total, empty)
+    lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(groups, depth, width)) * depth ** -0.5, jnp.bfloat16)
+    got = grouped_matmul_mosaic(lhs, rhs, jnp.asarray(sizes), interpret=True)
+    want = grouped_matmul_reference(lhs, rhs, jnp.asarray(sizes))
+    assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == (rows, width)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), grouped_loop(np.asarray(lhs, np.float32),
+                               np.asarray(rhs, np.float32), sizes), rtol=2e-2, atol=2e-2)
+    assert np.all(np.asarray(got)[total:] == 0)
+
+    quantized, scale_inv, dense = fp8_weights(rng, (groups, depth, width))
+    fp8 = grouped_matmul_mosaic(lhs, quantized, jnp.asarray(sizes), scale_inv, interpret=True)
+    np.testing.assert_array_equal(np.asarray(fp8), np.asarray(grouped_matmul_mosaic(lhs, dense, jnp.asarray(sizes),
+                                                                                    interpret=True)))
+    np.testing.assert_allclose(np.asarray(fp8, np.float32),
+                               np.asarray(grouped_matmul_reference(lhs, quantized, jnp.asarray(sizes), scale_inv),
+                                          np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("split_k", [False, True], ids=["whole-k", "split-k"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(split_k):
+    """The same rows give the same bits alone, among more rows of their groups and after other
+    groups (speculative decoding's bit-exactness rests on this), with FP8 weights, with and without
+    K splits (K = 2048: 16 steps, split in two); the split result is within rounding of the
+    reference."""
+    rng = np.random.default_rng(7)
+    depth = 2048
+    quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
+    assert (k_splits(depth, 128, 4, Tiles(block_k=BLOCK_K, split_k=split_k)) == 2) == split_k
+    mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)  # one row of group 1, two of group 3
+    alone = grouped_matmul_mosaic(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv, split_k=split_k,
+                                  interpret=True)
+    crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
+    # 5 rows of group 0, then 1 + 16 rows of group 1 (mine first), then 2 + 9 of group 3.
+    batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
+    sizes = jnp.asarray([5, 17, 0, 11])
+    together = grouped_matmul_mosaic(batch, quantized, sizes, scale_inv, split_k=split_k, interpret=True)
+    np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]), np.asarray(alone))
+    np.testing.assert_allclose(np.asarray(together, np.float32),
+                               np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_stack_row_read_in_place_and_op_dispatch():
+    """rhs_row r of an FP8 stack [n, G, K, N] gives the bits of the call on row r's matrices; the
+    op runs the Mosaic kernel on "mosaic" (interpreted here), with a stack row too, and the
+    Triton kernel for operands the Mosaic one does not take."""
+    rng = np.random.default_rng(3)
+    quantized, scale_inv, _ = fp8_weights(rng, (3, 4, 256, 128))
+    lhs = jnp.asarray(rng.normal(size=(21, 256)), jnp.bfloat16)
+    sizes = jnp.asarray([4, 0, 9, 8])
+    row = grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv, jnp.int32(2), interpret=True)
+    np.testing.assert_array_equal(np.asarray(row), np.asarray(grouped_matmul_mosaic(lhs, quantized[2], sizes,
+                                                                                    scale_inv[2], interpret=True)))
+    np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized, sizes, scale_inv, rhs_row=jnp.int32(2),
+                                                            backend="mosaic")), np.asarray(row))
+    np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized[2], sizes, scale_inv[2], backend="mosaic")),
+                                  np.asarray(row))
+
+    assert grouped_matmul_backend("mosaic", lhs, quantized[0], scale_inv[0]) == "mosaic"
+    assert grouped_matmul_backend("mosaic", lhs, quantized, scale_inv) == "mosaic"  # a stack
+    odd = jnp.zeros((4, 256, 576), jnp.bfloat16)  # kv_a_proj's 576 columns
+    assert grouped_matmul_backend("mosaic", lhs, odd) == "pallas"
+    assert grouped_matmul_backend("mosaic", lhs.astype(jnp.float32), odd[..., :128].astype(jnp.float32)) == "pallas"
+    assert grouped_matmul_backend("pallas", lhs, quantized[0], scale_inv[0]) == "pallas"
+    assert grouped_matmul_backend("auto", lhs, quantized[0], scale_inv[0]) == "xla"  # no GPU in this process
+    wide = jnp.asarray(rng.normal(size=(4, 256, 576)) / 16, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, wide, sizes, backend="mosaic")),
+                                  np.asarray(grouped_matmul(lhs, wide, sizes, backend="pallas")))
+
+
+def test_operands_it_does_not_take_are_refused_before_tracing():
+    lhs, sizes = jnp.zeros((8, 256), jnp.bfloat16), jnp.asarray([8, 0])
+    bf16, (quantized, scale_inv) = jnp.zeros((2, 256, 128), jnp.bfloat16), block_fp8.quantize(jnp.zeros((2, 256, 128)))
+    assert accepts(lhs, bf16) and accepts(lhs, quantized, scale_inv)
+    refusals = [((lhs.astype(jnp.float32), bf16.astype(jnp.float32)), r"lhs.dtype=float32: must be bfloat16 or float16"),
+                ((lhs.astype(jnp.float16), quantized, scale_inv), r"lhs.dtype=float16: with FP8 weights must be bfloat16"),
+                ((lhs, bf16.astype(jnp.float16)), r"rhs.dtype=float16: must be lhs's dtype bfloat16"),
+                ((lhs[:, :192], bf16[:, :192]), r"rhs \[\.\.\., 192, 128\]: K must be a multiple of 128"),
+                ((lhs, bf16[..., :64]), r"rhs \[\.\.\., 256, 64\]: K must be a multiple of 128 and N of 128")]
+    for args, message in refusals:
+        assert not accepts(*args)
+        with pytest.raises(ValueError, match=message):
+            check_operands(*args)
+        with pytest.raises(ValueError, match="grouped_matmul_mosaic: " + message):
+            grouped_matmul_mosaic(args[0], args[1], sizes, *args[2:], interpret=True)
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_matmul_mosaic(lhs, bf16, sizes[:1], interpret=True)
+
+
+@pytest.mark.parametrize("weight,rows,split_k", [("expert_up", 256, False), ("expert_down", 256, False),
+                                                 ("o_proj", 8, True)])
+def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, split_k):
+    """FP8 weights at DeepSeek-V3.2's widths (256 experts with 256 rows: decode at batch 32, top-8;
+    o_proj with 8 tokens, K split): one Mosaic launch, a block per (work item, column block,
+    split) of one warpgroup, within the H100's shared memory, and the op's stated cost equal to
+    the Triton kernel's statement of the same work (1 byte a weight of the groups that can be hit,
+    their scales, the activations, the work table, the split's partial sums)."""
+    from jaxspec import aot
+
+    depth, width, groups = V32_WEIGHTS[weight]
+    args = (jax.ShapeDtypeStruct((rows, depth), jnp.bfloat16),
+            jax.ShapeDtypeStruct((groups, depth, width), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((groups,), jnp.int32),
+            jax.ShapeDtypeStruct((groups, depth // 128, width // 128), jnp.float32))
+    compiled = aot.compile_gpu(functools.partial(grouped_matmul_mosaic, split_k=split_k), *args, devices=h100)
+    (launch,) = aot.mosaic_launches(compiled)
+    splits = k_splits(depth, width, groups, Tiles(block_k=BLOCK_K, split_k=split_k))
+    assert (splits > 1) == split_k
+    # Mosaic GPU launches the grid reversed: the K splits are CUDA's x.
+    assert launch.grid == (splits, width // BLOCK_N, num_work_items(rows, groups))
+    assert launch.threads == (128, 1, 1) and 0 < launch.shared_memory <= SM90_SMEM
+    (call,) = aot.pallas_calls(compiled)
+    assert (call.name, call.lowering) == ("grouped_matmul", "mosaic")
+    weights = min(groups, rows) * (depth * width + 4 * (depth // 128) * (width // 128))
+    activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, groups)
+    partials = 0 if splits == 1 else 2 * splits * rows * width * 4
+    assert call.flops == 2 * rows * depth * width
+    assert call.bytes_accessed == weights + activations + partials
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,empty,split_k", [(256, 0.0, False), (1024, 0.5, False), (8, 0.0, True)],
+                         ids=["decode", "prefill-half-empty", "one-token-split"])
+def test_mosaic_compiled_on_gpu(rows, empty, split_k):
+    """Natively on a GPU, FP8 experts at DeepSeek-V3.2's up-projection shape: within bfloat16
+    rounding of the reference, and a row's bits the same alone as among the others."""
+    rng = np.random.default_rng(rows)
+    depth, width, groups = V32_WEIGHTS["expert_up"]
+    sizes = jnp.asarray(random_sizes(rng, groups, rows, empty))
+    lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
+    quantized, scale_inv, _ = fp8_weights(rng, (groups, depth, width))
+    got = jax.jit(functools.partial(grouped_matmul_mosaic, split_k=split_k))(lhs, quantized, sizes, scale_inv)
+    want = grouped_matmul_reference(lhs, quantized, sizes, scale_inv)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    first = int(np.flatnonzero(np.asarray(sizes))[0])
+    alone = grouped_matmul_mosaic(lhs[:1], quantized, jnp.zeros_like(sizes).at[first].set(1), scale_inv,
+                                  split_k=split_k)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(got[:1]))
