@@ -74,6 +74,24 @@ COPY_BYTES = 128
 STAGING_PAD_BYTES = 16
 
 
+GRID_NAMES = ("column", "work")
+
+
+def work_grid(column_blocks: int, head_blocks: int, units: int) -> tuple[int, int]:
+    """The launch grid of `units` (a token's split-KV part each) x `head_blocks` x `column_blocks`
+    programs, named GRID_NAMES. A unit's head blocks read the same gathered rows, so they are
+    adjacent on the last axis, which Mosaic GPU launches as CUDA's x (it reverses a Pallas grid):
+    they run side by side and the second reads the rows from L2. The last axis is also the only
+    one without CUDA's 65,535 limit, which a prefill's units can pass."""
+    return column_blocks, units * head_blocks
+
+
+def program_work(head_blocks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This program's (column block, head block, unit) in a `work_grid` launch."""
+    column_block, work = (jax.lax.axis_index(name) for name in GRID_NAMES)
+    return column_block, jax.lax.rem(work, head_blocks), jax.lax.div(work, head_blocks)
+
+
 def kernel_warpgroups(interpret: bool) -> int:
     """The warpgroups a kernel here runs: the scorer and its FOLLOWERS on a GPU; interpreted,
     `mosaic_gpu.interpreted_warpgroups` of those (one, owning every column, unless asked for the

@@ -21,7 +21,7 @@ Work unit and invariance. As in `sparse_mla_attention_mosaic` (whose structure t
 shares): a program holds one token's block of BLOCK_M (64) heads as the wgmma's M rows and
 FOLLOWERS * out_block of the D output columns (all 512 of V4's) in three warpgroups; grid
 
-    (column blocks, head blocks, B * Q * parts)   the last axis fastest (a Pallas grid launches reversed)
+    (column blocks, B * Q * parts * head blocks)   `gathered_softmax_mosaic.work_grid`
 
 and walks one split-KV part of the token's seen tiles (parts of PART_SLOTS / 64 tiles, in order),
 tile by tile, with a float32 online softmax; part 0's starts at the head's sink (max = sink,
@@ -90,10 +90,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import check_arguments, extra_key_pool
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool, quantize_entries
-from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, OUT_BLOCK, accumulate_tile, check_copies_by_warp,
+from .gathered_softmax_mosaic import (CHUNK, FOLLOWERS, GRID_NAMES, OUT_BLOCK, accumulate_tile, check_copies_by_warp,
                                       check_part_width, copies_per_key, fetch_rows, follower, gathered_tiles,
-                                      issue_keys, kernel_warpgroups, normalised, part_lse, prepare_tile, rows_buffer,
-                                      scorer, staging, start_followers)
+                                      issue_keys, kernel_warpgroups, normalised, part_lse, prepare_tile, program_work,
+                                      rows_buffer, scorer, staging, start_followers, work_grid)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpret_params, interpreting, store
 from .paged import flat_rows
@@ -146,7 +146,7 @@ def _kernel(q_ref, sinks_ref, rows_ref, tiles_ref, count_ref, *refs, runs: tuple
     widths = [array.shape[-1] for array in sources[0]]
     copies = copies_per_key(sources[0])
     by_thread = ThreadCopies(TILE) if copies_by_thread else None
-    column_block, head_block, unit = (jax.lax.axis_index(a) for a in ("column", "heads", "unit"))
+    column_block, head_block, unit = program_work(q_ref.shape[1] // BLOCK_M)
     token, split = jax.lax.div(unit, splits), jax.lax.rem(unit, splits)
     first = split * part_tiles  # the split-KV part's first seen tile
     wg = jax.lax.axis_index("wg")
@@ -427,8 +427,8 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
                           part_tiles=part_tiles, warpgroups=warpgroups, copies_by_warp=copies_by_warp,
                           copies_by_thread=copies_by_thread, interpret=interpret),
         out_type=out_type,
-        grid=(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * splits),
-        grid_names=("column", "heads", "unit"),
+        grid=work_grid(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * splits),
+        grid_names=GRID_NAMES,
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)
     seen = jnp.any(rows.reshape(tokens, -1, TILE) >= 0, axis=2)  # [B * Q, T]

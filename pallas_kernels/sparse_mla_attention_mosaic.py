@@ -6,13 +6,11 @@ DeepSeek-V3.2) shared by its H heads, so tokens share no KV reads: a program hol
 block of BLOCK_M (64) heads as the wgmma's M rows and FOLLOWERS * OUT_BLOCK (512) latent columns,
 all of DeepSeek's, in three warpgroups, over one part of the token's list. Grid:
 
-    (latent column blocks, head blocks, B * Q * parts)   the last axis fastest (a Pallas grid launches reversed)
+    (latent column blocks, B * Q * parts * head blocks)   `gathered_softmax_mosaic.work_grid`
 
 (one column block up to 512 columns), so a token's rows are gathered and its scores computed once
-per head block. A token's two head blocks (DeepSeek's 128 heads) launch B * Q * parts blocks apart,
-so the second reads the token's rows from L2 only if they are still there: the index axis is
-CUDA's x, the only one without the 65,535 limit a prefill's B * Q * parts can pass, and bringing
-them side by side means folding the head blocks into it. A program walks its part of the index list in tiles of TILE (64) slots with an
+per head block, and a token part's two head blocks (DeepSeek's 128 heads) launch side by side:
+the second reads the part's rows from L2. A program walks its part of the index list in tiles of TILE (64) slots with an
 online softmax in float32 and writes a normalised float32 partial and its log-sum-exp, which
 `split_kv.combine_parts` merges. Split-KV: the list is cut into `split_kv.num_parts(K,
 part_slots)` parts of whole tiles (K the list's length: 4 parts of PART_SLOTS at DeepSeek-V3.2's
@@ -86,9 +84,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
-from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, check_copies_by_warp, copies_per_key,
-                                      fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups, normalised,
-                                      part_lse, prepare_tile, rows_buffer, scorer, staging, start_followers)
+from .gathered_softmax_mosaic import (FOLLOWERS, GRID_NAMES, OUT_BLOCK, accumulate_tile, check_copies_by_warp,
+                                      copies_per_key, fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups,
+                                      normalised, part_lse, prepare_tile, program_work, rows_buffer, scorer, staging,
+                                      start_followers, work_grid)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows
@@ -112,7 +111,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     """One (column block, head block, token part) program of 1 + FOLLOWERS warpgroups: the scorer
     and the followers, each owning out_block of the program's columns (interpreted, by default one
     warpgroup, scoring and owning them all: `gathered_softmax_mosaic.kernel_warpgroups`). Program
-    `unit` on grid axis 2 is split-KV part `unit % splits` of token `unit // splits`.
+    `unit` (`program_work`) is split-KV part `unit % splits` of token `unit // splits`.
 
     q_ref [B * Q, Hp, Dl + Dr]; rows_ref [B * Q * splits, K / splits] float32 (each selected slot's
     row in the flattened cache as an exact float32 integer, -1 for none); for an FP8 cache
@@ -129,7 +128,7 @@ def _sparse_mla_kernel(q_ref, rows_ref, *refs, softmax_scale: float, out_block: 
     scales_ref = refs[0] if fp8 else None
     *parts, out_ref, lse_ref = refs[1:] if fp8 else refs
     copies = copies_per_key(parts)
-    column_block, head_block, unit = (jax.lax.axis_index(a) for a in ("column", "heads", "unit"))
+    column_block, head_block, unit = program_work(q_ref.shape[1] // BLOCK_M)
     wg = jax.lax.axis_index("wg")
     width = q_ref.shape[-1]
     num_tiles = rows_ref.shape[1] // TILE
@@ -325,8 +324,8 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
                           warpgroups=warpgroups, copies_by_warp=copies_by_warp, copies_by_thread=copies_by_thread,
                           interpret=interpret),
         out_type=out_type,
-        grid=(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * parts),
-        grid_names=("column", "heads", "unit"),
+        grid=work_grid(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * parts),
+        grid_names=GRID_NAMES,
         num_threads=warpgroups, thread_name="wg",
         # The row reductions stay inside each warp (WGMMA layout): no cross-warp scratch, whose
         # default 2 KiB would push the three 72 KiB tiles past the 227 KiB a block may use.
