@@ -30,8 +30,10 @@ and the catch-up have fixed widths). `--backend` picks the attention kernels as
 `DecodeConfig.backend` does ("auto": what `AUTO_KERNELS` names for the device, Triton where it
 names none; "mosaic": the Mosaic GPU kernels), `--cache-dtype fp8` the FP8 caches DeepSeek's
 release keeps (drawn as bfloat16 entries and quantized by the pool's rule), `--tiles` the grouped
-matmul's tile variant (`grouped_matmul_pallas.VARIANTS`: the experts and every FP8 linear); each
-point records all three.
+matmul's tile variant (`grouped_matmul_pallas.VARIANTS`: the experts and every FP8 linear), and
+`--auto OP=IMPL` what "auto" runs for an op as if `AUTO_KERNELS` named it (`backend.auto_kernels`;
+`--auto grouped_matmul=mosaic`: the experts and the FP8 linears on the Mosaic GPU grouped matmul,
+the step as it would run once the table says so); each point records all four.
 
 On a CPU "auto" runs the XLA references ("pallas" and "mosaic" their kernels, interpreted) and
 the projection uses the H100's peaks: the ratio then only shows that the code path runs.
@@ -61,7 +63,7 @@ from jaxspec.decode_config import DecodeConfig
 from jaxspec.loop import DecodeState, _step, prefill
 from jaxspec.memory_plan import device_memory, plan_memory
 from jaxspec.orbax_io import abstract_model
-from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.pallas_kernels.backend import BACKENDS, auto_kernels
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, quantize_entries
 from jaxspec.presets import preset
@@ -208,7 +210,7 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 @dataclasses.dataclass
 class Point:
     """One measured point: batch, drafts, context, the model's depth, the backend, cache dtype and
-    grouped-matmul tile variant it ran with, the step's median and spread (seconds), the compiled
+    grouped-matmul tile variant and `auto_kernels` choices it ran with, the step's median and spread (seconds), the compiled
     program's flops and bytes, the projections (seconds) and, with `--profile`, one more step's
     kernel times by op class (`kernel_profile.profile_call`; {"error": ...} where the profiler
     failed)."""
@@ -220,6 +222,7 @@ class Point:
     backend: str
     cache_dtype: str
     tiles: str
+    auto: dict
     measured_s: float
     spread_s: tuple[float, float]
     compile_s: float
@@ -241,14 +244,15 @@ class Point:
 
 def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
                   calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None,
-                  tiles: str = DEFAULT_VARIANT, profile: bool = False) -> Point:
+                  tiles: str = DEFAULT_VARIANT, auto: dict | None = None, profile: bool = False) -> Point:
     """Build the state at `context`, compile the step, time it, project it (module docstring) and,
     if asked, profile one more step."""
     decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype)
     graphdef, params = nnx.split(model)
     state = _at_context(_random_caches(state_at(model, batch, decode), jax.random.key(drafts)), context)
     start = time.perf_counter()
-    with tile_variant(tiles):  # read while tracing
+    auto = auto or {}
+    with tile_variant(tiles), auto_kernels(**auto):  # read while tracing
         compiled = jax.jit(_step, static_argnames=("graphdef", "config"), donate_argnames=("state",)).lower(
             graphdef, params, state, config=decode).compile()
     compile_s = time.perf_counter() - start
@@ -270,7 +274,7 @@ def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, w
     target = target_of(jax.devices()[0])
     peaks = target_peaks(target)
     return Point(batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
-                 backend=backend, cache_dtype=cache_dtype or "bfloat16", tiles=tiles,
+                 backend=backend, cache_dtype=cache_dtype or "bfloat16", tiles=tiles, auto=auto,
                  measured_s=statistics.median(times), spread_s=(min(times), max(times)), compile_s=compile_s,
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
                  projected_s=step_seconds(cost, peaks),
@@ -285,6 +289,17 @@ def profile_line(profile: dict) -> str:
     classes = ", ".join(f"{name} {ms:.2f}" for name, ms in profile["by_class_ms"].items())
     return (f"profile (ms): {classes}; kernels {profile['busy_ms']:.2f} busy of {profile['span_ms']:.2f} "
             f"from first to last ({profile['kernels']} kernels)")
+
+
+def parse_choice(text: str) -> tuple[str, str]:
+    """--auto's OP=IMPL, checked as `auto_kernels` checks it."""
+    op, _, implementation = text.partition("=")
+    try:
+        with auto_kernels(**{op: implementation}):
+            pass
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return op, implementation
 
 
 def parse_point(text: str) -> tuple[int, int]:
@@ -311,6 +326,8 @@ def main(argv=None) -> int:
                         help="fp8: FP8 caches (the latent in FlashMLA's tokens, the indexer keys e4m3)")
     parser.add_argument("--tiles", choices=VARIANTS, default=DEFAULT_VARIANT,
                         help=f"the grouped matmul's tile variant (default {DEFAULT_VARIANT})")
+    parser.add_argument("--auto", type=parse_choice, nargs="+", default=[], metavar="OP=IMPL",
+                        help="what backend auto runs for OP, as an AUTO_KERNELS entry would (e.g. grouped_matmul=mosaic)")
     parser.add_argument("--calibration", metavar="JSON", help="also project with this calibration (projection.py)")
     parser.add_argument("--json", metavar="PATH", help="write the points here as they finish (existing points kept)")
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
@@ -336,6 +353,7 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}; {setting['preset']} FP8, {layers} layers (1 dense) + MTP, "
           f"random weights built in {time.perf_counter() - started:.1f} s; context {context}; "
           f"backend {args.backend}; {'FP8' if args.cache_dtype else 'bfloat16'} caches; tiles {args.tiles}; "
+          f"auto {dict(args.auto) or 'as AUTO_KERNELS'}; "
           f"calibration {calibration.describe()}", flush=True)
     print(f"{'B':>4} {'k':>2} {'measured ms':>11} {'min-max':>15} {'projected ms':>12} {'m/p':>6} "
           f"{'calibrated ms':>13} {'TFLOP':>7} {'GB':>7} {'compile s':>9}", flush=True)
@@ -349,7 +367,7 @@ def main(argv=None) -> int:
             continue
         point = measure_point(model, batch, drafts, context, iters=iters, warmup=setting["warmup"],
                               calibration=calibration, backend=args.backend, cache_dtype=args.cache_dtype,
-                              tiles=args.tiles, profile=args.profile)
+                              tiles=args.tiles, auto=dict(args.auto), profile=args.profile)
         calibrated = f"{point.calibrated_s * 1e3:>13.3f}" if point.calibrated_s else f"{'-':>13}"
         print(f"{batch:>4} {drafts:>2} {point.measured_s * 1e3:>11.3f} "
               f"{point.spread_s[0] * 1e3:>7.2f}-{point.spread_s[1] * 1e3:<7.2f} {point.projected_s * 1e3:>12.3f} "
@@ -360,7 +378,8 @@ def main(argv=None) -> int:
         if args.json:
             # Keyed by everything that sets the program, so runs with other settings add to the file.
             key = f"B={batch},k={drafts},ctx={context},backend={point.backend},cache={point.cache_dtype}" + (
-                "" if args.tiles == DEFAULT_VARIANT else f",tiles={args.tiles}")
+                "" if args.tiles == DEFAULT_VARIANT else f",tiles={args.tiles}") + "".join(
+                f",auto={op}={impl}" for op, impl in sorted(args.auto))
             done[key] = {**dataclasses.asdict(point), "ratio": point.ratio,
                                                           "device": jax.devices()[0].device_kind}
             with open(args.json, "w") as f:

@@ -40,7 +40,8 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              K splits that fill the GPU for one decoded token) and its Mosaic GPU kernel, with and
              without K splits (--mosaic), side by side: the FP8 linears (matmuls.py
              --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
-             B 32, k 3 and B 1, k 0 with GMM_E2E_TILES (against the e2e part's default-tile points;
+             B 32, k 3 and B 1, k 0 with GMM_E2E_TILES and with the Mosaic kernel as "auto"'s
+             (e2e_step.py --auto grouped_matmul=mosaic; against the e2e part's default points;
              not under --smoke, where the e2e part runs the same code);
   flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 caches: V3.2's
              top-2048, V4-Flash's CSA and HCA) decode kernels at the kernels part's shapes, the
@@ -108,6 +109,10 @@ GOAL = 0.7  # measured / projected the headline aims at; op classes under it are
 # launch (the experts' K step, the dense linears' K step and splits), at these points.
 GMM_E2E_TILES = "k128-split"
 GMM_E2E_POINTS = [HEADLINE, (1, 0)]
+# The gmm part's e2e variants: name -> e2e_step.py's flags. Beside that tile variant, the step with
+# "auto" running the Mosaic GPU grouped matmul (experts and FP8 linears), as it would run once
+# `AUTO_KERNELS` names it.
+GMM_E2E_VARIANTS = {GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES], "mosaic": ["--auto", "grouped_matmul=mosaic"]}
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
 # kernel failing or hanging on the device costs its own op's rows only.
@@ -515,19 +520,19 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
             report.record(f"mainjob/{unit}", {**result, **parsed}, ok=result["returncode"] == 0)
 
 
-def part_e2e(report: Report, clock: Clock, args, tiles: str = DEFAULT_VARIANT) -> None:
-    """The e2e points (units "e2e/B=..,k=.."), or with another grouped-matmul tile variant the gmm
-    part's (units "gmm/e2e-TILES/B=..,k=..")."""
-    if tiles == DEFAULT_VARIANT:
-        prefix, points = "e2e", SMOKE_E2E_POINTS if args.smoke else E2E_POINTS
+def part_e2e(report: Report, clock: Clock, args, variant: str | None = None) -> None:
+    """The e2e points (units "e2e/B=..,k=.."), or with one of GMM_E2E_VARIANTS the gmm part's
+    (units "gmm/e2e-VARIANT/B=..,k=..")."""
+    if variant is None:
+        prefix, points, flags = "e2e", SMOKE_E2E_POINTS if args.smoke else E2E_POINTS, []
     else:  # (--smoke: a variant's points are not run; the default's run the same code path)
-        prefix, points = f"gmm/e2e-{tiles}", [] if args.smoke else GMM_E2E_POINTS
+        prefix, points, flags = f"gmm/e2e-{variant}", [] if args.smoke else GMM_E2E_POINTS, GMM_E2E_VARIANTS[variant]
     # A point measured before the step was profiled is measured again, with its profile.
     missing = [(b, k) for b, k in points
                if not report.has(f"{prefix}/B={b},k={k}") or report.units[f"{prefix}/B={b},k={k}"].get("profile") is None]
     if not missing or clock.expired(60):
         return
-    argv = (["benchmarks/e2e_step.py", "--profile", "--tiles", tiles, "--points", *[f"{b},{k}" for b, k in missing]]
+    argv = (["benchmarks/e2e_step.py", "--profile", *flags, "--points", *[f"{b},{k}" for b, k in missing]]
             + (["--smoke"] if args.smoke else []))
     with tempfile.TemporaryDirectory() as scratch:
         points_path = os.path.join(scratch, "e2e.json")
@@ -702,13 +707,13 @@ def headline(report: Report) -> dict | None:
 
 
 def tile_variant_lines(units: dict) -> list[str]:
-    """report.md's table of the gmm part's e2e points, each beside the default tiles' point."""
+    """report.md's table of the gmm part's e2e points, each beside the default's point."""
     variants = [(k.split("/")[1].removeprefix("e2e-"), v) for k, v in units.items()
                 if k.startswith("gmm/e2e-") and "/B=" in k]
     if not variants:
         return []
-    lines = ["", "The step with another grouped-matmul tile variant (the gmm part), against the default's:", "",
-             "| tiles | B | k | measured ms | default tiles ms | grouped matmul ms (profiled) |", "|---|---|---|---|---|---|"]
+    lines = ["", "The step with another grouped-matmul tile variant or kernel (the gmm part), against the default's:",
+             "", "| variant | B | k | measured ms | default ms | grouped matmul ms (profiled) |", "|---|---|---|---|---|---|"]
     for tiles, p in sorted(variants, key=lambda item: (item[0], item[1]["batch"], item[1]["drafts"])):
         default = units.get(f"e2e/B={p['batch']},k={p['drafts']}")
         gmm = ((p.get("profile") or {}).get("by_class_ms") or {}).get("grouped_matmul")
@@ -935,7 +940,8 @@ def main(argv=None) -> int:
             part_e2e(report, clock, args)
         elif part == "gmm":
             part_benchmark(part, report, clock, args)
-            part_e2e(report, clock, args, GMM_E2E_TILES)
+            for variant in GMM_E2E_VARIANTS:
+                part_e2e(report, clock, args, variant)
         else:
             part_benchmark(part, report, clock, args)
         found = calibration(report)

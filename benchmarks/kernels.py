@@ -56,7 +56,7 @@ from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_at
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, V4_RULE, cache_token_bytes, fp8_index_queries,
                                               quantize_entries)
-from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT
 from jaxspec.pallas_kernels.indexer_mosaic import indexer_scores_mosaic
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas
 from jaxspec.pallas_kernels.mla_attention_mosaic import BLOCK_N, mla_attention_mosaic
@@ -125,16 +125,13 @@ def add_timing_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def grouped_matmul_runs(variants: list[str], mosaic: bool) -> list[tuple[str, str, str]]:
-    """The grouped-matmul kernel rows of moe.py and matmuls.py: (impl label, backend, tile variant).
-    The Triton kernel once per variant ("pallas", or "pallas:NAME" for one not the default); with
-    `mosaic`, the Mosaic GPU kernel once per K-split setting among the variants ("mosaic",
-    "mosaic:split"), under the first variant with it: of a variant, that kernel takes only whether
-    K splits (its K step is its own)."""
-    runs = [("pallas" if name == DEFAULT_VARIANT else f"pallas:{name}", "pallas", name) for name in variants]
-    if mosaic:
-        splits = {VARIANTS[name].split_k: name for name in reversed(variants)}
-        runs += [("mosaic:split" if split else "mosaic", "mosaic", splits[split]) for split in sorted(splits)]
-    return runs
+    """The grouped-matmul kernel rows of moe.py and matmuls.py: (impl label, backend, tile variant),
+    the Triton kernel once per variant ("pallas", or "pallas:NAME" for one not the default), then
+    with `mosaic` the Mosaic GPU kernel once per variant ("mosaic", "mosaic:NAME"): both kernels
+    take a variant's K step and K splits."""
+    backends = ("pallas", "mosaic") if mosaic else ("pallas",)
+    return [(backend if name == DEFAULT_VARIANT else f"{backend}:{name}", backend, name)
+            for backend in backends for name in variants]
 
 
 def timed(fn, *args, iters: int, warmup: int) -> float:

@@ -14,8 +14,8 @@ weight once, in its stored dtype with its scales, plus activations in and out), 
 TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
 variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits that fill the GPU where a layer
 has few column blocks), a row each; --mosaic adds the FP8 layers on the Mosaic GPU kernel
-(`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton), a
-row per K-split setting among the variants; --dtypes picks the weights' rows. A timing is
+(`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton),
+a row per variant too; --dtypes picks the weights' rows. A timing is
 `benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
 beside the device time of the layer's kernels a call ("dev ms", which the rates use).
 """
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the FP8 kernel's tile variants, a row each")
     parser.add_argument("--mosaic", action="store_true",
-                        help="also the FP8 layers on the Mosaic GPU grouped matmul, a row per K-split setting of --tiles")
+                        help="also the FP8 layers on the Mosaic GPU grouped matmul, a row per variant of --tiles")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):

@@ -16,7 +16,7 @@ The three paths:
 scales, as the end-to-end step runs them) and times the kernel alone (the XLA paths would first
 dequantize every expert). --tiles times the kernel once per grouped-matmul tile variant
 (`grouped_matmul_pallas.VARIANTS`: the K step, K splits), one row each; --mosaic adds the Mosaic
-GPU kernel (`grouped_matmul_mosaic.py`), a row per K-split setting among them.
+GPU kernel (`grouped_matmul_mosaic.py`) under each variant too.
 
 For T tokens per call (default 8, 32, 128, 1024: decode at batch 8 and 32, verification at k = 3,
 prefill) it prints time per layer, the distinct experts the call hit, achieved bandwidth (the bytes
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the kernel's tile variants, a row each")
     parser.add_argument("--mosaic", action="store_true",
-                        help="also the Mosaic GPU grouped matmul, a row per K-split setting of --tiles")
+                        help="also the Mosaic GPU grouped matmul, a row per variant of --tiles")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
 

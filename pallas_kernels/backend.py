@@ -35,6 +35,9 @@ AUTO_KERNELS: dict[str, dict[str, str]] = {
     "NVIDIA H200": {"mla_attention": "mosaic"},
 }
 
+# Set by `auto_kernels()`: {op: implementation} that "auto" picks on any GPU before `AUTO_KERNELS`.
+_auto_choices: dict[str, str] = {}
+
 # Set by `gpu_lowering()`: the program being traced is compiled for a GPU target although the
 # process's default backend is the CPU (ahead-of-time compilation, `jaxspec.aot`); the value is the
 # target's device kind ("" when not known).
@@ -73,6 +76,28 @@ def gpu_lowering(device_kind: str = ""):
         _gpu_lowering = previous
 
 
+@contextlib.contextmanager
+def auto_kernels(**choices: str):
+    """Inside this context "auto" runs `choices[op]` ("pallas" or "mosaic") for each op named, on
+    any GPU, as an `AUTO_KERNELS` entry would: how a benchmark times a whole step on a kernel
+    before a measurement puts it in the table (`benchmarks/e2e_step.py --auto`). Off a GPU "auto"
+    stays the reference. The choice is read while tracing, and JAX keys its traces by function and
+    arguments, not by this setting, so entering and leaving clear JAX's caches (`jax.clear_caches`),
+    as `grouped_matmul_pallas.tile_variant` does; a program compiled inside keeps its kernels."""
+    global _auto_choices
+    for op, implementation in choices.items():
+        if op not in MOSAIC_OPS or implementation not in ("pallas", "mosaic"):
+            raise ValueError(f"auto_kernels({op}={implementation!r}): the op must be one of {sorted(MOSAIC_OPS)} "
+                             "and the implementation 'pallas' or 'mosaic'")
+    previous, _auto_choices = _auto_choices, {**_auto_choices, **choices}
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        _auto_choices = previous
+        jax.clear_caches()
+
+
 def _lowers_for_gpu() -> bool:
     return _gpu_lowering is not None or jax.default_backend() == "gpu"
 
@@ -88,8 +113,8 @@ def resolve_backend(backend: str, op: str | None = None) -> str:
 
     backend: one of BACKENDS, as the caller asked. op: the op's name, so that "auto" can look it up
     in `AUTO_KERNELS` and "mosaic" can tell whether it has a Mosaic kernel (None: an op with only a
-    Triton kernel). "auto" -> the reference off a GPU, else the table's choice ("pallas" without an
-    entry); "mosaic" -> "pallas" for an op not in `MOSAIC_OPS`; "xla" / "pallas" pass through. An
+    Triton kernel). "auto" -> the reference off a GPU, else an enclosing `auto_kernels` choice or
+    the table's ("pallas" without an entry); "mosaic" -> "pallas" for an op not in `MOSAIC_OPS`; "xla" / "pallas" pass through. An
     op's wrapper may keep Triton where the table's Mosaic kernel does not take its operands
     (`mla_attention_backend`).
     """
@@ -98,7 +123,7 @@ def resolve_backend(backend: str, op: str | None = None) -> str:
     if backend == "auto":
         if not _lowers_for_gpu():
             return "xla"
-        backend = AUTO_KERNELS.get(_device_kind(), {}).get(op, "pallas")
+        backend = _auto_choices.get(op) or AUTO_KERNELS.get(_device_kind(), {}).get(op, "pallas")
     if backend == "mosaic" and op not in MOSAIC_OPS:
         return "pallas"
     return backend

@@ -84,10 +84,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
     implementation = grouped_matmul_backend(backend, lhs, rhs, rhs_scale_inv)
     if implementation != "xla":
         from .grouped_matmul_pallas import current_tiles, grouped_matmul_pallas
-    if implementation == "mosaic":  # its K step is its own; it splits K where the tile variant does
+    if implementation == "mosaic":  # the same tile variant: K step and K splits
         from .grouped_matmul_mosaic import grouped_matmul_mosaic
-        return grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row,
-                                     split_k=current_tiles().split_k, interpret=interpret_mode())
+        return grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, tiles=current_tiles(),
+                                     interpret=interpret_mode())
     if implementation == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, interpret=interpret_mode(),
                                      tiles=current_tiles())

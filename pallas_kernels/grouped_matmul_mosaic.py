@@ -4,16 +4,22 @@ The same work as the Triton kernel (`grouped_matmul_pallas.py`), cut the same wa
 (row tiles of BLOCK_M = 16 rows, one group each, in group order), its column blocks of BLOCK_N = 128
 and its K splits (`k_splits`, from the weight's shape alone). The grid is
 
-    (work items, N / BLOCK_N, K splits)     the last axis varies fastest
+    (K splits, N / BLOCK_N, work items)     the last axis varies fastest
 
-(Mosaic GPU launches a Pallas grid reversed: its last axis is CUDA's x), and a program multiplies the 16-row window of its tile by the [K, 128] column block of its group's
+(Mosaic GPU launches a Pallas grid reversed: its last axis is CUDA's x), as the Triton kernel's
+work items vary fastest: a group's row tiles are adjacent, so in prefill its weight blocks come
+from L2 after the first tile's read, and CUDA's x has no 65,535 limit for a long prefill's items.
+A program multiplies the 16-row window of its tile by the [K, 128] column block of its group's
 matrix, then stores only its tile's rows. What changes is how the K loop runs on Hopper:
 
-* **Weights by TMA, STAGES steps ahead.** Each K step's [BLOCK_K, 128] weight block and [16,
-  BLOCK_K] activation block arrive by TMA into a ring of STAGES buffers, refilled as soon as the
+* **Weights by TMA, STAGES steps ahead.** Each K step's [block_k, 128] weight block and [16,
+  block_k] activation block arrive by TMA into a ring of STAGES buffers, refilled as soon as the
   wgmma that read a buffer has finished, so up to STAGES steps of weights are in flight while the
   tensor cores work (Triton's loop kept its activation rows a synchronous load until they became a
-  plain slice; here every byte of the loop comes by TMA).
+  plain slice; here every byte of the loop comes by TMA). The K step is the tile variant's
+  (`grouped_matmul_pallas.Tiles`, 64 or 128): with FP8 weights a block of 128 claims about 193 KiB
+  of shared memory, one program an SM with 64 KiB of weights in flight; one of 64 claims about
+  97 KiB, two programs an SM with 32 KiB each, whose dequantization and wgmma interleave.
 * **wgmma, 64 rows of which 16 are the tile's.** wgmma's M is 64 and the tile has 16 rows (a decode
   step puts a handful of rows on each expert): the activation buffer's other 48 rows are zeroed once
   and never loaded, so the tensor cores spend 4x the useful flops, which at decode costs 128 flops a
@@ -24,21 +30,23 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
   bfloat16 operand buffer that the wgmma reads. wgmma takes FP8 only with both operands FP8, and
   quantizing the activations would change the numerics (DeepSeek's `gemm_impl="fp8"`). The operand
   buffer is double-buffered, so a step's dequantization overlaps the previous step's wgmma. The
-  block's scale is one float32 (BLOCK_K and BLOCK_N are the 128 x 128 scale block): a program copies
+  block's scale is one float32 (block_k divides the 128 x 128 scale block, BLOCK_N is its width): a program copies
   its column block's scales into SMEM once (from the scales transposed to [G, N / 128, K / 128] in
   XLA, 1/16384 of the weights' size), so the loop reads no scale from global memory.
-* **Stores.** The accumulator goes to SMEM, and one TMA copy a row writes the tile's rows (a
-  window's other rows belong to neighbouring groups, which their own programs write).
+* **Stores.** The accumulator goes to SMEM (into the rings' memory, free once the loop is done:
+  `mosaic_gpu.union`), and one TMA copy a row writes the tile's rows (a window's other rows belong
+  to neighbouring groups, which their own programs write).
 
 Bit-exact rows (speculative decoding needs a token's output not to depend on how many tokens share
 the call): tiles, K step, stages and splits are constants or functions of the static weight shape,
-a row's K reduction runs in the same order whatever the rows beside it (BLOCK_K steps from 0 up,
+a row's K reduction runs in the same order whatever the rows beside it (block_k steps from 0 up,
 one wgmma each into a float32 accumulator; wgmma computes an output row from that row of its
 operands only), and split partial sums are added in a fixed order by XLA as for the Triton kernel.
 
 Allowed (`check_operands`, ValueError before tracing): bfloat16 or float16 activations; weights of
 the same dtype, or float8_e4m3fn with DeepSeek's 128 x 128 block scales and bfloat16 activations;
-K a multiple of BLOCK_K and N of BLOCK_N (every DeepSeek-V3 weight but kv_a_proj's 576 columns).
+K and N multiples of 128 (every DeepSeek-V3 weight but kv_a_proj's 576 columns), and with FP8
+weights K at most 32768.
 `accepts` says whether operands fit, so the op can keep the Triton kernel for those that do not.
 
 Interpreted on the CPU through `mosaic_gpu.interpreting` (a private JAX API, `mosaic_gpu.JAX_RANGE`).
@@ -56,21 +64,27 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import block_fp8
 from .contracts import check_grouped_matmul_args
 from .cost import stating
-from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, Tiles, grouped_matmul_cost, k_splits, summed_splits,
-                                    work_items)
-from .mosaic_gpu import compiler_params, interpret_params, interpreting, store, swizzled
+from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, grouped_matmul_cost, k_splits,
+                                    summed_splits, work_items)
+from .mosaic_gpu import compiler_params, interpret_params, interpreting, store, swizzled, union
 
-# The K step: the FP8 scale block's depth, so a step's weight block has one scale.
-BLOCK_K = 128
+# The K steps a launch may take (`Tiles.block_k`): divisors of the FP8 scale block's depth, so a
+# step's weight block has one scale, and at least a 128-byte swizzled row of bfloat16 activations.
+BLOCK_KS = (64, 128)
+# K and N must be whole multiples of this: the scale block, and the largest K step.
+BLOCK = 128
 # wgmma's M: the rows the tensor cores compute for a tile of BLOCK_M.
 WGMMA_M = 64
-# K steps in flight (TMA ring buffers). Four fill the H100's shared memory with FP8 weights (about
-# 220 KiB of the 227 a block may claim): up to 64 KiB of weights in flight per SM.
+# K steps in flight (TMA ring buffers): with FP8 weights, 64 KiB of them per SM at either K step
+# (one program an SM at 128, two at 64; the module docstring).
 STAGES = 4
-# Scales copied per program: a multiple of 32 float32 (whole 128-byte TMA rows).
+# Scales copied per program: a multiple of 32 float32 (whole 128-byte TMA rows), at most a TMA
+# box's 256 (K up to 32768: DeepSeek's widest is 18432).
 SCALE_ROW = 32
+MAX_SCALES = 256
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
-assert BLOCK_N == block_fp8.BLOCK[1] and BLOCK_K == block_fp8.BLOCK[0] and WGMMA_M % BLOCK_M == 0
+assert BLOCK_N == BLOCK == block_fp8.BLOCK[1] == block_fp8.BLOCK[0] and WGMMA_M % BLOCK_M == 0
+assert all(BLOCK % block_k == 0 for block_k in BLOCK_KS)
 
 
 def _problem(lhs, rhs, rhs_scale_inv) -> str | None:
@@ -84,8 +98,11 @@ def _problem(lhs, rhs, rhs_scale_inv) -> str | None:
             return f"lhs.dtype={lhs.dtype}: with FP8 weights must be bfloat16 (the dequantized weights' dtype)"
     elif jnp.dtype(rhs.dtype) != jnp.dtype(lhs.dtype):
         return f"rhs.dtype={rhs.dtype}: must be lhs's dtype {lhs.dtype}, or float8_e4m3fn with scales"
-    if depth % BLOCK_K or width % BLOCK_N:
-        return (f"rhs [..., {depth}, {width}]: K must be a multiple of {BLOCK_K} and N of {BLOCK_N} "
+    if rhs_scale_inv is not None and depth > MAX_SCALES * BLOCK:
+        return (f"rhs [..., {depth}, {width}]: FP8 weights with K over {MAX_SCALES * BLOCK} are not taken (a "
+                f"program copies its {depth // BLOCK} scales in one TMA box of at most {MAX_SCALES})")
+    if depth % BLOCK or width % BLOCK:
+        return (f"rhs [..., {depth}, {width}]: K must be a multiple of {BLOCK} and N of {BLOCK} "
                 "(whole TMA blocks and whole FP8 scale blocks)")
     return None
 
@@ -102,7 +119,8 @@ def check_operands(lhs, rhs, rhs_scale_inv=None) -> None:
         raise ValueError(f"grouped_matmul_mosaic: {problem}; use backend='pallas' or 'xla' for these operands")
 
 
-def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, split_steps: int, fp8: bool):
+def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, block_k: int, split_steps: int,
+            fp8: bool, interpret: bool):
     """One (row tile, column block, K split) program.
 
     lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [Gs * K, N] (the groups' matrices stacked),
@@ -121,18 +139,19 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
         columns = pl.ds(column_block * BLOCK_N, BLOCK_N)
         first_step = split * split_steps
 
-        def body(x_smem, w_smem, operand_smem, scales_smem, out_smem, barriers, scale_barrier):
+        def body(buffers, operand_smem, scales_smem, barriers, scale_barrier):
+            (x_smem, w_smem), out_smem = buffers  # the rings' memory holds the output rows after the loop
             def fetch(i, slot):
                 """Start TMA copies of step i's activation and weight blocks into ring buffer `slot`."""
-                k = pl.ds((first_step + i) * BLOCK_K, BLOCK_K)
+                k = pl.ds((first_step + i) * block_k, block_k)
                 plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), k], x_smem.at[slot, pl.ds(0, BLOCK_M)],
                                         barriers.at[slot])
-                plgpu.copy_gmem_to_smem(rhs_ref.at[pl.ds(group * depth + (first_step + i) * BLOCK_K, BLOCK_K),
+                plgpu.copy_gmem_to_smem(rhs_ref.at[pl.ds(group * depth + (first_step + i) * block_k, block_k),
                                                    columns], w_smem.at[slot], barriers.at[slot])
 
             # Rows BLOCK_M.. of the activation buffers are never loaded: zero, so the accumulator's
             # rows past the tile are zero too (they are not stored either way).
-            zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, BLOCK_K), lhs_ref.dtype), plgpu.Layout.WGMMA)
+            zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, block_k), lhs_ref.dtype), plgpu.Layout.WGMMA)
             for slot in range(STAGES):
                 x_smem[slot] = zeros
             plgpu.commit_smem()  # the zeros visible to the TMA engine before it writes the same buffers
@@ -153,7 +172,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         buffer = jax.lax.rem(i, 2)
                         weights = plgpu.layout_cast(w_smem[slot], plgpu.Layout.WGMMA)
                         # e4m3 -> float32 (exact), times the block's scale, rounded: block_fp8.dequantize.
-                        scale = scales_smem[first_step + i]
+                        scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK)]
                         operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
                         plgpu.commit_smem()
                         operand = operand_smem.at[buffer]
@@ -181,27 +200,27 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
 
         weight_dtype = rhs_ref.dtype
         operand_dtype = lhs_ref.dtype
+        rings = (plgpu.SMEM((STAGES, WGMMA_M, block_k), operand_dtype, transforms=swizzled(operand_dtype, block_k)),
+                 plgpu.SMEM((STAGES, block_k, BLOCK_N), weight_dtype, transforms=swizzled(weight_dtype, BLOCK_N)))
         pl.run_scoped(
             body,
-            plgpu.SMEM((STAGES, WGMMA_M, BLOCK_K), operand_dtype, transforms=swizzled(operand_dtype, BLOCK_K)),
-            plgpu.SMEM((STAGES, BLOCK_K, BLOCK_N), weight_dtype, transforms=swizzled(weight_dtype, BLOCK_N)),
-            plgpu.SMEM((2, BLOCK_K, BLOCK_N), operand_dtype, transforms=swizzled(operand_dtype, BLOCK_N))
+            union(rings, plgpu.SMEM((WGMMA_M, BLOCK_N), out_ref.dtype), interpret=interpret),
+            plgpu.SMEM((2, block_k, BLOCK_N), operand_dtype, transforms=swizzled(operand_dtype, BLOCK_N))
             if fp8 else None,
             plgpu.SMEM((scale_ref[0].shape[-1],), jnp.float32) if fp8 else None,
-            plgpu.SMEM((WGMMA_M, BLOCK_N), out_ref.dtype),
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=1) if fp8 else None,
         )
 
 
-@functools.partial(jax.jit, static_argnames=("split_k", "interpret"))
-def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, split_k: bool, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, tiles: Tiles, interpret: bool):
     num_rows, depth, width = lhs.shape[0], *rhs.shape[-2:]
     num_groups = group_sizes.shape[0]
     fp8 = rhs_scale_inv is not None
     out_dtype = lhs.dtype
-    splits = k_splits(depth, width, num_groups, Tiles(block_k=BLOCK_K, split_k=split_k))
-    steps = depth // BLOCK_K
+    splits = k_splits(depth, width, num_groups, tiles)
+    steps = depth // tiles.block_k
     cost = grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv, splits)
     stacked = rhs.reshape(-1, depth, width)
     group, start, end = work_items(group_sizes, num_rows, num_groups)
@@ -213,12 +232,13 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, spl
     scales = ()
     if fp8:  # [Gs, N / 128, K / 128]: a column block's scales contiguous, in whole 128-byte rows
         scale_t = jnp.swapaxes(rhs_scale_inv.reshape(stacked.shape[0], *rhs_scale_inv.shape[-2:]), 1, 2)
-        scales = (jnp.pad(scale_t, ((0, 0), (0, 0), (0, -steps % SCALE_ROW))),)
+        scales = (jnp.pad(scale_t, ((0, 0), (0, 0), (0, -scale_t.shape[-1] % SCALE_ROW))),)
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((splits, padded, width), partial_dtype)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, depth=depth, split_steps=steps // splits, fp8=fp8),
-        out_type=out_type, grid=(group.shape[0], width // BLOCK_N, splits), grid_names=("item", "column", "split"),
+        functools.partial(_kernel, depth=depth, block_k=tiles.block_k, split_steps=steps // splits, fp8=fp8,
+                          interpret=interpret),
+        out_type=out_type, grid=(splits, width // BLOCK_N, group.shape[0]), grid_names=("split", "column", "item"),
         compiler_params=compiler_params(), interpret=interpret_params() if interpret else None)
     with stating(cost, "grouped_matmul"):
         out = kernel(operand, stacked.reshape(-1, width), group, start, end, *scales)
@@ -227,22 +247,25 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, spl
 
 def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                           rhs_scale_inv: jax.Array | None = None, rhs_row: jax.Array | None = None, *,
-                          split_k: bool = False, interpret: bool = False) -> jax.Array:
+                          tiles: Tiles = VARIANTS[DEFAULT_VARIANT], interpret: bool = False) -> jax.Array:
     """`grouped_matmul_reference` as a Mosaic GPU kernel; same arguments and result as
     `grouped_matmul_pallas`.
 
     lhs [M, K] bfloat16 or float16 sorted by group, rhs [G, K, N] of lhs's dtype or float8_e4m3fn
     with rhs_scale_inv [G, K / 128, N / 128] float32, group_sizes [G] (sum <= M) -> [M, N] in lhs's
-    dtype, float32 accumulation; rows past sum(group_sizes) are zero. K a multiple of BLOCK_K, N of
-    BLOCK_N (ValueError before tracing otherwise). rhs_row: None, or r with rhs a stack [n, G, K,
+    dtype, float32 accumulation; rows past sum(group_sizes) are zero. K and N multiples of 128
+    (ValueError before tracing otherwise). rhs_row: None, or r with rhs a stack [n, G, K,
     N] (rhs_scale_inv [n, G, ...]) whose row r holds the groups, read where it lies.
-    split_k: split K as the Triton kernel's split variants do (`k_splits`), float32 partial sums.
+    tiles: the tile variant (`grouped_matmul_pallas.Tiles`): its K step (one of BLOCK_KS), and whether
+      K splits as the Triton kernel's split variants do (`k_splits`, float32 partial sums).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     check_grouped_matmul_args(lhs, rhs if rhs_row is None else rhs[0], group_sizes,
                               rhs_scale_inv if rhs_row is None or rhs_scale_inv is None else rhs_scale_inv[0])
     check_operands(lhs, rhs, rhs_scale_inv)
-    call = functools.partial(_grouped_matmul_mosaic, lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, split_k=split_k,
+    if not isinstance(tiles, Tiles) or tiles.block_k not in BLOCK_KS:
+        raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {BLOCK_KS} for the Mosaic kernel")
+    call = functools.partial(_grouped_matmul_mosaic, lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, tiles=tiles,
                              interpret=interpret)
     if not interpret:
         return call()

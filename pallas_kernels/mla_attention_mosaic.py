@@ -69,7 +69,7 @@ from .cost import attention_cost, stating
 from .fp8_cache import SCALE_BLOCK, Fp8Pool, cache_token_bytes
 from .gathered_softmax_mosaic import (FOLLOWERS, OUT_BLOCK, accumulate_tile, follower, kernel_warpgroups, normalised,
                                       part_lse, scorer, start_followers)
-from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store,
+from .mosaic_gpu import (check_fp8_pool, compiler_params, dequantize_rows, interpret_params, interpreting, store, union,
                          swizzled)
 from .split_kv import check_part_slots, combine_parts, num_parts
 from .visibility import Visibility, kv_bound
@@ -175,12 +175,6 @@ def _row_operands(vis: Visibility, num_queries: int, heads: int, rows_padded: in
     bits = jnp.sum(jnp.where(mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # distinct bits: sum = or
     bits = jax.lax.bitcast_convert_type(bits, jnp.int32)  # [B, Q, W]
     return per_row(bound), jnp.swapaxes(per_row(bits), 1, 2), meta
-
-
-def _union(*buffers, interpret: bool):
-    """Shared-memory buffers whose lifetimes do not overlap, in one region on a GPU. The interpreter
-    does not implement `plgpu.RefUnion` (jax 0.10.2) and has no shared-memory limit: separate buffers."""
-    return buffers if interpret else plgpu.RefUnion(*buffers)
 
 
 def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, softmax_scale: float, warpgroups: int,
@@ -386,7 +380,7 @@ def _kernel(q_ref, *refs, latent: int, page_size: int, tiles_per_part: int, soft
         plgpu.SMEM((COPY_WORDS,), jnp.int32),
         plgpu.SMEM((BLOCK_M,), jnp.int32),
         bits_scratch,
-        _union(tiles, plgpu.SMEM((latent // own, BLOCK_M, own), jnp.float32, transforms=swizzled(jnp.float32, own)),
+        union(tiles, plgpu.SMEM((latent // own, BLOCK_M, own), jnp.float32, transforms=swizzled(jnp.float32, own)),
                interpret=interpret),
         plgpu.SMEM((BLOCK_M,), jnp.float32),
         plgpu.Barrier(num_barriers=num_loads),

@@ -183,6 +183,13 @@ def store(ref, value) -> None:
         ref[...] = value
 
 
+def union(*buffers, interpret: bool):
+    """Shared-memory buffers (each a pytree of `plgpu.SMEM`) whose lifetimes do not overlap, in one
+    region on a GPU. The interpreter does not implement `plgpu.RefUnion` (jax 0.10.2) and has no
+    shared-memory limit: separate buffers there."""
+    return buffers if interpret else plgpu.RefUnion(*buffers)
+
+
 def interpret_params():
     """The `interpret=` argument that makes a `plgpu.kernel` run on the CPU simulator."""
     params, _ = _interpret_module()

@@ -60,11 +60,11 @@ def test_smoke_run_records_every_part(smoke_report):
     assert all(row["correct"] for row in units["gather"]["json"]["rows"])
     # the tuned rows say their tuning, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
-    # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only, and the
-    # Mosaic kernel's with and without K splits
+    # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only, on the
+    # Triton and the Mosaic kernel
     assert {(row["op"], row["impl"]) for row in units["gmm/matmuls"]["json"]["rows"]} == {
-        ("linear_fp8", "pallas"), ("linear_fp8", f"pallas:{gpu_report.GMM_E2E_TILES}"), ("linear_fp8", "mosaic"),
-        ("linear_fp8", "mosaic:split")}
+        ("linear_fp8", f"{impl}{tiles}") for impl in ("pallas", "mosaic")
+        for tiles in ("", f":{gpu_report.GMM_E2E_TILES}")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
     # the Mosaic kernel's split-KV parts (the tiles part's --part-slots, here in the kernels part's
     # smoke): its default and 64-slot parts side by side, only the Triton rows calibrating
@@ -398,30 +398,32 @@ def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path)
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps({"earlier": {"batch": 1}}))
     argv = ["--smoke", "--points", "2,1", "--iters", "1", "--backend", "pallas", "--cache-dtype", "fp8",
-            "--tiles", "k64-split", "--json", str(path)]
+            "--tiles", "k64-split", "--auto", "grouped_matmul=mosaic", "--json", str(path)]
     assert e2e_step.main(argv) == 0
     points = json.loads(path.read_text())
     assert points["earlier"] == {"batch": 1}
     [(key, point)] = [(k, v) for k, v in points.items() if k != "earlier"]
     assert (point["backend"], point["cache_dtype"], point["tiles"], point["batch"], point["drafts"]) == (
         "pallas", "fp8", "k64-split", 2, 1)
-    assert key.endswith(",tiles=k64-split")
+    assert point["auto"] == {"grouped_matmul": "mosaic"}
+    assert key.endswith(",tiles=k64-split,auto=grouped_matmul=mosaic")
     assert point["measured_s"] > 0 and point["bytes"] > 0
 
 
-def test_the_gmm_part_times_the_step_with_its_tile_variant_beside_the_default(tmp_path, monkeypatch):
-    """The gmm part's e2e points run e2e_step.py with GMM_E2E_TILES, are recorded under the gmm part
-    (so --redo gmm measures them again, and the e2e part's points stay the default's), and report.md
-    sets each beside the default tiles' point."""
+def test_the_gmm_part_times_the_step_with_its_variants_beside_the_default(tmp_path, monkeypatch):
+    """The gmm part's e2e points run e2e_step.py once per GMM_E2E_VARIANTS entry (GMM_E2E_TILES'
+    --tiles, and --auto grouped_matmul=mosaic), are recorded under the gmm part (so --redo gmm
+    measures them again, and the e2e part's points stay the default's), and report.md sets each
+    beside the default's point."""
     calls = []
 
     def fake_run(argv, clock, env=None, limit=None):
         calls.append(argv)
         path = argv[argv.index("--json") + 1]
-        tiles, rest = argv[argv.index("--tiles") + 1], argv[argv.index("--points") + 1:]
+        rest = argv[argv.index("--points") + 1:]
         asked = rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
-        points = {f"B={b},k={k},tiles={tiles}": dict(batch=int(b), drafts=int(k), tiles=tiles, measured_s=0.05,
-                                                     profile={"by_class_ms": {"grouped_matmul": 30.0}})
+        points = {f"B={b},k={k}": dict(batch=int(b), drafts=int(k), measured_s=0.05,
+                                      profile={"by_class_ms": {"grouped_matmul": 30.0}})
                   for b, k in (point.split(",") for point in asked)}
         with open(path, "w") as f:
             json.dump(points, f)
@@ -430,18 +432,23 @@ def test_the_gmm_part_times_the_step_with_its_tile_variant_beside_the_default(tm
     monkeypatch.setattr(gpu_report, "run", fake_run)
     report = gpu_report.Report(str(tmp_path), "NVIDIA H200")
     report.data["runs"].append({"started": "now"})
-    gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), gpu_report.GMM_E2E_TILES)
-    (argv,) = calls
-    assert argv[argv.index("--tiles") + 1] == gpu_report.GMM_E2E_TILES
-    units = [f"gmm/e2e-{gpu_report.GMM_E2E_TILES}/B={b},k={k}" for b, k in gpu_report.GMM_E2E_POINTS]
-    assert all(report.has(unit) and gpu_report.unit_part(unit) == "gmm" for unit in units)
+    for variant in gpu_report.GMM_E2E_VARIANTS:
+        gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), variant)
+    tiles_argv, mosaic_argv = calls
+    assert tiles_argv[tiles_argv.index("--tiles") + 1] == gpu_report.GMM_E2E_TILES and "--auto" not in tiles_argv
+    assert mosaic_argv[mosaic_argv.index("--auto") + 1] == "grouped_matmul=mosaic" and "--tiles" not in mosaic_argv
+    for variant in gpu_report.GMM_E2E_VARIANTS:
+        units = [f"gmm/e2e-{variant}/B={b},k={k}" for b, k in gpu_report.GMM_E2E_POINTS]
+        assert all(report.has(unit) and gpu_report.unit_part(unit) == "gmm" for unit in units)
     assert not [unit for unit in report.units if unit.startswith("e2e/")]
     report.units["e2e/B=32,k=3"] = {"batch": 32, "drafts": 3, "measured_s": 0.0968, "ok": True}
     lines = gpu_report.tile_variant_lines(report.units)
-    assert f"| {gpu_report.GMM_E2E_TILES} | 32 | 3 | 50.00 | 96.80 | 30.00 |" in lines
-    assert f"| {gpu_report.GMM_E2E_TILES} | 1 | 0 | 50.00 | - | 30.00 |" in lines
-    gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), gpu_report.GMM_E2E_TILES)
-    assert len(calls) == 1  # recorded with profiles: not run again
+    for variant in gpu_report.GMM_E2E_VARIANTS:
+        assert f"| {variant} | 32 | 3 | 50.00 | 96.80 | 30.00 |" in lines
+        assert f"| {variant} | 1 | 0 | 50.00 | - | 30.00 |" in lines
+    for variant in gpu_report.GMM_E2E_VARIANTS:
+        gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), variant)
+    assert len(calls) == 2  # recorded with profiles: not run again
 
 
 def test_parts_run_in_the_order_given_each_within_its_seconds():

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_backend, grouped_matmul_reference
-from jaxspec.pallas_kernels.grouped_matmul_mosaic import (BLOCK_K, accepts, check_operands,
-                                                           grouped_matmul_mosaic)
-from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_N, Tiles, k_splits, num_work_items
+from jaxspec.pallas_kernels.backend import auto_kernels, gpu_lowering
+from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts, check_operands, grouped_matmul_mosaic
+from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, k_splits,
+                                                           num_work_items, tile_variant)
 from test_grouped_matmul import V32_WEIGHTS, grouped_loop, random_sizes
 
 SM90_SMEM = 227 * 1024
@@ -41,16 +42,18 @@ def fp8_weights(rng, shape):
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_matches_reference(case):
-    """bfloat16 weights: within bfloat16 rounding of the reference and of a float64 loop (the
-    reference sums K in another order), rows past the total zero; FP8 weights: bit for bit the
-    kernel's own result for their dequantized bfloat16 values."""
+@pytest.mark.parametrize("variant", ["k64", "k128"])
+def test_matches_reference(case, variant):
+    """At either K step: bfloat16 weights within bfloat16 rounding of the reference and of a float64
+    loop (the reference sums K in another order), rows past the total zero; FP8 weights bit for bit
+    the kernel's own result for their dequantized bfloat16 values."""
     rows, depth, width, groups, total, empty = CASES[case]
+    tiles = VARIANTS[variant]
     rng = np.random.default_rng(sum(map(ord, case)))
     sizes = random_sizes(rng, groups, total, empty)
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
     rhs = jnp.asarray(rng.normal(size=(groups, depth, width)) * depth ** -0.5, jnp.bfloat16)
-    got = grouped_matmul_mosaic(lhs, rhs, jnp.asarray(sizes), interpret=True)
+    got = grouped_matmul_mosaic(lhs, rhs, jnp.asarray(sizes), tiles=tiles, interpret=True)
     want = grouped_matmul_reference(lhs, rhs, jnp.asarray(sizes))
     assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == (rows, width)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
@@ -59,32 +62,31 @@ def test_matches_reference(case):
     assert np.all(np.asarray(got)[total:] == 0)
 
     quantized, scale_inv, dense = fp8_weights(rng, (groups, depth, width))
-    fp8 = grouped_matmul_mosaic(lhs, quantized, jnp.asarray(sizes), scale_inv, interpret=True)
+    fp8 = grouped_matmul_mosaic(lhs, quantized, jnp.asarray(sizes), scale_inv, tiles=tiles, interpret=True)
     np.testing.assert_array_equal(np.asarray(fp8), np.asarray(grouped_matmul_mosaic(lhs, dense, jnp.asarray(sizes),
-                                                                                    interpret=True)))
+                                                                                    tiles=tiles, interpret=True)))
     np.testing.assert_allclose(np.asarray(fp8, np.float32),
                                np.asarray(grouped_matmul_reference(lhs, quantized, jnp.asarray(sizes), scale_inv),
                                           np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("split_k", [False, True], ids=["whole-k", "split-k"])
-def test_a_rows_result_does_not_depend_on_the_other_rows(split_k):
+@pytest.mark.parametrize("variant", ["k64", "k128-split"])
+def test_a_rows_result_does_not_depend_on_the_other_rows(variant):
     """The same rows give the same bits alone, among more rows of their groups and after other
-    groups (speculative decoding's bit-exactness rests on this), with FP8 weights, with and without
-    K splits (K = 2048: 16 steps, split in two); the split result is within rounding of the
+    groups (speculative decoding's bit-exactness rests on this), with FP8 weights, without and with
+    K splits (K = 2048 in steps of 128: 16, split in two); the result is within rounding of the
     reference."""
     rng = np.random.default_rng(7)
-    depth = 2048
+    depth, tiles = 2048, VARIANTS[variant]
     quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
-    assert (k_splits(depth, 128, 4, Tiles(block_k=BLOCK_K, split_k=split_k)) == 2) == split_k
+    assert (k_splits(depth, 128, 4, tiles) == 2) == tiles.split_k
     mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)  # one row of group 1, two of group 3
-    alone = grouped_matmul_mosaic(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv, split_k=split_k,
-                                  interpret=True)
+    alone = grouped_matmul_mosaic(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv, tiles=tiles, interpret=True)
     crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
     # 5 rows of group 0, then 1 + 16 rows of group 1 (mine first), then 2 + 9 of group 3.
     batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
     sizes = jnp.asarray([5, 17, 0, 11])
-    together = grouped_matmul_mosaic(batch, quantized, sizes, scale_inv, split_k=split_k, interpret=True)
+    together = grouped_matmul_mosaic(batch, quantized, sizes, scale_inv, tiles=tiles, interpret=True)
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]), np.asarray(alone))
     np.testing.assert_allclose(np.asarray(together, np.float32),
                                np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
@@ -93,8 +95,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(split_k):
 
 def test_stack_row_read_in_place_and_op_dispatch():
     """rhs_row r of an FP8 stack [n, G, K, N] gives the bits of the call on row r's matrices; the
-    op runs the Mosaic kernel on "mosaic" (interpreted here), with a stack row too, and the
-    Triton kernel for operands the Mosaic one does not take."""
+    op runs the Mosaic kernel on "mosaic" (interpreted here) under the current tile variant, with a
+    stack row too, and the Triton kernel for operands the Mosaic one does not take."""
     rng = np.random.default_rng(3)
     quantized, scale_inv, _ = fp8_weights(rng, (3, 4, 256, 128))
     lhs = jnp.asarray(rng.normal(size=(21, 256)), jnp.bfloat16)
@@ -106,6 +108,11 @@ def test_stack_row_read_in_place_and_op_dispatch():
                                                             backend="mosaic")), np.asarray(row))
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized[2], sizes, scale_inv[2], backend="mosaic")),
                                   np.asarray(row))
+    with tile_variant("k128"):
+        np.testing.assert_array_equal(
+            np.asarray(grouped_matmul(lhs, quantized[2], sizes, scale_inv[2], backend="mosaic")),
+            np.asarray(grouped_matmul_mosaic(lhs, quantized[2], sizes, scale_inv[2], tiles=VARIANTS["k128"],
+                                             interpret=True)))
 
     assert grouped_matmul_backend("mosaic", lhs, quantized[0], scale_inv[0]) == "mosaic"
     assert grouped_matmul_backend("mosaic", lhs, quantized, scale_inv) == "mosaic"  # a stack
@@ -119,6 +126,28 @@ def test_stack_row_read_in_place_and_op_dispatch():
                                   np.asarray(grouped_matmul(lhs, wide, sizes, backend="pallas")))
 
 
+def test_auto_kernels_choose_the_mosaic_kernel_where_the_table_does_not():
+    """`auto_kernels(grouped_matmul="mosaic")` makes "auto", lowered for a GPU, run the Mosaic
+    kernel (for operands it takes; Triton for the others) as an `AUTO_KERNELS` entry would, and
+    only inside the context; off a GPU "auto" stays the reference; bad choices are refused."""
+    spec = jax.ShapeDtypeStruct
+    args = (spec((8, 256), jnp.bfloat16), spec((2, 256, 128), jnp.bfloat16), spec((2,), jnp.int32))
+    odd = (args[0], spec((2, 256, 576), jnp.bfloat16), args[2])
+    trace = lambda *a: str(jax.make_jaxpr(functools.partial(grouped_matmul, backend="auto"))(*a))  # noqa: E731
+    with gpu_lowering("NVIDIA H200"):
+        assert "_grouped_matmul_mosaic" not in trace(*args)
+        with auto_kernels(grouped_matmul="mosaic"):
+            assert "_grouped_matmul_mosaic" in trace(*args)
+            assert "_grouped_matmul_mosaic" not in trace(*odd) and "grouped_matmul_pallas" in trace(*odd)
+        assert "_grouped_matmul_mosaic" not in trace(*args)
+    with auto_kernels(grouped_matmul="mosaic"):
+        assert grouped_matmul_backend("auto", *args[:2]) == "xla"
+    for bad in ({"grouped_matmul": "cuda"}, {"matmul": "mosaic"}):
+        with pytest.raises(ValueError, match="auto_kernels"):
+            with auto_kernels(**bad):
+                pass
+
+
 def test_operands_it_does_not_take_are_refused_before_tracing():
     lhs, sizes = jnp.zeros((8, 256), jnp.bfloat16), jnp.asarray([8, 0])
     bf16, (quantized, scale_inv) = jnp.zeros((2, 256, 128), jnp.bfloat16), block_fp8.quantize(jnp.zeros((2, 256, 128)))
@@ -127,7 +156,9 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
                 ((lhs.astype(jnp.float16), quantized, scale_inv), r"lhs.dtype=float16: with FP8 weights must be bfloat16"),
                 ((lhs, bf16.astype(jnp.float16)), r"rhs.dtype=float16: must be lhs's dtype bfloat16"),
                 ((lhs[:, :192], bf16[:, :192]), r"rhs \[\.\.\., 192, 128\]: K must be a multiple of 128"),
-                ((lhs, bf16[..., :64]), r"rhs \[\.\.\., 256, 64\]: K must be a multiple of 128 and N of 128")]
+                ((lhs, bf16[..., :64]), r"rhs \[\.\.\., 256, 64\]: K must be a multiple of 128 and N of 128"),
+                ((jnp.zeros((8, 32896), jnp.bfloat16), jnp.zeros((2, 32896, 128), jnp.float8_e4m3fn),
+                  jnp.zeros((2, 257, 1), jnp.float32)), r"rhs \[\.\.\., 32896, 128\]: FP8 weights with K over 32768")]
     for args, message in refusals:
         assert not accepts(*args)
         with pytest.raises(ValueError, match=message):
@@ -136,16 +167,19 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
             grouped_matmul_mosaic(args[0], args[1], sizes, *args[2:], interpret=True)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul_mosaic(lhs, bf16, sizes[:1], interpret=True)
+    with pytest.raises(ValueError, match=r"tiles=Tiles\(block_k=32, split_k=False\): must be a Tiles with block_k in "):
+        grouped_matmul_mosaic(lhs, bf16, sizes, tiles=Tiles(block_k=32), interpret=True)
 
 
-@pytest.mark.parametrize("weight,rows,split_k", [("expert_up", 256, False), ("expert_down", 256, False),
-                                                 ("o_proj", 8, True)])
-def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, split_k):
+@pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k128"),
+                                                 ("o_proj", 8, "k128-split")])
+def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths (256 experts with 256 rows: decode at batch 32, top-8;
     o_proj with 8 tokens, K split): one Mosaic launch, a block per (work item, column block,
-    split) of one warpgroup, within the H100's shared memory, and the op's stated cost equal to
-    the Triton kernel's statement of the same work (1 byte a weight of the groups that can be hit,
-    their scales, the activations, the work table, the split's partial sums)."""
+    split) of one warpgroup, within the H100's shared memory (two blocks an SM at K steps of 64),
+    and the op's stated cost equal to the Triton kernel's statement of the same work (1 byte a
+    weight of the groups that can be hit, their scales, the activations, the work table, the
+    split's partial sums)."""
     from jaxspec import aot
 
     depth, width, groups = V32_WEIGHTS[weight]
@@ -153,13 +187,16 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, split_k):
             jax.ShapeDtypeStruct((groups, depth, width), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((groups,), jnp.int32),
             jax.ShapeDtypeStruct((groups, depth // 128, width // 128), jnp.float32))
-    compiled = aot.compile_gpu(functools.partial(grouped_matmul_mosaic, split_k=split_k), *args, devices=h100)
+    tiles = VARIANTS[variant]
+    compiled = aot.compile_gpu(functools.partial(grouped_matmul_mosaic, tiles=tiles), *args, devices=h100)
     (launch,) = aot.mosaic_launches(compiled)
-    splits = k_splits(depth, width, groups, Tiles(block_k=BLOCK_K, split_k=split_k))
-    assert (splits > 1) == split_k
-    # Mosaic GPU launches the grid reversed: the K splits are CUDA's x.
-    assert launch.grid == (splits, width // BLOCK_N, num_work_items(rows, groups))
+    splits = k_splits(depth, width, groups, tiles)
+    assert (splits > 1) == tiles.split_k
+    # Mosaic GPU launches the grid reversed: the work items are CUDA's x, a group's tiles adjacent.
+    assert launch.grid == (num_work_items(rows, groups), width // BLOCK_N, splits)
     assert launch.threads == (128, 1, 1) and 0 < launch.shared_memory <= SM90_SMEM
+    if tiles.block_k == 64:  # two blocks an SM: 228 KiB less 1 KiB reserved by each
+        assert 2 * (launch.shared_memory + 1024) <= 228 * 1024
     (call,) = aot.pallas_calls(compiled)
     assert (call.name, call.lowering) == ("grouped_matmul", "mosaic")
     weights = min(groups, rows) * (depth * width + 4 * (depth // 128) * (width // 128))
@@ -170,9 +207,10 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, split_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,empty,split_k", [(256, 0.0, False), (1024, 0.5, False), (8, 0.0, True)],
+@pytest.mark.parametrize("rows,empty,variant", [(256, 0.0, DEFAULT_VARIANT), (1024, 0.5, "k128"),
+                                                (8, 0.0, "k128-split")],
                          ids=["decode", "prefill-half-empty", "one-token-split"])
-def test_mosaic_compiled_on_gpu(rows, empty, split_k):
+def test_mosaic_compiled_on_gpu(rows, empty, variant):
     """Natively on a GPU, FP8 experts at DeepSeek-V3.2's up-projection shape: within bfloat16
     rounding of the reference, and a row's bits the same alone as among the others."""
     rng = np.random.default_rng(rows)
@@ -180,10 +218,10 @@ def test_mosaic_compiled_on_gpu(rows, empty, split_k):
     sizes = jnp.asarray(random_sizes(rng, groups, rows, empty))
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
     quantized, scale_inv, _ = fp8_weights(rng, (groups, depth, width))
-    got = jax.jit(functools.partial(grouped_matmul_mosaic, split_k=split_k))(lhs, quantized, sizes, scale_inv)
+    tiles = VARIANTS[variant]
+    got = jax.jit(functools.partial(grouped_matmul_mosaic, tiles=tiles))(lhs, quantized, sizes, scale_inv)
     want = grouped_matmul_reference(lhs, quantized, sizes, scale_inv)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
     first = int(np.flatnonzero(np.asarray(sizes))[0])
-    alone = grouped_matmul_mosaic(lhs[:1], quantized, jnp.zeros_like(sizes).at[first].set(1), scale_inv,
-                                  split_k=split_k)
+    alone = grouped_matmul_mosaic(lhs[:1], quantized, jnp.zeros_like(sizes).at[first].set(1), scale_inv, tiles=tiles)
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(got[:1]))
