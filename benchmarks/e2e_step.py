@@ -209,11 +209,11 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 
 @dataclasses.dataclass
 class Point:
-    """One measured point: batch, drafts, context, the model's depth, the backend, cache dtype and
-    grouped-matmul tile variant and `auto_kernels` choices it ran with, the step's median and spread (seconds), the compiled
-    program's flops and bytes, the projections (seconds) and, with `--profile`, one more step's
-    kernel times by op class (`kernel_profile.profile_call`; {"error": ...} where the profiler
-    failed)."""
+    """One measured point: batch, drafts, context, the model's depth, the backend, cache dtype,
+    grouped-matmul tile variant and `auto_kernels` choices it ran with, the step's median and
+    spread (seconds), the compiled program's flops and bytes, the projections (seconds) and, with
+    `--profile`, one more step's kernel times by op class (`kernel_profile.profile_call`;
+    {"error": ...} where the profiler failed)."""
 
     batch: int
     drafts: int
@@ -327,7 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", choices=VARIANTS, default=DEFAULT_VARIANT,
                         help=f"the grouped matmul's tile variant (default {DEFAULT_VARIANT})")
     parser.add_argument("--auto", type=parse_choice, nargs="+", default=[], metavar="OP=IMPL",
-                        help="what backend auto runs for OP, as an AUTO_KERNELS entry would (e.g. grouped_matmul=mosaic)")
+                        help="what backend auto runs for OP, as an AUTO_KERNELS entry would "
+                             "(e.g. grouped_matmul=mosaic)")
     parser.add_argument("--calibration", metavar="JSON", help="also project with this calibration (projection.py)")
     parser.add_argument("--json", metavar="PATH", help="write the points here as they finish (existing points kept)")
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",

@@ -713,7 +713,8 @@ def tile_variant_lines(units: dict) -> list[str]:
     if not variants:
         return []
     lines = ["", "The step with another grouped-matmul tile variant or kernel (the gmm part), against the default's:",
-             "", "| variant | B | k | measured ms | default ms | grouped matmul ms (profiled) |", "|---|---|---|---|---|---|"]
+             "", "| variant | B | k | measured ms | default ms | grouped matmul ms (profiled) |",
+             "|---|---|---|---|---|---|"]
     for tiles, p in sorted(variants, key=lambda item: (item[0], item[1]["batch"], item[1]["drafts"])):
         default = units.get(f"e2e/B={p['batch']},k={p['drafts']}")
         gmm = ((p.get("profile") or {}).get("by_class_ms") or {}).get("grouped_matmul")

@@ -128,7 +128,8 @@ def main(argv=None) -> int:
     memory = device_memory()
     weight_bytes = experts * expert_bytes
     # The kernel once per tile variant (and the Mosaic kernel), then (bf16 weights) the XLA paths.
-    paths = [(label, "grouped", backend, tiles) for label, backend, tiles in grouped_matmul_runs(args.tiles, args.mosaic)]
+    paths = [(label, "grouped", backend, tiles)
+             for label, backend, tiles in grouped_matmul_runs(args.tiles, args.mosaic)]
     paths += [] if fp8 else [(label, path, backend, DEFAULT_VARIANT) for label, path, backend in PATHS[1:]]
     op = "moe_layer_fp8" if fp8 else "moe_layer"
 

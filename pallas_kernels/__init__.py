@@ -16,8 +16,9 @@ from .sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_ref
 from .visibility import Visibility, kv_bound, query_valid, visible_mask, window_slots
 
 __all__ = [
-    "EMPTY_LSE", "Visibility", "attend_latent", "gather_rows", "grouped_matmul", "grouped_matmul_backend", "grouped_matmul_reference",
-    "indexer_scores", "indexer_scores_reference", "indexer_topk", "indexer_topk_reference", "kv_bound",
+    "EMPTY_LSE", "Visibility", "attend_latent", "gather_rows", "grouped_matmul", "grouped_matmul_backend",
+    "grouped_matmul_reference", "indexer_scores", "indexer_scores_reference", "indexer_topk",
+    "indexer_topk_reference", "kv_bound",
     "mla_attention", "mla_attention_reference", "query_valid",
     "read_slots", "resolve_backend", "select_topk", "sliding_compressed_attention",
     "sliding_compressed_attention_reference", "slot_address", "sparse_mla_attention",

@@ -114,9 +114,9 @@ def resolve_backend(backend: str, op: str | None = None) -> str:
     backend: one of BACKENDS, as the caller asked. op: the op's name, so that "auto" can look it up
     in `AUTO_KERNELS` and "mosaic" can tell whether it has a Mosaic kernel (None: an op with only a
     Triton kernel). "auto" -> the reference off a GPU, else an enclosing `auto_kernels` choice or
-    the table's ("pallas" without an entry); "mosaic" -> "pallas" for an op not in `MOSAIC_OPS`; "xla" / "pallas" pass through. An
-    op's wrapper may keep Triton where the table's Mosaic kernel does not take its operands
-    (`mla_attention_backend`).
+    the table's ("pallas" without an entry); "mosaic" -> "pallas" for an op not in `MOSAIC_OPS`;
+    "xla" / "pallas" pass through. An op's wrapper may keep Triton where the table's Mosaic kernel
+    does not take its operands (`mla_attention_backend`, `grouped_matmul_backend`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")

@@ -85,9 +85,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .cost import attention_cost, stating
 from .fp8_cache import Fp8Pool, cache_token_bytes, entry_dtype, flat_pool
 from .gathered_softmax_mosaic import (FOLLOWERS, GRID_NAMES, OUT_BLOCK, accumulate_tile, check_copies_by_warp,
-                                      copies_per_key, fetch_rows, follower, gathered_tiles, issue_keys, kernel_warpgroups,
-                                      normalised, part_lse, prepare_tile, program_work, rows_buffer, scorer, staging,
-                                      start_followers, work_grid)
+                                      copies_per_key, fetch_rows, follower, gathered_tiles, issue_keys,
+                                      kernel_warpgroups, normalised, part_lse, prepare_tile, program_work, rows_buffer,
+                                      scorer, staging, start_followers, work_grid)
 from .indexer_mosaic import SWIZZLED, check_mosaic_operands, pad_to
 from .mosaic_gpu import check_fp8_pool, compiler_params, interpreting, store
 from .paged import read_slots, selected_rows

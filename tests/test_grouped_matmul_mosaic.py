@@ -152,8 +152,10 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
     lhs, sizes = jnp.zeros((8, 256), jnp.bfloat16), jnp.asarray([8, 0])
     bf16, (quantized, scale_inv) = jnp.zeros((2, 256, 128), jnp.bfloat16), block_fp8.quantize(jnp.zeros((2, 256, 128)))
     assert accepts(lhs, bf16) and accepts(lhs, quantized, scale_inv)
-    refusals = [((lhs.astype(jnp.float32), bf16.astype(jnp.float32)), r"lhs.dtype=float32: must be bfloat16 or float16"),
-                ((lhs.astype(jnp.float16), quantized, scale_inv), r"lhs.dtype=float16: with FP8 weights must be bfloat16"),
+    refusals = [((lhs.astype(jnp.float32), bf16.astype(jnp.float32)),
+                 r"lhs.dtype=float32: must be bfloat16 or float16"),
+                ((lhs.astype(jnp.float16), quantized, scale_inv),
+                 r"lhs.dtype=float16: with FP8 weights must be bfloat16"),
                 ((lhs, bf16.astype(jnp.float16)), r"rhs.dtype=float16: must be lhs's dtype bfloat16"),
                 ((lhs[:, :192], bf16[:, :192]), r"rhs \[\.\.\., 192, 128\]: K must be a multiple of 128"),
                 ((lhs, bf16[..., :64]), r"rhs \[\.\.\., 256, 64\]: K must be a multiple of 128 and N of 128"),
