@@ -170,7 +170,10 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                     operand = w_smem.at[slot]
                     if fp8:
                         buffer = jax.lax.rem(i, 2)
-                        weights = plgpu.layout_cast(w_smem[slot], plgpu.Layout.WGMMA)
+                        # In the layout Mosaic GPU has for upcasting 8-bit values: a thread loads four
+                        # e4m3 at a time (32-bit shared loads) and stores four bfloat16 (64-bit), half
+                        # the shared-memory instructions of the WGMMA layout's 16-bit loads.
+                        weights = plgpu.layout_cast(w_smem[slot], plgpu.Layout.WGMMA_UPCAST_2X)
                         # e4m3 -> float32 (exact), times the block's scale, rounded: block_fp8.dequantize.
                         scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK)]
                         operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
