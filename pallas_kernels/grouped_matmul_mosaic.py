@@ -66,7 +66,7 @@ from .contracts import check_grouped_matmul_args
 from .cost import stating
 from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, grouped_matmul_cost, k_splits,
                                     summed_splits, work_items)
-from .mosaic_gpu import compiler_params, interpret_params, interpreting, store, swizzled, union
+from .mosaic_gpu import UPCAST_8BIT, compiler_params, interpret_params, interpreting, store, swizzled, union
 
 # The K steps a launch may take (`Tiles.block_k`): divisors of the FP8 scale block's depth, so a
 # step's weight block has one scale, and at least a 128-byte swizzled row of bfloat16 activations.
@@ -170,10 +170,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                     operand = w_smem.at[slot]
                     if fp8:
                         buffer = jax.lax.rem(i, 2)
-                        # In the layout Mosaic GPU has for upcasting 8-bit values: a thread loads four
-                        # e4m3 at a time (32-bit shared loads) and stores four bfloat16 (64-bit), half
-                        # the shared-memory instructions of the WGMMA layout's 16-bit loads.
-                        weights = plgpu.layout_cast(w_smem[slot], plgpu.Layout.WGMMA_UPCAST_2X)
+                        weights = plgpu.layout_cast(w_smem[slot], UPCAST_8BIT)
                         # e4m3 -> float32 (exact), times the block's scale, rounded: block_fp8.dequantize.
                         scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK)]
                         operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)

@@ -58,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .contracts import select_topk
 from .cost import indexer_cost, stating
 from .fp8_cache import E4M3, Fp8Pool, cache_token_bytes
-from .mosaic_gpu import compiler_params, interpreting, swizzled
+from .mosaic_gpu import UPCAST_8BIT, compiler_params, interpreting, swizzled
 from .visibility import VisibleSlots, kv_bound, tree_mask_of
 
 # Slots per tile: the wgmma's M (one warpgroup).
@@ -151,7 +151,7 @@ def _indexer_kernel(q_ref, w_ref, key_ref, *refs, page_size: int, chunk_tiles: i
                     # e4m3 keys to the tensor cores as bfloat16, which holds every e4m3 value: the
                     # products are exact and sum in float32, as `indexer.score_keys` computes them.
                     # (e4m3 -> bfloat16 goes through float32: a direct conversion needs a newer ptxas.)
-                    values = plgpu.layout_cast(keys[...], plgpu.Layout.WGMMA)
+                    values = plgpu.layout_cast(keys[...], UPCAST_8BIT)
                     operand_smem[...] = values.astype(jnp.float32).astype(operand_smem.dtype)
                     plgpu.commit_smem()
                     keys = operand_smem

@@ -39,6 +39,11 @@ JAX_RANGE = ">=0.10.2,<0.13"
 INTERPRET_SMS = 4
 # The widest SMEM swizzle, in bytes: 128-byte rows (64 bfloat16, 128 e4m3).
 SWIZZLE = 128
+# The register layout an 8-bit tile is read in when it is widened into a 16-bit wgmma operand in
+# SMEM: Mosaic GPU's layout for upcasting 8-bit values, in which a thread loads four e4m3 values
+# at a time (32-bit shared loads) and stores four 16-bit ones (64-bit), half the shared-memory
+# instructions of the WGMMA layout's 16-bit loads and 32-bit stores.
+UPCAST_8BIT = plgpu.Layout.WGMMA_UPCAST_2X
 # Set to "gpu", interpreted kernels run the warpgroups they run on a GPU (`interpreted_warpgroups`).
 WARPGROUPS_VARIABLE = "JAXSPEC_INTERPRET_WARPGROUPS"
 
