@@ -205,6 +205,8 @@ AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attentio
 # Every attention row's op, V4's included (which do not calibrate the V3.2 step), for the choice
 # between its Triton and Mosaic kernels.
 KERNEL_AUTO_OPS = {**AUTO_OPS, "v4_csa": "sliding_compressed_attention", "v4_hca": "sliding_compressed_attention"}
+# The suite module that holds the Mosaic grouped matmul to the reference on a GPU (its `gpu` test).
+MOSAIC_GMM_TESTS = "test_grouped_matmul_mosaic.py"
 # A Mosaic kernel is as close to the reference as the Triton one when its largest error is within
 # this factor of Triton's, plus this much (bfloat16 outputs round at about 4e-3 near 1).
 ERROR_FACTOR, ERROR_SLACK = 2.0, 1e-3
@@ -642,6 +644,28 @@ def mosaic_against_triton(units: dict) -> dict[str, dict]:
     return found
 
 
+def grouped_matmul_verdict(units: dict) -> dict | None:
+    """The Mosaic grouped matmul against Triton, decided on the step itself: the gmm part's points
+    with "auto" on the Mosaic kernel ("gmm/e2e-mosaic/B=..,k=..") beside the e2e part's at the same
+    B and k (Triton: no `AUTO_KERNELS` entry). Returns the points both measured, the step time over
+    the default's summed over them, and the verdict: "mosaic" (faster at every such point, and the
+    suite's `MOSAIC_GMM_TESTS`, which holds the kernel to the reference natively, passed on this
+    device: set `AUTO_KERNELS[device]["grouped_matmul"] = "mosaic"`), "pallas" (not faster at
+    every point) or "unchecked" (faster, but that module has not passed here yet); None before
+    any pair is measured."""
+    pairs = [(units[f"e2e/B={p['batch']},k={p['drafts']}"], p) for name, p in units.items()
+             if name.startswith("gmm/e2e-mosaic/B=") and p.get("ok", True)
+             and f"e2e/B={p['batch']},k={p['drafts']}" in units]
+    if not pairs:
+        return None
+    tests = units.get(f"suite/{MOSAIC_GMM_TESTS}")
+    passed = bool(tests) and not tests.get("incomplete") and tests["failed"] == 0 and tests["passed"] > 0
+    faster = all(mosaic["measured_s"] < default["measured_s"] for default, mosaic in pairs)
+    return {"points": len(pairs),
+            "ratio": sum(m["measured_s"] for _, m in pairs) / sum(d["measured_s"] for d, _ in pairs),
+            "verdict": "pallas" if not faster else "mosaic" if passed else "unchecked"}
+
+
 def against_flashmla(units: dict) -> list[str]:
     """report.md's section on FlashMLA: each shape its harness timed (op, B, context, Q, cache dtype),
     its time a call and our kernels' (kernels.py's default tunings: the kernels part's rows and the
@@ -831,6 +855,13 @@ def markdown(report: Report) -> str:
                   f"{verdicts[c['verdict']]} |" for op, c in choice.items()]
     else:
         lines.append("no shape with both kernels timed yet")
+    gmm = grouped_matmul_verdict(units)
+    gmm_verdicts = {"mosaic": f"Mosaic: set `AUTO_KERNELS[{device!r}][\"grouped_matmul\"] = \"mosaic\"`",
+                    "pallas": "Triton stays", "unchecked": f"faster, but {MOSAIC_GMM_TESTS} has not passed here yet"}
+    lines += ["", "grouped_matmul, decided on the step (the gmm part's points with \"auto\" on the Mosaic kernel "
+              "against the e2e part's): " + ("not measured yet" if gmm is None else
+                                             f"{gmm['points']} points, step time {gmm['ratio']:.2f}x the default's: "
+                                             f"{gmm_verdicts[gmm['verdict']]}")]
     lines += ["", "## Calibration (fraction of the roofline per op class)", ""]
     if cal and cal.get("device") == device:
         lines += [f"- {name}: {value:.3f} ({cal['rows'][name]} rows)" for name, value in cal["fractions"].items()]

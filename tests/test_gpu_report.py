@@ -636,6 +636,38 @@ def test_mosaic_against_triton_says_which_kernel_auto_should_run():
     assert "| mla_attention | 2 | 0.40 |" in text and "AUTO_KERNELS['NVIDIA H100 80GB HBM3'][op] = \"mosaic\"" in text
 
 
+def test_the_grouped_matmul_is_decided_on_the_step():
+    """The Mosaic grouped matmul's verdict compares the gmm part's step with "auto" on it to the e2e
+    part's at the same points: faster at every point and its suite module passed on the device ->
+    "mosaic"; faster but that module not run (or failing) -> "unchecked"; slower at one point ->
+    Triton stays; no pair -> no verdict. report.md says which."""
+    def point(batch, drafts, seconds):
+        return {"batch": batch, "drafts": drafts, "measured_s": seconds, "ok": True, "layers": 10, "context": 4096,
+                "target": "h200", "projected_s": 0.03, "ratio": 0.03 / seconds, "flops": 1e12, "bytes": 1e11,
+                "by_class": {"grouped_matmul": (5e11, 8e10), "attention": (3e11, 1e10), "xla": (2e11, 1e10)},
+                "profile": {"by_class_ms": {"grouped_matmul": 0.8e3 * seconds, "attention": 0.1e3 * seconds,
+                                            "xla": 0.05e3 * seconds}, "busy_ms": 0.95e3 * seconds}}
+
+    units = {"e2e/B=32,k=3": point(32, 3, 0.0968), "e2e/B=1,k=0": point(1, 0, 0.0221),
+             "e2e/B=8,k=3": point(8, 3, 0.0621),  # no Mosaic point: not compared
+             "gmm/e2e-mosaic/B=32,k=3": point(32, 3, 0.0600), "gmm/e2e-mosaic/B=1,k=0": point(1, 0, 0.0150)}
+    assert gpu_report.grouped_matmul_verdict({}) is None
+    unchecked = gpu_report.grouped_matmul_verdict(units)
+    assert (unchecked["points"], unchecked["verdict"]) == (2, "unchecked")
+    assert unchecked["ratio"] == pytest.approx(0.075 / 0.1189)
+    suite = {"passed": 12, "failed": 0, "skipped": 0, "seconds": 20.0, "failures": [], "skips": []}
+    units[f"suite/{gpu_report.MOSAIC_GMM_TESTS}"] = suite
+    assert gpu_report.grouped_matmul_verdict(units)["verdict"] == "mosaic"
+    report = gpu_report.Report.__new__(gpu_report.Report)
+    report.device, report.units, report.data = "NVIDIA H200", units, {"runs": []}
+    assert ("2 points, step time 0.63x the default's: Mosaic: set `AUTO_KERNELS['NVIDIA H200'][\"grouped_matmul\"]"
+            in gpu_report.markdown(report))
+    units[f"suite/{gpu_report.MOSAIC_GMM_TESTS}"] = {**suite, "failed": 1}
+    assert gpu_report.grouped_matmul_verdict(units)["verdict"] == "unchecked"
+    units["gmm/e2e-mosaic/B=1,k=0"] = point(1, 0, 0.0230)
+    assert gpu_report.grouped_matmul_verdict(units)["verdict"] == "pallas"
+
+
 def test_device_seconds_gives_each_window_its_kernels():
     """A kernel belongs to the window that started last before it, allowing for the device's clock
     as the profiler maps it (`CLOCK_SKEW_NS`); a kernel outside every window is nobody's; a window
