@@ -37,8 +37,8 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              and V4's (v4_csa) with parts of 64 and 1024 slots beside its 256 and with its copies
              issued by warp or by thread (--copies-by-warp, --copies-by-thread);
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
-             K splits that fill the GPU for one decoded token) and its Mosaic GPU kernel, with and
-             without K splits (--mosaic), side by side: the FP8 linears (matmuls.py
+             K splits that fill the GPU for one decoded token) and its Mosaic GPU kernel at K steps
+             of 64 and 128 (--mosaic-tiles), side by side: the FP8 linears (matmuls.py
              --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
              B 32, k 3 and B 1, k 0 with GMM_E2E_TILES and with the Mosaic kernel as "auto"'s
              (e2e_step.py --auto grouped_matmul=mosaic; against the e2e part's default points;
@@ -113,6 +113,10 @@ GMM_E2E_POINTS = [HEADLINE, (1, 0)]
 # "auto" running the Mosaic GPU grouped matmul (experts and FP8 linears), as it would run once
 # `AUTO_KERNELS` names it.
 GMM_E2E_VARIANTS = {GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES], "mosaic": ["--auto", "grouped_matmul=mosaic"]}
+# The tile variants the gmm part times the Mosaic grouped matmul under: K steps of 64 (two blocks an
+# SM) and 128 (one), the latter with K splits (o_proj's 56 column blocks); two of the four, to keep
+# the part's time.
+GMM_MOSAIC_TILES = (DEFAULT_VARIANT, GMM_E2E_TILES)
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
 # kernel failing or hanging on the device costs its own op's rows only.
@@ -176,14 +180,14 @@ BENCHMARK_UNITS = {
     # projections split K in two, their down projection does not), then every FP8 linear under
     # each, at the tokens a call of the gmm part's e2e points has: B 1 decode, B 32 k 3 verification
     # (a linear's launch is the same for 1 and 8 tokens, and 8 is what the matmuls part measured).
-    # With --mosaic, the Mosaic GPU kernel beside them, with and without K splits.
-    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--mosaic", "--tokens",
-                             "1", "128", "--json", "{json}"],
+    # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES: one block an SM or two).
+    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--mosaic-tiles",
+                             *GMM_MOSAIC_TILES, "--tokens", "1", "128", "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
-            ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--mosaic", "--tokens",
-                             "8", "128", "--json", "{json}"],
+            ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--mosaic-tiles",
+                             *GMM_MOSAIC_TILES, "--tokens", "8", "128", "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
-              "--mosaic", "--json", "{json}"])],
+              "--mosaic-tiles", *GMM_MOSAIC_TILES, "--json", "{json}"])],
     # FlashMLA, DeepSeek's CUDA decode kernels, at the kernels part's MLA and V4 shapes (its harness,
     # built where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA and V4
     # kernels on the FP8 caches FlashMLA's sparse decode reads, so that its rows have ours beside them.

@@ -124,14 +124,13 @@ def add_timing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every timed row (and the copy bandwidth) here")
 
 
-def grouped_matmul_runs(variants: list[str], mosaic: bool) -> list[tuple[str, str, str]]:
+def grouped_matmul_runs(variants: list[str], mosaic_variants: list[str]) -> list[tuple[str, str, str]]:
     """The grouped-matmul kernel rows of moe.py and matmuls.py: (impl label, backend, tile variant),
-    the Triton kernel once per variant ("pallas", or "pallas:NAME" for one not the default), then
-    with `mosaic` the Mosaic GPU kernel once per variant ("mosaic", "mosaic:NAME"): both kernels
-    take a variant's K step and K splits."""
-    backends = ("pallas", "mosaic") if mosaic else ("pallas",)
+    the Triton kernel once per variant of `variants` ("pallas", or "pallas:NAME" for one not the
+    default), then the Mosaic GPU kernel once per variant of `mosaic_variants` ("mosaic",
+    "mosaic:NAME"): both kernels take a variant's K step and K splits."""
     return [(backend if name == DEFAULT_VARIANT else f"{backend}:{name}", backend, name)
-            for backend in backends for name in variants]
+            for backend, names in (("pallas", variants), ("mosaic", mosaic_variants)) for name in names]
 
 
 def timed(fn, *args, iters: int, warmup: int) -> float:

@@ -13,9 +13,9 @@ verification at B 32, k = 3). Each row prints time, the bytes the layer must mov
 weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
 TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
 variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits that fill the GPU where a layer
-has few column blocks), a row each; --mosaic adds the FP8 layers on the Mosaic GPU kernel
-(`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton),
-a row per variant too; --dtypes picks the weights' rows. A timing is
+has few column blocks), a row each; --mosaic-tiles adds the FP8 layers on the Mosaic GPU kernel
+(`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton)
+under each variant it names; --dtypes picks the weights' rows. A timing is
 `benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
 beside the device time of the layer's kernels a call ("dev ms", which the rates use).
 """
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the weights' dtypes")
     parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the FP8 kernel's tile variants, a row each")
-    parser.add_argument("--mosaic", action="store_true",
-                        help="also the FP8 layers on the Mosaic GPU grouped matmul, a row per variant of --tiles")
+    parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=[],
+                        help="also the FP8 layers on the Mosaic GPU grouped matmul under these tile variants")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         for label in args.dtypes:
             layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=DTYPES[label])
             graphdef, params = nnx.split(layer)
-            runs = (grouped_matmul_runs(args.tiles, args.mosaic) if label == "fp8"
+            runs = (grouped_matmul_runs(args.tiles, args.mosaic_tiles) if label == "fp8"
                     else [("xla", "pallas", DEFAULT_VARIANT)])  # a bfloat16 weight is XLA's dot on "pallas"
             for impl, backend, tiles in runs:
                 shown = label if impl in ("xla", "pallas") else f"{label}:{impl.removeprefix('pallas:')}"

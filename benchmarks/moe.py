@@ -15,8 +15,8 @@ The three paths:
 --weights fp8 stores the experts as DeepSeek ships them (float8_e4m3fn with 128 x 128 block
 scales, as the end-to-end step runs them) and times the kernel alone (the XLA paths would first
 dequantize every expert). --tiles times the kernel once per grouped-matmul tile variant
-(`grouped_matmul_pallas.VARIANTS`: the K step, K splits), one row each; --mosaic adds the Mosaic
-GPU kernel (`grouped_matmul_mosaic.py`) under each variant too.
+(`grouped_matmul_pallas.VARIANTS`: the K step, K splits), one row each; --mosaic-tiles adds the
+Mosaic GPU kernel (`grouped_matmul_mosaic.py`) under each variant it names.
 
 For T tokens per call (default 8, 32, 128, 1024: decode at batch 8 and 32, verification at k = 3,
 prefill) it prints time per layer, the distinct experts the call hit, achieved bandwidth (the bytes
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
                         help="the experts' stored dtype (fp8: block-scaled, the kernel path only)")
     parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the kernel's tile variants, a row each")
-    parser.add_argument("--mosaic", action="store_true",
-                        help="also the Mosaic GPU grouped matmul, a row per variant of --tiles")
+    parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=[],
+                        help="also the Mosaic GPU grouped matmul under these tile variants, a row each")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     weight_bytes = experts * expert_bytes
     # The kernel once per tile variant (and the Mosaic kernel), then (bf16 weights) the XLA paths.
     paths = [(label, "grouped", backend, tiles)
-             for label, backend, tiles in grouped_matmul_runs(args.tiles, args.mosaic)]
+             for label, backend, tiles in grouped_matmul_runs(args.tiles, args.mosaic_tiles)]
     paths += [] if fp8 else [(label, path, backend, DEFAULT_VARIANT) for label, path, backend in PATHS[1:]]
     op = "moe_layer_fp8" if fp8 else "moe_layer"
 
