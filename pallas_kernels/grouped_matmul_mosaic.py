@@ -219,6 +219,8 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     num_groups = group_sizes.shape[0]
     fp8 = rhs_scale_inv is not None
     out_dtype = lhs.dtype
+    if num_rows == 0:  # no work items: CUDA refuses a launch of an empty grid, and there is nothing to compute
+        return jnp.zeros((0, width), out_dtype)
     splits = k_splits(depth, width, num_groups, tiles)
     steps = depth // tiles.block_k
     cost = grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv, splits)

@@ -345,6 +345,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                                                    (rhs_row * num_groups,))
     check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     num_rows, stacked_groups = lhs.shape[0], rhs.shape[0]
+    if num_rows == 0:  # no work items: CUDA refuses a launch of an empty grid, and there is nothing to compute
+        return jnp.zeros((0, width), out_dtype)
     group, start, end = work_items(group_sizes, num_rows, num_groups)
     # The kernel reads whole BLOCK_M-row windows: fewer rows than one (decode at a small batch)
     # are padded with zero rows, which no work item covers.

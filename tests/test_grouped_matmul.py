@@ -142,6 +142,8 @@ def test_fp8_weights_equal_their_dequantized_bfloat16(case):
 
 def test_op_dispatch_and_argument_errors():
     lhs, rhs, sizes = make_case(3, 20, 32, 16, np.array([5, 0, 15], np.int32), jnp.float32)
+    # No rows at all (an expert-parallel shard's share can be empty): an empty result, no launch.
+    assert grouped_matmul_pallas(lhs[:0], rhs, jnp.zeros_like(sizes), interpret=True).shape == (0, 16)
     np.testing.assert_array_equal(grouped_matmul(lhs, rhs, sizes, backend="xla"),
                                   grouped_matmul_reference(lhs, rhs, sizes))
     np.testing.assert_allclose(grouped_matmul(lhs, rhs, sizes, backend="pallas"),

@@ -124,6 +124,8 @@ def test_stack_row_read_in_place_and_op_dispatch():
     wide = jnp.asarray(rng.normal(size=(4, 256, 576)) / 16, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, wide, sizes, backend="mosaic")),
                                   np.asarray(grouped_matmul(lhs, wide, sizes, backend="pallas")))
+    empty = grouped_matmul(lhs[:0], quantized[0], jnp.zeros_like(sizes), scale_inv[0], backend="mosaic")
+    assert empty.shape == (0, 128) and empty.dtype == jnp.bfloat16
 
 
 def test_auto_kernels_choose_the_mosaic_kernel_where_the_table_does_not():
