@@ -26,13 +26,14 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
   weight byte, below the H100's ridge (about 295), so the loop stays bound by the weights' bytes.
   Cutting the rows at 64 instead would load 4x the activations every step.
 * **FP8 weights, dequantized once a step.** An e4m3 block goes from its TMA buffer through registers
-  (float32 times the block's scale, rounded to bfloat16: `block_fp8.dequantize` exactly) into a
-  bfloat16 operand buffer that the wgmma reads. wgmma takes FP8 only with both operands FP8, and
-  quantizing the activations would change the numerics (DeepSeek's `gemm_impl="fp8"`). The operand
-  buffer is double-buffered, so a step's dequantization overlaps the previous step's wgmma. The
-  block's scale is one float32 (block_k divides the 128 x 128 scale block, BLOCK_N is its width): a program copies
-  its column block's scales into SMEM once (from the scales transposed to [G, N / 128, K / 128] in
-  XLA, 1/16384 of the weights' size), so the loop reads no scale from global memory.
+  (in `mosaic_gpu.UPCAST_8BIT`; float32 times the block's scale, rounded to bfloat16:
+  `block_fp8.dequantize` exactly) into a bfloat16 operand buffer that the wgmma reads. wgmma takes
+  FP8 only with both operands FP8, and quantizing the activations would change the numerics
+  (DeepSeek's `gemm_impl="fp8"`). The operand buffer is double-buffered, so a step's
+  dequantization overlaps the previous step's wgmma. The block's scale is one float32 (block_k
+  divides the 128 x 128 scale block, BLOCK_N is its width): a program copies its column block's
+  scales into SMEM once (from the scales transposed to [G, N / 128, K / 128] in XLA, 1/16384 of
+  the weights' size), so the loop reads no scale from global memory.
 * **Stores.** The accumulator goes to SMEM (into the rings' memory, free once the loop is done:
   `mosaic_gpu.union`), and one TMA copy a row writes the tile's rows (a window's other rows belong
   to neighbouring groups, which their own programs write).
@@ -141,6 +142,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
 
         def body(buffers, operand_smem, scales_smem, barriers, scale_barrier):
             (x_smem, w_smem), out_smem = buffers  # the rings' memory holds the output rows after the loop
+
             def fetch(i, slot):
                 """Start TMA copies of step i's activation and weight blocks into ring buffer `slot`."""
                 k = pl.ds((first_step + i) * block_k, block_k)
