@@ -63,7 +63,7 @@ from jaxspec.decode_config import DecodeConfig
 from jaxspec.loop import DecodeState, _step, prefill
 from jaxspec.memory_plan import device_memory, plan_memory
 from jaxspec.orbax_io import abstract_model
-from jaxspec.pallas_kernels.backend import BACKENDS, auto_kernels
+from jaxspec.pallas_kernels.backend import BACKENDS, auto_kernels, check_auto_choices
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, quantize_entries
 from jaxspec.presets import preset
@@ -292,11 +292,10 @@ def profile_line(profile: dict) -> str:
 
 
 def parse_choice(text: str) -> tuple[str, str]:
-    """--auto's OP=IMPL, checked as `auto_kernels` checks it."""
+    """--auto's OP=IMPL, checked by `backend.check_auto_choices`."""
     op, _, implementation = text.partition("=")
     try:
-        with auto_kernels(**{op: implementation}):
-            pass
+        check_auto_choices({op: implementation})
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return op, implementation

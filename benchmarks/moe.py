@@ -132,6 +132,7 @@ def main(argv=None) -> int:
              for label, backend, tiles in grouped_matmul_runs(args.tiles, args.mosaic_tiles)]
     paths += [] if fp8 else [(label, path, backend, DEFAULT_VARIANT) for label, path, backend in PATHS[1:]]
     op = "moe_layer_fp8" if fp8 else "moe_layer"
+    mosaic_ok = mosaic_takes(config, WEIGHTS[args.weights])
 
     copy_bytes = (1 << 20) if args.smoke else (1 << 30)
     copy_bw = copy_bandwidth(copy_bytes, args.iters, args.warmup)
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         kernel_out = kernel_seconds = None
         for label, path, backend, tiles in paths:
             prefix = f"{num_tokens:>6}  {label:<17}{hit:>5}"
-            if backend == "mosaic" and not mosaic_takes(config, WEIGHTS[args.weights]):
+            if backend == "mosaic" and not mosaic_ok:
                 print(f"{prefix}  skipped: the Mosaic kernel needs hidden and expert widths in 128-blocks")
                 continue
             if memory is not None and weight_bytes + extra_memory(label, config, num_tokens) > MEMORY_FRACTION * memory:

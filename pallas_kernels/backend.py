@@ -76,6 +76,15 @@ def gpu_lowering(device_kind: str = ""):
         _gpu_lowering = previous
 
 
+def check_auto_choices(choices: dict[str, str]) -> None:
+    """ValueError unless every {op: implementation} names an op with a Mosaic kernel and "pallas"
+    or "mosaic" (what `auto_kernels` takes)."""
+    for op, implementation in choices.items():
+        if op not in MOSAIC_OPS or implementation not in ("pallas", "mosaic"):
+            raise ValueError(f"auto_kernels({op}={implementation!r}): the op must be one of {sorted(MOSAIC_OPS)} "
+                             "and the implementation 'pallas' or 'mosaic'")
+
+
 @contextlib.contextmanager
 def auto_kernels(**choices: str):
     """Inside this context "auto" runs `choices[op]` ("pallas" or "mosaic") for each op named, on
@@ -85,10 +94,7 @@ def auto_kernels(**choices: str):
     arguments, not by this setting, so entering and leaving clear JAX's caches (`jax.clear_caches`),
     as `grouped_matmul_pallas.tile_variant` does; a program compiled inside keeps its kernels."""
     global _auto_choices
-    for op, implementation in choices.items():
-        if op not in MOSAIC_OPS or implementation not in ("pallas", "mosaic"):
-            raise ValueError(f"auto_kernels({op}={implementation!r}): the op must be one of {sorted(MOSAIC_OPS)} "
-                             "and the implementation 'pallas' or 'mosaic'")
+    check_auto_choices(choices)
     previous, _auto_choices = _auto_choices, {**_auto_choices, **choices}
     jax.clear_caches()
     try:

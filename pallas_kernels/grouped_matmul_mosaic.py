@@ -66,7 +66,7 @@ from . import block_fp8
 from .contracts import check_grouped_matmul_args
 from .cost import stating
 from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, grouped_matmul_cost, k_splits,
-                                    summed_splits, work_items)
+                                    summed_splits, window_rows, work_items)
 from .mosaic_gpu import UPCAST_8BIT, compiler_params, interpret_params, interpreting, store, swizzled, union
 
 # The K steps a launch may take (`Tiles.block_k`): divisors of the FP8 scale block's depth, so a
@@ -230,15 +230,13 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     group, start, end = work_items(group_sizes, num_rows, num_groups)
     if rhs_row is not None:  # the stack's row r holds groups r * G .. r * G + G - 1
         group = group + rhs_row.astype(jnp.int32) * num_groups
-    # Windows of BLOCK_M rows never run past M: fewer rows than that are padded with zero rows.
-    padded = max(num_rows, BLOCK_M)
-    operand = jnp.pad(lhs, ((0, padded - num_rows), (0, 0))) if padded > num_rows else lhs
+    operand = window_rows(lhs)
     scales = ()
     if fp8:  # [Gs, N / 128, K / 128]: a column block's scales contiguous, in whole 128-byte rows
         scale_t = jnp.swapaxes(rhs_scale_inv.reshape(stacked.shape[0], *rhs_scale_inv.shape[-2:]), 1, 2)
         scales = (jnp.pad(scale_t, ((0, 0), (0, 0), (0, -scale_t.shape[-1] % SCALE_ROW))),)
     partial_dtype = out_dtype if splits == 1 else jnp.float32
-    out_type = jax.ShapeDtypeStruct((splits, padded, width), partial_dtype)
+    out_type = jax.ShapeDtypeStruct((splits, operand.shape[0], width), partial_dtype)
     kernel = plgpu.kernel(
         functools.partial(_kernel, depth=depth, block_k=tiles.block_k, split_steps=steps // splits, fp8=fp8,
                           interpret=interpret),

@@ -348,10 +348,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     if num_rows == 0:  # no work items: CUDA refuses a launch of an empty grid, and there is nothing to compute
         return jnp.zeros((0, width), out_dtype)
     group, start, end = work_items(group_sizes, num_rows, num_groups)
-    # The kernel reads whole BLOCK_M-row windows: fewer rows than one (decode at a small batch)
-    # are padded with zero rows, which no work item covers.
-    padded = max(num_rows, BLOCK_M)
-    operand = jnp.pad(lhs, ((0, padded - num_rows), (0, 0))) if padded > num_rows else lhs
+    operand = window_rows(lhs)
+    padded = operand.shape[0]
     column_blocks = pl.cdiv(width, BLOCK_N)
     steps = pl.cdiv(depth, tiles.block_k)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width, block_k=tiles.block_k,
@@ -363,6 +361,14 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
         operand, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
     return summed_splits(out, group_sizes, num_rows, width, out_dtype)
+
+
+def window_rows(lhs: jax.Array) -> jax.Array:
+    """lhs [M, K] as the kernels read it: whole BLOCK_M-row windows, so fewer rows than one (decode
+    at a small batch) are padded with zero rows, which no work item covers -> [max(M, BLOCK_M), K].
+    Shared by the Triton and Mosaic GPU kernels."""
+    pad = BLOCK_M - lhs.shape[0]
+    return jnp.pad(lhs, ((0, pad), (0, 0))) if pad > 0 else lhs
 
 
 def summed_splits(out: jax.Array, group_sizes: jax.Array, num_rows: int, width: int, out_dtype) -> jax.Array:
