@@ -434,7 +434,7 @@ def test_the_gmm_part_times_the_step_with_its_variants_beside_the_default(tmp_pa
     report.data["runs"].append({"started": "now"})
     for variant in gpu_report.GMM_E2E_VARIANTS:
         gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), variant)
-    tiles_argv, mosaic_argv = calls
+    mosaic_argv, tiles_argv = calls  # the Mosaic step first: it decides the op's AUTO_KERNELS entry
     assert tiles_argv[tiles_argv.index("--tiles") + 1] == gpu_report.GMM_E2E_TILES and "--auto" not in tiles_argv
     assert mosaic_argv[mosaic_argv.index("--auto") + 1] == "grouped_matmul=mosaic" and "--tiles" not in mosaic_argv
     for variant in gpu_report.GMM_E2E_VARIANTS:
