@@ -57,13 +57,25 @@ WARPS = 4  # warps in a warpgroup
 # 64 x 256 float32 accumulator, in place (`accumulate_tile`), 128 registers a thread.
 FOLLOWERS = 2
 OUT_BLOCK = 256
-# Registers a thread (`plgpu.set_max_registers`) of the scoring and the following warpgroups. Three
-# warpgroups share the SM's 64 K registers, 168 a thread each by default, at which sparse MLA's
-# scorer spilled 44 words a tile. They must sum to 512 in multiples of 8; the followers need their
-# accumulator and little else, and ptxas ignores a cut to 152 (C7507), hence 192 / 160: the scorer's
-# loop then keeps 3 spill stores and 23 spill loads a tile (sm_90a, bfloat16 sparse MLA, jax 0.10.2;
-# 0 and 14 on jax 0.11.2).
-SCORER_REGISTERS, FOLLOWER_REGISTERS = 192, 160
+# The registers of an SM, and the steps in which a launch gives them to each thread.
+SM_REGISTERS, REGISTER_STEP = 65536, 8
+
+
+def launch_registers(warpgroups: int) -> int:
+    """The registers a thread of a block of `warpgroups` warpgroups is launched with at most, as
+    ptxas assigns them to a kernel that moves them with `setmaxnreg` (168 at three warpgroups):
+    the block's pool, which `setmaxnreg` redistributes and never grows."""
+    return SM_REGISTERS // (warpgroups * 128) // REGISTER_STEP * REGISTER_STEP
+
+
+# Registers a thread (`plgpu.set_max_registers`) of the following and the scoring warpgroups. They
+# must fit the launch's pool, (1 + FOLLOWERS) x 168 a thread of a warpgroup: `setmaxnreg.inc` waits
+# until the pool has what it asks for, so a split past it never returns (192 / 160 / 160 kept the
+# dense and sparse MLA kernels from returning on an H200; the CPU simulator, which has no register
+# pool, ran them). The followers need their accumulator and little else, and ptxas ignores a cut
+# to 152 (C7507): 160. The scorer takes the rest: 184.
+FOLLOWER_REGISTERS = 160
+SCORER_REGISTERS = (1 + FOLLOWERS) * launch_registers(1 + FOLLOWERS) - FOLLOWERS * FOLLOWER_REGISTERS
 # Columns a register move handles: one 128-byte swizzle row of bfloat16.
 CHUNK = 64
 # A copy's bytes are a multiple of this (see `copy_key`).

@@ -16,8 +16,9 @@ half of the 512-wide output, `[64, 256]` float32 (128 registers a thread, in pla
 float32 accumulator would not fit one warpgroup's registers, which is what serialized the Triton
 kernel's wgmma. The scorer carries no accumulator, so its scores and softmax of tile t + 1
 overlap the followers' `P V` of tile t (FlashMLA's consumers split the output the same way; the
-scorer apart is FlashAttention-3's overlap of softmax and GEMMs), and `setmaxnreg` gives it 192
-registers, the followers 160. The scores are computed once a tile: the SM's tensor cores do
+scorer apart is FlashAttention-3's overlap of softmax and GEMMs), and `setmaxnreg` gives it 184
+registers, the followers 160 (`gathered_softmax_mosaic.SCORER_REGISTERS`: what the launch's 168 a
+thread of three warpgroups allow). The scores are computed once a tile: the SM's tensor cores do
 64 x 64 x (576 + 512) multiply-adds a tile, where scoring in both of two warpgroups did
 64 x 64 x (2 x 576 + 512), 1.53x as many; at 128 heads the op is compute-bound from Q = 2 on and
 near the ridge at Q = 1. P takes no shared memory of its own: it goes into the tile's RoPE buffer,
@@ -415,6 +416,7 @@ def _mla_attention_mosaic(q_nope, q_rope, latent_cache, page_table, vis: Visibil
     kernel = plgpu.kernel(
         functools.partial(_kernel, latent=latent, page_size=page_size, tiles_per_part=tiles_per_part,
                           softmax_scale=softmax_scale, warpgroups=warpgroups, interpret=interpret, fp8=fp8),
+        kernel_name="mla_attention_mosaic",
         out_type=out_type, grid=(batch, parts, rows_padded // BLOCK_M), grid_names=("batch", "parts", "rows"),
         num_threads=warpgroups, thread_name="wg", compiler_params=compiler_params(),
         interpret=interpret_params() if interpret else None)

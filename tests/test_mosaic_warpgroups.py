@@ -17,6 +17,7 @@ over the denominator without a tile), split-KV parts, a tree's masks and FP8 deq
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,46 @@ def test_the_gpu_warpgroups_are_refused_where_the_pool_would_hang(monkeypatch):
     monkeypatch.setenv(WARPGROUPS_VARIABLE, "2")
     with pytest.raises(ValueError, match="'1' .* or 'gpu'"):
         interpreted_warpgroups(3)
+
+
+# Compiles dense MLA's three warpgroups for sm_90a at a small shape, in a process of its own: Mosaic
+# GPU reads its dump settings at a process's first Mosaic compile.
+REGISTER_PROBE = """
+import sys, jax, jax.numpy as jnp
+from jaxspec import aot
+from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic
+from jaxspec.pallas_kernels.visibility import Visibility
+spec = jax.ShapeDtypeStruct
+args = (spec((1, 1, 16, 256), jnp.bfloat16), spec((1, 1, 16, 64), jnp.bfloat16), spec((2, 64, 320), jnp.bfloat16),
+        spec((1, 2), jnp.int32), Visibility(spec((1,), jnp.int32), spec((1,), jnp.int32)))
+aot.compile_gpu(lambda *a: mla_attention_mosaic(*a, softmax_scale=0.1), *args, devices=aot.gpu_devices("h100"))
+"""
+
+
+def test_the_register_split_fits_what_the_launch_allocates(h100, tmp_path):
+    """`setmaxnreg` hands registers between a block's warpgroups and never adds any: the scorer's
+    increase waits until the followers' decreases have freed what it asks for. So, compiled for
+    sm_90a (ptxas' report and the PTX in Mosaic GPU's dump), the scorer's count plus the followers'
+    fit in the block's launch allocation, the registers a thread ptxas reports times the
+    warpgroups. A split past it (192 / 160 / 160 against 3 x 168) never returned on an H200, where
+    the simulator, which has no register pool, ran it."""
+    from jaxspec.pallas_kernels.gathered_softmax_mosaic import FOLLOWERS
+
+    env = {**virtual_devices_env(1), "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1",
+           "MOSAIC_GPU_DUMP_TO": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", REGISTER_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (report,) = tmp_path.glob("mla_attention_mosaic*.ptxas")
+    (ptx,) = tmp_path.glob("mla_attention_mosaic*.ptx")
+    launched = int(re.search(r"Used (\d+) registers", report.read_text()).group(1))
+    text = ptx.read_text()
+    threads = int(re.search(r"\.maxntid (\d+)", text).group(1))
+    increases = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", text)}
+    decreases = {int(n) for n in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", text)}
+    assert threads == 128 * (1 + FOLLOWERS) and len(increases) == len(decreases) == 1
+    (scorer,), (follower,) = increases, decreases
+    assert scorer * 128 + FOLLOWERS * follower * 128 <= launched * threads
+    assert follower <= launched <= scorer  # each moves the way its instruction says
 
 
 if __name__ == "__main__":
