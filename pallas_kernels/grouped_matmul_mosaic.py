@@ -83,6 +83,10 @@ STAGES = 4
 # box's 256 (K up to 32768: DeepSeek's widest is 18432).
 SCALE_ROW = 32
 MAX_SCALES = 256
+# A TMA copy into a swizzled buffer moves whole tiles of this many rows, and Mosaic GPU lowers one
+# from global memory only if the array's rows are a whole number of them: the activations are
+# padded to one (21 rows failed to lower on an H200), the padding read by no work item.
+TMA_ROWS = 8
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
 assert BLOCK_N == BLOCK == block_fp8.BLOCK[1] == block_fp8.BLOCK[0] and WGMMA_M % BLOCK_M == 0
 assert all(BLOCK % block_k == 0 for block_k in BLOCK_KS)
@@ -231,6 +235,7 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     if rhs_row is not None:  # the stack's row r holds groups r * G .. r * G + G - 1
         group = group + rhs_row.astype(jnp.int32) * num_groups
     operand = window_rows(lhs)
+    operand = jnp.pad(operand, ((0, -operand.shape[0] % TMA_ROWS), (0, 0)))
     scales = ()
     if fp8:  # [Gs, N / 128, K / 128]: a column block's scales contiguous, in whole 128-byte rows
         scale_t = jnp.swapaxes(rhs_scale_inv.reshape(stacked.shape[0], *rhs_scale_inv.shape[-2:]), 1, 2)
@@ -240,6 +245,7 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     kernel = plgpu.kernel(
         functools.partial(_kernel, depth=depth, block_k=tiles.block_k, split_steps=steps // splits, fp8=fp8,
                           interpret=interpret),
+        kernel_name="grouped_matmul_mosaic",
         out_type=out_type, grid=(splits, width // BLOCK_N, group.shape[0]), grid_names=("split", "column", "item"),
         compiler_params=compiler_params(), interpret=interpret_params() if interpret else None)
     with stating(cost, "grouped_matmul"):

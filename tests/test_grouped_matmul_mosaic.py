@@ -2,7 +2,8 @@
 reference and a float64 loop, FP8 weights against their dequantized bfloat16 values bit for bit, a
 row's bits alone and among other rows, a stack's row read in place, K splits; which operands it
 takes and how the op dispatches to it; and compiled for an H100 without a GPU at DeepSeek-V3.2's
-widths (grid, shared memory, stated cost). On a GPU host the `gpu` test runs it natively.
+widths (grid, shared memory, stated cost). On a GPU host these tests run it natively
+(`conftest.MOSAIC_INTERPRET`), and the `gpu` test at DeepSeek-V3.2's expert width.
 
 Inputs are seeded random; group sizes include empty groups, a group of more than one 16-row tile,
 rows past the groups' total, and fewer rows than a tile.
@@ -22,6 +23,7 @@ from jaxspec.pallas_kernels.backend import auto_kernels, gpu_lowering
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts, check_operands, grouped_matmul_mosaic
 from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, k_splits,
                                                            num_work_items, tile_variant)
+from conftest import MOSAIC_INTERPRET, ON_GPU
 from test_grouped_matmul import V32_WEIGHTS, grouped_loop, random_sizes
 
 SM90_SMEM = 227 * 1024
@@ -53,7 +55,7 @@ def test_matches_reference(case, variant):
     sizes = random_sizes(rng, groups, total, empty)
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
     rhs = jnp.asarray(rng.normal(size=(groups, depth, width)) * depth ** -0.5, jnp.bfloat16)
-    got = grouped_matmul_mosaic(lhs, rhs, jnp.asarray(sizes), tiles=tiles, interpret=True)
+    got = grouped_matmul_mosaic(lhs, rhs, jnp.asarray(sizes), tiles=tiles, interpret=MOSAIC_INTERPRET)
     want = grouped_matmul_reference(lhs, rhs, jnp.asarray(sizes))
     assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == (rows, width)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
@@ -62,9 +64,9 @@ def test_matches_reference(case, variant):
     assert np.all(np.asarray(got)[total:] == 0)
 
     quantized, scale_inv, dense = fp8_weights(rng, (groups, depth, width))
-    fp8 = grouped_matmul_mosaic(lhs, quantized, jnp.asarray(sizes), scale_inv, tiles=tiles, interpret=True)
+    fp8 = grouped_matmul_mosaic(lhs, quantized, jnp.asarray(sizes), scale_inv, tiles=tiles, interpret=MOSAIC_INTERPRET)
     np.testing.assert_array_equal(np.asarray(fp8), np.asarray(grouped_matmul_mosaic(lhs, dense, jnp.asarray(sizes),
-                                                                                    tiles=tiles, interpret=True)))
+                                                                                    tiles=tiles, interpret=MOSAIC_INTERPRET)))
     np.testing.assert_allclose(np.asarray(fp8, np.float32),
                                np.asarray(grouped_matmul_reference(lhs, quantized, jnp.asarray(sizes), scale_inv),
                                           np.float32), rtol=2e-2, atol=2e-2)
@@ -81,12 +83,12 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(variant):
     quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
     assert (k_splits(depth, 128, 4, tiles) == 2) == tiles.split_k
     mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)  # one row of group 1, two of group 3
-    alone = grouped_matmul_mosaic(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv, tiles=tiles, interpret=True)
+    alone = grouped_matmul_mosaic(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv, tiles=tiles, interpret=MOSAIC_INTERPRET)
     crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
     # 5 rows of group 0, then 1 + 16 rows of group 1 (mine first), then 2 + 9 of group 3.
     batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
     sizes = jnp.asarray([5, 17, 0, 11])
-    together = grouped_matmul_mosaic(batch, quantized, sizes, scale_inv, tiles=tiles, interpret=True)
+    together = grouped_matmul_mosaic(batch, quantized, sizes, scale_inv, tiles=tiles, interpret=MOSAIC_INTERPRET)
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]), np.asarray(alone))
     np.testing.assert_allclose(np.asarray(together, np.float32),
                                np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
@@ -101,9 +103,9 @@ def test_stack_row_read_in_place_and_op_dispatch():
     quantized, scale_inv, _ = fp8_weights(rng, (3, 4, 256, 128))
     lhs = jnp.asarray(rng.normal(size=(21, 256)), jnp.bfloat16)
     sizes = jnp.asarray([4, 0, 9, 8])
-    row = grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv, jnp.int32(2), interpret=True)
+    row = grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv, jnp.int32(2), interpret=MOSAIC_INTERPRET)
     np.testing.assert_array_equal(np.asarray(row), np.asarray(grouped_matmul_mosaic(lhs, quantized[2], sizes,
-                                                                                    scale_inv[2], interpret=True)))
+                                                                                    scale_inv[2], interpret=MOSAIC_INTERPRET)))
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized, sizes, scale_inv, rhs_row=jnp.int32(2),
                                                             backend="mosaic")), np.asarray(row))
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized[2], sizes, scale_inv[2], backend="mosaic")),
@@ -112,7 +114,7 @@ def test_stack_row_read_in_place_and_op_dispatch():
         np.testing.assert_array_equal(
             np.asarray(grouped_matmul(lhs, quantized[2], sizes, scale_inv[2], backend="mosaic")),
             np.asarray(grouped_matmul_mosaic(lhs, quantized[2], sizes, scale_inv[2], tiles=VARIANTS["k128"],
-                                             interpret=True)))
+                                             interpret=MOSAIC_INTERPRET)))
 
     assert grouped_matmul_backend("mosaic", lhs, quantized[0], scale_inv[0]) == "mosaic"
     assert grouped_matmul_backend("mosaic", lhs, quantized, scale_inv) == "mosaic"  # a stack
@@ -120,7 +122,8 @@ def test_stack_row_read_in_place_and_op_dispatch():
     assert grouped_matmul_backend("mosaic", lhs, odd) == "pallas"
     assert grouped_matmul_backend("mosaic", lhs.astype(jnp.float32), odd[..., :128].astype(jnp.float32)) == "pallas"
     assert grouped_matmul_backend("pallas", lhs, quantized[0], scale_inv[0]) == "pallas"
-    assert grouped_matmul_backend("auto", lhs, quantized[0], scale_inv[0]) == "xla"  # no GPU in this process
+    # "auto": Triton on a GPU (no `AUTO_KERNELS` entry), the reference off one
+    assert grouped_matmul_backend("auto", lhs, quantized[0], scale_inv[0]) == ("pallas" if ON_GPU else "xla")
     wide = jnp.asarray(rng.normal(size=(4, 256, 576)) / 16, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, wide, sizes, backend="mosaic")),
                                   np.asarray(grouped_matmul(lhs, wide, sizes, backend="pallas")))
@@ -131,7 +134,8 @@ def test_stack_row_read_in_place_and_op_dispatch():
 def test_auto_kernels_choose_the_mosaic_kernel_where_the_table_does_not():
     """`auto_kernels(grouped_matmul="mosaic")` makes "auto", lowered for a GPU, run the Mosaic
     kernel (for operands it takes; Triton for the others) as an `AUTO_KERNELS` entry would, and
-    only inside the context; off a GPU "auto" stays the reference; bad choices are refused."""
+    only inside the context; off a GPU "auto" stays the reference (on one, the Mosaic kernel inside
+    the context); bad choices are refused."""
     spec = jax.ShapeDtypeStruct
     args = (spec((8, 256), jnp.bfloat16), spec((2, 256, 128), jnp.bfloat16), spec((2,), jnp.int32))
     odd = (args[0], spec((2, 256, 576), jnp.bfloat16), args[2])
@@ -143,7 +147,7 @@ def test_auto_kernels_choose_the_mosaic_kernel_where_the_table_does_not():
             assert "_grouped_matmul_mosaic" not in trace(*odd) and "grouped_matmul_pallas" in trace(*odd)
         assert "_grouped_matmul_mosaic" not in trace(*args)
     with auto_kernels(grouped_matmul="mosaic"):
-        assert grouped_matmul_backend("auto", *args[:2]) == "xla"
+        assert grouped_matmul_backend("auto", *args[:2]) == ("mosaic" if ON_GPU else "xla")
     for bad in ({"grouped_matmul": "cuda"}, {"matmul": "mosaic"}):
         with pytest.raises(ValueError, match="auto_kernels"):
             with auto_kernels(**bad):
@@ -168,18 +172,19 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
         with pytest.raises(ValueError, match=message):
             check_operands(*args)
         with pytest.raises(ValueError, match="grouped_matmul_mosaic: " + message):
-            grouped_matmul_mosaic(args[0], args[1], sizes, *args[2:], interpret=True)
+            grouped_matmul_mosaic(args[0], args[1], sizes, *args[2:], interpret=MOSAIC_INTERPRET)
     with pytest.raises(ValueError, match="group_sizes"):
-        grouped_matmul_mosaic(lhs, bf16, sizes[:1], interpret=True)
+        grouped_matmul_mosaic(lhs, bf16, sizes[:1], interpret=MOSAIC_INTERPRET)
     with pytest.raises(ValueError, match=r"tiles=Tiles\(block_k=32, split_k=False\): must be a Tiles with block_k in "):
-        grouped_matmul_mosaic(lhs, bf16, sizes, tiles=Tiles(block_k=32), interpret=True)
+        grouped_matmul_mosaic(lhs, bf16, sizes, tiles=Tiles(block_k=32), interpret=MOSAIC_INTERPRET)
 
 
 @pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k128"),
-                                                 ("o_proj", 8, "k128-split")])
+                                                 ("o_proj", 8, "k128-split"), ("q_a_proj", 21, "k64")])
 def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths (256 experts with 256 rows: decode at batch 32, top-8;
-    o_proj with 8 tokens, K split): one Mosaic launch, a block per (work item, column block,
+    o_proj with 8 tokens, K split; q_a_proj with 21 tokens, rows that are no whole number of the
+    TMA's 8-row tiles): one Mosaic launch, a block per (work item, column block,
     split) of one warpgroup, within the H100's shared memory (two blocks an SM at K steps of 64),
     and the op's stated cost equal to the Triton kernel's statement of the same work (1 byte a
     weight of the groups that can be hit, their scales, the activations, the work table, the
@@ -194,6 +199,7 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     tiles = VARIANTS[variant]
     compiled = aot.compile_gpu(functools.partial(grouped_matmul_mosaic, tiles=tiles), *args, devices=h100)
     (launch,) = aot.mosaic_launches(compiled)
+    assert launch.kernel == "grouped_matmul_mosaic_mosaic_gpu_kernel"  # the profiler's name for it
     splits = k_splits(depth, width, groups, tiles)
     assert (splits > 1) == tiles.split_k
     # Mosaic GPU launches the grid reversed: the work items are CUDA's x, a group's tiles adjacent.
@@ -215,13 +221,20 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
                                                 (8, 0.0, "k128-split")],
                          ids=["decode", "prefill-half-empty", "one-token-split"])
 def test_mosaic_compiled_on_gpu(rows, empty, variant):
-    """Natively on a GPU, FP8 experts at DeepSeek-V3.2's up-projection shape: within bfloat16
-    rounding of the reference, and a row's bits the same alone as among the others."""
+    """Natively on a GPU, FP8 experts of DeepSeek-V3.2's up-projection shape: within bfloat16
+    rounding of the reference, and a row's bits the same alone as among the others. 16 experts,
+    drawn on the device (940 MB of float32 before quantizing): all 256 drawn with numpy took longer
+    than a suite's patience on the lent H200."""
     rng = np.random.default_rng(rows)
-    depth, width, groups = V32_WEIGHTS["expert_up"]
+    depth, width, _ = V32_WEIGHTS["expert_up"]
+    groups = 16
     sizes = jnp.asarray(random_sizes(rng, groups, rows, empty))
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
-    quantized, scale_inv, _ = fp8_weights(rng, (groups, depth, width))
+    draw, spread = jax.random.split(jax.random.key(rows))
+    weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
+               * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
+    quantized, scale_inv = block_fp8.quantize(weights)
+    del weights
     tiles = VARIANTS[variant]
     got = jax.jit(functools.partial(grouped_matmul_mosaic, tiles=tiles))(lhs, quantized, sizes, scale_inv)
     want = grouped_matmul_reference(lhs, quantized, sizes, scale_inv)
