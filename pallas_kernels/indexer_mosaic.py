@@ -262,6 +262,7 @@ def _indexer_scores(q_idx, weights, key_cache, page_table, vis, *, interpret: bo
     kernel = plgpu.kernel(
         functools.partial(_indexer_kernel, page_size=page_size, chunk_tiles=chunk_tiles, num_queries=num_queries,
                           fp8=fp8),
+        kernel_name="indexer_scores_mosaic",
         out_type=out_type, grid=(batch, chunks, num_queries), grid_names=("row", "chunk", "token"),
         compiler_params=compiler_params())
     tables = (page_table.astype(jnp.int32), bound)

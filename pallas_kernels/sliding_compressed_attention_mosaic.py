@@ -426,6 +426,7 @@ def _sliding_compressed(q, window_kv, window_pages, positions, vis, sinks, *, sl
         functools.partial(_kernel, runs=runs, fp8=fp8, scale=scale, out_block=out_block, splits=splits,
                           part_tiles=part_tiles, warpgroups=warpgroups, copies_by_warp=copies_by_warp,
                           copies_by_thread=copies_by_thread, interpret=interpret),
+        kernel_name="sliding_compressed_attention_mosaic",
         out_type=out_type,
         grid=work_grid(dim // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * splits),
         grid_names=GRID_NAMES,

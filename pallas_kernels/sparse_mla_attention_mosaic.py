@@ -323,6 +323,7 @@ def _sparse_mla(q_nope, q_rope, latent_cache, page_table, indices, *, softmax_sc
         functools.partial(_sparse_mla_kernel, softmax_scale=softmax_scale, out_block=out_block, splits=parts, fp8=fp8,
                           warpgroups=warpgroups, copies_by_warp=copies_by_warp, copies_by_thread=copies_by_thread,
                           interpret=interpret),
+        kernel_name="sparse_mla_attention_mosaic",
         out_type=out_type,
         grid=work_grid(latent // (FOLLOWERS * out_block), heads_padded // BLOCK_M, tokens * parts),
         grid_names=GRID_NAMES,

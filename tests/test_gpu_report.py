@@ -713,6 +713,7 @@ def test_kernel_profile_sums_kernels_by_op_class():
     """The profile of one step: each kernel's time goes to its op class by name (the Pallas
     kernels' Triton and Mosaic names; everything else XLA's), XLA's numbered repeats of a kernel
     count as one in the longest-kernel list, and the span runs from the first start to the last end."""
+    import kernel_profile
     from kernel_profile import summarize
     events = [("grouped_matmul", 0, 4_000_000), ("_sparse_mla", 5_000_000, 1_000_000),
               ("mla_attention", 6_000_000, 500_000), ("loop_add_fusion_3", 7_000_000, 250_000),
@@ -723,3 +724,9 @@ def test_kernel_profile_sums_kernels_by_op_class():
     assert found["top"][0] == ["grouped_matmul", 4.0, 1]
     assert ["loop_add_fusion", 0.5, 2] in found["top"]
     assert summarize([])["busy_ms"] == 0.0
+    # The Mosaic GPU kernels by the names they are launched under (`aot.MosaicLaunch.kernel`); an
+    # unnamed one ("anonymous", which the grouped matmul's was on the H200) is XLA's to the profile.
+    for kernel, op in [("grouped_matmul_mosaic", "grouped_matmul"), ("mla_attention_mosaic", "attention"),
+                       ("sparse_mla_attention_mosaic", "attention"), ("indexer_scores_mosaic", "attention"),
+                       ("sliding_compressed_attention_mosaic", "attention"), ("anonymous", "xla")]:
+        assert kernel_profile.op_class(f"{kernel}_mosaic_gpu_kernel") == op

@@ -225,6 +225,7 @@ def test_indexer_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, tree,
                                topk=V32.index_topk)
     [launch] = aot.mosaic_launches(compiled)
     assert aot.memory(compiled).output == BATCH * num_queries * V32.index_topk * 4
+    assert launch.kernel == "indexer_scores_mosaic_mosaic_gpu_kernel"  # the profiler's name for it
     assert launch.threads == (128, 1, 1) and launch.shared_memory <= SM90_SMEM
     # The Q programs of one key chunk side by side: Mosaic GPU launches the grid reversed, Q as CUDA's x.
     assert launch.grid == (num_queries, CONTEXT // 1024, BATCH)
@@ -468,6 +469,7 @@ def test_sparse_mla_mosaic_compiles_for_h100_at_v32_shapes(h100, num_queries, fp
     slots' gathered scales (16 bytes a slot): no dequantized copy of the cache exists."""
     compiled = sparse_mla_compile(num_queries, fp8)
     [launch] = aot.mosaic_launches(compiled)
+    assert launch.kernel == "sparse_mla_attention_mosaic_mosaic_gpu_kernel"  # the profiler's name for it
     parts = num_parts(V32.index_topk, SPARSE_PART_SLOTS)
     assert parts == 4
     # One column block; a token part's two head blocks side by side on CUDA's x (`work_grid`).

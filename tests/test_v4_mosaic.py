@@ -280,6 +280,7 @@ def test_mosaic_compiles_for_h100_at_v4_flash_shapes(h100, compressed, fp8):
     Registers and spills are not in the program (Mosaic GPU's ptxas report: docs/kernels.md)."""
     compiled = v4_flash_compile(compressed, fp8)
     [launch] = aot.mosaic_launches(compiled)
+    assert launch.kernel == "sliding_compressed_attention_mosaic_mosaic_gpu_kernel"  # the profiler's name for it
     tokens = FLASH["batch"] * 8
     args, kwargs, _ = abstract_call(**FLASH, num_queries=8, compressed=compressed, tree=True, extra=2, fp8=fp8)
     entries = kwargs["compressed_indices"].shape[-1] if compressed == "indices" else (
