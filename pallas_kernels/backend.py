@@ -24,16 +24,14 @@ MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention",
 # device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}; an op
 # or a device it does not name runs on Triton ("pallas"). Each entry is a measurement's verdict
 # (`benchmarks/gpu_report.py`, docs/gpu-report/report.md): the Mosaic kernel faster than the Triton
-# kernel at every measured shape, as close to the reference. On an H200 (jax 0.11.2) the dense MLA
-# kernel took 0.25-0.78 of Triton's time at B 1, 8, 32 and Q 1, 4, context 4096; its sparse MLA
-# (1.5-3.6x) and indexer (1.25-1.5x) kernels were slower, so those stay on Triton. Those were the
-# two-warpgroup kernels; the three-warpgroup ones (a scorer and two followers) that replaced them
-# move work off the scorer's path and drop the sparse kernel's duplicate column programs, and are
-# timed again by the runbook's `--redo` before any entry changes. The H100 has the same SM but is
-# named only once a run there measures it.
-AUTO_KERNELS: dict[str, dict[str, str]] = {
-    "NVIDIA H200": {"mla_attention": "mosaic"},
-}
+# kernel at every measured shape, as close to the reference. Empty today. On an H200 (jax 0.11.2)
+# the two-warpgroup Mosaic dense MLA kernel took 0.25-0.78 of Triton's time and had the H200's
+# entry; its sparse MLA (1.5-3.6x) and indexer (1.25-1.5x) kernels were slower. The
+# three-warpgroup kernels (a scorer and two followers) that replaced them did not return on the
+# next H200 (their register split asked for more than the launch had, since fixed), so no Mosaic
+# kernel has an entry until one is timed. The H100 has the same SM but is named only once a run
+# there measures it.
+AUTO_KERNELS: dict[str, dict[str, str]] = {}
 
 # Set by `auto_kernels()`: {op: implementation} that "auto" picks on any GPU before `AUTO_KERNELS`.
 _auto_choices: dict[str, str] = {}

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxspec import aot
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility, fp8_cache, mla_attention, mla_attention_reference
-from jaxspec.pallas_kernels.backend import gpu_lowering
+from jaxspec.pallas_kernels.backend import AUTO_KERNELS, gpu_lowering
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool
 from jaxspec.pallas_kernels.mla_attention_mosaic import PART_SLOTS, mla_attention_mosaic
 from jaxspec.pallas_kernels.split_kv import num_parts
@@ -190,6 +190,7 @@ def test_compiles_for_h100_at_deepseek_widths(h100, num_queries, fp8):
     batch, heads, latent = 32, 128, 512
     [launch] = aot.mosaic_launches(compiled)
     assert launch.threads == (384, 1, 1) and launch.shared_memory <= SM90_SMEM
+    assert launch.kernel == "mla_attention_mosaic_mosaic_gpu_kernel"  # the profiler's name for it
     assert math.prod(launch.grid) == num_queries * heads // 64 * num_parts(4096, PART_SLOTS) * batch
     assert_costed(compiled, "mla_attention", 2 * batch * num_queries * heads * 4096 * (2 * latent + 64))
     memory, rows = aot.memory(compiled), batch * num_queries * heads
@@ -279,13 +280,16 @@ def test_window_invariant_model_on_the_mosaic_kernels_equals_single_steps(kind):
     (jnp.bfloat16, 16, "NVIDIA H200", "name=mla_attention_pallas"),
     (jnp.bfloat16, PAGE, "NVIDIA H100 80GB HBM3", "name=mla_attention_pallas"),
 ], ids=["h200-bf16", "h200-float32", "h200-page16", "h100-bf16"])
-def test_auto_runs_the_mosaic_kernel_where_measured_and_where_it_takes_the_operands(dtype, page, kind, kernel):
+def test_auto_runs_the_mosaic_kernel_where_measured_and_where_it_takes_the_operands(dtype, page, kind, kernel,
+                                                                                  monkeypatch):
     """"auto" lowered for a GPU runs the Mosaic kernel on the device kinds whose `AUTO_KERNELS`
-    entry names it for mla_attention (the H200, measured faster there), for operands it takes; for
-    float32 or 16-slot pages it runs the Triton kernel rather than the Mosaic kernel's ValueError,
-    and on a device not yet measured (the H100) Triton. A window-invariant model layer asks the
-    same question (`models.mla.attention_on_mosaic`): its chain window runs the Mosaic kernel in
-    one call exactly where "auto" would, and each position alone elsewhere (no kernel call)."""
+    entry names it for mla_attention (here the H200's, as a measurement would set it), for
+    operands it takes; for float32 or 16-slot pages it runs the Triton kernel rather than the Mosaic
+    kernel's ValueError, and on a device without the entry (the H100) Triton. A window-invariant
+    model layer asks the same question (`models.mla.attention_on_mosaic`): its chain window runs
+    the Mosaic kernel in one call exactly where "auto" would, and each position alone elsewhere
+    (no kernel call)."""
+    monkeypatch.setitem(AUTO_KERNELS, "NVIDIA H200", {"mla_attention": "mosaic"})
     spec = jax.ShapeDtypeStruct
     args = (spec((1, 1, 2, LATENT), dtype), spec((1, 1, 2, ROPE), dtype), spec((2, page, LATENT + ROPE), dtype),
             spec((1, 2), jnp.int32), Visibility(spec((1,), jnp.int32), spec((1,), jnp.int32)))
