@@ -6,9 +6,10 @@ shape they interpret must also lower and compile for the GPU: the simulator does
 constraint of the real lowering (TMA boxes, tiling, shared memory). This checks that on a CPU host:
 
     PYTHONPATH=tests JAX_PLATFORMS=cpu python -m pytest -p mosaic_native_probe \\
-        tests/test_mla_mosaic.py tests/test_sparse_mosaic.py tests/test_v4_mosaic.py tests/test_fp8_cache_v4.py
+        tests/test_mla_mosaic.py tests/test_sparse_mosaic.py tests/test_v4_mosaic.py tests/test_fp8_cache_v4.py \
+        tests/test_grouped_matmul_mosaic.py
 
-(5 minutes on this 2-core host; one process, no `-n`). A call whose interpreted run raises (the
+(5 minutes on this 2-core host, the grouped matmul's 1 more; one process, no `-n`). A call whose interpreted run raises (the
 argument checks' own cases) is not compiled. The summary lists each shape that failed to compile;
 the run fails if one did. Not part of the suite: each compile costs seconds, and the shapes change
 only with the tests.
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxspec.pallas_kernels.grouped_matmul_mosaic as gmm
 import jaxspec.pallas_kernels.indexer_mosaic as indexer
 import jaxspec.pallas_kernels.mla_attention_mosaic as mla
 import jaxspec.pallas_kernels.sliding_compressed_attention_mosaic as sliding
@@ -29,7 +31,8 @@ import jaxspec.pallas_kernels.sparse_mla_attention_mosaic as sparse
 from jaxspec import aot
 
 KERNELS = [(mla, "mla_attention_mosaic"), (sparse, "sparse_mla_attention_mosaic"), (indexer, "indexer_scores_mosaic"),
-           (indexer, "indexer_topk_mosaic"), (sliding, "sliding_compressed_attention_mosaic")]
+           (indexer, "indexer_topk_mosaic"), (sliding, "sliding_compressed_attention_mosaic"),
+           (gmm, "grouped_matmul_mosaic")]
 _compiled: dict[tuple, str | None] = {}  # call signature -> None (compiled) or the error
 
 
