@@ -6,13 +6,13 @@ shape they interpret must also lower and compile for the GPU: the simulator does
 constraint of the real lowering (TMA boxes, tiling, shared memory). This checks that on a CPU host:
 
     PYTHONPATH=tests JAX_PLATFORMS=cpu python -m pytest -p mosaic_native_probe \\
-        tests/test_mla_mosaic.py tests/test_sparse_mosaic.py tests/test_v4_mosaic.py tests/test_fp8_cache_v4.py \
+        tests/test_mla_mosaic.py tests/test_sparse_mosaic.py tests/test_v4_mosaic.py tests/test_fp8_cache_v4.py \\
         tests/test_grouped_matmul_mosaic.py
 
-(5 minutes on this 2-core host, the grouped matmul's 1 more; one process, no `-n`). A call whose interpreted run raises (the
-argument checks' own cases) is not compiled. The summary lists each shape that failed to compile;
-the run fails if one did. Not part of the suite: each compile costs seconds, and the shapes change
-only with the tests.
+(5 minutes on this 2-core host, the grouped matmul's 30 s more; one process, no `-n`). A call
+whose interpreted run raises (the argument checks' own cases) is not compiled. The summary lists
+each shape that failed to compile; the run fails if one did. Not part of the suite: each compile
+costs seconds, and the shapes change only with the tests.
 """
 
 from __future__ import annotations

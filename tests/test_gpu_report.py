@@ -714,7 +714,7 @@ def test_kernel_profile_sums_kernels_by_op_class():
     kernels' Triton and Mosaic names; everything else XLA's), XLA's numbered repeats of a kernel
     count as one in the longest-kernel list, and the span runs from the first start to the last end."""
     import kernel_profile
-    from kernel_profile import summarize
+    summarize = kernel_profile.summarize
     events = [("grouped_matmul", 0, 4_000_000), ("_sparse_mla", 5_000_000, 1_000_000),
               ("mla_attention", 6_000_000, 500_000), ("loop_add_fusion_3", 7_000_000, 250_000),
               ("loop_add_fusion_4", 8_000_000, 250_000), ("nvjet_tst_128x64", 9_000_000, 1_000_000)]

@@ -64,9 +64,9 @@ def test_matches_reference(case, variant):
     assert np.all(np.asarray(got)[total:] == 0)
 
     quantized, scale_inv, dense = fp8_weights(rng, (groups, depth, width))
-    fp8 = grouped_matmul_mosaic(lhs, quantized, jnp.asarray(sizes), scale_inv, tiles=tiles, interpret=MOSAIC_INTERPRET)
-    np.testing.assert_array_equal(np.asarray(fp8), np.asarray(grouped_matmul_mosaic(lhs, dense, jnp.asarray(sizes),
-                                                                                    tiles=tiles, interpret=MOSAIC_INTERPRET)))
+    call = functools.partial(grouped_matmul_mosaic, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    fp8 = call(lhs, quantized, jnp.asarray(sizes), scale_inv)
+    np.testing.assert_array_equal(np.asarray(fp8), np.asarray(call(lhs, dense, jnp.asarray(sizes))))
     np.testing.assert_allclose(np.asarray(fp8, np.float32),
                                np.asarray(grouped_matmul_reference(lhs, quantized, jnp.asarray(sizes), scale_inv),
                                           np.float32), rtol=2e-2, atol=2e-2)
@@ -83,12 +83,13 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(variant):
     quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
     assert (k_splits(depth, 128, 4, tiles) == 2) == tiles.split_k
     mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)  # one row of group 1, two of group 3
-    alone = grouped_matmul_mosaic(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    call = functools.partial(grouped_matmul_mosaic, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    alone = call(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv)
     crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
     # 5 rows of group 0, then 1 + 16 rows of group 1 (mine first), then 2 + 9 of group 3.
     batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
     sizes = jnp.asarray([5, 17, 0, 11])
-    together = grouped_matmul_mosaic(batch, quantized, sizes, scale_inv, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    together = call(batch, quantized, sizes, scale_inv)
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]), np.asarray(alone))
     np.testing.assert_allclose(np.asarray(together, np.float32),
                                np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
@@ -104,8 +105,8 @@ def test_stack_row_read_in_place_and_op_dispatch():
     lhs = jnp.asarray(rng.normal(size=(21, 256)), jnp.bfloat16)
     sizes = jnp.asarray([4, 0, 9, 8])
     row = grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv, jnp.int32(2), interpret=MOSAIC_INTERPRET)
-    np.testing.assert_array_equal(np.asarray(row), np.asarray(grouped_matmul_mosaic(lhs, quantized[2], sizes,
-                                                                                    scale_inv[2], interpret=MOSAIC_INTERPRET)))
+    np.testing.assert_array_equal(np.asarray(row), np.asarray(grouped_matmul_mosaic(
+        lhs, quantized[2], sizes, scale_inv[2], interpret=MOSAIC_INTERPRET)))
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized, sizes, scale_inv, rhs_row=jnp.int32(2),
                                                             backend="mosaic")), np.asarray(row))
     np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, quantized[2], sizes, scale_inv[2], backend="mosaic")),
