@@ -38,11 +38,12 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              issued by warp or by thread (--copies-by-warp, --copies-by-thread);
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
              K splits that fill the GPU for one decoded token) and its Mosaic GPU kernel at K steps
-             of 64 and 128 (--mosaic-tiles), side by side: the FP8 linears (matmuls.py
-             --tiles), one MoE layer with FP8 experts (moe.py --weights fp8), and the e2e step at
-             B 32, k 3 and B 1, k 0 with GMM_E2E_TILES and with the Mosaic kernel as "auto"'s
-             (e2e_step.py --auto grouped_matmul=mosaic; against the e2e part's default points;
-             not under --smoke, where the e2e part runs the same code);
+             of 64 and 128 (--mosaic-tiles), side by side: first the e2e step at B 32, k 3 and
+             B 1, k 0 with the Mosaic kernel as "auto"'s (e2e_step.py --auto
+             grouped_matmul=mosaic, which decides its AUTO_KERNELS entry) and with GMM_E2E_TILES
+             (against the e2e part's default points; not under --smoke, where the e2e part runs
+             the same code), then the FP8 linears (matmuls.py --tiles) and one MoE layer with FP8
+             experts (moe.py --weights fp8);
   flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 caches: V3.2's
              top-2048, V4-Flash's CSA and HCA) decode kernels at the kernels part's shapes, the
              ground truth beside ours (its harness binary must be there: built with
