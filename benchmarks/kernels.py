@@ -128,7 +128,7 @@ def grouped_matmul_runs(variants: list[str], mosaic_variants: list[str]) -> list
     """The grouped-matmul kernel rows of moe.py and matmuls.py: (impl label, backend, tile variant),
     the Triton kernel once per variant of `variants` ("pallas", or "pallas:NAME" for one not the
     default), then the Mosaic GPU kernel once per variant of `mosaic_variants` ("mosaic",
-    "mosaic:NAME"): both kernels take a variant's K step and K splits."""
+    "mosaic:NAME"): both kernels take a variant's K step, stages and K splits."""
     return [(backend if name == DEFAULT_VARIANT else f"{backend}:{name}", backend, name)
             for backend, names in (("pallas", variants), ("mosaic", mosaic_variants)) for name in names]
 

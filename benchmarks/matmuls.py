@@ -12,7 +12,7 @@ and down_proj (18432 x 7168), for T tokens per call (default 8, 32, 128: decode 
 verification at B 32, k = 3). Each row prints time, the bytes the layer must move at least (the
 weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
 TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
-variant (`grouped_matmul_pallas.VARIANTS`: the K step, K splits that fill the GPU where a layer
+variant (`grouped_matmul_pallas.VARIANTS`: the K step, stages, K splits that fill the GPU where a layer
 has few column blocks), a row each; --mosaic-tiles adds the FP8 layers on the Mosaic GPU kernel
 (`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton)
 under each variant it names; --dtypes picks the weights' rows. A timing is

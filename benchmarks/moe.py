@@ -15,7 +15,7 @@ The three paths:
 --weights fp8 stores the experts as DeepSeek ships them (float8_e4m3fn with 128 x 128 block
 scales, as the end-to-end step runs them) and times the kernel alone (the XLA paths would first
 dequantize every expert). --tiles times the kernel once per grouped-matmul tile variant
-(`grouped_matmul_pallas.VARIANTS`: the K step, K splits), one row each; --mosaic-tiles adds the
+(`grouped_matmul_pallas.VARIANTS`: the K step, stages, K splits), one row each; --mosaic-tiles adds the
 Mosaic GPU kernel (`grouped_matmul_mosaic.py`) under each variant it names.
 
 For T tokens per call (default 8, 32, 128, 1024: decode at batch 8 and 32, verification at k = 3,

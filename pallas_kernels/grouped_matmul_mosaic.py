@@ -12,19 +12,24 @@ from L2 after the first tile's read, and CUDA's x has no 65,535 limit for a long
 A program multiplies the 16-row window of its tile by the [K, 128] column block of its group's
 matrix, then stores only its tile's rows. What changes is how the K loop runs on Hopper:
 
-* **Weights by TMA, STAGES steps ahead.** Each K step's [block_k, 128] weight block and [16,
-  block_k] activation block arrive by TMA into a ring of STAGES buffers, refilled as soon as the
-  wgmma that read a buffer has finished, so up to STAGES steps of weights are in flight while the
-  tensor cores work (Triton's loop kept its activation rows a synchronous load until they became a
-  plain slice; here every byte of the loop comes by TMA). The K step is the tile variant's
-  (`grouped_matmul_pallas.Tiles`, 64 or 128): with FP8 weights a block of 128 claims about 193 KiB
-  of shared memory, one program an SM with 64 KiB of weights in flight; one of 64 claims about
-  97 KiB, two programs an SM with 32 KiB each, whose dequantization and wgmma interleave.
+* **Weights by TMA, `Tiles.stages` steps ahead.** Each K step's [block_k, 128] weight block and
+  [16, block_k] activation block arrive by TMA into a ring of `stages` buffers, refilled as soon as
+  the wgmma that read a buffer has finished, so up to `stages` steps of weights are in flight while
+  the tensor cores work (Triton's loop kept its activation rows a synchronous load until they
+  became a plain slice; here every byte of the loop comes by TMA). The K step and the stages are
+  the tile variant's (`grouped_matmul_pallas.Tiles`): with FP8 weights and 4 stages a K step of 128
+  claims 157 KiB of shared memory, one program an SM with 64 KiB of weights in flight; one of 64
+  claims 79 KiB, two programs an SM with 32 KiB each, whose dequantization and wgmma interleave
+  (`VARIANTS` also has 7 stages, still two programs an SM, and 3, three an SM).
 * **wgmma, 64 rows of which 16 are the tile's.** wgmma's M is 64 and the tile has 16 rows (a decode
-  step puts a handful of rows on each expert): the activation buffer's other 48 rows are zeroed once
-  and never loaded, so the tensor cores spend 4x the useful flops, which at decode costs 128 flops a
-  weight byte, below the H100's ridge (about 295), so the loop stays bound by the weights' bytes.
-  Cutting the rows at 64 instead would load 4x the activations every step.
+  step puts a handful of rows on each expert). The activation ring holds 16 rows a step, back to
+  back, plus 48 rows past its end: a step's wgmma reads the 64 rows from its own 16 on, and the 48
+  after them (the next steps' rows, or the unused tail) only make accumulator rows that are never
+  stored, since wgmma computes an output row from that row of its operands alone. So the ring
+  costs 2 KiB a step at a K step of 64, not the 8 KiB of 64-row buffers, which is what leaves room
+  for more steps in flight. The tensor cores spend 4x the useful flops, which at decode costs 128
+  flops a weight byte, below the H100's ridge (about 295), so the loop stays bound by the weights'
+  bytes. Cutting the rows at 64 instead would load 4x the activations every step.
 * **FP8 weights, dequantized once a step.** An e4m3 block goes from its TMA buffer through registers
   (in `mosaic_gpu.UPCAST_8BIT`; float32 times the block's scale, rounded to bfloat16:
   `block_fp8.dequantize` exactly) into a bfloat16 operand buffer that the wgmma reads. wgmma takes
@@ -65,8 +70,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import block_fp8
 from .contracts import check_grouped_matmul_args
 from .cost import stating
-from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, grouped_matmul_cost, k_splits,
-                                    summed_splits, window_rows, work_items)
+from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, check_tiles,
+                                    grouped_matmul_cost, k_splits, summed_splits, window_rows, work_items)
 from .mosaic_gpu import UPCAST_8BIT, compiler_params, interpret_params, interpreting, store, swizzled, union
 
 # The K steps a launch may take (`Tiles.block_k`): divisors of the FP8 scale block's depth, so a
@@ -76,9 +81,6 @@ BLOCK_KS = (64, 128)
 BLOCK = 128
 # wgmma's M: the rows the tensor cores compute for a tile of BLOCK_M.
 WGMMA_M = 64
-# K steps in flight (TMA ring buffers): with FP8 weights, 64 KiB of them per SM at either K step
-# (one program an SM at 128, two at 64; the module docstring).
-STAGES = 4
 # Scales copied per program: a multiple of 32 float32 (whole 128-byte TMA rows), at most a TMA
 # box's 256 (K up to 32768: DeepSeek's widest is 18432).
 SCALE_ROW = 32
@@ -124,8 +126,8 @@ def check_operands(lhs, rhs, rhs_scale_inv=None) -> None:
         raise ValueError(f"grouped_matmul_mosaic: {problem}; use backend='pallas' or 'xla' for these operands")
 
 
-def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, block_k: int, split_steps: int,
-            fp8: bool, interpret: bool):
+def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, block_k: int, stages: int,
+            split_steps: int, fp8: bool, interpret: bool):
     """One (row tile, column block, K split) program.
 
     lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [Gs * K, N] (the groups' matrices stacked),
@@ -150,20 +152,14 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
             def fetch(i, slot):
                 """Start TMA copies of step i's activation and weight blocks into ring buffer `slot`."""
                 k = pl.ds((first_step + i) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), k], x_smem.at[slot, pl.ds(0, BLOCK_M)],
+                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), k], x_smem.at[pl.ds(slot * BLOCK_M, BLOCK_M)],
                                         barriers.at[slot])
                 plgpu.copy_gmem_to_smem(rhs_ref.at[pl.ds(group * depth + (first_step + i) * block_k, block_k),
                                                    columns], w_smem.at[slot], barriers.at[slot])
 
-            # Rows BLOCK_M.. of the activation buffers are never loaded: zero, so the accumulator's
-            # rows past the tile are zero too (they are not stored either way).
-            zeros = plgpu.layout_cast(jnp.zeros((WGMMA_M, block_k), lhs_ref.dtype), plgpu.Layout.WGMMA)
-            for slot in range(STAGES):
-                x_smem[slot] = zeros
-            plgpu.commit_smem()  # the zeros visible to the TMA engine before it writes the same buffers
             if fp8:
                 plgpu.copy_gmem_to_smem(scale_ref[0].at[group, column_block], scales_smem, scale_barrier)
-            for i in range(min(STAGES, split_steps)):
+            for i in range(min(stages, split_steps)):
                 fetch(i, i)
             if fp8:
                 plgpu.barrier_wait(scale_barrier)
@@ -171,7 +167,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
             def accumulate(acc_ref):
                 @pl.loop(0, split_steps)
                 def _(i):
-                    slot = jax.lax.rem(i, STAGES)
+                    slot = jax.lax.rem(i, stages)
                     plgpu.barrier_wait(barriers.at[slot])
                     operand = w_smem.at[slot]
                     if fp8:
@@ -182,13 +178,13 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
                         plgpu.commit_smem()
                         operand = operand_smem.at[buffer]
-                    plgpu.wgmma(acc_ref, x_smem.at[slot], operand)
-                    # Step i - 1's wgmma has finished: its ring buffer takes step i - 1 + STAGES.
+                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(slot * BLOCK_M, WGMMA_M)], operand)
+                    # Step i - 1's wgmma has finished: its ring buffer takes step i - 1 + stages.
                     plgpu.wgmma_wait(1)
 
-                    @pl.when((i > 0) & (i - 1 + STAGES < split_steps))
+                    @pl.when((i > 0) & (i - 1 + stages < split_steps))
                     def _():
-                        fetch(i - 1 + STAGES, jax.lax.rem(i - 1, STAGES))
+                        fetch(i - 1 + stages, jax.lax.rem(i - 1, stages))
 
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
@@ -206,15 +202,18 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
 
         weight_dtype = rhs_ref.dtype
         operand_dtype = lhs_ref.dtype
-        rings = (plgpu.SMEM((STAGES, WGMMA_M, block_k), operand_dtype, transforms=swizzled(operand_dtype, block_k)),
-                 plgpu.SMEM((STAGES, block_k, BLOCK_N), weight_dtype, transforms=swizzled(weight_dtype, BLOCK_N)))
+        # The activation ring: `stages` slots of BLOCK_M rows, then the rows the last slot's 64-row
+        # window reads past them (the module docstring).
+        rings = (plgpu.SMEM((stages * BLOCK_M + WGMMA_M - BLOCK_M, block_k), operand_dtype,
+                            transforms=swizzled(operand_dtype, block_k)),
+                 plgpu.SMEM((stages, block_k, BLOCK_N), weight_dtype, transforms=swizzled(weight_dtype, BLOCK_N)))
         pl.run_scoped(
             body,
             union(rings, plgpu.SMEM((WGMMA_M, BLOCK_N), out_ref.dtype), interpret=interpret),
             plgpu.SMEM((2, block_k, BLOCK_N), operand_dtype, transforms=swizzled(operand_dtype, BLOCK_N))
             if fp8 else None,
             plgpu.SMEM((scale_ref[0].shape[-1],), jnp.float32) if fp8 else None,
-            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1) if fp8 else None,
         )
 
@@ -243,8 +242,8 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((splits, operand.shape[0], width), partial_dtype)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, depth=depth, block_k=tiles.block_k, split_steps=steps // splits, fp8=fp8,
-                          interpret=interpret),
+        functools.partial(_kernel, depth=depth, block_k=tiles.block_k, stages=tiles.stages,
+                          split_steps=steps // splits, fp8=fp8, interpret=interpret),
         kernel_name="grouped_matmul_mosaic",
         out_type=out_type, grid=(splits, width // BLOCK_N, group.shape[0]), grid_names=("split", "column", "item"),
         compiler_params=compiler_params(), interpret=interpret_params() if interpret else None)
@@ -264,15 +263,15 @@ def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     dtype, float32 accumulation; rows past sum(group_sizes) are zero. K and N multiples of 128
     (ValueError before tracing otherwise). rhs_row: None, or r with rhs a stack [n, G, K,
     N] (rhs_scale_inv [n, G, ...]) whose row r holds the groups, read where it lies.
-    tiles: the tile variant (`grouped_matmul_pallas.Tiles`): its K step (one of BLOCK_KS), and whether
-      K splits as the Triton kernel's split variants do (`k_splits`, float32 partial sums).
+    tiles: the tile variant (`grouped_matmul_pallas.Tiles`): its K step (one of BLOCK_KS), its
+      stages (the TMA ring's depth), and whether K splits as the Triton kernel's split variants do
+      (`k_splits`, float32 partial sums).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     check_grouped_matmul_args(lhs, rhs if rhs_row is None else rhs[0], group_sizes,
                               rhs_scale_inv if rhs_row is None or rhs_scale_inv is None else rhs_scale_inv[0])
     check_operands(lhs, rhs, rhs_scale_inv)
-    if not isinstance(tiles, Tiles) or tiles.block_k not in BLOCK_KS:
-        raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {BLOCK_KS} for the Mosaic kernel")
+    check_tiles(tiles, BLOCK_KS)
     call = functools.partial(_grouped_matmul_mosaic, lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, tiles=tiles,
                              interpret=interpret)
     if not interpret:

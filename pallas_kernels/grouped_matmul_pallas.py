@@ -52,7 +52,10 @@ function of the static shapes alone:
     splits (o_proj 4 ways), so do the experts' gate and up projections (2 ways: 8 hit experts x 16
     column blocks), not their down projection (8 x 56 blocks already fill it). A larger launch
     has programs to spare and pays only the partial sums' traffic (16 MB against 3.75 GB of
-    weights for the experts' gate projection at 1024 rows).
+    weights for the experts' gate projection at 1024 rows);
+  * stages: K steps in flight per program. An FP8 step moves half a bfloat16 step's bytes, so at
+    the same stages the FP8 loop keeps half the bytes in flight; more stages claim more shared
+    memory, and so may leave fewer programs an SM (docs/performance.md times both ways).
 
 Cost (`pl.CostEstimate`, counted by `jaxspec.aot` through `tiling.launch`), from the static shapes:
   * flops = 2 * M * K * N, the useful work of every row. The tensor cores also execute the unused
@@ -85,7 +88,9 @@ from .tiling import TARGET_PROGRAMS, block_indices, dot_nn, launch, load_block
 BLOCK_M = 16  # rows per tile: the smallest Triton dot
 BLOCK_N = 128  # output columns per program
 NUM_WARPS = 4
-NUM_STAGES = 4  # weight blocks in flight per program: streaming HBM needs several
+# Weight blocks in flight per program (`Tiles.stages`): streaming HBM needs several, and the Mosaic
+# kernel's ring needs two (a step's buffer is refilled once the next step's wgmma is issued).
+STAGES_RANGE = (2, 8)
 # A K split keeps at least this many steps: fewer and the pipeline's fill and drain would dominate.
 MIN_SPLIT_STEPS = 8
 MAX_SPLITS = 16
@@ -98,21 +103,29 @@ class Tiles(NamedTuple):
     """How a launch cuts its K loop (the module docstring's tile variants); static, hashable.
 
     block_k: the K step, a divisor of the FP8 scale block (128) and a multiple of 16 (Triton's dot).
-    split_k: whether K splits so that one decoded token's launch fills the GPU (`k_splits`)."""
+    split_k: whether K splits so that one decoded token's launch fills the GPU (`k_splits`).
+    stages: K steps in flight per program (Triton's `num_stages`, the Mosaic kernel's TMA ring), in
+      STAGES_RANGE. With the K step it sets a program's shared memory, so how many programs share
+      an SM: the bytes in flight and the warps that dequantize FP8 weights there."""
 
     block_k: int = 64
     split_k: bool = False
+    stages: int = 4
 
 
 # The variants the benchmarks time side by side, by name; "k64" is the kernel as first measured.
+# "k64-s7" and "k64-s3" ask what bounds the FP8 loop (docs/performance.md): on the Mosaic kernel
+# the first keeps two programs an SM with 7 steps in flight each (112 KiB of FP8 weights an SM,
+# against 64 at 4 stages), the second fits three programs (12 warps dequantizing, against 8).
 VARIANTS = {"k64": Tiles(), "k128": Tiles(block_k=128), "k64-split": Tiles(split_k=True),
-            "k128-split": Tiles(block_k=128, split_k=True)}
+            "k128-split": Tiles(block_k=128, split_k=True), "k64-s7": Tiles(stages=7), "k64-s3": Tiles(stages=3)}
 DEFAULT_VARIANT = "k64"
 # The K steps a tile may take: multiples of Triton's smallest dot that divide the FP8 scale block,
 # so a weight tile has one scale (see the module docstring).
 BLOCK_KS = (16, 32, 64, 128)
 assert BLOCK_N == block_fp8.BLOCK[1] and all(block_fp8.BLOCK[0] % k == 0 for k in BLOCK_KS)
-assert all(tiles.block_k in BLOCK_KS for tiles in VARIANTS.values())
+assert all(tiles.block_k in BLOCK_KS and STAGES_RANGE[0] <= tiles.stages <= STAGES_RANGE[1]
+           for tiles in VARIANTS.values())
 
 _variant = DEFAULT_VARIANT
 
@@ -141,6 +154,15 @@ def tile_variant(name: str):
     finally:
         _variant = previous
         jax.clear_caches()
+
+
+def check_tiles(tiles, block_ks: tuple[int, ...]) -> None:
+    """ValueError unless `tiles` is a `Tiles` with block_k in `block_ks` (the kernel's K steps) and
+    stages in STAGES_RANGE."""
+    if (not isinstance(tiles, Tiles) or tiles.block_k not in block_ks
+            or not STAGES_RANGE[0] <= tiles.stages <= STAGES_RANGE[1]):
+        raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {block_ks} and stages in "
+                         f"[{STAGES_RANGE[0]}, {STAGES_RANGE[1]}]")
 
 
 def k_splits(depth: int, width: int, num_groups: int, tiles: Tiles) -> int:
@@ -217,7 +239,7 @@ def _weight_block(rhs_ref, group, step, column_start, depth: int, width: int, bl
     BLOCK_N) of `group`'s matrix in rhs_ref [G * K, N].
 
     When K is a whole number of steps (DeepSeek's are) and N holds a block, the block is a plain
-    slice, which Triton pipelines with asynchronous copies (NUM_STAGES blocks in flight, measured
+    slice, which Triton pipelines with asynchronous copies (`Tiles.stages` blocks in flight, measured
     in the PTX: the index-array gather below gets none, and streaming the weights is all the time
     at decode); otherwise a clamped, masked gather reads zeros past the edges (a slice there would
     be clamped as a whole, shifting the block, in interpret mode). FP8 weights are gathered
@@ -331,8 +353,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
     tiles: the launch's K step and split (`Tiles`; the module docstring's tile variants).
     """
-    if not isinstance(tiles, Tiles) or tiles.block_k not in BLOCK_KS:
-        raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {BLOCK_KS}")
+    check_tiles(tiles, BLOCK_KS)
     num_groups = group_sizes.shape[0]
     out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
     depth, width = rhs.shape[-2:]
@@ -356,7 +377,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
                                split_steps=steps // splits)
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     out = launch(kernel, out_shape=jax.ShapeDtypeStruct((splits, padded, column_blocks * BLOCK_N), partial_dtype),
-                 grid=(group.shape[0], column_blocks, splits), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                 grid=(group.shape[0], column_blocks, splits), num_warps=NUM_WARPS, num_stages=tiles.stages,
                  name="grouped_matmul", interpret=interpret, cost=cost)(
         operand, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))

@@ -183,7 +183,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 @pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {DEFAULT_VARIANT}))
 def test_tile_variants_match_reference_and_keep_rows_independent(variant):
-    """Each other tile variant (K step 128, K splits) at shapes where it changes the launch: within
+    """Each other tile variant (K step 128, K splits, stages) at shapes where it changes the launch: within
     float32 tolerance of the reference where K and N are not whole blocks, FP8 bits equal to its own
     bits for the dequantized bfloat16 weights, and a row's bits the same alone as among others."""
     tiles = VARIANTS[variant]
@@ -255,8 +255,9 @@ def test_tile_variant_context_and_tiles_errors():
     with pytest.raises(ValueError, match="tile variant 'k96'"):
         with tile_variant("k96"):
             pass
-    with pytest.raises(ValueError, match="tiles="):
-        grouped_matmul_pallas(lhs, rhs, sizes, interpret=True, tiles=Tiles(block_k=96))
+    for tiles in (Tiles(block_k=96), Tiles(stages=1)):
+        with pytest.raises(ValueError, match=re.escape(f"tiles={tiles!r}: must be a Tiles with block_k in")):
+            grouped_matmul_pallas(lhs, rhs, sizes, interpret=True, tiles=tiles)
 
 
 def test_cuda_lowering_at_deepseek_shapes():
@@ -271,7 +272,8 @@ def test_cuda_lowering_at_deepseek_shapes():
 
 @pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k64"),
                                                  ("expert_up", 256, "k128-split"), ("o_proj", 8, "k64-split"),
-                                                 ("o_proj", 8, "k128-split"), ("kv_a_proj", 8, "k64")])
+                                                 ("o_proj", 8, "k128-split"), ("kv_a_proj", 8, "k64"),
+                                                 ("expert_up", 256, "k64-s7")])
 def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths: 256 experts with 256 rows (decode at batch 32, top-8),
     or o_proj and kv_a_proj (576 columns: not whole blocks) with 8 tokens, per tile variant. The

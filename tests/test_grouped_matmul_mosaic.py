@@ -12,6 +12,7 @@ rows past the groups' total, and fewer rows than a tile.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -72,12 +73,13 @@ def test_matches_reference(case, variant):
                                           np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("variant", ["k64", "k128-split"])
+@pytest.mark.parametrize("variant", ["k64", "k128-split", "k64-s3"])
 def test_a_rows_result_does_not_depend_on_the_other_rows(variant):
     """The same rows give the same bits alone, among more rows of their groups and after other
     groups (speculative decoding's bit-exactness rests on this), with FP8 weights, without and with
-    K splits (K = 2048 in steps of 128: 16, split in two); the result is within rounding of the
-    reference."""
+    K splits (K = 2048 in steps of 128: 16, split in two), and with a ring of 3 (the 64-row window
+    of a step's wgmma then reads other steps' rows past its own 16, which are never stored); the
+    result is within rounding of the reference."""
     rng = np.random.default_rng(7)
     depth, tiles = 2048, VARIANTS[variant]
     quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
@@ -176,17 +178,26 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
             grouped_matmul_mosaic(args[0], args[1], sizes, *args[2:], interpret=MOSAIC_INTERPRET)
     with pytest.raises(ValueError, match="group_sizes"):
         grouped_matmul_mosaic(lhs, bf16, sizes[:1], interpret=MOSAIC_INTERPRET)
-    with pytest.raises(ValueError, match=r"tiles=Tiles\(block_k=32, split_k=False\): must be a Tiles with block_k in "):
-        grouped_matmul_mosaic(lhs, bf16, sizes, tiles=Tiles(block_k=32), interpret=MOSAIC_INTERPRET)
+    for tiles in (Tiles(block_k=32), Tiles(stages=1), Tiles(stages=9)):
+        with pytest.raises(ValueError, match=re.escape(f"tiles={tiles!r}: must be a Tiles with block_k in (64, 128) "
+                                                       "and stages in [2, 8]")):
+            grouped_matmul_mosaic(lhs, bf16, sizes, tiles=tiles, interpret=MOSAIC_INTERPRET)
+
+
+# How many programs of each variant share an SM by their shared memory (the module docstring):
+# 228 KiB an SM, less 1 KiB reserved for each program.
+PROGRAMS_PER_SM = {"k64": 2, "k128": 1, "k64-split": 2, "k128-split": 1, "k64-s7": 2, "k64-s3": 3}
 
 
 @pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k128"),
+                                                 ("expert_up", 256, "k64-s7"), ("expert_down", 256, "k64-s3"),
                                                  ("o_proj", 8, "k128-split"), ("q_a_proj", 21, "k64")])
 def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths (256 experts with 256 rows: decode at batch 32, top-8;
     o_proj with 8 tokens, K split; q_a_proj with 21 tokens, rows that are no whole number of the
     TMA's 8-row tiles): one Mosaic launch, a block per (work item, column block,
-    split) of one warpgroup, within the H100's shared memory (two blocks an SM at K steps of 64),
+    split) of one warpgroup, within the H100's shared memory at the programs an SM the variant
+    is for (PROGRAMS_PER_SM),
     and the op's stated cost equal to the Triton kernel's statement of the same work (1 byte a
     weight of the groups that can be hit, their scales, the activations, the work table, the
     split's partial sums)."""
@@ -206,8 +217,8 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     # Mosaic GPU launches the grid reversed: the work items are CUDA's x, a group's tiles adjacent.
     assert launch.grid == (num_work_items(rows, groups), width // BLOCK_N, splits)
     assert launch.threads == (128, 1, 1) and 0 < launch.shared_memory <= SM90_SMEM
-    if tiles.block_k == 64:  # two blocks an SM: 228 KiB less 1 KiB reserved by each
-        assert 2 * (launch.shared_memory + 1024) <= 228 * 1024
+    per_sm = PROGRAMS_PER_SM[variant]
+    assert per_sm * (launch.shared_memory + 1024) <= 228 * 1024 < (per_sm + 1) * (launch.shared_memory + 1024)
     (call,) = aot.pallas_calls(compiled)
     assert (call.name, call.lowering) == ("grouped_matmul", "mosaic")
     weights = min(groups, rows) * (depth * width + 4 * (depth // 128) * (width // 128))
@@ -219,8 +230,8 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,empty,variant", [(256, 0.0, DEFAULT_VARIANT), (1024, 0.5, "k128"),
-                                                (8, 0.0, "k128-split")],
-                         ids=["decode", "prefill-half-empty", "one-token-split"])
+                                                (8, 0.0, "k128-split"), (256, 0.0, "k64-s7"), (256, 0.0, "k64-s3")],
+                         ids=["decode", "prefill-half-empty", "one-token-split", "decode-s7", "decode-s3"])
 def test_mosaic_compiled_on_gpu(rows, empty, variant):
     """Natively on a GPU, FP8 experts of DeepSeek-V3.2's up-projection shape: within bfloat16
     rounding of the reference, and a row's bits the same alone as among the others. 16 experts,
