@@ -37,13 +37,13 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              and V4's (v4_csa) with parts of 64 and 1024 slots beside its 256 and with its copies
              issued by warp or by thread (--copies-by-warp, --copies-by-thread);
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
-             K splits that fill the GPU for one decoded token) and its Mosaic GPU kernel at K steps
-             of 64 and 128 (--mosaic-tiles), side by side: first the e2e step at B 32, k 3 and
-             B 1, k 0 with the Mosaic kernel as "auto"'s (e2e_step.py --auto
-             grouped_matmul=mosaic, which decides its AUTO_KERNELS entry) and with GMM_E2E_TILES
-             (against the e2e part's default points; not under --smoke, where the e2e part runs
-             the same code), then the FP8 linears (matmuls.py --tiles) and one MoE layer with FP8
-             experts (moe.py --weights fp8);
+             K splits that fill the GPU for one decoded token, steps in flight) and its Mosaic GPU
+             kernel under GMM_MOSAIC_TILES (--mosaic-tiles), side by side: first the e2e step at
+             B 32, k 3 and B 1, k 0 with the Mosaic kernel as "auto"'s (e2e_step.py --auto
+             grouped_matmul=mosaic, which decides its AUTO_KERNELS entry), then one MoE layer with
+             FP8 experts (moe.py --weights fp8) and the FP8 linears (matmuls.py --tiles), then the
+             step with GMM_E2E_TILES (the steps against the e2e part's default points; not under
+             --smoke, where the e2e part runs the same code);
   flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 caches: V3.2's
              top-2048, V4-Flash's CSA and HCA) decode kernels at the kernels part's shapes, the
              ground truth beside ours (its harness binary must be there: built with
@@ -95,7 +95,7 @@ from projection import Calibration, note, step_seconds, target_peaks
 
 from jaxspec.aot.model import DepthCost
 from jaxspec.pallas_kernels.backend import AUTO_KERNELS
-from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
@@ -115,10 +115,14 @@ GMM_E2E_POINTS = [HEADLINE, (1, 0)]
 # `AUTO_KERNELS` names it.
 # The Mosaic step first: it decides the op's `AUTO_KERNELS` entry, so a short lease measures it first.
 GMM_E2E_VARIANTS = {"mosaic": ["--auto", "grouped_matmul=mosaic"], GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES]}
-# The tile variants the gmm part times the Mosaic grouped matmul under: K steps of 64 (two blocks an
-# SM) and 128 (one), the latter with K splits (o_proj's 56 column blocks); two of the four, to keep
-# the part's time.
-GMM_MOSAIC_TILES = (DEFAULT_VARIANT, GMM_E2E_TILES)
+# The tile variants the gmm part times the Triton grouped matmul under: K steps of 64 and 128, each
+# without and with K splits (o_proj's 56 column blocks).
+GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k64-split", GMM_E2E_TILES)
+# And the Mosaic one: K steps of 64 (two blocks an SM) and 128 (one) as Triton's, and at 64 the two
+# variants that tell what bounds its FP8 loop (`VARIANTS`: 7 steps in flight at two blocks an SM,
+# or three blocks an SM at 3). Under --smoke the first and the last, to keep the suite's time.
+GMM_MOSAIC_TILES = (DEFAULT_VARIANT, "k64-s7", "k64-s3", GMM_E2E_TILES)
+SMOKE_GMM_MOSAIC_TILES = (DEFAULT_VARIANT, GMM_E2E_TILES)
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
 # kernel failing or hanging on the device costs its own op's rows only.
@@ -174,7 +178,10 @@ BENCHMARK_UNITS = {
                                       "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--copies-by-warp",
                                       "--copies-by-thread", "--part-slots", "256", "2048", "--json", "{json}"],
                 None)],
-    "moe": [("moe", ["benchmarks/moe.py", "--json", "{json}"], ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
+    # With bfloat16 experts, beside the Triton kernel's rows the Mosaic kernel's at its default tiles:
+    # against its FP8 rows (the gmm part) the cost of its dequantization.
+    "moe": [("moe", ["benchmarks/moe.py", "--mosaic-tiles", DEFAULT_VARIANT, "--json", "{json}"],
+             ["benchmarks/moe.py", "--smoke", "--json", "{json}"])],
     "matmuls": [("matmuls", ["benchmarks/matmuls.py", "--json", "{json}"],
                  ["benchmarks/matmuls.py", "--smoke", "--json", "{json}"])],
     # The grouped matmul's tile variants: the MoE layer with FP8 experts as the e2e step runs them
@@ -182,14 +189,14 @@ BENCHMARK_UNITS = {
     # projections split K in two, their down projection does not), then every FP8 linear under
     # each, at the tokens a call of the gmm part's e2e points has: B 1 decode, B 32 k 3 verification
     # (a linear's launch is the same for 1 and 8 tokens, and 8 is what the matmuls part measured).
-    # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES: one block an SM or two).
-    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *VARIANTS, "--mosaic-tiles",
+    # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES).
+    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *GMM_TRITON_TILES, "--mosaic-tiles",
                              *GMM_MOSAIC_TILES, "--tokens", "1", "128", "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
-            ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *VARIANTS, "--mosaic-tiles",
-                             *GMM_MOSAIC_TILES, "--tokens", "8", "128", "--json", "{json}"],
+            ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *GMM_TRITON_TILES,
+                             "--mosaic-tiles", *GMM_MOSAIC_TILES, "--tokens", "8", "128", "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
-              "--mosaic-tiles", *GMM_MOSAIC_TILES, "--json", "{json}"])],
+              "--mosaic-tiles", *SMOKE_GMM_MOSAIC_TILES, "--json", "{json}"])],
     # FlashMLA, DeepSeek's CUDA decode kernels, at the kernels part's MLA and V4 shapes (its harness,
     # built where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA and V4
     # kernels on the FP8 caches FlashMLA's sparse decode reads, so that its rows have ours beside them.
@@ -510,6 +517,17 @@ def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
             continue
         failed = result["returncode"] != 0 or rows is None or bool(rows.get("failures"))
         report.record(unit, {**result, "json": rows}, ok=not failed)
+
+
+def part_gmm(report: Report, clock: Clock, args) -> None:
+    """The step on the Mosaic kernel first (it decides the op's `AUTO_KERNELS` entry), then the
+    layers' rows under every tile variant (where the time goes, and which variant moves it), then
+    the step under GMM_E2E_TILES (one variant, at the cost of a step's compile a point)."""
+    first, *rest = GMM_E2E_VARIANTS
+    part_e2e(report, clock, args, first)
+    part_benchmark("gmm", report, clock, args)
+    for variant in rest:
+        part_e2e(report, clock, args, variant)
 
 
 def part_mainjob(report: Report, clock: Clock, args) -> None:
@@ -976,10 +994,8 @@ def main(argv=None) -> int:
             part_mainjob(report, clock, args)
         elif part == "e2e":
             part_e2e(report, clock, args)
-        elif part == "gmm":  # the steps first (they decide), then the layers' rows (where the time went)
-            for variant in GMM_E2E_VARIANTS:
-                part_e2e(report, clock, args, variant)
-            part_benchmark(part, report, clock, args)
+        elif part == "gmm":
+            part_gmm(report, clock, args)
         else:
             part_benchmark(part, report, clock, args)
         found = calibration(report)

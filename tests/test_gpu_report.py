@@ -451,6 +451,14 @@ def test_the_gmm_part_times_the_step_with_its_variants_beside_the_default(tmp_pa
     assert len(calls) == 2  # recorded with profiles: not run again
 
 
+def test_the_gmm_part_runs_the_mosaic_step_then_the_layers_then_the_tile_variants_step(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gpu_report, "part_e2e", lambda report, clock, args, variant: calls.append(variant))
+    monkeypatch.setattr(gpu_report, "part_benchmark", lambda name, report, clock, args: calls.append(name))
+    gpu_report.part_gmm(None, gpu_report.Clock(None), benchmark_args())
+    assert calls == ["mosaic", "gmm", gpu_report.GMM_E2E_TILES]
+
+
 def test_parts_run_in_the_order_given_each_within_its_seconds():
     assert gpu_report.parse_parts("e2e:200, suite,kernels:90.5") == [("e2e", 200.0), ("suite", None), ("kernels", 90.5)]
     for bad in ("e2e,gpu", "e2e:0", "e2e:soon", "e2e,e2e:5", ""):
