@@ -37,8 +37,11 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
   (DeepSeek's `gemm_impl="fp8"`). The operand buffer is double-buffered, so a step's
   dequantization overlaps the previous step's wgmma. The block's scale is one float32 (block_k
   divides the 128 x 128 scale block, BLOCK_N is its width): a program copies its column block's
-  scales into SMEM once (from the scales transposed to [G, N / 128, K / 128] in XLA, 1/16384 of
-  the weights' size), so the loop reads no scale from global memory.
+  scales into SMEM once, so the loop reads no scale from global memory. They are read where they
+  lie, [G, K / 128, N / 128], as a [K / 128, 4] box (a TMA box's rows are at least 16 bytes) of
+  the four column blocks around its own: a program's column of scales is strided, and a copy
+  transposed to make it contiguous would be one more XLA op a call, before every launch (0.3 ms of
+  the measured full-width step at either batch, 3% of it at B 1).
 * **Stores.** The accumulator goes to SMEM (into the rings' memory, free once the loop is done:
   `mosaic_gpu.union`), and one TMA copy a row writes the tile's rows (a window's other rows belong
   to neighbouring groups, which their own programs write).
@@ -81,9 +84,14 @@ BLOCK_KS = (64, 128)
 BLOCK = 128
 # wgmma's M: the rows the tensor cores compute for a tile of BLOCK_M.
 WGMMA_M = 64
-# Scales copied per program: a multiple of 32 float32 (whole 128-byte TMA rows), at most a TMA
-# box's 256 (K up to 32768: DeepSeek's widest is 18432).
-SCALE_ROW = 32
+# Scales copied per program: its column block's and its neighbours', SCALE_COLUMNS float32 (a TMA
+# box's rows are whole 16 bytes, as are the rows of the array it reads), in rows padded to a
+# multiple of SCALE_ROWS (Mosaic GPU takes a copy of whole 128 bytes: one per thread of the
+# warpgroup that waits for it), at most a TMA box's 256 (K up to 32768: DeepSeek's widest is
+# 18432). The array is padded only where its shape needs it: of DeepSeek-V3.2's FP8 weights, the
+# 12 scale rows of q_b_proj and the indexer's wq_b, and the one column of its wk (128 wide).
+SCALE_COLUMNS = 4
+SCALE_ROWS = 8
 MAX_SCALES = 256
 # A TMA copy into a swizzled buffer moves whole tiles of this many rows, and Mosaic GPU lowers one
 # from global memory only if the array's rows are a whole number of them: the activations are
@@ -132,8 +140,9 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
 
     lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [Gs * K, N] (the groups' matrices stacked),
     group_ref / start_ref / end_ref [W] int32 (the work table); refs: (out_ref,) or, with FP8
-    weights, (scale_ref, out_ref) with scale_ref [Gs, N / 128, kb] float32 (a column block's scales
-    contiguous, kb >= K / 128); out_ref [splits, M, N] (float32 partial sums with splits)."""
+    weights, (scale_ref, out_ref) with scale_ref [Gs, kb, nb] float32 (the scales [Gs, K / 128,
+    N / 128] padded to multiples of SCALE_ROWS and SCALE_COLUMNS); out_ref [splits, M, N] (float32
+    partial sums with splits)."""
     *scale_ref, out_ref = refs
     item, column_block, split = (jax.lax.axis_index(axis) for axis in ("item", "column", "split"))
     start, end = start_ref[item], end_ref[item]
@@ -158,7 +167,8 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                                                    columns], w_smem.at[slot], barriers.at[slot])
 
             if fp8:
-                plgpu.copy_gmem_to_smem(scale_ref[0].at[group, column_block], scales_smem, scale_barrier)
+                neighbours = pl.ds(column_block // SCALE_COLUMNS * SCALE_COLUMNS, SCALE_COLUMNS)
+                plgpu.copy_gmem_to_smem(scale_ref[0].at[group, :, neighbours], scales_smem, scale_barrier)
             for i in range(min(stages, split_steps)):
                 fetch(i, i)
             if fp8:
@@ -174,7 +184,8 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         buffer = jax.lax.rem(i, 2)
                         weights = plgpu.layout_cast(w_smem[slot], UPCAST_8BIT)
                         # e4m3 -> float32 (exact), times the block's scale, rounded: block_fp8.dequantize.
-                        scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK)]
+                        scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK),
+                                            jax.lax.rem(column_block, SCALE_COLUMNS)]
                         operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
                         plgpu.commit_smem()
                         operand = operand_smem.at[buffer]
@@ -212,7 +223,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
             union(rings, plgpu.SMEM((WGMMA_M, BLOCK_N), out_ref.dtype), interpret=interpret),
             plgpu.SMEM((2, block_k, BLOCK_N), operand_dtype, transforms=swizzled(operand_dtype, BLOCK_N))
             if fp8 else None,
-            plgpu.SMEM((scale_ref[0].shape[-1],), jnp.float32) if fp8 else None,
+            plgpu.SMEM((scale_ref[0].shape[1], SCALE_COLUMNS), jnp.float32) if fp8 else None,
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1) if fp8 else None,
         )
@@ -236,9 +247,10 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     operand = window_rows(lhs)
     operand = jnp.pad(operand, ((0, -operand.shape[0] % TMA_ROWS), (0, 0)))
     scales = ()
-    if fp8:  # [Gs, N / 128, K / 128]: a column block's scales contiguous, in whole 128-byte rows
-        scale_t = jnp.swapaxes(rhs_scale_inv.reshape(stacked.shape[0], *rhs_scale_inv.shape[-2:]), 1, 2)
-        scales = (jnp.pad(scale_t, ((0, 0), (0, 0), (0, -scale_t.shape[-1] % SCALE_ROW))),)
+    if fp8:  # [Gs, K / 128, N / 128] as stored (a stack's rows as groups), padded where it must be
+        stacked_scales = rhs_scale_inv.reshape(stacked.shape[0], *rhs_scale_inv.shape[-2:])
+        pads = ((0, 0), (0, -stacked_scales.shape[1] % SCALE_ROWS), (0, -stacked_scales.shape[2] % SCALE_COLUMNS))
+        scales = (jnp.pad(stacked_scales, pads) if any(after for _, after in pads) else stacked_scales,)
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((splits, operand.shape[0], width), partial_dtype)
     kernel = plgpu.kernel(

@@ -33,6 +33,9 @@ CASES = {
     # name: (rows, K, N, groups, rows in groups, empty fraction)
     "mixed": (60, 256, 256, 6, 52, 0.3),  # a group past one 16-row tile, empty groups, 8 rows past the total
     "decode": (8, 384, 128, 16, 8, 0.0),  # fewer rows than a tile, mostly one row a group
+    # 10 column blocks: a block's FP8 scales are the 3rd of its box of 4 (blocks 8 and 9 in the
+    # padded columns' box)
+    "wide": (24, 256, 1280, 3, 24, 0.0),
 }
 
 
