@@ -28,7 +28,7 @@ from jaxspec.pallas_kernels.backend import gpu_lowering, resolve_backend
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import PART_SLOTS, sliding_compressed_attention_mosaic
 from jaxspec.pallas_kernels.mosaic_gpu import warp_map_interpretable
 from jaxspec.pallas_kernels.split_kv import num_parts
-from conftest import MOSAIC_INTERPRET
+from conftest import MOSAIC_INTERPRET, ON_GPU
 from test_sliding_compressed_attention import FLASH, SHARED_MEMORY_LIMIT, SPEC, abstract_call, make_case, run, v4_pool
 from test_sparse_mosaic import assert_costed, refuses_copies_by_thread
 from test_v4_attention import HF_FIELDS
@@ -189,7 +189,7 @@ def test_backend_choice():
     args, kwargs = case.args(jnp.float32)
     with pytest.raises(ValueError, match="sliding_compressed_attention_mosaic: dtype float32 not supported"):
         sliding_compressed_attention(*args, **kwargs, backend="mosaic")
-    assert resolve_backend("auto", "sliding_compressed_attention") == "xla"
+    assert resolve_backend("auto", "sliding_compressed_attention") == ("pallas" if ON_GPU else "xla")
     with gpu_lowering("NVIDIA H100 80GB HBM3"):
         assert resolve_backend("auto", "sliding_compressed_attention") == "pallas"
         assert resolve_backend("mosaic", "sliding_compressed_attention") == "mosaic"
