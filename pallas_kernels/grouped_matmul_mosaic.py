@@ -40,8 +40,8 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
   scales into SMEM once, so the loop reads no scale from global memory. They are read where they
   lie, [G, K / 128, N / 128], as a [K / 128, 4] box (a TMA box's rows are at least 16 bytes) of
   the four column blocks around its own: a program's column of scales is strided, and a copy
-  transposed to make it contiguous would be one more XLA op a call, before every launch (0.3 ms of
-  the measured full-width step at either batch, 3% of it at B 1).
+  transposed to make it contiguous would be one more XLA op a call, before every launch (most
+  likely the H200 profile's 0.3 ms of pad fusions a full-width step, 3% of it at B 1).
 * **Stores.** The accumulator goes to SMEM (into the rings' memory, free once the loop is done:
   `mosaic_gpu.union`), and one TMA copy a row writes the tile's rows (a window's other rows belong
   to neighbouring groups, which their own programs write).
@@ -250,7 +250,7 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     if fp8:  # [Gs, K / 128, N / 128] as stored (a stack's rows as groups), padded where it must be
         stacked_scales = rhs_scale_inv.reshape(stacked.shape[0], *rhs_scale_inv.shape[-2:])
         pads = ((0, 0), (0, -stacked_scales.shape[1] % SCALE_ROWS), (0, -stacked_scales.shape[2] % SCALE_COLUMNS))
-        scales = (jnp.pad(stacked_scales, pads) if any(after for _, after in pads) else stacked_scales,)
+        scales = (jnp.pad(stacked_scales, pads),)  # XLA drops a pad of nothing
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((splits, operand.shape[0], width), partial_dtype)
     kernel = plgpu.kernel(
