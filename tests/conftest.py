@@ -69,6 +69,14 @@ if ON_GPU:
     # cheap-codegen flags are not set: XLA's GPU compiler reads the optimization level too.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    # No autotuning of XLA's GPU matmuls: the H200's suite modules took about 5x their CPU time
+    # (test_acceptance 44 s against 8 s, test_compile_generate 49 s against 8 s), programs that
+    # run in milliseconds, so their compiles dominate, and the autotuner compiles and times
+    # candidate kernels for every new matmul shape. Its choice also depends on timings, so two
+    # compiles of one matmul could pick different kernels (and bits); the defaults are fixed.
+    # What this saves is measured by the next GPU suite run.
+    if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
 else:
     # A flag this XLA does not know is left out (one probe, about 2 s).
@@ -77,6 +85,17 @@ else:
     if _missing and not _known_to_xla(_missing):
         _missing = [flag for flag in _missing if _known_to_xla([flag])]
     os.environ["XLA_FLAGS"] = " ".join(_set + _missing)
+
+
+
+def on_cpu(tree):
+    """`tree`'s arrays committed to the host's CPU device, so the jitted calls that take them run
+    there on a GPU host too: for a bit-for-bit identity of the pure-jnp references (the "xla"
+    backend) that is a property of the program on XLA's CPU backend, while XLA's GPU compiler may
+    fuse one side's dequantization into a matmul and pick another matmul kernel than the other
+    side's (another summation order)."""
+    return jax.device_put(tree, jax.devices("cpu")[0])
+
 
 # One persistent compilation cache for the whole run on the CPU, shared by the pytest workers and
 # every subprocess a test starts (they inherit the variables): many tests compile a program

@@ -25,7 +25,7 @@ from jaxspec.pallas_kernels.fp8_cache import V4_RULE, Fp8Pool
 from jaxspec.pallas_kernels.sliding_compressed_attention_mosaic import sliding_compressed_attention_mosaic
 from jaxspec.pallas_kernels.sliding_compressed_attention_pallas import sliding_compressed_attention_pallas
 from jaxspec.presets import preset
-from conftest import MOSAIC_INTERPRET
+from conftest import MOSAIC_INTERPRET, on_cpu
 from test_sliding_compressed_attention import make_case, v4_pool
 from test_v4_attention import check_nodes_equal_branches, run, tree_case
 
@@ -105,7 +105,7 @@ FP8_CASES = {
 @pytest.mark.parametrize("dim,rope", [(32, 8), (192, 64)], ids=["one-block", "two-blocks"])
 def test_fp8_pools_read_as_their_entries(options, dim, rope):
     """The op on FP8 pools: the reference equals itself on the pools' bfloat16 entries bit for bit
-    (the definition), and the Triton kernel (interpreted) equals the reference within float32's
+    (the definition; on the CPU device, `conftest.on_cpu`), and the Triton kernel (interpreted) equals the reference within float32's
     tolerance, finite, padding tokens 0. 192 = 128 + 64: two scale blocks, so a column reads its
     own block's scale."""
     case, (args, kwargs), (plain_args, plain_kwargs) = fp8_case(dim, rope, **options)
@@ -116,8 +116,8 @@ def test_fp8_pools_read_as_their_entries(options, dim, rope):
         return jax.jit(functools.partial(sliding_compressed_attention, backend=backend, **static))(*args, **kwargs)
 
     with jax.default_matmul_precision("highest"):
-        want = np.asarray(op("xla", *args, **kwargs))
-        np.testing.assert_array_equal(want, np.asarray(op("xla", *plain_args, **plain_kwargs)))
+        want = np.asarray(op("xla", *on_cpu(args), **on_cpu(kwargs)))
+        np.testing.assert_array_equal(want, np.asarray(op("xla", *on_cpu(plain_args), **on_cpu(plain_kwargs))))
         got = np.asarray(op("pallas", *args, **kwargs))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

@@ -85,19 +85,23 @@ def test_the_references_plan_bounds_the_cpu_prefill(name, batch, prompt_len, chu
     """What the main job runs on a CPU: the prefill of the pure-jnp references ("auto" there),
     compiled by XLA's CPU backend. The plan's prefill temporaries are at least the compiled
     program's and within 3x of them; one call (the expanded form: scores, their masked copy and the
-    probabilities over whole pages) and in chunks (the references' gathered latents)."""
+    probabilities over whole pages) and in chunks (the references' gathered latents). The backend
+    and the device are pinned, so on a GPU host the same CPU program is checked (XLA's GPU compiler
+    plans its temporaries differently, and "auto" would pick the kernels there)."""
     config = preset(name)
-    decode = DecodeConfig(num_draft=1, max_new_tokens=1, prefill_chunk=chunk)
+    decode = DecodeConfig(num_draft=1, max_new_tokens=1, prefill_chunk=chunk, backend="xla")
     graphdef, params, _ = abstract_model(config, jnp.float32)
     model = nnx.merge(graphdef, params)
     capacity = required_capacity(prompt_len, decode)
     geometry = cache_geometry(prompt_len, decode, batch_size=batch, capacity=capacity)
     caches = [jax.eval_shape(lambda mtp=mtp: model.init_cache(batch, capacity, mtp=mtp, **geometry.kwargs()))
               for mtp in (False, True)]
-    compiled = jax.jit(prefill, static_argnames=("graphdef", "config")).trace(
-        graphdef, params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32), *caches, jax.eval_shape(lambda: base_key(0)),
-        config=decode).lower().compile()
+    with jax.default_device(jax.devices("cpu")[0]):
+        compiled = jax.jit(prefill, static_argnames=("graphdef", "config")).trace(
+            graphdef, params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32), *caches, jax.eval_shape(lambda: base_key(0)),
+            config=decode).lower().compile()
+    assert compiled.runtime_executable().client.platform == "cpu"
     temp = compiled.memory_analysis().temp_size_in_bytes
     plan = plan_memory(config, decode, batch=batch, prompt_len=prompt_len, dtype=jnp.float32)
     assert temp <= plan.prefill_temp <= 3 * temp, (plan.describe(), temp)

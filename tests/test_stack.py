@@ -89,9 +89,11 @@ def test_run_layers_visits_rows_in_order():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_grouped_matmul_reads_a_stack_row_in_place(fp8):
-    """grouped_matmul(rhs_row=r) over a stack [n, G, K, N] equals the op on the row rhs[r], on the
-    reference and on the kernel (interpret mode), bit for bit; the kernel sees the other rows as
-    empty groups. `in_place` of a plain array is the array as a one-row stack."""
+    """grouped_matmul(rhs_row=r) over a stack [n, G, K, N] equals the op on the row rhs[r], bit for
+    bit, on the reference and on the kernel (interpret mode on the CPU, native on a GPU), each
+    against itself; the kernel sees the other rows as empty groups. The two backends agree within
+    rounding (they sum in different orders; on the CPU they happen to agree exactly). `in_place` of
+    a plain array is the array as a one-row stack."""
     from jaxspec.pallas_kernels.block_fp8 import quantize
     rng = np.random.default_rng(3)
     stack = jnp.asarray(rng.normal(size=(3, 4, 128, 128)), jnp.float32)
@@ -101,10 +103,13 @@ def test_grouped_matmul_reads_a_stack_row_in_place(fp8):
     lhs = jnp.asarray(rng.normal(size=(20, 128)), jnp.bfloat16 if fp8 else jnp.float32)
     sizes = jnp.asarray([5, 0, 9, 4], jnp.int32)
     for row in (0, 2):
-        want = grouped_matmul(lhs, stack[row], sizes, None if scales is None else scales[row], backend="xla")
+        got = {}
         for backend in ("xla", "pallas"):
-            got = grouped_matmul(lhs, stack, sizes, scales, rhs_row=jnp.int32(row), backend=backend)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            want = grouped_matmul(lhs, stack[row], sizes, None if scales is None else scales[row], backend=backend)
+            got[backend] = grouped_matmul(lhs, stack, sizes, scales, rhs_row=jnp.int32(row), backend=backend)
+            np.testing.assert_array_equal(np.asarray(got[backend]), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got["pallas"], np.float32), np.asarray(got["xla"], np.float32),
+                                   rtol=1e-2, atol=1e-2)
     whole, row = in_place(stack[1])
     assert whole.shape == (1, *stack.shape[1:]) and int(row) == 0
     assert in_place(StackRow(stack, jnp.int32(2)))[0] is stack
