@@ -13,13 +13,16 @@ A program multiplies the 16-row window of its tile by the [K, 128] column block 
 matrix, then stores only its tile's rows. What changes is how the K loop runs on Hopper:
 
 * **Weights by TMA, `Tiles.stages` steps ahead.** Each K step's [block_k, 128] weight block and
-  [16, block_k] activation block arrive by TMA into a ring of `stages` buffers, refilled as soon as
-  the wgmma that read a buffer has finished, so up to `stages` steps of weights are in flight while
-  the tensor cores work (Triton's loop kept its activation rows a synchronous load until they
-  became a plain slice; here every byte of the loop comes by TMA). The K step and the stages are
-  the tile variant's (`grouped_matmul_pallas.Tiles`): with FP8 weights and 4 stages a K step of 128
-  claims 157 KiB of shared memory, one program an SM with 64 KiB of weights in flight; one of 64
-  claims 79 KiB, two programs an SM with 32 KiB each, whose dequantization and wgmma interleave
+  [16, block_k] activation block arrive by TMA into rings of `stages` buffers (a barrier each), so
+  weights are in flight while the tensor cores work (Triton's loop kept its activation rows a
+  synchronous load until they became a plain slice; here every byte of the loop comes by TMA). A
+  buffer is refilled as soon as what reads it is done. An FP8 weight buffer is read only by the
+  step's dequantization (the wgmma reads the dequantized copy), so it takes step i + stages right
+  after that, and `stages` steps of weights stay in flight; activation buffers, and bfloat16
+  weights, wait for the wgmma that read them, which leaves `stages - 1`. The K step and the stages
+  are the tile variant's (`grouped_matmul_pallas.Tiles`): with FP8 weights and 4 stages a K step of
+  128 claims 157 KiB of shared memory, one program an SM with 64 KiB of weights in flight; one of
+  64 claims 79 KiB, two programs an SM with 32 KiB each, whose dequantization and wgmma interleave
   (`VARIANTS` also has 7 stages, still two programs an SM, and 3, three an SM).
 * **wgmma, 64 rows of which 16 are the tile's.** wgmma's M is 64 and the tile has 16 rows (a decode
   step puts a handful of rows on each expert). The activation ring holds 16 rows a step, back to
@@ -155,22 +158,25 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
         columns = pl.ds(column_block * BLOCK_N, BLOCK_N)
         first_step = split * split_steps
 
-        def body(buffers, operand_smem, scales_smem, barriers, scale_barrier):
+        def body(buffers, operand_smem, scales_smem, x_barriers, w_barriers, scale_barrier):
             (x_smem, w_smem), out_smem = buffers  # the rings' memory holds the output rows after the loop
 
-            def fetch(i, slot):
-                """Start TMA copies of step i's activation and weight blocks into ring buffer `slot`."""
-                k = pl.ds((first_step + i) * block_k, block_k)
-                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), k], x_smem.at[pl.ds(slot * BLOCK_M, BLOCK_M)],
-                                        barriers.at[slot])
+            def fetch_activations(i, slot):
+                """Start the TMA copy of step i's activation block into ring buffer `slot`."""
+                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), pl.ds((first_step + i) * block_k, block_k)],
+                                        x_smem.at[pl.ds(slot * BLOCK_M, BLOCK_M)], x_barriers.at[slot])
+
+            def fetch_weights(i, slot):
+                """Start the TMA copy of step i's weight block into ring buffer `slot`."""
                 plgpu.copy_gmem_to_smem(rhs_ref.at[pl.ds(group * depth + (first_step + i) * block_k, block_k),
-                                                   columns], w_smem.at[slot], barriers.at[slot])
+                                                   columns], w_smem.at[slot], w_barriers.at[slot])
 
             if fp8:
                 neighbours = pl.ds(column_block // SCALE_COLUMNS * SCALE_COLUMNS, SCALE_COLUMNS)
                 plgpu.copy_gmem_to_smem(scale_ref[0].at[group, :, neighbours], scales_smem, scale_barrier)
             for i in range(min(stages, split_steps)):
-                fetch(i, i)
+                fetch_weights(i, i)
+                fetch_activations(i, i)
             if fp8:
                 plgpu.barrier_wait(scale_barrier)
 
@@ -178,7 +184,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                 @pl.loop(0, split_steps)
                 def _(i):
                     slot = jax.lax.rem(i, stages)
-                    plgpu.barrier_wait(barriers.at[slot])
+                    plgpu.barrier_wait(w_barriers.at[slot])
                     operand = w_smem.at[slot]
                     if fp8:
                         buffer = jax.lax.rem(i, 2)
@@ -187,15 +193,25 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK),
                                             jax.lax.rem(column_block, SCALE_COLUMNS)]
                         operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
+                        # The warpgroup's barrier inside: every thread has read the weight buffer
+                        # (the wgmma reads the dequantized copy), so it takes step i + stages now.
                         plgpu.commit_smem()
                         operand = operand_smem.at[buffer]
+
+                        @pl.when(i + stages < split_steps)
+                        def _():
+                            fetch_weights(i + stages, slot)
+
+                    plgpu.barrier_wait(x_barriers.at[slot])
                     plgpu.wgmma(acc_ref, x_smem.at[pl.ds(slot * BLOCK_M, WGMMA_M)], operand)
-                    # Step i - 1's wgmma has finished: its ring buffer takes step i - 1 + stages.
+                    # Step i - 1's wgmma has finished: the buffers it read take step i - 1 + stages.
                     plgpu.wgmma_wait(1)
 
                     @pl.when((i > 0) & (i - 1 + stages < split_steps))
                     def _():
-                        fetch(i - 1 + stages, jax.lax.rem(i - 1, stages))
+                        fetch_activations(i - 1 + stages, jax.lax.rem(i - 1, stages))
+                        if not fp8:
+                            fetch_weights(i - 1 + stages, jax.lax.rem(i - 1, stages))
 
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
@@ -224,7 +240,8 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
             plgpu.SMEM((2, block_k, BLOCK_N), operand_dtype, transforms=swizzled(operand_dtype, BLOCK_N))
             if fp8 else None,
             plgpu.SMEM((scale_ref[0].shape[1], SCALE_COLUMNS), jnp.float32) if fp8 else None,
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1) if fp8 else None,
         )
 
