@@ -118,10 +118,11 @@ GMM_E2E_VARIANTS = {"mosaic": ["--auto", "grouped_matmul=mosaic"], GMM_E2E_TILES
 # The tile variants the gmm part times the Triton grouped matmul under: K steps of 64 and 128, each
 # without and with K splits (o_proj's 56 column blocks).
 GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k64-split", GMM_E2E_TILES)
-# And the Mosaic one: K steps of 64 (two blocks an SM) and 128 (one) as Triton's, and at 64 the two
+# And the Mosaic one: K steps of 64 (two blocks an SM) and 128 (one) as Triton's, and at 64 the three
 # variants that tell what bounds its FP8 loop (`VARIANTS`: 7 steps in flight at two blocks an SM,
-# or three blocks an SM at 3). Under --smoke the first and the last, to keep the suite's time.
-GMM_MOSAIC_TILES = (DEFAULT_VARIANT, "k64-s7", "k64-s3", GMM_E2E_TILES)
+# three blocks an SM at 3, or e4m3 unpacked by integer operations instead of conversions). Under
+# --smoke the first and the last, to keep the suite's time.
+GMM_MOSAIC_TILES = (DEFAULT_VARIANT, "k64-s7", "k64-s3", "k64-int", GMM_E2E_TILES)
 SMOKE_GMM_MOSAIC_TILES = (DEFAULT_VARIANT, GMM_E2E_TILES)
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a

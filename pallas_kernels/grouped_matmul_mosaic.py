@@ -35,7 +35,10 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
   bytes. Cutting the rows at 64 instead would load 4x the activations every step.
 * **FP8 weights, dequantized once a step.** An e4m3 block goes from its TMA buffer through registers
   (in `mosaic_gpu.UPCAST_8BIT`; float32 times the block's scale, rounded to bfloat16:
-  `block_fp8.dequantize` exactly) into a bfloat16 operand buffer that the wgmma reads. wgmma takes
+  `block_fp8.dequantize` exactly) into a bfloat16 operand buffer that the wgmma reads. Under
+  `Tiles.integer_upcast` (variant `k64-int`) the e4m3 bytes become float16 by integer operations
+  rather than a conversion instruction, the same values (`e4m3_upcast_mosaic`; compiled only:
+  interpreted, the kernel converts). wgmma takes
   FP8 only with both operands FP8, and quantizing the activations would change the numerics
   (DeepSeek's `gemm_impl="fp8"`). The operand buffer is double-buffered, so a step's
   dequantization overlaps the previous step's wgmma. The block's scale is one float32 (block_k
@@ -73,7 +76,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import block_fp8
+from . import block_fp8, e4m3_upcast_mosaic
 from .contracts import check_grouped_matmul_args
 from .cost import stating
 from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, check_tiles,
@@ -138,7 +141,7 @@ def check_operands(lhs, rhs, rhs_scale_inv=None) -> None:
 
 
 def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, block_k: int, stages: int,
-            split_steps: int, fp8: bool, interpret: bool):
+            split_steps: int, fp8: bool, integer_upcast: bool, interpret: bool):
     """One (row tile, column block, K split) program.
 
     lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [Gs * K, N] (the groups' matrices stacked),
@@ -192,7 +195,12 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         # e4m3 -> float32 (exact), times the block's scale, rounded: block_fp8.dequantize.
                         scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK),
                                             jax.lax.rem(column_block, SCALE_COLUMNS)]
-                        operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
+                        if integer_upcast:  # w / 256 exactly, then the scale times 256: the same product
+                            values = e4m3_upcast_mosaic.upcast(weights, UPCAST_8BIT).astype(jnp.float32)
+                            scale = scale * e4m3_upcast_mosaic.FACTOR
+                        else:
+                            values = weights.astype(jnp.float32)
+                        operand_smem[buffer] = (values * scale).astype(operand_smem.dtype)
                         # The warpgroup's barrier inside: every thread has read the weight buffer
                         # (the wgmma reads the dequantized copy), so it takes step i + stages now.
                         plgpu.commit_smem()
@@ -272,7 +280,8 @@ def _grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, *, til
     out_type = jax.ShapeDtypeStruct((splits, operand.shape[0], width), partial_dtype)
     kernel = plgpu.kernel(
         functools.partial(_kernel, depth=depth, block_k=tiles.block_k, stages=tiles.stages,
-                          split_steps=steps // splits, fp8=fp8, interpret=interpret),
+                          split_steps=steps // splits, fp8=fp8,
+                          integer_upcast=fp8 and tiles.integer_upcast and not interpret, interpret=interpret),
         kernel_name="grouped_matmul_mosaic",
         out_type=out_type, grid=(splits, width // BLOCK_N, group.shape[0]), grid_names=("split", "column", "item"),
         compiler_params=compiler_params(), interpret=interpret_params() if interpret else None)
@@ -293,14 +302,14 @@ def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     (ValueError before tracing otherwise). rhs_row: None, or r with rhs a stack [n, G, K,
     N] (rhs_scale_inv [n, G, ...]) whose row r holds the groups, read where it lies.
     tiles: the tile variant (`grouped_matmul_pallas.Tiles`): its K step (one of BLOCK_KS), its
-      stages (the TMA ring's depth), and whether K splits as the Triton kernel's split variants do
-      (`k_splits`, float32 partial sums).
+      stages (the TMA ring's depth), whether K splits as the Triton kernel's split variants do
+      (`k_splits`, float32 partial sums), and how FP8 weights leave e4m3 (`integer_upcast`).
     interpret: run on the CPU simulator (`mosaic_gpu.interpreting`) instead of lowering for a GPU.
     """
     check_grouped_matmul_args(lhs, rhs if rhs_row is None else rhs[0], group_sizes,
                               rhs_scale_inv if rhs_row is None or rhs_scale_inv is None else rhs_scale_inv[0])
     check_operands(lhs, rhs, rhs_scale_inv)
-    check_tiles(tiles, BLOCK_KS)
+    check_tiles(tiles, BLOCK_KS, integer_upcast=True)
     call = functools.partial(_grouped_matmul_mosaic, lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, tiles=tiles,
                              interpret=interpret)
     if not interpret:

@@ -106,20 +106,28 @@ class Tiles(NamedTuple):
     split_k: whether K splits so that one decoded token's launch fills the GPU (`k_splits`).
     stages: K steps in flight per program (Triton's `num_stages`, the Mosaic kernel's TMA ring), in
       STAGES_RANGE. With the K step it sets a program's shared memory, so how many programs share
-      an SM: the bytes in flight and the warps that dequantize FP8 weights there."""
+      an SM: the bytes in flight and the warps that dequantize FP8 weights there.
+    integer_upcast: FP8 weights leave e4m3 by integer operations instead of a conversion
+      instruction (`e4m3_upcast_mosaic`: the same values); the Mosaic kernel's only, which the
+      Triton kernel refuses."""
 
     block_k: int = 64
     split_k: bool = False
     stages: int = 4
+    integer_upcast: bool = False
 
 
 # The variants the benchmarks time side by side, by name; "k64" is the kernel as first measured.
 # "k64-s7" and "k64-s3" ask what bounds the FP8 loop (docs/performance.md): on the Mosaic kernel
 # the first keeps two programs an SM with 7 steps in flight each (112 KiB of FP8 weights an SM,
-# against 64 at 4 stages), the second fits three programs (12 warps dequantizing, against 8).
+# against 64 at 4 stages), the second fits three programs (12 warps dequantizing, against 8);
+# "k64-int" (the Mosaic kernel only) unpacks e4m3 by integer operations, not conversions.
 VARIANTS = {"k64": Tiles(), "k128": Tiles(block_k=128), "k64-split": Tiles(split_k=True),
-            "k128-split": Tiles(block_k=128, split_k=True), "k64-s7": Tiles(stages=7), "k64-s3": Tiles(stages=3)}
+            "k128-split": Tiles(block_k=128, split_k=True), "k64-s7": Tiles(stages=7), "k64-s3": Tiles(stages=3),
+            "k64-int": Tiles(integer_upcast=True)}
 DEFAULT_VARIANT = "k64"
+# The variants the Triton kernel takes (the others are the Mosaic kernel's alone).
+TRITON_VARIANTS = tuple(name for name, tiles in VARIANTS.items() if not tiles.integer_upcast)
 # The K steps a tile may take: multiples of Triton's smallest dot that divide the FP8 scale block,
 # so a weight tile has one scale (see the module docstring).
 BLOCK_KS = (16, 32, 64, 128)
@@ -156,13 +164,15 @@ def tile_variant(name: str):
         jax.clear_caches()
 
 
-def check_tiles(tiles, block_ks: tuple[int, ...]) -> None:
-    """ValueError unless `tiles` is a `Tiles` with block_k in `block_ks` (the kernel's K steps) and
-    stages in STAGES_RANGE."""
+def check_tiles(tiles, block_ks: tuple[int, ...], integer_upcast: bool) -> None:
+    """ValueError unless `tiles` is a `Tiles` with block_k in `block_ks` (the kernel's K steps),
+    stages in STAGES_RANGE, and integer_upcast only where the kernel has it (`integer_upcast`)."""
     if (not isinstance(tiles, Tiles) or tiles.block_k not in block_ks
             or not STAGES_RANGE[0] <= tiles.stages <= STAGES_RANGE[1]):
         raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {block_ks} and stages in "
                          f"[{STAGES_RANGE[0]}, {STAGES_RANGE[1]}]")
+    if tiles.integer_upcast and not integer_upcast:
+        raise ValueError(f"tiles={tiles!r}: integer_upcast is the Mosaic kernel's (backend='mosaic')")
 
 
 def k_splits(depth: int, width: int, num_groups: int, tiles: Tiles) -> int:
@@ -353,7 +363,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
     tiles: the launch's K step and split (`Tiles`; the module docstring's tile variants).
     """
-    check_tiles(tiles, BLOCK_KS)
+    check_tiles(tiles, BLOCK_KS, integer_upcast=False)
     num_groups = group_sizes.shape[0]
     out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
     depth, width = rhs.shape[-2:]

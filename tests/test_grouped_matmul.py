@@ -20,8 +20,9 @@ from flax import nnx
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DECODE_GROUPS, DEFAULT_VARIANT, MAX_SPLITS,
-                                                           MIN_SPLIT_STEPS, VARIANTS, Tiles, grouped_matmul_pallas,
-                                                           k_splits, num_work_items, tile_variant, work_items)
+                                                           MIN_SPLIT_STEPS, TRITON_VARIANTS, VARIANTS, Tiles,
+                                                           grouped_matmul_pallas, k_splits, num_work_items,
+                                                           tile_variant, work_items)
 from jaxspec.pallas_kernels.tiling import TARGET_PROGRAMS
 from jaxspec.presets import preset
 from conftest import ON_GPU
@@ -182,9 +183,9 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([9, 23, 24])]), np.asarray(alone))
 
 
-@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {DEFAULT_VARIANT}))
+@pytest.mark.parametrize("variant", sorted(set(TRITON_VARIANTS) - {DEFAULT_VARIANT}))
 def test_tile_variants_match_reference_and_keep_rows_independent(variant):
-    """Each other tile variant (K step 128, K splits, stages) at shapes where it changes the launch: within
+    """Each other tile variant of the Triton kernel (K step 128, K splits, stages) at shapes where it changes the launch: within
     float32 tolerance of the reference where K and N are not whole blocks, FP8 bits equal to its own
     bits for the dequantized bfloat16 weights, and a row's bits the same alone as among others."""
     tiles = VARIANTS[variant]
@@ -240,7 +241,8 @@ def test_k_splits_fill_the_gpu_for_one_decoded_token(variant):
 def test_tile_variant_context_and_tiles_errors():
     """`tile_variant` sets what the op launches with while tracing, and restores it, even for a
     function JAX traced before (its trace cache does not know the setting); bad names and bad
-    tiles are refused before tracing."""
+    tiles are refused before tracing, and the Triton kernel refuses the Mosaic kernel's
+    integer_upcast, which the op leaves out for the operands it runs on Triton."""
     lhs, rhs, sizes = make_case(3, 20, 1024, 128, np.array([5, 0, 15], np.int32), jnp.float32)
 
     def op(lhs, rhs, sizes):
@@ -253,6 +255,10 @@ def test_tile_variant_context_and_tiles_errors():
                                                                    tiles=VARIANTS["k64-split"]))
     assert not np.array_equal(split, default)
     np.testing.assert_array_equal(jax.jit(op)(lhs, rhs, sizes), default)
+    with tile_variant("k64-int"):  # the Mosaic kernel's setting: Triton runs the rest of the variant
+        np.testing.assert_array_equal(jax.jit(op)(lhs, rhs, sizes), default)
+    with pytest.raises(ValueError, match="integer_upcast is the Mosaic kernel's"):
+        grouped_matmul_pallas(lhs, rhs, sizes, interpret=True, tiles=VARIANTS["k64-int"])
     with pytest.raises(ValueError, match="tile variant 'k96'"):
         with tile_variant("k96"):
             pass

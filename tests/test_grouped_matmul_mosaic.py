@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import functools
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_backend, grouped_matmul_reference
+from jaxspec.pallas_kernels import (block_fp8, e4m3_upcast_mosaic, grouped_matmul, grouped_matmul_backend,
+                                    grouped_matmul_reference)
 from jaxspec.pallas_kernels.backend import auto_kernels, gpu_lowering
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts, check_operands, grouped_matmul_mosaic
 from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, k_splits,
                                                            num_work_items, tile_variant)
 from conftest import MOSAIC_INTERPRET, ON_GPU
 from test_grouped_matmul import V32_WEIGHTS, grouped_loop, random_sizes
+from virtual_devices import virtual_devices_env
 
 SM90_SMEM = 227 * 1024
 
@@ -187,14 +192,74 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
             grouped_matmul_mosaic(lhs, bf16, sizes, tiles=tiles, interpret=MOSAIC_INTERPRET)
 
 
+def test_integer_upcast_gives_the_conversions_values():
+    """The `k64-int` variant's recipe for e4m3 (`e4m3_upcast_mosaic`: the byte as the float16 w /
+    256 by integer operations, then float32 times the block's scale times 256) gives
+    `block_fp8.dequantize`'s bfloat16 bits for every finite e4m3 byte, at scales up to the largest
+    a quantization of float32 weights gives (3.4e38 / 448) and down to where the smallest product
+    is still a normal float32 (XLA's CPU flushes subnormal float32 to zero, numpy does not); the
+    two NaN bytes read as +-480. The kernel runs the recipe compiled only, so this is where its values
+    are held to the conversion's off a GPU (on one, `test_mosaic_compiled_on_gpu` holds the
+    kernel's bits to k64's)."""
+    rng = np.random.default_rng(0)
+    codes = rng.permutation(256).astype(np.uint8)  # a word's four bytes of mixed signs
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = ~np.isnan(values)
+    halves = e4m3_upcast_mosaic.scaled_float16(codes).astype(np.float32)
+    np.testing.assert_array_equal(halves[finite] * e4m3_upcast_mosaic.FACTOR, values[finite])
+    np.testing.assert_array_equal(np.sort(halves[~finite] * e4m3_upcast_mosaic.FACTOR), [-480, 480])
+    smallest = np.finfo(np.float32).tiny / 2.0 ** -9  # e4m3's smallest subnormal is 2^-9
+    scales = np.concatenate([2.0 ** rng.uniform(np.log2(smallest), 119, 400), [np.finfo(np.float32).max / 448, smallest]])
+    scales = scales.astype(np.float32)
+    weights = np.broadcast_to(codes[finite].view(ml_dtypes.float8_e4m3fn), (len(scales), 1, finite.sum()))
+    want = block_fp8.dequantize(jnp.asarray(weights), jnp.asarray(scales[:, None, None].repeat(2, -1)))
+    got = halves[finite] * (scales * np.float32(e4m3_upcast_mosaic.FACTOR))[:, None, None]
+    np.testing.assert_array_equal(np.asarray(want).view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_integer_upcast_replaces_the_loops_conversion(h100, tmp_path):
+    """Compiled for sm_90a (the PTX in Mosaic GPU's dump, its own process): the `k64-int` loop
+    unpacks e4m3 by byte permutes and has no e4m3 conversion left, where `k64`'s has one a pair of
+    weights; both keep the float32 product and the rounding to bfloat16 pairs."""
+    env = {**virtual_devices_env(1), "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", UPCAST_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = {}
+    for path in tmp_path.glob("grouped_matmul_mosaic*.ptx"):
+        text = path.read_text()
+        ptx["k64-int" if "0x9180" in text else "k64"] = text  # the sign-extending byte permute
+    assert sorted(ptx) == ["k64", "k64-int"]
+    count = {name: {op: len(re.findall(re.escape(op) + r"\s", text)) for op in
+                    ("cvt.rn.f16x2.e4m3x2", "prmt.b32", "cvt.rn.bf16x2.f32", "mul.f32")} for name, text in ptx.items()}
+    weights = 64 * BLOCK_N // 128  # a thread's weights a K step of 64
+    assert count["k64"]["cvt.rn.f16x2.e4m3x2"] == weights // 2 and count["k64-int"]["cvt.rn.f16x2.e4m3x2"] == 0
+    assert count["k64-int"]["prmt.b32"] >= weights // 2
+    for name in ptx:
+        assert count[name]["mul.f32"] >= weights and count[name]["cvt.rn.bf16x2.f32"] >= weights // 2
+
+
+UPCAST_PROBE = """
+import functools, jax, jax.numpy as jnp
+from jaxspec import aot
+from jaxspec.pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
+from jaxspec.pallas_kernels.grouped_matmul_pallas import VARIANTS
+spec = jax.ShapeDtypeStruct
+args = (spec((16, 256), jnp.bfloat16), spec((2, 256, 128), jnp.float8_e4m3fn), spec((2,), jnp.int32),
+        spec((2, 2, 1), jnp.float32))
+for variant in ("k64", "k64-int"):
+    aot.compile_gpu(functools.partial(grouped_matmul_mosaic, tiles=VARIANTS[variant]), *args, devices=aot.gpu_devices("h100"))
+"""
+
+
 # How many programs of each variant share an SM by their shared memory (the module docstring):
 # 228 KiB an SM, less 1 KiB reserved for each program.
-PROGRAMS_PER_SM = {"k64": 2, "k128": 1, "k64-split": 2, "k128-split": 1, "k64-s7": 2, "k64-s3": 3}
+PROGRAMS_PER_SM = {"k64": 2, "k128": 1, "k64-split": 2, "k128-split": 1, "k64-s7": 2, "k64-s3": 3, "k64-int": 2}
 
 
 @pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k128"),
                                                  ("expert_up", 256, "k64-s7"), ("expert_down", 256, "k64-s3"),
-                                                 ("o_proj", 8, "k128-split"), ("q_a_proj", 21, "k64")])
+                                                 ("expert_up", 256, "k64-int"), ("o_proj", 8, "k128-split"),
+                                                 ("q_a_proj", 21, "k64")])
 def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths (256 experts with 256 rows: decode at batch 32, top-8;
     o_proj with 8 tokens, K split; q_a_proj with 21 tokens, rows that are no whole number of the
@@ -233,13 +298,15 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,empty,variant", [(256, 0.0, DEFAULT_VARIANT), (1024, 0.5, "k128"),
-                                                (8, 0.0, "k128-split"), (256, 0.0, "k64-s7"), (256, 0.0, "k64-s3")],
-                         ids=["decode", "prefill-half-empty", "one-token-split", "decode-s7", "decode-s3"])
+                                                (8, 0.0, "k128-split"), (256, 0.0, "k64-s7"), (256, 0.0, "k64-s3"),
+                                                (256, 0.0, "k64-int")],
+                         ids=["decode", "prefill-half-empty", "one-token-split", "decode-s7", "decode-s3", "decode-int"])
 def test_mosaic_compiled_on_gpu(rows, empty, variant):
     """Natively on a GPU, FP8 experts of DeepSeek-V3.2's up-projection shape: within bfloat16
-    rounding of the reference, and a row's bits the same alone as among the others. 16 experts,
-    drawn on the device (940 MB of float32 before quantizing): all 256 drawn with numpy took longer
-    than a suite's patience on the lent H200."""
+    rounding of the reference, and a row's bits the same alone as among the others; variants that
+    change only how the loop runs (stages, the integer unpacking of e4m3) give k64's bits. 16
+    experts, drawn on the device (940 MB of float32 before quantizing): all 256 drawn with numpy
+    took longer than a suite's patience on the lent H200."""
     rng = np.random.default_rng(rows)
     depth, width, _ = V32_WEIGHTS["expert_up"]
     groups = 16
@@ -257,3 +324,5 @@ def test_mosaic_compiled_on_gpu(rows, empty, variant):
     first = int(np.flatnonzero(np.asarray(sizes))[0])
     alone = grouped_matmul_mosaic(lhs[:1], quantized, jnp.zeros_like(sizes).at[first].set(1), scale_inv, tiles=tiles)
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(got[:1]))
+    if tiles._replace(stages=4, integer_upcast=False) == VARIANTS[DEFAULT_VARIANT]:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv)))
