@@ -116,8 +116,8 @@ GMM_E2E_POINTS = [HEADLINE, (1, 0)]
 # The Mosaic step first: it decides the op's `AUTO_KERNELS` entry, so a short lease measures it first.
 GMM_E2E_VARIANTS = {"mosaic": ["--auto", "grouped_matmul=mosaic"], GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES]}
 # The tile variants the gmm part times the Triton grouped matmul under: K steps of 64 and 128, each
-# without and with K splits (o_proj's 56 column blocks).
-GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k64-split", GMM_E2E_TILES)
+# without and with K splits (o_proj's 56 column blocks), and e4m3 unpacked by integer operations.
+GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k64-split", "k64-int", GMM_E2E_TILES)
 # And the Mosaic one: K steps of 64 (two blocks an SM) and 128 (one) as Triton's, and at 64 the three
 # variants that tell what bounds its FP8 loop (`VARIANTS`: 7 steps in flight at two blocks an SM,
 # three blocks an SM at 3, or e4m3 unpacked by integer operations instead of conversions). Under

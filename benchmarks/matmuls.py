@@ -33,7 +33,7 @@ from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matm
 
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
-from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, TRITON_VARIANTS, VARIANTS, tile_variant
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 
 SHAPES = {"q_a_proj": (7168, 1536), "kv_a_proj_with_mqa": (7168, 576), "q_b_proj": (1536, 24576),
           "o_proj": (16384, 7168), "mlp_gate_proj": (7168, 18432), "mlp_down_proj": (18432, 7168)}
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128], help="tokens per call")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="the weights' dtypes")
-    parser.add_argument("--tiles", nargs="+", choices=TRITON_VARIANTS, default=[DEFAULT_VARIANT],
+    parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the FP8 kernel's tile variants, a row each")
     parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=[],
                         help="also the FP8 layers on the Mosaic GPU grouped matmul under these tile variants")

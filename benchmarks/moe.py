@@ -57,7 +57,7 @@ from jaxspec.memory_plan import device_memory
 from jaxspec.models.moe import MoE, route
 from jaxspec.pallas_kernels import block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
-from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, TRITON_VARIANTS, VARIANTS, tile_variant
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 from jaxspec.presets import preset
 
 # (label, MoE path, backend)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 32, 128, 1024], help="tokens per MoE call")
     parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
                         help="the experts' stored dtype (fp8: block-scaled, the kernel path only)")
-    parser.add_argument("--tiles", nargs="+", choices=TRITON_VARIANTS, default=[DEFAULT_VARIANT],
+    parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=[DEFAULT_VARIANT],
                         help="the kernel's tile variants, a row each")
     parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=[],
                         help="also the Mosaic GPU grouped matmul under these tile variants, a row each")

@@ -88,7 +88,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_s
         from .grouped_matmul_mosaic import grouped_matmul_mosaic
         return grouped_matmul_mosaic(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, tiles=current_tiles(),
                                      interpret=interpret_mode())
-    if implementation == "pallas":  # operands Mosaic does not take, too: the variant but for Mosaic's setting
+    if implementation == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, interpret=interpret_mode(),
-                                     tiles=current_tiles()._replace(integer_upcast=False))
+                                     tiles=current_tiles())
     return grouped_matmul_reference(lhs, rhs, group_sizes, rhs_scale_inv)

@@ -37,7 +37,7 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
   (in `mosaic_gpu.UPCAST_8BIT`; float32 times the block's scale, rounded to bfloat16:
   `block_fp8.dequantize` exactly) into a bfloat16 operand buffer that the wgmma reads. Under
   `Tiles.integer_upcast` (variant `k64-int`) the e4m3 bytes become float16 by integer operations
-  rather than a conversion instruction, the same values (`e4m3_upcast_mosaic`; compiled only:
+  rather than a conversion instruction, the same values (`e4m3_upcast`; compiled only:
   interpreted, the kernel converts). wgmma takes
   FP8 only with both operands FP8, and quantizing the activations would change the numerics
   (DeepSeek's `gemm_impl="fp8"`). The operand buffer is double-buffered, so a step's
@@ -76,7 +76,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import block_fp8, e4m3_upcast_mosaic
+from . import block_fp8, e4m3_upcast
 from .contracts import check_grouped_matmul_args
 from .cost import stating
 from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, check_tiles,
@@ -196,8 +196,8 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK),
                                             jax.lax.rem(column_block, SCALE_COLUMNS)]
                         if integer_upcast:  # w / 256 exactly, then the scale times 256: the same product
-                            values = e4m3_upcast_mosaic.upcast(weights, UPCAST_8BIT).astype(jnp.float32)
-                            scale = scale * e4m3_upcast_mosaic.FACTOR
+                            values = e4m3_upcast.upcast_mosaic(weights, UPCAST_8BIT).astype(jnp.float32)
+                            scale = scale * e4m3_upcast.FACTOR
                         else:
                             values = weights.astype(jnp.float32)
                         operand_smem[buffer] = (values * scale).astype(operand_smem.dtype)
@@ -309,7 +309,7 @@ def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     check_grouped_matmul_args(lhs, rhs if rhs_row is None else rhs[0], group_sizes,
                               rhs_scale_inv if rhs_row is None or rhs_scale_inv is None else rhs_scale_inv[0])
     check_operands(lhs, rhs, rhs_scale_inv)
-    check_tiles(tiles, BLOCK_KS, integer_upcast=True)
+    check_tiles(tiles, BLOCK_KS)
     call = functools.partial(_grouped_matmul_mosaic, lhs, rhs, group_sizes, rhs_scale_inv, rhs_row, tiles=tiles,
                              interpret=interpret)
     if not interpret:

@@ -80,7 +80,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import block_fp8
+from . import block_fp8, e4m3_upcast
 from .contracts import check_grouped_matmul_args
 from .tiling import TARGET_PROGRAMS, block_indices, dot_nn, launch, load_block
 
@@ -108,8 +108,8 @@ class Tiles(NamedTuple):
       STAGES_RANGE. With the K step it sets a program's shared memory, so how many programs share
       an SM: the bytes in flight and the warps that dequantize FP8 weights there.
     integer_upcast: FP8 weights leave e4m3 by integer operations instead of a conversion
-      instruction (`e4m3_upcast_mosaic`: the same values); the Mosaic kernel's only, which the
-      Triton kernel refuses."""
+      instruction (`e4m3_upcast`: the same values; compiled only, interpreted the kernels
+      convert)."""
 
     block_k: int = 64
     split_k: bool = False
@@ -121,13 +121,11 @@ class Tiles(NamedTuple):
 # "k64-s7" and "k64-s3" ask what bounds the FP8 loop (docs/performance.md): on the Mosaic kernel
 # the first keeps two programs an SM with 7 steps in flight each (112 KiB of FP8 weights an SM,
 # against 64 at 4 stages), the second fits three programs (12 warps dequantizing, against 8);
-# "k64-int" (the Mosaic kernel only) unpacks e4m3 by integer operations, not conversions.
+# "k64-int" unpacks e4m3 by integer operations, not conversions.
 VARIANTS = {"k64": Tiles(), "k128": Tiles(block_k=128), "k64-split": Tiles(split_k=True),
             "k128-split": Tiles(block_k=128, split_k=True), "k64-s7": Tiles(stages=7), "k64-s3": Tiles(stages=3),
             "k64-int": Tiles(integer_upcast=True)}
 DEFAULT_VARIANT = "k64"
-# The variants the Triton kernel takes (the others are the Mosaic kernel's alone).
-TRITON_VARIANTS = tuple(name for name, tiles in VARIANTS.items() if not tiles.integer_upcast)
 # The K steps a tile may take: multiples of Triton's smallest dot that divide the FP8 scale block,
 # so a weight tile has one scale (see the module docstring).
 BLOCK_KS = (16, 32, 64, 128)
@@ -164,15 +162,13 @@ def tile_variant(name: str):
         jax.clear_caches()
 
 
-def check_tiles(tiles, block_ks: tuple[int, ...], integer_upcast: bool) -> None:
-    """ValueError unless `tiles` is a `Tiles` with block_k in `block_ks` (the kernel's K steps),
-    stages in STAGES_RANGE, and integer_upcast only where the kernel has it (`integer_upcast`)."""
+def check_tiles(tiles, block_ks: tuple[int, ...]) -> None:
+    """ValueError unless `tiles` is a `Tiles` with block_k in `block_ks` (the kernel's K steps) and
+    stages in STAGES_RANGE."""
     if (not isinstance(tiles, Tiles) or tiles.block_k not in block_ks
             or not STAGES_RANGE[0] <= tiles.stages <= STAGES_RANGE[1]):
         raise ValueError(f"tiles={tiles!r}: must be a Tiles with block_k in {block_ks} and stages in "
                          f"[{STAGES_RANGE[0]}, {STAGES_RANGE[1]}]")
-    if tiles.integer_upcast and not integer_upcast:
-        raise ValueError(f"tiles={tiles!r}: integer_upcast is the Mosaic kernel's (backend='mosaic')")
 
 
 def k_splits(depth: int, width: int, num_groups: int, tiles: Tiles) -> int:
@@ -267,7 +263,7 @@ def _weight_block(rhs_ref, group, step, column_start, depth: int, width: int, bl
 
 
 def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, width: int,
-                           block_k: int, split_steps: int):
+                           block_k: int, split_steps: int, integer_upcast: bool):
     """One (row tile, column block, K range) program.
 
     lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [G * K, N] (the groups' matrices stacked),
@@ -299,7 +295,7 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *ref
             a = _activation_block(lhs_ref, first, step, depth, block_k)
             b = _weight_block(rhs_ref, group, step, column_start, depth, width, block_k)
             if scale_ref:
-                b = _dequantized(b, scale_ref[0], group, step, column_block, depth, width, block_k)
+                b = _dequantized(b, scale_ref[0], group, step, column_block, depth, width, block_k, integer_upcast)
             dtype = jnp.promote_types(a.dtype, b.dtype)
             return acc + dot_nn(a.astype(dtype), b.astype(dtype))
 
@@ -324,11 +320,15 @@ def _activation_block(lhs_ref, first, step, depth: int, block_k: int):
     return load_block(lhs_ref, first + jnp.arange(BLOCK_M, dtype=jnp.int32), inner, column_valid=inner_valid)
 
 
-def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int, block_k: int):
+def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int, block_k: int,
+                 integer_upcast: bool):
     """An FP8 weight tile [block_k, BLOCK_N] of `group` -> bfloat16, times the scale that covers
-    its column block's columns (a shifted last block's other columns are not stored)."""
+    its column block's columns (a shifted last block's other columns are not stored); with
+    `integer_upcast` the e4m3 bytes leave by integer operations (`e4m3_upcast`: the same values)."""
     k_blocks, n_blocks = block_fp8.scale_shape((depth, width))
     scale = scale_ref[(group * k_blocks + step // (block_fp8.BLOCK[0] // block_k)) * n_blocks + column_block]
+    if integer_upcast:  # w / 256 exactly, then the scale times 256: the same product
+        return (e4m3_upcast.upcast_triton(tile).astype(jnp.float32) * (scale * e4m3_upcast.FACTOR)).astype(jnp.bfloat16)
     return (tile.astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
@@ -363,7 +363,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
     tiles: the launch's K step and split (`Tiles`; the module docstring's tile variants).
     """
-    check_tiles(tiles, BLOCK_KS, integer_upcast=False)
+    check_tiles(tiles, BLOCK_KS)
     num_groups = group_sizes.shape[0]
     out_dtype = lhs.dtype if rhs_scale_inv is not None else jnp.promote_types(lhs.dtype, rhs.dtype)
     depth, width = rhs.shape[-2:]
@@ -384,7 +384,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     column_blocks = pl.cdiv(width, BLOCK_N)
     steps = pl.cdiv(depth, tiles.block_k)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width, block_k=tiles.block_k,
-                               split_steps=steps // splits)
+                               split_steps=steps // splits,
+                               integer_upcast=rhs_scale_inv is not None and tiles.integer_upcast and not interpret)
     partial_dtype = out_dtype if splits == 1 else jnp.float32
     out = launch(kernel, out_shape=jax.ShapeDtypeStruct((splits, padded, column_blocks * BLOCK_N), partial_dtype),
                  grid=(group.shape[0], column_blocks, splits), num_warps=NUM_WARPS, num_stages=tiles.stages,

@@ -20,9 +20,8 @@ from flax import nnx
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DECODE_GROUPS, DEFAULT_VARIANT, MAX_SPLITS,
-                                                           MIN_SPLIT_STEPS, TRITON_VARIANTS, VARIANTS, Tiles,
-                                                           grouped_matmul_pallas, k_splits, num_work_items,
-                                                           tile_variant, work_items)
+                                                           MIN_SPLIT_STEPS, VARIANTS, Tiles, grouped_matmul_pallas,
+                                                           k_splits, num_work_items, tile_variant, work_items)
 from jaxspec.pallas_kernels.tiling import TARGET_PROGRAMS
 from jaxspec.presets import preset
 from conftest import ON_GPU
@@ -183,11 +182,12 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([9, 23, 24])]), np.asarray(alone))
 
 
-@pytest.mark.parametrize("variant", sorted(set(TRITON_VARIANTS) - {DEFAULT_VARIANT}))
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {DEFAULT_VARIANT}))
 def test_tile_variants_match_reference_and_keep_rows_independent(variant):
-    """Each other tile variant of the Triton kernel (K step 128, K splits, stages) at shapes where it changes the launch: within
-    float32 tolerance of the reference where K and N are not whole blocks, FP8 bits equal to its own
-    bits for the dequantized bfloat16 weights, and a row's bits the same alone as among others."""
+    """Each other tile variant (K step 128, K splits, stages, e4m3 unpacked by integers) at shapes
+    where it changes the launch: within float32 tolerance of the reference where K and N are not
+    whole blocks, FP8 bits equal to its own bits for the dequantized bfloat16 weights, and a row's
+    bits the same alone as among others."""
     tiles = VARIANTS[variant]
     rng = np.random.default_rng(sum(map(ord, variant)))
     sizes = random_sizes(rng, 3, 36, 0.0)
@@ -241,8 +241,7 @@ def test_k_splits_fill_the_gpu_for_one_decoded_token(variant):
 def test_tile_variant_context_and_tiles_errors():
     """`tile_variant` sets what the op launches with while tracing, and restores it, even for a
     function JAX traced before (its trace cache does not know the setting); bad names and bad
-    tiles are refused before tracing, and the Triton kernel refuses the Mosaic kernel's
-    integer_upcast, which the op leaves out for the operands it runs on Triton."""
+    tiles are refused before tracing."""
     lhs, rhs, sizes = make_case(3, 20, 1024, 128, np.array([5, 0, 15], np.int32), jnp.float32)
 
     def op(lhs, rhs, sizes):
@@ -255,10 +254,6 @@ def test_tile_variant_context_and_tiles_errors():
                                                                    tiles=VARIANTS["k64-split"]))
     assert not np.array_equal(split, default)
     np.testing.assert_array_equal(jax.jit(op)(lhs, rhs, sizes), default)
-    with tile_variant("k64-int"):  # the Mosaic kernel's setting: Triton runs the rest of the variant
-        np.testing.assert_array_equal(jax.jit(op)(lhs, rhs, sizes), default)
-    with pytest.raises(ValueError, match="integer_upcast is the Mosaic kernel's"):
-        grouped_matmul_pallas(lhs, rhs, sizes, interpret=True, tiles=VARIANTS["k64-int"])
     with pytest.raises(ValueError, match="tile variant 'k96'"):
         with tile_variant("k96"):
             pass
@@ -280,14 +275,15 @@ def test_cuda_lowering_at_deepseek_shapes():
 @pytest.mark.parametrize("weight,rows,variant", [("expert_up", 256, "k64"), ("expert_down", 256, "k64"),
                                                  ("expert_up", 256, "k128-split"), ("o_proj", 8, "k64-split"),
                                                  ("o_proj", 8, "k128-split"), ("kv_a_proj", 8, "k64"),
-                                                 ("expert_up", 256, "k64-s7")])
+                                                 ("expert_up", 256, "k64-s7"), ("expert_up", 256, "k64-int")])
 def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
     """FP8 weights at DeepSeek-V3.2's widths: 256 experts with 256 rows (decode at batch 32, top-8),
     or o_proj and kv_a_proj (576 columns: not whole blocks) with 8 tokens, per tile variant. The
     kernel fits the H100's shared memory without spills, launches the variant's K splits, its
     stated bytes are 1 per weight of the groups that can be hit plus their scales (and the split's
     partial sums), not 2, and its K loop reads global memory only by asynchronous copies (a
-    synchronous load there stalls every step of the weight stream)."""
+    synchronous load there stalls every step of the weight stream); it unpacks e4m3 by conversions,
+    or under `integer_upcast` by byte permutes with no e4m3 conversion left."""
     from jaxspec import aot
 
     (depth, width, groups), tiles = V32_WEIGHTS[weight], VARIANTS[variant]
@@ -303,6 +299,8 @@ def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant)
     assert 0 < launch.shared_memory <= 227 * 1024 and launch.spill_stores == launch.spill_loads == 0
     loops = loop_bodies(aot.kernel_ptx(compiled, launch.name))
     assert loops and all("cp.async" in body and "ld.global" not in body for body in loops)
+    assert any(("prmt.b32" if tiles.integer_upcast else "cvt.rn.f16x2.e4m3x2") in body for body in loops)
+    assert not tiles.integer_upcast or not any("cvt.rn.f16x2.e4m3x2" in body for body in loops)
     (call,) = aot.pallas_calls(compiled)
     weights = min(groups, rows) * (depth * width + 4 * (depth // 128) * -(-width // 128))
     activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, groups)

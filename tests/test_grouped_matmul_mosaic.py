@@ -18,12 +18,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxspec.pallas_kernels import (block_fp8, e4m3_upcast_mosaic, grouped_matmul, grouped_matmul_backend,
-                                    grouped_matmul_reference)
+from jaxspec.pallas_kernels import block_fp8, grouped_matmul, grouped_matmul_backend, grouped_matmul_reference
 from jaxspec.pallas_kernels.backend import auto_kernels, gpu_lowering
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts, check_operands, grouped_matmul_mosaic
 from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, k_splits,
@@ -190,31 +188,6 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
         with pytest.raises(ValueError, match=re.escape(f"tiles={tiles!r}: must be a Tiles with block_k in (64, 128) "
                                                        "and stages in [2, 8]")):
             grouped_matmul_mosaic(lhs, bf16, sizes, tiles=tiles, interpret=MOSAIC_INTERPRET)
-
-
-def test_integer_upcast_gives_the_conversions_values():
-    """The `k64-int` variant's recipe for e4m3 (`e4m3_upcast_mosaic`: the byte as the float16 w /
-    256 by integer operations, then float32 times the block's scale times 256) gives
-    `block_fp8.dequantize`'s bfloat16 bits for every finite e4m3 byte, at scales up to the largest
-    a quantization of float32 weights gives (3.4e38 / 448) and down to where the smallest product
-    is still a normal float32 (XLA's CPU flushes subnormal float32 to zero, numpy does not); the
-    two NaN bytes read as +-480. The kernel runs the recipe compiled only, so this is where its values
-    are held to the conversion's off a GPU (on one, `test_mosaic_compiled_on_gpu` holds the
-    kernel's bits to k64's)."""
-    rng = np.random.default_rng(0)
-    codes = rng.permutation(256).astype(np.uint8)  # a word's four bytes of mixed signs
-    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    finite = ~np.isnan(values)
-    halves = e4m3_upcast_mosaic.scaled_float16(codes).astype(np.float32)
-    np.testing.assert_array_equal(halves[finite] * e4m3_upcast_mosaic.FACTOR, values[finite])
-    np.testing.assert_array_equal(np.sort(halves[~finite] * e4m3_upcast_mosaic.FACTOR), [-480, 480])
-    smallest = np.finfo(np.float32).tiny / 2.0 ** -9  # e4m3's smallest subnormal is 2^-9
-    scales = np.concatenate([2.0 ** rng.uniform(np.log2(smallest), 119, 400), [np.finfo(np.float32).max / 448, smallest]])
-    scales = scales.astype(np.float32)
-    weights = np.broadcast_to(codes[finite].view(ml_dtypes.float8_e4m3fn), (len(scales), 1, finite.sum()))
-    want = block_fp8.dequantize(jnp.asarray(weights), jnp.asarray(scales[:, None, None].repeat(2, -1)))
-    got = halves[finite] * (scales * np.float32(e4m3_upcast_mosaic.FACTOR))[:, None, None]
-    np.testing.assert_array_equal(np.asarray(want).view(np.uint16), got.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def test_integer_upcast_replaces_the_loops_conversion(h100, tmp_path):
