@@ -367,3 +367,22 @@ def test_pallas_compiled_on_gpu(rows, empty):
     got = grouped_matmul_pallas(lhs, rhs, group_sizes, interpret=False)
     want = grouped_matmul_reference(lhs, rhs, group_sizes)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_integer_upcast_on_gpu_gives_the_conversions_bits():
+    """Natively on a GPU (the only place the inline PTX runs), FP8 experts of DeepSeek-V3.2's
+    up-projection shape: `k64-int` gives k64's bits, the loop being the same but for how e4m3
+    leaves its bytes. 16 experts drawn on the device."""
+    rng = np.random.default_rng(7)
+    groups, depth, width = 16, 7168, 2048
+    sizes = jnp.asarray(random_sizes(rng, groups, 256, 0.0))
+    lhs = jnp.asarray(rng.normal(size=(256, depth)), jnp.bfloat16)
+    draw, spread = jax.random.split(jax.random.key(7))
+    weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
+               * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
+    quantized, scale_inv = block_fp8.quantize(weights)
+    del weights
+    run = lambda variant: np.asarray(grouped_matmul_pallas(lhs, quantized, sizes, scale_inv, interpret=False,
+                                                           tiles=VARIANTS[variant]))
+    np.testing.assert_array_equal(run("k64-int"), run("k64"))
