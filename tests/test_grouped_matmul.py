@@ -182,12 +182,14 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([9, 23, 24])]), np.asarray(alone))
 
 
-@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {DEFAULT_VARIANT}))
+@pytest.mark.parametrize("variant", sorted(name for name, tiles in VARIANTS.items()
+                                            if name != DEFAULT_VARIANT and not tiles.integer_upcast))
 def test_tile_variants_match_reference_and_keep_rows_independent(variant):
-    """Each other tile variant (K step 128, K splits, stages, e4m3 unpacked by integers) at shapes
-    where it changes the launch: within float32 tolerance of the reference where K and N are not
-    whole blocks, FP8 bits equal to its own bits for the dequantized bfloat16 weights, and a row's
-    bits the same alone as among others."""
+    """Each other tile variant (K step 128, K splits, stages) at shapes where it changes the launch:
+    within float32 tolerance of the reference where K and N are not whole blocks, FP8 bits equal to
+    its own bits for the dequantized bfloat16 weights, and a row's bits the same alone as among
+    others. (Interpreted, `k64-int` is k64: its inline PTX runs compiled only, see
+    `test_integer_upcast_on_gpu_gives_the_conversions_bits`.)"""
     tiles = VARIANTS[variant]
     rng = np.random.default_rng(sum(map(ord, variant)))
     sizes = random_sizes(rng, 3, 36, 0.0)
