@@ -74,7 +74,7 @@ if ON_GPU:
     # run in milliseconds, so their compiles dominate, and the autotuner compiles and times
     # candidate kernels for every new matmul shape. Its choice also depends on timings, so two
     # compiles of one matmul could pick different kernels (and bits); the defaults are fixed.
-    # What this saves is measured by the next GPU suite run.
+    # What this saves is not measured yet.
     if "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])

@@ -30,7 +30,8 @@ def test_integer_upcast_gives_the_conversions_values():
     np.testing.assert_array_equal(halves[finite] * e4m3_upcast.FACTOR, values[finite])
     np.testing.assert_array_equal(np.sort(halves[~finite] * e4m3_upcast.FACTOR), [-480, 480])
     smallest = np.finfo(np.float32).tiny / 2.0 ** -9  # e4m3's smallest subnormal is 2^-9
-    scales = np.concatenate([2.0 ** rng.uniform(np.log2(smallest), 119, 400), [np.finfo(np.float32).max / 448, smallest]])
+    largest = np.finfo(np.float32).max / 448
+    scales = np.concatenate([2.0 ** rng.uniform(np.log2(smallest), 119, 400), [largest, smallest]])
     scales = scales.astype(np.float32)
     weights = np.broadcast_to(codes[finite].view(ml_dtypes.float8_e4m3fn), (len(scales), 1, finite.sum()))
     want = block_fp8.dequantize(jnp.asarray(weights), jnp.asarray(scales[:, None, None].repeat(2, -1)))

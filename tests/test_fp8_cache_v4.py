@@ -105,9 +105,9 @@ FP8_CASES = {
 @pytest.mark.parametrize("dim,rope", [(32, 8), (192, 64)], ids=["one-block", "two-blocks"])
 def test_fp8_pools_read_as_their_entries(options, dim, rope):
     """The op on FP8 pools: the reference equals itself on the pools' bfloat16 entries bit for bit
-    (the definition; on the CPU device, `conftest.on_cpu`), and the Triton kernel (interpreted) equals the reference within float32's
-    tolerance, finite, padding tokens 0. 192 = 128 + 64: two scale blocks, so a column reads its
-    own block's scale."""
+    (the definition; on the CPU device, `conftest.on_cpu`), and the Triton kernel (interpreted)
+    equals the reference within float32's tolerance, finite, padding tokens 0. 192 = 128 + 64: two
+    scale blocks, so a column reads its own block's scale."""
     case, (args, kwargs), (plain_args, plain_kwargs) = fp8_case(dim, rope, **options)
     static = {name: kwargs.pop(name) for name in ("sliding_window", "scale")}
     plain_kwargs = {k: v for k, v in plain_kwargs.items() if k not in static}

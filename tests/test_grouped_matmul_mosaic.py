@@ -220,7 +220,8 @@ spec = jax.ShapeDtypeStruct
 args = (spec((16, 256), jnp.bfloat16), spec((2, 256, 128), jnp.float8_e4m3fn), spec((2,), jnp.int32),
         spec((2, 2, 1), jnp.float32))
 for variant in ("k64", "k64-int"):
-    aot.compile_gpu(functools.partial(grouped_matmul_mosaic, tiles=VARIANTS[variant]), *args, devices=aot.gpu_devices("h100"))
+    aot.compile_gpu(functools.partial(grouped_matmul_mosaic, tiles=VARIANTS[variant]), *args,
+                    devices=aot.gpu_devices("h100"))
 """
 
 
@@ -273,7 +274,8 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
 @pytest.mark.parametrize("rows,empty,variant", [(256, 0.0, DEFAULT_VARIANT), (1024, 0.5, "k128"),
                                                 (8, 0.0, "k128-split"), (256, 0.0, "k64-s7"), (256, 0.0, "k64-s3"),
                                                 (256, 0.0, "k64-int")],
-                         ids=["decode", "prefill-half-empty", "one-token-split", "decode-s7", "decode-s3", "decode-int"])
+                         ids=["decode", "prefill-half-empty", "one-token-split", "decode-s7", "decode-s3",
+                              "decode-int"])
 def test_mosaic_compiled_on_gpu(rows, empty, variant):
     """Natively on a GPU, FP8 experts of DeepSeek-V3.2's up-projection shape: within bfloat16
     rounding of the reference, and a row's bits the same alone as among the others; variants that
@@ -298,4 +300,5 @@ def test_mosaic_compiled_on_gpu(rows, empty, variant):
     alone = grouped_matmul_mosaic(lhs[:1], quantized, jnp.zeros_like(sizes).at[first].set(1), scale_inv, tiles=tiles)
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(got[:1]))
     if tiles._replace(stages=4, integer_upcast=False) == VARIANTS[DEFAULT_VARIANT]:
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv)))
+        default = grouped_matmul_mosaic(lhs, quantized, sizes, scale_inv)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(default))
