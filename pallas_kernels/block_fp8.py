@@ -38,16 +38,23 @@ def dequantize(weight: jax.Array, scale_inv: jax.Array, dtype=jnp.bfloat16,
     return (weight.astype(jnp.float32) * scale[..., :rows, :cols]).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames="block")
-def quantize(weight: jax.Array, block: tuple[int, int] = BLOCK) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("block", "power_of_two"))
+def quantize(weight: jax.Array, block: tuple[int, int] = BLOCK, power_of_two: bool = False
+             ) -> tuple[jax.Array, jax.Array]:
     """weight [..., rows, cols] (any float dtype) -> (float8_e4m3fn [..., rows, cols], scale_inv
     float32 `scale_shape`), DeepSeek's recipe: per block, scale = amax / 448 and fp8 = weight / scale
-    (an all-zero block gets a tiny scale, never a division by zero). Random FP8 models use it."""
+    (an all-zero block gets a tiny scale, never a division by zero). power_of_two: the scale
+    rounded up to a power of two, as DeepSeek's releases since V3.1 scale theirs (`scale_fmt`
+    "ue8m0"; the grouped matmuls' integer unpacking multiplies those in bfloat16, `e4m3_upcast`).
+    Random FP8 models use it."""
     *lead, rows, cols = weight.shape
     br, bc = block
     num_r, num_c = -(-rows // br), -(-cols // bc)
     padded = jnp.pad(weight.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, num_r * br - rows), (0, num_c * bc - cols)])
     blocks = padded.reshape(*lead, num_r, br, num_c, bc)
     scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(-3, -1)), 1e-12) / _FP8_MAX  # [..., num_r, num_c]
+    if power_of_two:  # scale = m * 2^e with m in [0.5, 1): 2^e, or scale itself when m is 0.5
+        mantissa, exponent = jnp.frexp(scale)
+        scale = jnp.where(mantissa == 0.5, scale, jnp.ldexp(jnp.float32(1), exponent))
     quantized = (blocks / scale[..., :, None, :, None]).astype(FP8).reshape(padded.shape)[..., :rows, :cols]
     return quantized, scale

@@ -36,9 +36,11 @@ matrix, then stores only its tile's rows. What changes is how the K loop runs on
 * **FP8 weights, dequantized once a step.** An e4m3 block goes from its TMA buffer through registers
   (in `mosaic_gpu.UPCAST_8BIT`; float32 times the block's scale, rounded to bfloat16:
   `block_fp8.dequantize` exactly) into a bfloat16 operand buffer that the wgmma reads. Under
-  `Tiles.integer_upcast` (variant `k64-int`) the e4m3 bytes become float16 by integer operations
-  rather than a conversion instruction, the same values (`e4m3_upcast`; compiled only:
-  interpreted, the kernel converts). wgmma takes
+  `Tiles.integer_upcast` (variant `k64-int`) the e4m3 bytes leave by integer operations rather
+  than a conversion instruction, the same bits (`e4m3_upcast`; compiled only: interpreted, the
+  kernel converts): a block whose scale is a power of two (DeepSeek's "ue8m0" releases) straight
+  to bfloat16 and one bfloat16 multiply, any other through float16 and the float32 product, one
+  branch a step on the block's scale. wgmma takes
   FP8 only with both operands FP8, and quantizing the activations would change the numerics
   (DeepSeek's `gemm_impl="fp8"`). The operand buffer is double-buffered, so a step's
   dequantization overlaps the previous step's wgmma. The block's scale is one float32 (block_k
@@ -195,12 +197,11 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *refs, depth: int, 
                         # e4m3 -> float32 (exact), times the block's scale, rounded: block_fp8.dequantize.
                         scale = scales_smem[jax.lax.div((first_step + i) * block_k, BLOCK),
                                             jax.lax.rem(column_block, SCALE_COLUMNS)]
-                        if integer_upcast:  # w / 256 exactly, then the scale times 256: the same product
-                            values = e4m3_upcast.upcast_mosaic(weights, UPCAST_8BIT).astype(jnp.float32)
-                            scale = scale * e4m3_upcast.FACTOR
+                        if integer_upcast:  # by integer operations, the route the scale allows: the same bits
+                            operand_smem[buffer] = e4m3_upcast.dequantized(
+                                functools.partial(e4m3_upcast.upcast_mosaic, weights, UPCAST_8BIT), scale)
                         else:
-                            values = weights.astype(jnp.float32)
-                        operand_smem[buffer] = (values * scale).astype(operand_smem.dtype)
+                            operand_smem[buffer] = (weights.astype(jnp.float32) * scale).astype(operand_smem.dtype)
                         # The warpgroup's barrier inside: every thread has read the weight buffer
                         # (the wgmma reads the dequantized copy), so it takes step i + stages now.
                         plgpu.commit_smem()

@@ -108,8 +108,8 @@ class Tiles(NamedTuple):
       STAGES_RANGE. With the K step it sets a program's shared memory, so how many programs share
       an SM: the bytes in flight and the warps that dequantize FP8 weights there.
     integer_upcast: FP8 weights leave e4m3 by integer operations instead of a conversion
-      instruction (`e4m3_upcast`: the same values; compiled only, interpreted the kernels
-      convert)."""
+      instruction, straight to bfloat16 where a block's scale is a power of two (`e4m3_upcast`:
+      the same bits; compiled only, interpreted the kernels convert)."""
 
     block_k: int = 64
     split_k: bool = False
@@ -324,11 +324,12 @@ def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: 
                  integer_upcast: bool):
     """An FP8 weight tile [block_k, BLOCK_N] of `group` -> bfloat16, times the scale that covers
     its column block's columns (a shifted last block's other columns are not stored); with
-    `integer_upcast` the e4m3 bytes leave by integer operations (`e4m3_upcast`: the same values)."""
+    `integer_upcast` the e4m3 bytes leave by integer operations (`e4m3_upcast.dequantized`: the
+    same bits, by the route the block's scale allows)."""
     k_blocks, n_blocks = block_fp8.scale_shape((depth, width))
     scale = scale_ref[(group * k_blocks + step // (block_fp8.BLOCK[0] // block_k)) * n_blocks + column_block]
-    if integer_upcast:  # w / 256 exactly, then the scale times 256: the same product
-        return (e4m3_upcast.upcast_triton(tile).astype(jnp.float32) * (scale * e4m3_upcast.FACTOR)).astype(jnp.bfloat16)
+    if integer_upcast:  # by integer operations, the route the scale allows: the same bits
+        return e4m3_upcast.dequantized(functools.partial(e4m3_upcast.upcast_triton, tile), scale)
     return (tile.astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 

@@ -285,7 +285,9 @@ def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant)
     stated bytes are 1 per weight of the groups that can be hit plus their scales (and the split's
     partial sums), not 2, and its K loop reads global memory only by asynchronous copies (a
     synchronous load there stalls every step of the weight stream); it unpacks e4m3 by conversions,
-    or under `integer_upcast` by byte permutes with no e4m3 conversion left."""
+    or under `integer_upcast` by byte permutes with no e4m3 conversion left, and multiplies
+    power-of-two scales in bfloat16 (ptxas pairs those multiplies: 32 HMUL2.BF16_V2 a K step of 64
+    in the SASS)."""
     from jaxspec import aot
 
     (depth, width, groups), tiles = V32_WEIGHTS[weight], VARIANTS[variant]
@@ -299,10 +301,12 @@ def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant)
     splits = k_splits(depth, width, groups, tiles)
     assert launch.grid == (num_work_items(rows, groups), -(-width // BLOCK_N), splits)
     assert 0 < launch.shared_memory <= 227 * 1024 and launch.spill_stores == launch.spill_loads == 0
-    loops = loop_bodies(aot.kernel_ptx(compiled, launch.name))
+    ptx = aot.kernel_ptx(compiled, launch.name)
+    loops = loop_bodies(ptx)
     assert loops and all("cp.async" in body and "ld.global" not in body for body in loops)
     assert any(("prmt.b32" if tiles.integer_upcast else "cvt.rn.f16x2.e4m3x2") in body for body in loops)
-    assert not tiles.integer_upcast or not any("cvt.rn.f16x2.e4m3x2" in body for body in loops)
+    # The two routes are branches off the loop's block: the bfloat16 one multiplies in bfloat16.
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) != tiles.integer_upcast and ("mul.rn.bf16" in ptx) == tiles.integer_upcast
     (call,) = aot.pallas_calls(compiled)
     weights = min(groups, rows) * (depth * width + 4 * (depth // 128) * -(-width // 128))
     activations = rows * (depth + width) * 2 + 3 * 4 * num_work_items(rows, groups)
@@ -372,10 +376,12 @@ def test_pallas_compiled_on_gpu(rows, empty):
 
 
 @pytest.mark.gpu
-def test_integer_upcast_on_gpu_gives_the_conversions_bits():
+@pytest.mark.parametrize("power_of_two", [True, False], ids=["ue8m0", "amax"])
+def test_integer_upcast_on_gpu_gives_the_conversions_bits(power_of_two):
     """Natively on a GPU (the only place the inline PTX runs), FP8 experts of DeepSeek-V3.2's
     up-projection shape: `k64-int` gives k64's bits, the loop being the same but for how e4m3
-    leaves its bytes. 16 experts drawn on the device."""
+    leaves its bytes, on both routes (power-of-two scales or amax / 448 ones; the weights hold
+    e4m3 subnormals, about ten a block). 16 experts drawn on the device."""
     rng = np.random.default_rng(7)
     groups, depth, width = 16, 7168, 2048
     sizes = jnp.asarray(random_sizes(rng, groups, 256, 0.0))
@@ -383,7 +389,7 @@ def test_integer_upcast_on_gpu_gives_the_conversions_bits():
     draw, spread = jax.random.split(jax.random.key(7))
     weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
                * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
-    quantized, scale_inv = block_fp8.quantize(weights)
+    quantized, scale_inv = block_fp8.quantize(weights, power_of_two=power_of_two)
     del weights
     run = lambda variant: np.asarray(grouped_matmul_pallas(lhs, quantized, sizes, scale_inv, interpret=False,
                                                            tiles=VARIANTS[variant]))

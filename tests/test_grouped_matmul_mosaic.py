@@ -193,7 +193,8 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
 def test_integer_upcast_replaces_the_loops_conversion(h100, tmp_path):
     """Compiled for sm_90a (the PTX in Mosaic GPU's dump, its own process): the `k64-int` loop
     unpacks e4m3 by byte permutes and has no e4m3 conversion left, where `k64`'s has one a pair of
-    weights; both keep the float32 product and the rounding to bfloat16 pairs."""
+    weights. Its two routes: one bfloat16 multiply a pair of weights (power-of-two scales), or,
+    as k64, the float32 product and the rounding to bfloat16 pairs."""
     env = {**virtual_devices_env(1), "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", UPCAST_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -203,10 +204,12 @@ def test_integer_upcast_replaces_the_loops_conversion(h100, tmp_path):
         ptx["k64-int" if "0x9180" in text else "k64"] = text  # the sign-extending byte permute
     assert sorted(ptx) == ["k64", "k64-int"]
     count = {name: {op: len(re.findall(re.escape(op) + r"\s", text)) for op in
-                    ("cvt.rn.f16x2.e4m3x2", "prmt.b32", "cvt.rn.bf16x2.f32", "mul.f32")} for name, text in ptx.items()}
+                    ("cvt.rn.f16x2.e4m3x2", "prmt.b32", "cvt.rn.bf16x2.f32", "mul.f32", "mul.bf16x2")}
+             for name, text in ptx.items()}
     weights = 64 * BLOCK_N // 128  # a thread's weights a K step of 64
     assert count["k64"]["cvt.rn.f16x2.e4m3x2"] == weights // 2 and count["k64-int"]["cvt.rn.f16x2.e4m3x2"] == 0
-    assert count["k64-int"]["prmt.b32"] >= weights // 2
+    assert count["k64-int"]["prmt.b32"] == 2 * weights // 2  # both routes
+    assert count["k64-int"]["mul.bf16x2"] == weights // 2 and count["k64"]["mul.bf16x2"] == 0
     for name in ptx:
         assert count[name]["mul.f32"] >= weights and count[name]["cvt.rn.bf16x2.f32"] >= weights // 2
 
@@ -271,17 +274,20 @@ def test_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,empty,variant", [(256, 0.0, DEFAULT_VARIANT), (1024, 0.5, "k128"),
-                                                (8, 0.0, "k128-split"), (256, 0.0, "k64-s7"), (256, 0.0, "k64-s3"),
-                                                (256, 0.0, "k64-int")],
+@pytest.mark.parametrize("rows,empty,variant,power_of_two",
+                         [(256, 0.0, DEFAULT_VARIANT, False), (1024, 0.5, "k128", False), (8, 0.0, "k128-split", False),
+                          (256, 0.0, "k64-s7", False), (256, 0.0, "k64-s3", False), (256, 0.0, "k64-int", False),
+                          (256, 0.0, "k64-int", True)],
                          ids=["decode", "prefill-half-empty", "one-token-split", "decode-s7", "decode-s3",
-                              "decode-int"])
-def test_mosaic_compiled_on_gpu(rows, empty, variant):
+                              "decode-int", "decode-int-ue8m0"])
+def test_mosaic_compiled_on_gpu(rows, empty, variant, power_of_two):
     """Natively on a GPU, FP8 experts of DeepSeek-V3.2's up-projection shape: within bfloat16
     rounding of the reference, and a row's bits the same alone as among the others; variants that
-    change only how the loop runs (stages, the integer unpacking of e4m3) give k64's bits. 16
-    experts, drawn on the device (940 MB of float32 before quantizing): all 256 drawn with numpy
-    took longer than a suite's patience on the lent H200."""
+    change only how the loop runs (stages, the integer unpacking of e4m3, on both its routes:
+    power-of-two scales, as DeepSeek's "ue8m0" releases, or amax / 448 ones) give k64's bits.
+    The weights hold e4m3 subnormals (about ten a 128 x 128 block), whose bfloat16 route passes
+    through subnormal bfloat16. 16 experts, drawn on the device (940 MB of float32 before
+    quantizing): all 256 drawn with numpy took longer than a suite's patience on the lent H200."""
     rng = np.random.default_rng(rows)
     depth, width, _ = V32_WEIGHTS["expert_up"]
     groups = 16
@@ -290,7 +296,7 @@ def test_mosaic_compiled_on_gpu(rows, empty, variant):
     draw, spread = jax.random.split(jax.random.key(rows))
     weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
                * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
-    quantized, scale_inv = block_fp8.quantize(weights)
+    quantized, scale_inv = block_fp8.quantize(weights, power_of_two=power_of_two)
     del weights
     tiles = VARIANTS[variant]
     got = jax.jit(functools.partial(grouped_matmul_mosaic, tiles=tiles))(lhs, quantized, sizes, scale_inv)
