@@ -11,8 +11,9 @@ The model: preset deepseek-v3.2 at full width with DeepSeek's FP8 weights (float
 block scales), cut to its dense first layer, as many MoE layers as fit the device (at least 3;
 `jaxspec.memory_plan` sizes it for the widest point, B 32, k 3) and the MTP block. The weights are
 random, drawn straight into their stored dtypes on the device (FP8 bit patterns with the top
-exponent bit cleared: finite values up to 1.875, scales set so a projection keeps unit size), so
-no bfloat16 copy of an expert stack is ever made.
+exponent bit cleared: finite values up to 1.875, scales set so a projection keeps unit size,
+powers of two where the config's `scale_fmt` is "ue8m0", as V3.2's release), so no bfloat16 copy
+of an expert stack is ever made.
 
 A point (B rows, k MTP drafts; `--context` C): the loop state of B one-token prompts is built
 without running the prefill (`state_at`: one compile per point, the step's), both caches are
@@ -111,13 +112,15 @@ def shallow(config, layers: int):
     return reduced_depth(config, layers).replace(first_k_dense_replace=min(1, layers - 1))
 
 
-def _draw(key, shape, dtype, kind: str):
-    """One parameter's random value, drawn in its own dtype (see the module docstring)."""
+def _draw(key, shape, dtype, kind: str, scale_fmt: str | None = None):
+    """One parameter's random value, drawn in its own dtype (see the module docstring); scale_fmt:
+    the config's, "ue8m0" rounding the FP8 block scales to the nearest power of two."""
     if kind == "fp8":
         bits = jax.random.bits(key, shape, jnp.uint8) & 0xBF  # clear the exponent's top bit: finite, |x| <= 1.875
         return jax.lax.bitcast_convert_type(bits, FP8)
     if kind == "scale":  # [..., in / 128, out / 128]: unit-sized outputs for unit-sized inputs
-        return jnp.full(shape, 1.0 / (FP8_RMS * np.sqrt(shape[-2] * 128)), dtype)
+        scale = 1.0 / (FP8_RMS * np.sqrt(shape[-2] * 128))
+        return jnp.full(shape, 2.0 ** np.round(np.log2(scale)) if scale_fmt == "ue8m0" else scale, dtype)
     if kind == "norm":
         return jnp.ones(shape, dtype)
     if kind == "zeros":
@@ -144,7 +147,7 @@ def random_fp8_model(config, seed: int = 0) -> nnx.Module:
             kind = "zeros"
         else:
             kind = "normal"
-        return _draw(jax.random.fold_in(key, index), tuple(leaf.shape), leaf.dtype, kind)
+        return _draw(jax.random.fold_in(key, index), tuple(leaf.shape), leaf.dtype, kind, config.scale_fmt)
 
     build = jax.jit(lambda key: [draw(key, i, path, leaf) for i, (path, leaf) in enumerate(paths)])
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, build(jax.random.key(seed))))

@@ -42,8 +42,8 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              B 32, k 3 and B 1, k 0 with the Mosaic kernel as "auto"'s (e2e_step.py --auto
              grouped_matmul=mosaic, which decides its AUTO_KERNELS entry), then one MoE layer with
              FP8 experts (moe.py --weights fp8) and the FP8 linears (matmuls.py --tiles), then the
-             step with GMM_E2E_TILES (the steps against the e2e part's default points; not under
-             --smoke, where the e2e part runs the same code);
+             step with k64-int and with GMM_E2E_TILES (the steps against the e2e part's default
+             points; not under --smoke, where the e2e part runs the same code);
   flashmla   benchmarks/flashmla.py: FlashMLA's dense (bf16 cache) and sparse (FP8 caches: V3.2's
              top-2048, V4-Flash's CSA and HCA) decode kernels at the kernels part's shapes, the
              ground truth beside ours (its harness binary must be there: built with
@@ -112,9 +112,11 @@ GMM_E2E_TILES = "k128-split"
 GMM_E2E_POINTS = [HEADLINE, (1, 0)]
 # The gmm part's e2e variants: name -> e2e_step.py's flags. Beside that tile variant, the step with
 # "auto" running the Mosaic GPU grouped matmul (experts and FP8 linears), as it would run once
-# `AUTO_KERNELS` names it.
+# `AUTO_KERNELS` names it, and the step with e4m3 unpacked by integer operations on the kernel
+# "auto" runs (V3.2's power-of-two scales: the bfloat16 route, no conversion in the loop).
 # The Mosaic step first: it decides the op's `AUTO_KERNELS` entry, so a short lease measures it first.
-GMM_E2E_VARIANTS = {"mosaic": ["--auto", "grouped_matmul=mosaic"], GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES]}
+GMM_E2E_VARIANTS = {"mosaic": ["--auto", "grouped_matmul=mosaic"], "k64-int": ["--tiles", "k64-int"],
+                    GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES]}
 # The tile variants the gmm part times the Triton grouped matmul under: K steps of 64 and 128, each
 # without and with K splits (o_proj's 56 column blocks), and e4m3 unpacked by integer operations.
 GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k64-split", "k64-int", GMM_E2E_TILES)

@@ -11,7 +11,8 @@ q_b_proj (1536 x 24576) and o_proj (16384 x 7168), and the dense MLP's gate_proj
 and down_proj (18432 x 7168), for T tokens per call (default 8, 32, 128: decode at B 8, 32 and
 verification at B 32, k = 3). Each row prints time, the bytes the layer must move at least (the
 weight once, in its stored dtype with its scales, plus activations in and out), achieved GB/s and
-TFLOP/s. Weights and inputs are random. --tiles times the FP8 layers once per grouped-matmul tile
+TFLOP/s. Weights and inputs are random (FP8 weights with V3.2's power-of-two block scales, its
+`scale_fmt`). --tiles times the FP8 layers once per grouped-matmul tile
 variant (`grouped_matmul_pallas.VARIANTS`: the K step, stages, K splits that fill the GPU where a layer
 has few column blocks), a row each; --mosaic-tiles adds the FP8 layers on the Mosaic GPU kernel
 (`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton)
@@ -34,10 +35,12 @@ from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matm
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
+from jaxspec.presets import preset
 
 SHAPES = {"q_a_proj": (7168, 1536), "kv_a_proj_with_mqa": (7168, 576), "q_b_proj": (1536, 24576),
           "o_proj": (16384, 7168), "mlp_gate_proj": (7168, 18432), "mlp_down_proj": (18432, 7168)}
 SMOKE_SHAPES = {"smoke_256x384": (256, 384)}
+V32_SCALE_FMT = preset("deepseek-v3.2").scale_fmt
 DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
 
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
     rows = []
     for name, (fan_in, fan_out) in shapes.items():
         for label in args.dtypes:
-            layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=DTYPES[label])
+            layer = Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=DTYPES[label], scale_fmt=V32_SCALE_FMT)
             graphdef, params = nnx.split(layer)
             runs = (grouped_matmul_runs(args.tiles, args.mosaic_tiles) if label == "fp8"
                     else [("xla", "pallas", DEFAULT_VARIANT)])  # a bfloat16 weight is XLA's dot on "pallas"

@@ -47,9 +47,11 @@ class ModelConfig:
       index_n_heads, index_head_dim, index_topk   the V3.2 / V4 lightning indexer (0 for V3)
       eos_token_id               the token that ends a row (None: rows end at the budget)
       scoring_func               router scores: "sigmoid" (V3, V3.2) or "sqrtsoftplus" (V4)
-      scale_fmt                  DeepSeek's activation-scale format (`quantization_config.scale_fmt`
-                                 in its config.json): "ue8m0" rounds FP8 scales up to powers of two,
-                                 None keeps amax / 448. Read by FP8 caches' indexer keys and queries.
+      scale_fmt                  DeepSeek's FP8 scale format (`quantization_config.scale_fmt` in its
+                                 config.json): "ue8m0" rounds FP8 scales up to powers of two, None
+                                 keeps amax / 448. Read by FP8 caches' indexer keys and queries, and
+                                 by random FP8 weights' block scales (DeepSeek's releases since V3.1
+                                 scale weights and activations so).
 
     DeepSeek-V4 (`model_type` "deepseek_v4", transformers' `DeepseekV4Config` names; at their
     neutral defaults below for V3 / V3.2, and `validate` insists on that):

@@ -192,7 +192,7 @@ class Indexer(Compressor):
         self.state_pool, self.entry_pool = INDEX_STATE, INDEX_ENTRIES
         self.num_heads, self.topk = config.index_n_heads, config.index_topk
         self.q_b_proj = Linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, rngs=rngs,
-                               dtype=dtype, names=("q_lora", "index_heads"))
+                               dtype=dtype, scale_fmt=config.scale_fmt, names=("q_lora", "index_heads"))
         self.scorer = IndexerScorer(config, rngs=rngs, dtype=dtype)
 
     def queries(self, x: jax.Array, q_residual: jax.Array, cos: jax.Array, sin: jax.Array):

@@ -108,8 +108,8 @@ class V4MTPModule(nnx.Module):
         self.enorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)
         # FP8 in DeepSeek's V4 checkpoints (unlike V3's bf16 eh_proj), so they follow `dtype`.
-        self.e_proj = Linear(dim, dim, rngs=rngs, dtype=dtype, names=("embed", None))
-        self.h_proj = Linear(dim, dim, rngs=rngs, dtype=dtype, names=("embed", None))
+        self.e_proj = Linear(dim, dim, rngs=rngs, dtype=dtype, scale_fmt=config.scale_fmt, names=("embed", None))
+        self.h_proj = Linear(dim, dim, rngs=rngs, dtype=dtype, scale_fmt=config.scale_fmt, names=("embed", None))
         self.block = V4DecoderLayer(config, config.num_hidden_layers, rngs=rngs, dtype=dtype)
         self.hc_head = HyperHead(config, rngs=rngs)
         self.norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype)

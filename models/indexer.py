@@ -16,6 +16,8 @@ where the config sets `scale_fmt` "ue8m0", as V3.2's does), the query scales fol
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,8 +34,9 @@ class Indexer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         heads, head_dim = config.index_n_heads, config.index_head_dim
-        self.wq_b = Linear(config.q_lora_rank, heads * head_dim, rngs=rngs, dtype=dtype, names=("q_lora", "index_heads"))
-        self.wk = Linear(config.hidden_size, head_dim, rngs=rngs, dtype=dtype, names=("embed", None))
+        linear = functools.partial(Linear, rngs=rngs, dtype=dtype, scale_fmt=config.scale_fmt)
+        self.wq_b = linear(config.q_lora_rank, heads * head_dim, names=("q_lora", "index_heads"))
+        self.wk = linear(config.hidden_size, head_dim, names=("embed", None))
         self.k_norm = LayerNorm(head_dim, dtype=dtype)
         # Not quantized in DeepSeek's FP8 checkpoints (jaxspec.fp8).
         self.weights_proj = Linear(config.hidden_size, heads, rngs=rngs, dtype=compute_dtype(dtype),

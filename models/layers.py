@@ -6,6 +6,8 @@ weights stored `[in, out]` (the checkpoint loader transposes), so a loaded tree 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,14 +35,15 @@ def param(value: jax.Array, *names: str | None) -> nnx.Param:
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def weight_params(init, key: jax.Array, shape: tuple[int, ...], dtype,
-                  names: tuple[str | None, ...]) -> tuple[nnx.Param, nnx.Param | None]:
+def weight_params(init, key: jax.Array, shape: tuple[int, ...], dtype, names: tuple[str | None, ...],
+                  scale_fmt: str | None = None) -> tuple[nnx.Param, nnx.Param | None]:
     """A weight [..., in, out] drawn by `init` and its block scales, both named `names`: in `dtype`
     with no scales, or for `jnp.float8_e4m3fn` drawn in float32 and quantized (`block_fp8.quantize`)
-    into FP8 plus float32 `scale_inv` [..., ceil(in / 128), ceil(out / 128)]."""
+    into FP8 plus float32 `scale_inv` [..., ceil(in / 128), ceil(out / 128)], powers of two where
+    `scale_fmt` (the model's `ModelConfig.scale_fmt`) is "ue8m0", as in DeepSeek's releases."""
     if jnp.dtype(dtype) != FP8:
         return param(init(key, shape, dtype), *names), None
-    weight, scale_inv = quantize(init(key, shape, jnp.float32))
+    weight, scale_inv = quantize(init(key, shape, jnp.float32), power_of_two=scale_fmt == "ue8m0")
     return param(weight, *names), param(scale_inv, *names)
 
 
@@ -49,20 +52,22 @@ class Linear(nnx.Module):
 
     dtype=jnp.float8_e4m3fn builds DeepSeek's block-quantized layer: `weight` float8_e4m3fn
     [in, out] and `weight_scale_inv` float32 [ceil(in / 128), ceil(out / 128)], both named `names`
-    (random weights are quantized from a normal draw); with any other dtype `weight_scale_inv` is
-    None. A quantized layer multiplies by its dequantized bfloat16 weight
-    (`pallas_kernels.block_fp8`) without storing it: on the "pallas" and "mosaic" backends through
-    a grouped-matmul kernel as one group, which dequantizes each weight tile after loading it (XLA's
-    GPU gemm fusion takes in an FP8 convert but not the block scales' multiply, so its dot writes a
-    bfloat16 copy of the weight first); on "xla" as XLA's dot of
-    the dequantized weight (bit for bit the layer a model dequantized at load computes).
+    (random weights are quantized from a normal draw, with power-of-two scales where `scale_fmt` is
+    "ue8m0": `weight_params`); with any other dtype `weight_scale_inv` is None. A quantized layer
+    multiplies by its dequantized bfloat16 weight (`pallas_kernels.block_fp8`) without storing it:
+    on the "pallas" and "mosaic" backends through a grouped-matmul kernel as one group, which
+    dequantizes each weight tile after loading it (XLA's GPU gemm fusion takes in an FP8 convert but
+    not the block scales' multiply, so its dot writes a bfloat16 copy of the weight first); on "xla"
+    as XLA's dot of the dequantized weight (bit for bit the layer a model dequantized at load
+    computes).
     """
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 use_bias: bool = False, names: tuple[str | None, str | None] = (None, None)):
+                 use_bias: bool = False, names: tuple[str | None, str | None] = (None, None),
+                 scale_fmt: str | None = None):
         init = nnx.initializers.normal(stddev=in_features ** -0.5)
         self.weight, self.weight_scale_inv = weight_params(init, rngs.params(), (in_features, out_features), dtype,
-                                                           names)
+                                                           names, scale_fmt)
         self.bias = param(jnp.zeros((out_features,), compute_dtype(dtype)), names[1]) if use_bias else None
 
     def dense_weight(self) -> jax.Array:
@@ -144,13 +149,15 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float | None = None) -> jax.Ar
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(swiglu(gate(x), up(x), swiglu_limit)). hidden_name: the logical name
-    of the intermediate axis ("mlp" for a dense layer, "expert_mlp" for the MoE's shared experts)."""
+    of the intermediate axis ("mlp" for a dense layer, "expert_mlp" for the MoE's shared experts);
+    scale_fmt: the FP8 scales' format, as for `Linear`."""
 
     def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32, hidden_name: str = "mlp",
-                 swiglu_limit: float | None = None):
-        self.gate_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, names=("embed", hidden_name))
-        self.up_proj = Linear(dim, hidden, rngs=rngs, dtype=dtype, names=("embed", hidden_name))
-        self.down_proj = Linear(hidden, dim, rngs=rngs, dtype=dtype, names=(hidden_name, "embed"))
+                 swiglu_limit: float | None = None, scale_fmt: str | None = None):
+        linear = functools.partial(Linear, rngs=rngs, dtype=dtype, scale_fmt=scale_fmt)
+        self.gate_proj = linear(dim, hidden, names=("embed", hidden_name))
+        self.up_proj = linear(dim, hidden, names=("embed", hidden_name))
+        self.down_proj = linear(hidden, dim, names=(hidden_name, "embed"))
         self.swiglu_limit = swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:

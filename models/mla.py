@@ -81,18 +81,18 @@ class MLA(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         dim, heads = config.hidden_size, config.num_attention_heads
+        linear = functools.partial(Linear, rngs=rngs, dtype=dtype, scale_fmt=config.scale_fmt)
         if config.q_lora_rank is None:
-            self.q_proj = Linear(dim, heads * config.qk_head_dim, rngs=rngs, dtype=dtype, names=("embed", "heads"))
+            self.q_proj = linear(dim, heads * config.qk_head_dim, names=("embed", "heads"))
         else:
-            self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype, names=("embed", "q_lora"))
+            self.q_a_proj = linear(dim, config.q_lora_rank, names=("embed", "q_lora"))
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype, name="q_lora")
-            self.q_b_proj = Linear(config.q_lora_rank, heads * config.qk_head_dim, rngs=rngs, dtype=dtype,
-                                   names=("q_lora", "heads"))
-        self.kv_a_proj_with_mqa = Linear(dim, config.latent_dim, rngs=rngs, dtype=dtype, names=("embed", "kv_lora"))
+            self.q_b_proj = linear(config.q_lora_rank, heads * config.qk_head_dim, names=("q_lora", "heads"))
+        self.kv_a_proj_with_mqa = linear(dim, config.latent_dim, names=("embed", "kv_lora"))
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype, name="kv_lora")
-        self.kv_b_proj = Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
-                                rngs=rngs, dtype=dtype, names=("kv_lora", "heads"))
-        self.o_proj = Linear(heads * config.v_head_dim, dim, rngs=rngs, dtype=dtype, names=("heads", "embed"))
+        self.kv_b_proj = linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                names=("kv_lora", "heads"))
+        self.o_proj = linear(heads * config.v_head_dim, dim, names=("heads", "embed"))
         self.indexer = Indexer(config, rngs=rngs, dtype=dtype) if config.is_v32 else None
 
     def _up_projections(self) -> tuple[jax.Array, jax.Array]:

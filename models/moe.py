@@ -171,13 +171,14 @@ class MoE(nnx.Module):
         stack_in, stack_out = ("experts", "embed", "expert_mlp"), ("experts", "expert_mlp", "embed")
         # FP8 (dtype float8_e4m3fn): each stack beside its block scales experts_*_proj_scale_inv, else None.
         self.experts_gate_proj, self.experts_gate_proj_scale_inv = weight_params(
-            init_in, rngs.params(), (num_experts, dim, hidden), dtype, stack_in)
+            init_in, rngs.params(), (num_experts, dim, hidden), dtype, stack_in, config.scale_fmt)
         self.experts_up_proj, self.experts_up_proj_scale_inv = weight_params(
-            init_in, rngs.params(), (num_experts, dim, hidden), dtype, stack_in)
+            init_in, rngs.params(), (num_experts, dim, hidden), dtype, stack_in, config.scale_fmt)
         self.experts_down_proj, self.experts_down_proj_scale_inv = weight_params(
-            init_out, rngs.params(), (num_experts, hidden, dim), dtype, stack_out)
+            init_out, rngs.params(), (num_experts, hidden, dim), dtype, stack_out, config.scale_fmt)
         self.shared_experts = (MLP(dim, hidden * config.n_shared_experts, rngs=rngs, dtype=dtype,
-                                   hidden_name="expert_mlp", swiglu_limit=config.swiglu_limit)
+                                   hidden_name="expert_mlp", swiglu_limit=config.swiglu_limit,
+                                   scale_fmt=config.scale_fmt)
                                if config.n_shared_experts else None)
 
     def __call__(self, x: jax.Array, *, backend: str = "auto", path: str | None = None,

@@ -69,17 +69,17 @@ class V4Attention(nnx.Module):
         self.kind = config.layer_type(layer)
         self.rope_config = config.rope_for("main" if self.kind == SLIDING else "compress")
         dim, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.q_a_proj = Linear(dim, config.q_lora_rank, rngs=rngs, dtype=dtype, names=("embed", "q_lora"))
+        linear = functools.partial(Linear, rngs=rngs, dtype=dtype, scale_fmt=config.scale_fmt)
+        self.q_a_proj = linear(dim, config.q_lora_rank, names=("embed", "q_lora"))
         self.q_a_norm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps, dtype=dtype, name="q_lora")
-        self.q_b_proj = Linear(config.q_lora_rank, heads * head_dim, rngs=rngs, dtype=dtype, names=("q_lora", "heads"))
-        self.kv_proj = Linear(dim, head_dim, rngs=rngs, dtype=dtype, names=("embed", None))
+        self.q_b_proj = linear(config.q_lora_rank, heads * head_dim, names=("q_lora", "heads"))
+        self.kv_proj = linear(dim, head_dim, names=("embed", None))
         self.kv_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, dtype=dtype, name=None)
         # transformers' DeepseekV4GroupedLinear, stored [in, out] like every Linear: group g
         # multiplies its heads' [H / G * D] outputs by columns [g * o_lora_rank, (g + 1) * o_lora_rank).
-        self.o_a_proj = Linear(heads * head_dim // config.o_groups, config.o_groups * config.o_lora_rank, rngs=rngs,
-                               dtype=dtype, names=(None, "heads"))
-        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, dim, rngs=rngs, dtype=dtype,
-                               names=("heads", "embed"))
+        self.o_a_proj = linear(heads * head_dim // config.o_groups, config.o_groups * config.o_lora_rank,
+                               names=(None, "heads"))
+        self.o_b_proj = linear(config.o_groups * config.o_lora_rank, dim, names=("heads", "embed"))
         self.sinks = param(jnp.zeros((heads,), jnp.float32), "heads")
         if self.kind == CSA:
             self.compressor = CSACompressor(config, rngs=rngs, dtype=dtype)

@@ -50,6 +50,36 @@ def test_quantize_blocks_against_numpy():
     np.testing.assert_array_equal(np.asarray(fp8.dequantize(quantized[0], scale[0], (128, 128))), out[0])
 
 
+def test_quantize_power_of_two_scales():
+    """power_of_two (DeepSeek's "ue8m0"): each block's scale is amax / 448 rounded up to a power
+    of two (kept where it already is one), so every value fits e4m3 and dequantizes as before:
+    float32(fp8) times the scale, exactly."""
+    rng = np.random.default_rng(1)
+    weight = (rng.normal(size=(3, 256, 384)) * 10.0 ** rng.uniform(-6, 2, (3, 1, 1))).astype(np.float32)
+    weight[0, :128, :128] *= FP8_MAX / np.abs(weight[0, :128, :128]).max() * 2.0 ** -10  # amax / 448 = 2^-10
+    quantized, scale = map(np.asarray, jax.jit(functools.partial(block_fp8.quantize, power_of_two=True))(weight))
+    blocks = np.abs(weight).reshape(3, 2, 128, 3, 128).max(axis=(2, 4)) / np.float32(FP8_MAX)
+    np.testing.assert_array_equal(scale, 2.0 ** np.ceil(np.log2(blocks.astype(np.float64))))
+    assert scale[0, 0, 0] == 2.0 ** -10
+    out = np.asarray(block_fp8.dequantize(quantized, scale, jnp.float32))
+    block_scale = np.repeat(np.repeat(scale, 128, axis=1), 128, axis=2)
+    np.testing.assert_array_equal(out, quantized.astype(np.float32) * block_scale)
+    assert np.all(np.abs(out - weight) <= 2 ** -4 * np.abs(weight) + 2 ** -9 * block_scale)
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_random_fp8_model_scales_follow_the_configs_scale_fmt(scale_fmt):
+    """A random FP8 model draws its block scales in its config's format: every `*_scale_inv` of a
+    "ue8m0" tiny V3.2 (attention, indexer, dense MLP, experts, MTP) is a power of two, and amax /
+    448 ones otherwise (almost none a power of two)."""
+    model = DeepseekV3(preset("tiny", scale_fmt=scale_fmt), rngs=nnx.Rngs(0), dtype=FP8)
+    scales = [np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+              if "scale_inv" in jax.tree_util.keystr(path)]
+    assert len(scales) > 10
+    powers = np.concatenate([np.frexp(scale)[0].reshape(-1) == 0.5 for scale in scales])
+    assert powers.all() if scale_fmt == "ue8m0" else powers.mean() < 0.01
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_quantized_linear_multiplies_by_the_dequantized_weight(backend):
     """A 300 -> 200 FP8 Linear (partial blocks both ways) equals the bfloat16 dequantized weight's

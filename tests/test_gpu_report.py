@@ -377,6 +377,25 @@ def test_kernel_benchmark_reads_fp8_caches(tmp_path):
     assert op_bytes[None]["indexer_scores"] - op_bytes["fp8"]["indexer_scores"] == batch * context * (128 - 68)
 
 
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_e2e_steps_random_scales_follow_the_configs_scale_fmt(scale_fmt):
+    """The e2e step's FP8 model (its scales drawn so a projection keeps unit size): powers of two
+    for a "ue8m0" config, as V3.2's (the grouped matmuls' bfloat16 route then runs), the unit-size
+    value itself otherwise; either way within a factor of 2^0.5 of it."""
+    import e2e_step
+    from flax import nnx
+
+    model = e2e_step.random_fp8_model(e2e_step.shallow(e2e_step.preset("tiny", scale_fmt=scale_fmt), 2))
+    scales = {jax.tree_util.keystr(path): np.asarray(leaf)
+              for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model))
+              if "scale_inv" in jax.tree_util.keystr(path)}
+    assert len(scales) > 10
+    assert all(np.all(np.frexp(scale)[0] == 0.5) for scale in scales.values()) == (scale_fmt == "ue8m0")
+    for name, scale in scales.items():
+        unit = 1.0 / (e2e_step.FP8_RMS * np.sqrt(scale.shape[-2] * 128))
+        assert np.all(np.abs(np.log2(scale / unit)) <= 0.5 + 1e-6), name
+
+
 def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path):
     """`benchmarks/e2e_step.py --backend pallas --cache-dtype fp8` (smoke): the caches it times are
     FP8 pools holding random quantized entries (every page, both caches), its point records the
@@ -411,10 +430,10 @@ def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path)
 
 
 def test_the_gmm_part_times_the_step_with_its_variants_beside_the_default(tmp_path, monkeypatch):
-    """The gmm part's e2e points run e2e_step.py once per GMM_E2E_VARIANTS entry (GMM_E2E_TILES'
-    --tiles, and --auto grouped_matmul=mosaic), are recorded under the gmm part (so --redo gmm
-    measures them again, and the e2e part's points stay the default's), and report.md sets each
-    beside the default's point."""
+    """The gmm part's e2e points run e2e_step.py once per GMM_E2E_VARIANTS entry (--auto
+    grouped_matmul=mosaic, then --tiles k64-int and GMM_E2E_TILES), are recorded under the gmm
+    part (so --redo gmm measures them again, and the e2e part's points stay the default's), and
+    report.md sets each beside the default's point."""
     calls = []
 
     def fake_run(argv, clock, env=None, limit=None):
@@ -434,8 +453,9 @@ def test_the_gmm_part_times_the_step_with_its_variants_beside_the_default(tmp_pa
     report.data["runs"].append({"started": "now"})
     for variant in gpu_report.GMM_E2E_VARIANTS:
         gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), variant)
-    mosaic_argv, tiles_argv = calls  # the Mosaic step first: it decides the op's AUTO_KERNELS entry
-    assert tiles_argv[tiles_argv.index("--tiles") + 1] == gpu_report.GMM_E2E_TILES and "--auto" not in tiles_argv
+    mosaic_argv, *tiles_argvs = calls  # the Mosaic step first: it decides the op's AUTO_KERNELS entry
+    assert [argv[argv.index("--tiles") + 1] for argv in tiles_argvs] == ["k64-int", gpu_report.GMM_E2E_TILES]
+    assert not any("--auto" in argv for argv in tiles_argvs)
     assert mosaic_argv[mosaic_argv.index("--auto") + 1] == "grouped_matmul=mosaic" and "--tiles" not in mosaic_argv
     for variant in gpu_report.GMM_E2E_VARIANTS:
         units = [f"gmm/e2e-{variant}/B={b},k={k}" for b, k in gpu_report.GMM_E2E_POINTS]
@@ -448,7 +468,7 @@ def test_the_gmm_part_times_the_step_with_its_variants_beside_the_default(tmp_pa
         assert f"| {variant} | 1 | 0 | 50.00 | - | 30.00 |" in lines
     for variant in gpu_report.GMM_E2E_VARIANTS:
         gpu_report.part_e2e(report, gpu_report.Clock(None), benchmark_args(), variant)
-    assert len(calls) == 2  # recorded with profiles: not run again
+    assert len(calls) == len(gpu_report.GMM_E2E_VARIANTS)  # recorded with profiles: not run again
 
 
 def test_the_gmm_part_runs_the_mosaic_step_then_the_layers_then_the_tile_variants_step(monkeypatch):
@@ -456,7 +476,7 @@ def test_the_gmm_part_runs_the_mosaic_step_then_the_layers_then_the_tile_variant
     monkeypatch.setattr(gpu_report, "part_e2e", lambda report, clock, args, variant: calls.append(variant))
     monkeypatch.setattr(gpu_report, "part_benchmark", lambda name, report, clock, args: calls.append(name))
     gpu_report.part_gmm(None, gpu_report.Clock(None), benchmark_args())
-    assert calls == ["mosaic", "gmm", gpu_report.GMM_E2E_TILES]
+    assert calls == ["mosaic", "gmm", "k64-int", gpu_report.GMM_E2E_TILES]
 
 
 def test_parts_run_in_the_order_given_each_within_its_seconds():
