@@ -7,7 +7,7 @@ constraint of the real lowering (TMA boxes, tiling, shared memory). This checks 
 
     PYTHONPATH=tests JAX_PLATFORMS=cpu python -m pytest -p mosaic_native_probe \\
         tests/test_mla_mosaic.py tests/test_sparse_mosaic.py tests/test_v4_mosaic.py tests/test_fp8_cache_v4.py \\
-        tests/test_grouped_matmul_mosaic.py
+        tests/test_grouped_matmul_mosaic.py tests/test_grouped_matmul_mosaic_swapped.py
 
 (5 minutes on this 2-core host, the grouped matmul's 30 s more; one process, no `-n`). A call
 whose interpreted run raises (the argument checks' own cases) is not compiled. The summary lists
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import jaxspec.pallas_kernels.grouped_matmul_mosaic as gmm
+import jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped as gmm_swapped
 import jaxspec.pallas_kernels.indexer_mosaic as indexer
 import jaxspec.pallas_kernels.mla_attention_mosaic as mla
 import jaxspec.pallas_kernels.sliding_compressed_attention_mosaic as sliding
@@ -32,7 +33,7 @@ from jaxspec import aot
 
 KERNELS = [(mla, "mla_attention_mosaic"), (sparse, "sparse_mla_attention_mosaic"), (indexer, "indexer_scores_mosaic"),
            (indexer, "indexer_topk_mosaic"), (sliding, "sliding_compressed_attention_mosaic"),
-           (gmm, "grouped_matmul_mosaic")]
+           (gmm, "grouped_matmul_mosaic"), (gmm_swapped, "grouped_matmul_mosaic_swapped")]
 _compiled: dict[tuple, str | None] = {}  # call signature -> None (compiled) or the error
 
 

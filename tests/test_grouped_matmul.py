@@ -51,6 +51,17 @@ def loop_bodies(ptx: str) -> list[str]:
     return [body for _, body in re.findall(r"^(\$L__BB\d+_\d+):\n(.*?)\bbra(?:\.uni)?\s+\1;", ptx, re.S | re.M)]
 
 
+def device_fp8_experts(seed: int, groups: int, depth: int, width: int, power_of_two: bool = False):
+    """FP8 experts [groups, depth, width] drawn and quantized on the default device (a GPU's tests:
+    256 experts drawn with numpy took longer than a suite's patience on the lent H200), each
+    column's scale spread over three decades (so e4m3 subnormals occur, about ten a 128 x 128
+    block) -> (float8_e4m3fn weights, float32 scale_inv)."""
+    draw, spread = jax.random.split(jax.random.key(seed))
+    weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
+               * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
+    return block_fp8.quantize(weights, power_of_two=power_of_two)
+
+
 def make_case(seed: int, rows: int, depth: int, width: int, sizes: np.ndarray, dtype):
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), dtype)
@@ -386,11 +397,7 @@ def test_integer_upcast_on_gpu_gives_the_conversions_bits(power_of_two):
     groups, depth, width = 16, 7168, 2048
     sizes = jnp.asarray(random_sizes(rng, groups, 256, 0.0))
     lhs = jnp.asarray(rng.normal(size=(256, depth)), jnp.bfloat16)
-    draw, spread = jax.random.split(jax.random.key(7))
-    weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
-               * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
-    quantized, scale_inv = block_fp8.quantize(weights, power_of_two=power_of_two)
-    del weights
+    quantized, scale_inv = device_fp8_experts(7, groups, depth, width, power_of_two)
     run = lambda variant: np.asarray(grouped_matmul_pallas(lhs, quantized, sizes, scale_inv, interpret=False,
                                                            tiles=VARIANTS[variant]))
     np.testing.assert_array_equal(run("k64-int"), run("k64"))

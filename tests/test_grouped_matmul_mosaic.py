@@ -27,7 +27,7 @@ from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts, check_operands
 from jaxspec.pallas_kernels.grouped_matmul_pallas import (BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, k_splits,
                                                            num_work_items, tile_variant)
 from conftest import MOSAIC_INTERPRET, ON_GPU
-from test_grouped_matmul import V32_WEIGHTS, grouped_loop, random_sizes
+from test_grouped_matmul import V32_WEIGHTS, device_fp8_experts, grouped_loop, random_sizes
 from virtual_devices import virtual_devices_env
 
 SM90_SMEM = 227 * 1024
@@ -48,6 +48,17 @@ def fp8_weights(rng, shape):
     weights = rng.normal(size=shape) * rng.uniform(0.01, 10, (*shape[:-2], 1, width)) * depth ** -0.5
     quantized, scale_inv = block_fp8.quantize(jnp.asarray(weights, jnp.float32))
     return quantized, scale_inv, block_fp8.dequantize(quantized, scale_inv)
+
+
+def rows_in_a_crowd(rng, depth: int):
+    """Three rows, one of group 1 and two of group 3 of four groups (alone: sizes [0, 1, 0, 2]), and
+    the same rows among 30 others: 5 rows of group 0, then 1 + 16 of group 1 (the row first), then
+    2 + 9 of group 3 -> (rows [3, depth], batch [33, depth] bfloat16, its sizes, where the three
+    rows are in it)."""
+    mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)
+    crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
+    batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
+    return mine, batch, jnp.asarray([5, 17, 0, 11]), jnp.asarray([5, 22, 23])
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -90,15 +101,11 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(variant):
     depth, tiles = 2048, VARIANTS[variant]
     quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
     assert (k_splits(depth, 128, 4, tiles) == 2) == tiles.split_k
-    mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)  # one row of group 1, two of group 3
     call = functools.partial(grouped_matmul_mosaic, tiles=tiles, interpret=MOSAIC_INTERPRET)
+    mine, batch, sizes, where = rows_in_a_crowd(rng, depth)
     alone = call(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv)
-    crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
-    # 5 rows of group 0, then 1 + 16 rows of group 1 (mine first), then 2 + 9 of group 3.
-    batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
-    sizes = jnp.asarray([5, 17, 0, 11])
     together = call(batch, quantized, sizes, scale_inv)
-    np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]), np.asarray(alone))
+    np.testing.assert_array_equal(np.asarray(together[where]), np.asarray(alone))
     np.testing.assert_allclose(np.asarray(together, np.float32),
                                np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
                                rtol=2e-2, atol=2e-2)
@@ -293,11 +300,7 @@ def test_mosaic_compiled_on_gpu(rows, empty, variant, power_of_two):
     groups = 16
     sizes = jnp.asarray(random_sizes(rng, groups, rows, empty))
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
-    draw, spread = jax.random.split(jax.random.key(rows))
-    weights = (jax.random.normal(draw, (groups, depth, width)) * depth ** -0.5
-               * jax.random.uniform(spread, (groups, 1, width), minval=0.01, maxval=10))
-    quantized, scale_inv = block_fp8.quantize(weights, power_of_two=power_of_two)
-    del weights
+    quantized, scale_inv = device_fp8_experts(rows, groups, depth, width, power_of_two)
     tiles = VARIANTS[variant]
     got = jax.jit(functools.partial(grouped_matmul_mosaic, tiles=tiles))(lhs, quantized, sizes, scale_inv)
     want = grouped_matmul_reference(lhs, quantized, sizes, scale_inv)
