@@ -192,8 +192,12 @@ BENCHMARK_UNITS = {
     # projections split K in two, their down projection does not), then every FP8 linear under
     # each, at the tokens a call of the gmm part's e2e points has: B 1 decode, B 32 k 3 verification
     # (a linear's launch is the same for 1 and 8 tokens, and 8 is what the matmuls part measured).
-    # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES).
-    "gmm": [("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *GMM_TRITON_TILES, "--mosaic-tiles",
+    # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES). First the experts' matmuls alone on
+    # every kernel, the transposed-product Mosaic one (weights [out, in], in registers) among them.
+    "gmm": [("gmm/expert_matmuls", ["benchmarks/expert_matmuls.py", "--tokens", "1", "128", "--json", "{json}"],
+             ["benchmarks/expert_matmuls.py", "--smoke", "--tiles", DEFAULT_VARIANT, "--swapped-tiles",
+              DEFAULT_VARIANT, "--json", "{json}"]),
+            ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *GMM_TRITON_TILES, "--mosaic-tiles",
                              *GMM_MOSAIC_TILES, "--tokens", "1", "128", "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
             ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *GMM_TRITON_TILES,

@@ -24,6 +24,7 @@ import gpu_report  # noqa: E402
 from projection import Calibration, load_calibration, step_seconds, target_peaks  # noqa: E402
 
 from jaxspec.aot.model import DepthCost  # noqa: E402
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT  # noqa: E402
 
 
 def run_report(out, *args) -> subprocess.CompletedProcess:
@@ -45,14 +46,14 @@ def test_smoke_run_records_every_part(smoke_report):
     (device, units), = data["devices"].items()
     assert device.endswith("(smoke)")
     expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls",
-                "gmm/matmuls", "gmm/moe_fp8", "exactness", "mainjob/mtp3", "e2e/B=2,k=1"}
+                "gmm/expert_matmuls", "gmm/matmuls", "gmm/moe_fp8", "exactness", "mainjob/mtp3", "e2e/B=2,k=1"}
     assert set(units) == expected
     assert units["suite/test_config.py"]["collected_only"] > 0 and not units["suite/test_config.py"]["failed"]
-    for name in ("kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls", "gmm/matmuls",
-                 "gmm/moe_fp8", "exactness", "mainjob/mtp3"):
+    for name in ("kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls", "gmm/expert_matmuls",
+                 "gmm/matmuls", "gmm/moe_fp8", "exactness", "mainjob/mtp3"):
         assert units[name]["returncode"] == 0 and units[name]["ok"], units[name]["output"]
-    for name in ("kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls", "gmm/matmuls",
-                 "gmm/moe_fp8"):
+    for name in ("kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls", "gmm/expert_matmuls",
+                 "gmm/matmuls", "gmm/moe_fp8"):
         assert units[name]["json"]["rows"] and all(row["seconds"] > 0 for row in units[name]["json"]["rows"])
     # every gather variant staged the rows it was asked for (interpreted: the code path, not the barriers)
     assert ({row["impl"] for row in units["gather"]["json"]["rows"]}
@@ -66,6 +67,9 @@ def test_smoke_run_records_every_part(smoke_report):
         ("linear_fp8", f"{impl}{tiles}") for impl in ("pallas", "mosaic")
         for tiles in ("", f":{gpu_report.GMM_E2E_TILES}")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
+    # the experts' matmuls alone: each kernel, the transposed-product Mosaic one among them
+    assert {row["impl"] for row in units["gmm/expert_matmuls"]["json"]["rows"]} == {
+        f"{kernel}:{DEFAULT_VARIANT}" for kernel in ("pallas", "mosaic", "mosaic-swapped")}
     # the Mosaic kernel's split-KV parts (the tiles part's --part-slots, here in the kernels part's
     # smoke): its default and 64-slot parts side by side, only the Triton rows calibrating
     kernel_rows = units["kernels/mla_attention"]["json"]["rows"]
