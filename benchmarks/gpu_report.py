@@ -194,7 +194,7 @@ BENCHMARK_UNITS = {
     # (a linear's launch is the same for 1 and 8 tokens, and 8 is what the matmuls part measured).
     # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES). First the experts' matmuls alone on
     # every kernel, the transposed-product Mosaic one (weights [out, in], in registers) among them.
-    "gmm": [("gmm/expert_matmuls", ["benchmarks/expert_matmuls.py", "--tokens", "1", "128", "--json", "{json}"],
+    "gmm": [("gmm/expert_matmuls", ["benchmarks/expert_matmuls.py", "--tokens", "128", "1", "--json", "{json}"],
              ["benchmarks/expert_matmuls.py", "--smoke", "--tiles", DEFAULT_VARIANT, "--swapped-tiles",
               DEFAULT_VARIANT, "--json", "{json}"]),
             ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *GMM_TRITON_TILES, "--mosaic-tiles",
