@@ -1,7 +1,8 @@
 """DeepSeek-V3.2's FP8 experts' grouped matmuls alone, on every kernel side by side: the Triton
 kernel and the Mosaic GPU one (weights stored [in, out], as the model does) and the transposed-
 product Mosaic kernel (`grouped_matmul_mosaic_swapped`: weights stored [out, in], as the
-checkpoints do, dequantized in registers as wgmma's A operand), each under the tile variants named.
+checkpoints do, dequantized in registers as wgmma's A operand), each under the tile variants named
+(--tiles, --mosaic-tiles, --swapped-tiles).
 
     python benchmarks/expert_matmuls.py --json expert_matmuls.json     # on a GPU
     python benchmarks/expert_matmuls.py --smoke                        # tiny widths, any machine
@@ -52,8 +53,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 32, 1], help="tokens per call")
-    parser.add_argument("--tiles", nargs="+", choices=VARIANTS, default=["k64", "k64-int"],
-                        help="tile variants of the Triton and Mosaic kernels")
+    parser.add_argument("--tiles", nargs="*", choices=VARIANTS, default=["k64", "k64-int"],
+                        help="tile variants of the Triton kernel")
+    parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=["k64", "k64-int"],
+                        help="tile variants of the Mosaic GPU kernel")
     parser.add_argument("--swapped-tiles", nargs="*", choices=SWAPPED_TILES, default=list(SWAPPED_TILES),
                         help="tile variants of the transposed-product Mosaic kernel")
     add_timing_flags(parser)
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     # The kernel "auto" runs first, then the transposed-product one, so that a run cut short has
     # the comparison that matters most.
     runs = [("pallas", variant) for variant in args.tiles] + [("mosaic-swapped", v) for v in args.swapped_tiles]
-    runs += [("mosaic", variant) for variant in args.tiles]
+    runs += [("mosaic", variant) for variant in args.mosaic_tiles]
     rng = np.random.default_rng(0)
     for name, (depth, width) in shapes.items():
         draw = jax.random.normal(jax.random.key(depth), (experts, depth, width)) * depth ** -0.5

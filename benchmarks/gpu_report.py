@@ -195,8 +195,9 @@ BENCHMARK_UNITS = {
     # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES). First the experts' matmuls alone on
     # every kernel, the transposed-product Mosaic one (weights [out, in], in registers) among them.
     "gmm": [("gmm/expert_matmuls", ["benchmarks/expert_matmuls.py", "--tokens", "128", "1", "--json", "{json}"],
-             ["benchmarks/expert_matmuls.py", "--smoke", "--tiles", DEFAULT_VARIANT, "--swapped-tiles",
-              DEFAULT_VARIANT, "--json", "{json}"]),
+             # (smoke: the Mosaic kernel's code path is the moe_fp8 and matmuls units')
+             ["benchmarks/expert_matmuls.py", "--smoke", "--tiles", DEFAULT_VARIANT, "--mosaic-tiles",
+              "--swapped-tiles", DEFAULT_VARIANT, "--json", "{json}"]),
             ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *GMM_TRITON_TILES, "--mosaic-tiles",
                              *GMM_MOSAIC_TILES, "--tokens", "1", "128", "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
