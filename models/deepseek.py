@@ -60,7 +60,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.mlp = (MoE(config, rngs=rngs, dtype=dtype) if config.is_moe_layer(layer)
                     else MLP(config.hidden_size, config.intermediate_size, rngs=rngs, dtype=dtype,
-                                    scale_fmt=config.scale_fmt))
+                             scale_fmt=config.scale_fmt))
 
     def __call__(self, x, cos, sin, cache: PagedCache, cache_layer, vis: Visibility, *, form, backend,
                  window_invariant: bool = False):

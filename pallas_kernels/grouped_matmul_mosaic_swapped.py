@@ -65,7 +65,8 @@ def swapped_weights(rhs: jax.Array, rhs_scale_inv: jax.Array) -> tuple[jax.Array
 
 
 def _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv, tiles) -> str | None:
-    """Why the kernel cannot take these operands and tiles, or None."""
+    """Why the kernel cannot take these operands and tiles, or None. (The op's own check,
+    `contracts.check_grouped_matmul_args`, is for weights [G, K, N]; these are transposed.)"""
     if lhs.ndim != 2 or rhs_t.ndim != 3 or rhs_t.shape[2] != lhs.shape[1]:
         return f"lhs {list(lhs.shape)}, rhs_t {list(rhs_t.shape)}: must be [M, K] and [G, N, K]"
     if group_sizes.shape != rhs_t.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
