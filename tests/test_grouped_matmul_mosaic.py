@@ -50,15 +50,24 @@ def fp8_weights(rng, shape):
     return quantized, scale_inv, block_fp8.dequantize(quantized, scale_inv)
 
 
-def rows_in_a_crowd(rng, depth: int):
-    """Three rows, one of group 1 and two of group 3 of four groups (alone: sizes [0, 1, 0, 2]), and
-    the same rows among 30 others: 5 rows of group 0, then 1 + 16 of group 1 (the row first), then
-    2 + 9 of group 3 -> (rows [3, depth], batch [33, depth] bfloat16, its sizes, where the three
-    rows are in it)."""
+def check_rows_alone_and_in_a_crowd(rng, run, reference_weights) -> None:
+    """Three rows, one of group 1 and two of group 3 of four groups, give the same bits alone
+    (sizes [0, 1, 0, 2]) as among 30 others (5 rows of group 0, then 1 + 16 of group 1, the row
+    first, then 2 + 9 of group 3), and that batch is within rounding of the reference.
+    run(lhs, group_sizes) -> [M, N]: the kernel on its weights; reference_weights: (rhs [G, K, N],
+    rhs_scale_inv) as the model stores them."""
+    rhs, rhs_scale_inv = reference_weights
+    depth = rhs.shape[1]
     mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)
     crowd = jnp.asarray(rng.normal(size=(30, depth)), jnp.bfloat16)
     batch = jnp.concatenate([crowd[:5], mine[:1], crowd[5:21], mine[1:], crowd[21:30]])
-    return mine, batch, jnp.asarray([5, 17, 0, 11]), jnp.asarray([5, 22, 23])
+    sizes = jnp.asarray([5, 17, 0, 11])
+    together = run(batch, sizes)
+    np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]),
+                                  np.asarray(run(mine, jnp.asarray([0, 1, 0, 2]))))
+    np.testing.assert_allclose(np.asarray(together, np.float32),
+                               np.asarray(grouped_matmul_reference(batch, rhs, sizes, rhs_scale_inv), np.float32),
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -102,13 +111,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(variant):
     quantized, scale_inv, _ = fp8_weights(rng, (4, depth, 128))
     assert (k_splits(depth, 128, 4, tiles) == 2) == tiles.split_k
     call = functools.partial(grouped_matmul_mosaic, tiles=tiles, interpret=MOSAIC_INTERPRET)
-    mine, batch, sizes, where = rows_in_a_crowd(rng, depth)
-    alone = call(mine, quantized, jnp.asarray([0, 1, 0, 2]), scale_inv)
-    together = call(batch, quantized, sizes, scale_inv)
-    np.testing.assert_array_equal(np.asarray(together[where]), np.asarray(alone))
-    np.testing.assert_allclose(np.asarray(together, np.float32),
-                               np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
-                               rtol=2e-2, atol=2e-2)
+    check_rows_alone_and_in_a_crowd(rng, lambda lhs, sizes: call(lhs, quantized, sizes, scale_inv),
+                                    (quantized, scale_inv))
 
 
 def test_stack_row_read_in_place_and_op_dispatch():

@@ -23,7 +23,7 @@ from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_
 from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_N, VARIANTS, Tiles, num_work_items
 from conftest import MOSAIC_INTERPRET
 from test_grouped_matmul import V32_WEIGHTS, device_fp8_experts, random_sizes
-from test_grouped_matmul_mosaic import rows_in_a_crowd
+from test_grouped_matmul_mosaic import check_rows_alone_and_in_a_crowd
 from virtual_devices import virtual_devices_env
 
 call = functools.partial(grouped_matmul_mosaic_swapped, interpret=MOSAIC_INTERPRET)
@@ -58,13 +58,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     groups: a row is its own column of the accumulator (wgmma's N)."""
     rng = np.random.default_rng(7)
     _, _, quantized, scale_inv, (rhs_t, scales) = fp8_case(rng, 4, 512, 128, 4, 4, 0.0, True)
-    mine, batch, sizes, where = rows_in_a_crowd(rng, 512)
-    alone = call(mine, rhs_t, jnp.asarray([0, 1, 0, 2]), scales)
-    together = call(batch, rhs_t, sizes, scales)
-    np.testing.assert_array_equal(np.asarray(together[where]), np.asarray(alone))
-    np.testing.assert_allclose(np.asarray(together, np.float32),
-                               np.asarray(grouped_matmul_reference(batch, quantized, sizes, scale_inv), np.float32),
-                               rtol=2e-2, atol=2e-2)
+    check_rows_alone_and_in_a_crowd(rng, lambda lhs, sizes: call(lhs, rhs_t, sizes, scales), (quantized, scale_inv))
 
 
 def test_operands_it_does_not_take_are_refused_before_tracing():
