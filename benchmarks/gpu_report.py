@@ -61,7 +61,7 @@ same kind of device skips what is there, so a run cut short loses only the unit 
 benchmark cut short keeps the rows it finished (recorded as incomplete: the next run measures it
 again). `--retry-failed` runs the failed units again, after a fix; `--redo NAMES` measures the
 named parts or benchmark units again (after a change to what they measure), `--redo` alone
-everything.
+everything; their old records stay, marked stale, until new ones replace them.
 `--deadline` (seconds) stops starting units near the end of a time limit; what is left is listed.
 `--unit-timeout` (seconds) ends one subprocess that runs longer (a kernel that hangs on the device:
 the Mosaic kernels' warpgroup handshakes run on a GPU only) and records it as failed, so the next
@@ -274,7 +274,15 @@ class Report:
         """Whether `unit` is recorded for this device, complete (not a benchmark cut short) and,
         with retry_failed, successful."""
         record = self.units.get(unit)
-        return record is not None and not record.get("incomplete") and (not self.retry_failed or record["ok"])
+        return (record is not None and not record.get("incomplete") and not record.get("stale")
+                and (not self.retry_failed or record["ok"]))
+
+    def redo(self, units: list[str]) -> None:
+        """Mark `units`' records stale: the next run measures them again, and until a new record
+        replaces one it stays in the report, marked, so a run that does not reach it loses nothing."""
+        for unit in units:
+            self.units[unit]["stale"] = True
+        self.save()
 
     def record(self, unit: str, value: dict, ok: bool) -> None:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -788,6 +796,10 @@ def markdown(report: Report) -> str:
     cut = report.data["runs"][-1].get("cut") if report.data["runs"] else None
     if cut:
         lines += [f"The last run's clock ended these unfinished (the next run goes on with them): {'; '.join(cut)}.", ""]
+    stale = [unit for unit, record in units.items() if record.get("stale")]
+    if stale:
+        lines += [f"Recorded before a change to what they measure (`--redo`; shown until the next run measures them "
+                  f"again): {', '.join(stale)}.", ""]
     suite = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/") and not v.get("incomplete")}
     partial = {k.split("/", 1)[1]: v for k, v in units.items() if k.startswith("suite/") and v.get("incomplete")}
     lines += ["## Test suite", ""]
@@ -986,8 +998,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     device = device_name() + (" (smoke)" if args.smoke else "")
     report = Report(args.out, device, args.retry_failed)
-    for unit in [u for u in report.units if unit_part(u) in redo or u in redo]:
-        del report.units[unit]
+    report.redo([u for u in report.units if unit_part(u) in redo or u in redo])
     deadline = Clock(args.deadline)
     started = time.monotonic()
     parts = [part if limit is None else f"{part}:{limit:g}" for part, limit in args.parts]

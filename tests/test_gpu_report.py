@@ -593,9 +593,10 @@ def test_a_suite_run_that_hangs_fails_the_modules_of_the_tests_it_was_running(tm
     assert not report.has("suite/test_a.py") and "suite/test_a.py" not in report.units
 
 
-def test_redo_measures_the_named_parts_again(tmp_path):
-    """`--redo moe,tiles,gather/sparse_mla` drops those parts' units (`unit_part` maps each unit to
-    its part) and that unit from the report before the run; the other units stay."""
+def test_redo_measures_the_named_parts_again_and_keeps_their_records_until_then(tmp_path):
+    """`--redo moe,tiles,gather/sparse_mla` marks those parts' units (`unit_part` maps each unit to
+    its part) and that unit stale: the next run measures them, and a run that does not reach them
+    (here the clock ends at once) keeps their records, marked in report.md; the other units stay."""
     device = gpu_report.device_name()
     report = gpu_report.Report(str(tmp_path), device)
     for unit in ("moe", "kernels_block_n32", "kernels/mla_attention", "gather/sparse_mla"):
@@ -605,9 +606,15 @@ def test_redo_measures_the_named_parts_again(tmp_path):
         "moe", "tiles", "kernels", "gather", "suite", "e2e", "mainjob"]
     assert gpu_report.main(["--out", str(tmp_path), "--redo", "moe,tiles,gather/sparse_mla", "--parts", "suite",
                             "--deadline", "0"]) == 0
-    with open(tmp_path / "report.json") as f:
-        units = json.load(f)["devices"][device]
-    assert set(units) == {"kernels/mla_attention", "suite/test_a.py"}
+    report = gpu_report.Report(str(tmp_path), device)
+    assert set(report.units) == {"moe", "kernels_block_n32", "kernels/mla_attention", "gather/sparse_mla",
+                                 "suite/test_a.py"}
+    stale = {"moe", "kernels_block_n32", "gather/sparse_mla"}
+    assert {u for u in report.units if not report.has(u)} == stale
+    with open(tmp_path / "report.md") as f:
+        assert "(`--redo`; shown until the next run measures them again): moe, kernels_block_n32, gather/sparse_mla." in f.read()
+    report.record("moe", {"returncode": 0}, ok=True)
+    assert report.has("moe") and not report.has("gather/sparse_mla")
     for names in ("moe,gpu", "kernels/nothing"):
         with pytest.raises(SystemExit):
             gpu_report.main(["--out", str(tmp_path), "--redo", names])
