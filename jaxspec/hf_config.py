@@ -81,11 +81,7 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
     kwargs = {k: v for k, v in raw.items()
               if k in fields and k not in ("rope_scaling", "eos_token_id", *V4_FIELDS)}
     kwargs["model_type"] = model_type
-    # DeepSeek's config.json keeps it with the weights' FP8 format; config_to_hf writes it at the
-    # top level, so that a config without FP8 weights does not look quantized to transformers.
-    quantization = raw.get("quantization_config") or {}
-    if "scale_fmt" not in raw and "scale_fmt" in quantization:
-        kwargs["scale_fmt"] = quantization["scale_fmt"]
+    kwargs["scale_fmt"] = _scale_fmt(raw)
     eos = raw.get("eos_token_id")
     kwargs["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
     if "first_k_dense_replace" in raw and "num_hidden_layers" in raw:
@@ -104,6 +100,15 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
     config = config_class(**kwargs)
     _check_derived_fields(raw, config)
     return config
+
+
+def _scale_fmt(raw: Mapping[str, Any]) -> str | None:
+    """The FP8 scale format of a config.json: DeepSeek's keep it with the weights' FP8 format
+    (`quantization_config.scale_fmt`); `config_to_hf` writes it at the top level, so that a config
+    without FP8 weights does not look quantized to transformers."""
+    if "scale_fmt" in raw:
+        return raw["scale_fmt"]
+    return (raw.get("quantization_config") or {}).get("scale_fmt")
 
 
 def config_to_hf(config) -> dict[str, Any]:
@@ -142,7 +147,7 @@ _V4_DEFAULT_NUM_HASH_LAYERS = 3
 _V4_HF_READ = frozenset({
     "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "partial_rotary_factor",
     "rope_scaling", "rope_parameters", "num_key_value_heads", "intermediate_size", "router_jitter_noise",
-    "expert_dtype",
+    "expert_dtype", "scale_fmt",
 })
 _V4_HF_FIELDS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "norm_topk_prob",
@@ -178,7 +183,7 @@ def _v4_kwargs_from_hf(raw: Mapping[str, Any], strict: bool) -> dict[str, Any]:
                                 "topk_method": ("noaux_tc",)}.items():
         if key in raw and raw[key] not in allowed_values:
             raise ValueError(f"config.json {key}={raw[key]!r}: only {allowed_values[0]!r} is implemented")
-    kw = {**_V4_HF_DEFAULTS, **{k: v for k, v in raw.items() if k in _V4_HF_FIELDS}}
+    kw = {**_V4_HF_DEFAULTS, **{k: v for k, v in raw.items() if k in _V4_HF_FIELDS}, "scale_fmt": _scale_fmt(raw)}
     n = kw["num_hidden_layers"]
     eos = raw.get("eos_token_id", _V4_HF_DEFAULTS["eos_token_id"])
     kw["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
@@ -271,6 +276,8 @@ def _v4_to_hf(config) -> dict[str, Any]:
         rs = config.rope_scaling
         compress = {"rope_type": "yarn", "factor": rs.factor, "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow,
                     "original_max_position_embeddings": rs.original_max_position_embeddings, "attention_factor": 1.0}
+    if config.scale_fmt is not None:
+        out["scale_fmt"] = config.scale_fmt
     out.update(
         model_type="deepseek_v4", eos_token_id=config.eos_token_id, layer_types=list(config.layer_types),
         mlp_layer_types=list(config.mlp_layer_types), compress_rates=dict(config.compress_rates),

@@ -36,6 +36,8 @@ _V4_COMMON = dict(
     swiglu_limit=10.0, index_n_heads=64, index_head_dim=128, num_nextn_predict_layers=1, eos_token_id=1,
     first_k_dense_replace=0, n_group=1, topk_group=1, kv_lora_rank=0, qk_nope_head_dim=0, v_head_dim=0,
 )
+# The released V4 checkpoints' `quantization_config.scale_fmt` (their scales are float8_e8m0fnu).
+_V4_RELEASED = dict(_V4_COMMON, scale_fmt="ue8m0")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU-sized, MoE (with group limiting) and DSA (index_topk well under typical contexts) on.
@@ -73,7 +75,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (hidden 4096, 43 layers, 64 heads, q_lora_rank 1024, o_groups 8, 256 experts of 2048, top 6,
     # routed_scaling_factor 1.5, index_topk 512, compress_ratios [0, 0] + [4, 128] * 20 + [4] for the
     # 43 layers and a final 0 for the MTP block, num_hash_layers 3).
-    "deepseek-v4-flash": {**_V4_COMMON, "hidden_size": 4096, "intermediate_size": 2048,
+    "deepseek-v4-flash": {**_V4_RELEASED, "hidden_size": 4096, "intermediate_size": 2048,
                           "moe_intermediate_size": 2048, "num_hidden_layers": 43, "num_attention_heads": 64,
                           "q_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 256, "routed_scaling_factor": 1.5,
                           "index_topk": 512, "layer_types": (SLIDING,) * 2 + (CSA, HCA) * 20 + (CSA,),
@@ -82,7 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (hidden 7168, 61 layers, 128 heads, q_lora_rank 1536, o_groups 16, 384 experts of 3072, top 6,
     # routed_scaling_factor 2.5, index_topk 1024, compress_ratios [128, 128] + [4, 128] * 29 + [4]
     # for the 61 layers and a final 0 for the MTP block, num_hash_layers 3).
-    "deepseek-v4-pro": {**_V4_COMMON, "hidden_size": 7168, "intermediate_size": 3072,
+    "deepseek-v4-pro": {**_V4_RELEASED, "hidden_size": 7168, "intermediate_size": 3072,
                         "moe_intermediate_size": 3072, "num_hidden_layers": 61, "num_attention_heads": 128,
                         "q_lora_rank": 1536, "o_groups": 16, "n_routed_experts": 384, "routed_scaling_factor": 2.5,
                         "index_topk": 1024, "layer_types": (HCA,) * 2 + (CSA, HCA) * 29 + (CSA,),
