@@ -271,8 +271,8 @@ class Report:
         self.units = self.data["devices"].setdefault(device, {})
 
     def has(self, unit: str) -> bool:
-        """Whether `unit` is recorded for this device, complete (not a benchmark cut short) and,
-        with retry_failed, successful."""
+        """Whether `unit` is recorded for this device, complete (not a benchmark cut short), not
+        stale (`redo`) and, with retry_failed, successful."""
         record = self.units.get(unit)
         return (record is not None and not record.get("incomplete") and not record.get("stale")
                 and (not self.retry_failed or record["ok"]))
