@@ -292,9 +292,11 @@ def released_v4(tmp_path_factory):
     """A tiny V4 (every attention kind, hash and learned routing, MTP) written in DeepSeek's layout and
     formats (FP8 with e8m0 scales, MXFP4 experts), the in-memory model it stands for, and the
     checkpoint directory."""
-    # tiny-v4's first three layers: sliding + hash, CSA + hash, HCA + learned (the fourth repeats CSA).
+    # tiny-v4's first three layers: sliding + hash, CSA + hash, HCA + learned (the fourth repeats CSA),
+    # with the released checkpoints' power-of-two scales (their config.json's `scale_fmt`).
     config = preset("tiny-v4", num_hidden_layers=3, layer_types=("sliding_attention", "compressed_sparse_attention",
-                    "heavily_compressed_attention"), mlp_layer_types=("hash_moe", "hash_moe", "moe"))
+                    "heavily_compressed_attention"), mlp_layer_types=("hash_moe", "hash_moe", "moe"),
+                    scale_fmt="ue8m0")
     graphdef, state, abstract = abstract_model(config, jnp.float32)  # no eager init: seconds, not tens
     rng = np.random.default_rng(0)
     params = {path: random_param(path, variable.get_value(), rng, config.n_routed_experts,
