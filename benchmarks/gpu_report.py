@@ -106,9 +106,12 @@ SMOKE_E2E_POINTS = [(2, 1)]  # one step with a draft: the part's code path
 HEADLINE = (32, 3)  # the e2e point whose measured / projected the report states
 E2E_POINT_SECONDS = 60  # the most one e2e point (compile, timing, profile) is given to finish
 GOAL = 0.7  # measured / projected the headline aims at; op classes under it are named
-# The grouped-matmul tile variant the gmm part runs the e2e step with: the one that changes every
-# launch (the experts' K step, the dense linears' K step and splits), at these points.
-GMM_E2E_TILES = "k128-split"
+# The grouped-matmul tile variant the gmm part runs the e2e step with, at these points: K splits
+# with the K step of 64, which at one token gives the narrow FP8 linears (kv_a_proj 5 column
+# blocks, the indexer's wk 1, q_a_proj 12) twice the programs k128-split does (its ranges keep
+# MIN_SPLIT_STEPS steps of 128), and on the Mosaic kernel keeps two programs an SM where a K step
+# of 128 keeps one (docs/performance.md, "B 1").
+GMM_E2E_TILES = "k64-split"
 GMM_E2E_POINTS = [HEADLINE, (1, 0)]
 # The gmm part's e2e variants: name -> e2e_step.py's flags. Beside that tile variant, the step with
 # "auto" running the Mosaic GPU grouped matmul (experts and FP8 linears), as it would run once
@@ -119,11 +122,12 @@ GMM_E2E_VARIANTS = {"mosaic": ["--auto", "grouped_matmul=mosaic"], "k64-int": ["
                     GMM_E2E_TILES: ["--tiles", GMM_E2E_TILES]}
 # The tile variants the gmm part times the Triton grouped matmul under: K steps of 64 and 128, each
 # without and with K splits (o_proj's 56 column blocks), and e4m3 unpacked by integer operations.
-GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k64-split", "k64-int", GMM_E2E_TILES)
-# And the Mosaic one: K steps of 64 (two blocks an SM) and 128 (one) as Triton's, and at 64 the three
-# variants that tell what bounds its FP8 loop (`VARIANTS`: 7 steps in flight at two blocks an SM,
-# three blocks an SM at 3, or e4m3 unpacked by integer operations instead of conversions). Under
-# --smoke the first and the last, to keep the suite's time.
+GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k128-split", "k64-int", GMM_E2E_TILES)
+# And the Mosaic one, at a K step of 64 (two blocks an SM; one of 128 claims 157 KiB, one block):
+# its default, the three variants that tell what bounds its FP8 loop (`VARIANTS`: 7 steps in
+# flight at two blocks an SM, three blocks an SM at 3, or e4m3 unpacked by integer operations
+# instead of conversions), and the step's K splits. Under --smoke the first and the last, to keep
+# the suite's time.
 GMM_MOSAIC_TILES = (DEFAULT_VARIANT, "k64-s7", "k64-s3", "k64-int", GMM_E2E_TILES)
 SMOKE_GMM_MOSAIC_TILES = (DEFAULT_VARIANT, GMM_E2E_TILES)
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
