@@ -32,8 +32,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
              (--num-stages 3), sparse MLA with both 32-slot tiles and three in flight, and with
              32-slot tiles (--block-n 32), to set against the kernels
-             part's two and 16 (the defaults), and the Mosaic mla_attention with
-             split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k,
+             part's two and 16 (the defaults), Triton's sparse MLA at B 8 and 1 with 16
+             parts of its top-k list (--num-splits 16) beside its 4, the Mosaic mla_attention
+             with split-KV parts of 2048 and 4096 slots beside its 1024 (--part-slots), ctx 4096 and 32k,
              and V4's (v4_csa) with parts of 64 and 1024 slots beside its 256 and with its copies
              issued by warp or by thread (--copies-by-warp, --copies-by-thread);
   gmm        the grouped matmul's tile variants (`grouped_matmul_pallas.VARIANTS`: K step 64 or 128,
@@ -165,6 +166,12 @@ BENCHMARK_UNITS = {
                                      "--no-xla", "--no-mosaic", "--json", "{json}"],
                ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
                 "--no-mosaic", "--json", "{json}"]),
+              # Triton's sparse MLA at small B with 16 parts of the top-k list (128 slots each) where its
+              # default keeps parts of MIN_PART_SLOTS (512: 4 parts, 8 programs at B 1, a launch of
+              # 99 us on the H200 for 2.4 MB): a byte rule, where one token's launch is latency-bound.
+              ("kernels_sparse_parts16", ["benchmarks/kernels.py", "--batch", "8", "1", "--context", "4096",
+                                          "--queries", "1", "4", "--ops", "sparse_mla", "--num-splits", "16",
+                                          "--no-xla", "--no-mosaic", "--json", "{json}"], None),
               # The Mosaic MLA kernel's split-KV parts (PART_SLOTS, 1024) against longer ones: the float32
               # partials they write are 45% of the cache's bytes at Q 1 and twice them at Q 4 (docs/kernels.md).
               ("kernels_part_slots", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "32768",
@@ -826,8 +833,8 @@ def markdown(report: Report) -> str:
     pending = [m for m in test_modules() if m not in suite and m not in partial]
     lines += ["", f"Not run yet: {', '.join(pending) or 'none'}.", ""]
     bandwidth, peak = target_peaks(target_of(device))
-    for part in ("kernels", "kernels_stages3", "kernels_n32_stages3", "kernels_block_n32", "kernels_part_slots",
-                 "kernels_v4_tunings", "gather", "flashmla", "moe", "matmuls", "gmm"):
+    for part in ("kernels", "kernels_stages3", "kernels_n32_stages3", "kernels_block_n32", "kernels_sparse_parts16",
+                 "kernels_part_slots", "kernels_v4_tunings", "gather", "flashmla", "moe", "matmuls", "gmm"):
         records = {name: record for name, record in units.items() if name == part or name.startswith(part + "/")}
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else
