@@ -26,7 +26,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, time_cells, timings, write_rows
+from kernels import add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, time_cells, timings, write_rows
 
 from jaxspec.pallas_kernels import block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
@@ -89,9 +89,18 @@ def main(argv=None) -> int:
                   for tokens in args.tokens}
         for kernel, variant in runs:
             weights = transposed if kernel == "mosaic-swapped" else (quantized, scale_inv)
-            fn = jax.jit(functools.partial(KERNELS[kernel], tiles=VARIANTS[variant], interpret=interpret))
-            calls = {tokens: functools.partial(fn, inputs[tokens], weights[0], jnp.asarray(sizes[tokens]), weights[1])
-                     for tokens in args.tokens}
+            fn = functools.partial(KERNELS[kernel], tiles=VARIANTS[variant], interpret=interpret)
+
+            def hung(message, impl=f"{kernel}:{variant}"):  # `kernels.watchdog`: the JSON says which kernel hung
+                if args.json:
+                    write_rows(args.json, copy_bw, rows, [dict(op="expert_matmul", impl=impl, message=message)])
+
+            calls = {}
+            for tokens in args.tokens:
+                operands = (inputs[tokens], weights[0], jnp.asarray(sizes[tokens]), weights[1])
+                compiled, _ = first_call(fn, *operands, what=f"{name} {kernel}:{variant} at {tokens} tokens",
+                                         on_hang=hung)
+                calls[tokens] = functools.partial(compiled, *operands)
             for tokens, (seconds, device) in timings(calls, args.iters, args.warmup).items():
                 hit = int(np.count_nonzero(sizes[tokens]))
                 weight_bytes = hit * (depth * width + 4 * (depth // 128) * (width // 128))

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, timed, write_rows
+from kernels import add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, timed, watchdog, write_rows
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled, warp_map_interpretable
@@ -222,10 +222,18 @@ def main(argv=None) -> int:
             continue
         per_row = VARIANTS[variant].per_row
         rows = rows_for(variant, sizes["programs"], sizes["tiles"], sizes["cache_rows"], rng)
-        rows_dev, run = jnp.asarray(rows), functools.partial(gather, variant, interpret=interpret)
+        rows_dev = jnp.asarray(rows)
         want = np.asarray(cache, np.float32)[rows[:, -KEYS:]]
-        ok = np.array_equal(np.asarray(run(rows_dev, cache), np.float32), want)
-        seconds = timed(run, rows_dev, cache, iters=iters, warmup=warmup)
+
+        def hung(message, variant=variant):  # the JSON says which variant hung (`kernels.watchdog`)
+            if args.json:
+                write_rows(args.json, copy_bw, out_rows, [dict(op="gather", impl=variant, message=message)])
+
+        run, got = first_call(functools.partial(gather, variant, interpret=interpret), rows_dev, cache,
+                              what=f"gather {variant}", on_hang=hung)
+        ok = np.array_equal(np.asarray(got, np.float32), want)
+        with watchdog(f"gather {variant} (timing)", hung):
+            seconds = timed(run, rows_dev, cache, iters=iters, warmup=warmup)
         nbytes = rows.size * sizes["width"] * cache.dtype.itemsize
         per_tile = seconds / sizes["tiles"]
         copies = KEYS if per_row else sizes["width"] // PIECE

@@ -67,7 +67,10 @@ everything; their old records stay, marked stale, until new ones replace them.
 `--unit-timeout` (seconds) ends one subprocess that runs longer (a kernel that hangs on the device:
 the Mosaic kernels' warpgroup handshakes run on a GPU only) and records it as failed, so the next
 run goes past it; a suite chunk ended so marks its modules, and `--retry-failed` runs them one per
-chunk to find the one that hangs. OUT/report.md is rewritten from the JSON at the end of every run.
+chunk to find the one that hangs. Sooner than that, the kernel, gather and expert-matmul
+benchmarks give each Mosaic call `kernels.CALL_SECONDS` once compiled (`kernels.watchdog`): one
+that has not returned by then ends its benchmark with status `kernels.HUNG_EXIT` and the hang in
+its JSON, which report.md names. OUT/report.md is rewritten from the JSON at the end of every run.
 
 Calibration: from the kernel, MoE and matmul rows, the fraction of the roofline each op class
 reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak) of the device's
@@ -92,6 +95,7 @@ import sys
 import tempfile
 import time
 
+from kernels import HUNG_EXIT
 from projection import Calibration, note, step_seconds, target_peaks
 
 from jaxspec.aot.model import DepthCost
@@ -839,9 +843,11 @@ def markdown(report: Report) -> str:
         lines += [f"## {part}", ""]
         problems = [f"- {name}: " + ("incomplete (cut short; measured again next run)" if record.get("incomplete") else
                                      "ended at --unit-timeout (a hang?)" if record.get("hung") else
-                                     f"exit {record['returncode']}")
+                                     f"exit {HUNG_EXIT}: a call hung, and its watchdog ended the run"
+                                     if record["returncode"] == HUNG_EXIT else f"exit {record['returncode']}")
                     for name, record in records.items() if record.get("incomplete") or not record["ok"]]
-        problems += [f"- {f['op']} {f['impl']} (B {f['batch']}, ctx {f['context']}, Q {f['queries']}): {f['message'][:300]}"
+        problems += [f"- {f['op']} {f['impl']}" + (f" (B {f['batch']}, ctx {f['context']}, Q {f['queries']})"
+                                                  if "batch" in f else "") + f": {f['message'][:300]}"
                      for record in records.values() for f in (record.get("json") or {}).get("failures", [])]
         rows = unit_rows(units, part)
         if not rows:

@@ -35,11 +35,14 @@ step does not, and the smaller shapes' calls take that long whatever their kerne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import itertools
 import json
+import os
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -146,6 +149,59 @@ def timed(fn, *args, iters: int, warmup: int) -> float:
         jax.block_until_ready(out)
         runs.append((time.perf_counter() - start) / iters)
     return min(runs)
+
+
+# On a GPU a call gets this long to return once compiled (`first_call`, `watchdog`): the benchmarks'
+# calls take milliseconds, and a kernel that never returns (on an H200 the three-warpgroup Mosaic
+# kernels once waited for registers their block did not have) would otherwise hold its benchmark
+# until the GPU report's --unit-timeout, minutes of a lent GPU's few.
+CALL_SECONDS = 30.0
+HUNG_EXIT = 3  # the exit status of a run a hung call ended (`gpu_report.py` says so)
+
+
+def call_limit() -> float | None:
+    """Seconds a `watchdog` block may take: CALL_SECONDS on a GPU; no limit elsewhere, where the
+    Mosaic simulator's time is not the kernel's."""
+    return CALL_SECONDS if jax.default_backend() == "gpu" else None
+
+
+@contextlib.contextmanager
+def watchdog(what: str, on_hang=None):
+    """Within the block, work on the device must be done in `call_limit()` seconds. Past it the
+    process prints that `what` hung, calls on_hang(message) (a benchmark writes its JSON there) and
+    ends with status HUNG_EXIT at once: a kernel that waits forever on the device cannot be stopped
+    from the host, and every later call would queue behind it."""
+    seconds = call_limit()
+    if seconds is None:
+        yield
+        return
+
+    def hung():
+        message = f"hung: {what} did not return within {seconds:.0f} s"
+        print(message, flush=True)
+        try:
+            if on_hang is not None:
+                on_hang(message)
+        finally:
+            sys.stdout.flush()
+            os._exit(HUNG_EXIT)
+
+    timer = threading.Timer(seconds, hung)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def first_call(fn, *args, what: str, on_hang=None):
+    """(fn compiled for args, its first result, ready): compiled first, so that `watchdog` limits
+    the run alone (a compile may take longer than any call should); the compiled function is the
+    one to time afterwards. what, on_hang: as `watchdog`'s."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    with watchdog(what, on_hang):
+        return compiled, jax.block_until_ready(compiled(*args))
 
 
 def timings(calls: dict, iters: int, warmup: int) -> dict[object, tuple[float, float | None]]:
@@ -466,24 +522,35 @@ def main(argv=None) -> int:
     key = jax.random.key(0)
     cases = [Case(*point) for point in itertools.product(args.batch, args.context, args.queries)]
     rows, failures = [], []
-    for case in progress.bar(cases, "cases"):
-        rows += run_case(case, dims, v4, key, tuning, memory, copy_bw, args, failures)
-        gc.collect()
+
+    def save(more_rows=()):
         if args.json:
-            write_rows(args.json, copy_bw, rows, failures)
+            write_rows(args.json, copy_bw, rows + list(more_rows), failures)
+
+    for case in progress.bar(cases, "cases"):
+        rows += run_case(case, dims, v4, key, tuning, memory, copy_bw, args, failures, save)
+        gc.collect()
+        save()
     return 0
 
 
 def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory: int | None, copy_bw: float, args,
-             failures: list[dict]):
+             failures: list[dict], save):
     """Time the chosen ops at one shape: V3.2's on one set of inputs, V4's on another (each skipped,
     and said so, when its inputs do not fit). Returns the printed rows as dicts (for --json), each
     with its largest difference from the reference where one was computed (`max_error`). A Mosaic
     kernel that fails on the device (it has never run on one before its first lent GPU) is printed
-    and appended to `failures`, and the other rows go on."""
+    and appended to `failures`, and the other rows go on; one that hangs (`watchdog`) is appended
+    too, then save(this shape's rows so far) writes the JSON and the run ends (`HUNG_EXIT`)."""
     batch, context, queries = case
     label = f"{batch:>5}{context:>7}{queries:>3}"
     timed_rows = []
+
+    def failure(op, impl, message):
+        failures.append(dict(op=op, impl=impl, batch=batch, context=context, queries=queries, message=message[:2000]))
+
+    def hang_recorder(op, impl):
+        return lambda message: (failure(op, impl, message), save(timed_rows))
 
     def row(op, impl, seconds, nbytes, flops, device=None, xla=None, error=None):
         """One printed and recorded row: seconds a call (wall), device its kernels' seconds a call
@@ -534,18 +601,19 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     mosaic.append(("mosaic copies by warp", functools.partial(op.mosaic, copies_by_warp=True)))
                 if op.name in ("sparse_mla", *V4_OPS) and args.copies_by_thread and jax.default_backend() == "gpu":
                     mosaic.append(("mosaic copies by thread", functools.partial(op.mosaic, copies_by_thread=True)))
-            mosaic_outs = {}
+            mosaic_outs, compiled = {}, {}
             for impl, fn in mosaic:
+                what = f"{op.name} {impl} at B {batch}, ctx {context}, Q {queries}"
                 try:  # a Mosaic kernel refuses shapes it cannot tile (tiny-v4's D 32, FP8 dense MLA below 512)
-                    mosaic_outs[impl] = jax.block_until_ready(fn(*op.args))
+                    compiled[impl], mosaic_outs[impl] = first_call(fn, *op.args, what=what,
+                                                                   on_hang=hang_recorder(op.name, impl))
                 except ValueError as refused:
                     print(f"{op.name:<16}{impl + ': refused':<22}{label}  {str(refused)[:120]}")
-                except Exception as failure:  # noqa: BLE001 (a compile or launch error on the device)
-                    message = f"{type(failure).__name__}: {failure}"
+                except Exception as problem:  # noqa: BLE001 (a compile or launch error on the device)
+                    message = f"{type(problem).__name__}: {problem}"
                     print(f"{op.name:<16}{impl + ': FAILED':<22}{label}  {message[:300]}")
-                    failures.append(dict(op=op.name, impl=impl, batch=batch, context=context, queries=queries,
-                                         message=message[:2000]))
-            mosaic = [(impl, fn) for impl, fn in mosaic if impl in mosaic_outs]
+                    failure(op.name, impl, message)
+            mosaic = [(impl, compiled[impl]) for impl, _ in mosaic if impl in mosaic_outs]
             xla_seconds = error = None
             mosaic_errors = {}
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
@@ -559,7 +627,11 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<22}{label}")
-            mosaic_seconds = {impl: timed(fn, *op.args, iters=args.iters, warmup=args.warmup) for impl, fn in mosaic}
+            mosaic_seconds = {}
+            for impl, fn in mosaic:  # a kernel that returned once may still hang in a later call
+                with watchdog(f"{op.name} {impl} at B {batch}, ctx {context}, Q {queries} (timing)",
+                              hang_recorder(op.name, impl)):
+                    mosaic_seconds[impl] = timed(fn, *op.args, iters=args.iters, warmup=args.warmup)
             del mosaic_outs
             calls = {"pallas": functools.partial(op.pallas, *op.args),
                      **{impl: functools.partial(fn, *op.args) for impl, fn in mosaic}}

@@ -642,6 +642,47 @@ def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(
     assert 0 <= impls["pallas"]["max_error"] < 5e-2 and impls["xla"]["max_error"] is None
 
 
+# A benchmark run whose Mosaic kernel never returns: a host callback that sleeps stands in for a
+# kernel waiting on the device, the Triton kernel is the reference (fast to interpret), and the
+# watchdog's limit is 3 s, as on a GPU (elsewhere it sets none).
+HANGING_RUN = """
+import sys, time
+import jax, jax.numpy as jnp
+import kernels
+
+def never_returns(q_nope, q_rope, latent_cache, page_table, vis, **options):
+    wait = lambda x: (time.sleep(600), x)[1]
+    out = jax.pure_callback(wait, jax.ShapeDtypeStruct(q_nope.shape, q_nope.dtype), q_nope)
+    return out, jnp.zeros(q_nope.shape[:-1], jnp.float32)
+
+kernels.mla_attention_mosaic = never_returns
+kernels.mla_attention_pallas = kernels.mla_attention_reference
+kernels.call_limit = lambda: 3.0
+sys.exit(kernels.main(["--smoke", "--ops", "mla_attention", "--json", sys.argv[1]]))
+"""
+
+
+def test_a_kernel_that_hangs_ends_its_benchmark_at_once_and_the_report_says_which(tmp_path):
+    """On a GPU a Mosaic kernel's call gets `kernels.CALL_SECONDS` once compiled
+    (`kernels.first_call`). One that never returns ends the run then, with status HUNG_EXIT and the
+    hang in its JSON, not at the report's --unit-timeout minutes later (the subprocess' timeout is
+    shorter than the sleep); report.md names the unit and the call."""
+    path = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-c", HANGING_RUN, str(path)], cwd=os.path.join(REPO, "benchmarks"),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == gpu_report.HUNG_EXIT, done.stdout[-2000:] + done.stderr[-2000:]
+    message = "hung: mla_attention mosaic at B 2, ctx 128, Q 2 did not return within 3 s"
+    assert message in done.stdout.splitlines()
+    data = json.loads(path.read_text())
+    assert data["rows"] == [] and data["failures"] == [
+        dict(op="mla_attention", impl="mosaic", batch=2, context=128, queries=2, message=message)]
+    report = gpu_report.Report(str(tmp_path), "cpu")
+    report.record("kernels/mla_attention", {"returncode": done.returncode, "hung": False, "json": data}, ok=False)
+    text = gpu_report.markdown(report)
+    assert "- kernels/mla_attention: exit 3: a call hung, and its watchdog ended the run" in text
+    assert f"- mla_attention mosaic (B 2, ctx 128, Q 2): {message}" in text
+
+
 def test_mosaic_against_triton_says_which_kernel_auto_should_run():
     """Per op, summed over the shapes both kernels were timed at: a Mosaic kernel faster and as
     close to the reference as Triton's is the one to name in AUTO_KERNELS; a slower one leaves
