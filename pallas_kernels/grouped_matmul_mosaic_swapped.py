@@ -22,14 +22,21 @@ store transposed from the WGMMA layout, and a TMA box cannot be one row wide. So
 writes its whole [128, 16] tile to its own slice of an [items, N, 16] array, and XLA picks each row
 from its item's slice (a gather of M x N values: the output's size, against the weights' GBs).
 
+K splits (`Tiles.split_k`: `k_splits`, the other grouped-matmul kernels' rule, from the weight's
+shape alone). At one decoded token a launch has few programs (8 experts' column blocks, or a dense
+linear's alone: `kv_a_proj` has 5), each streaming its whole [128, K] column; a split makes each
+program stream a range of K instead, writes float32 partial sums, [splits, items, N, 16], and XLA
+picks the rows from every split and adds the splits in a fixed order (`summed_splits`).
+
 Bit-exact rows: a row's output is its own column of the accumulator, computed from that row of the
-activations only (wgmma's N axis), over K in block_k steps from 0 up into float32, whatever the
-rows beside it; tiles and stages are static. Results equal `grouped_matmul_mosaic`'s within
-rounding, not bit for bit (the tensor cores' sums run over the other operand's axis).
+activations only (wgmma's N axis), over its K range in block_k steps into float32, the ranges added
+in order, whatever the rows beside it; tiles, stages and splits are static. Results equal
+`grouped_matmul_mosaic`'s within rounding, not bit for bit (the tensor cores' sums run over the
+other operand's axis).
 
 Allowed (ValueError before tracing): bfloat16 activations; float8_e4m3fn weights [G, N, K] with
-scales [G, N / 128, K / 128 padded to SCALE_PAD] (`swapped_weights`); K and N multiples of 128;
-tiles without K splits. Interpreted on the CPU (`mosaic_gpu.interpreting`), where jax's simulator
+scales [G, N / 128, K / 128 padded to SCALE_PAD] (`swapped_weights`); K and N multiples of 128.
+Interpreted on the CPU (`mosaic_gpu.interpreting`), where jax's simulator
 takes wgmma operands from shared memory only: there the dequantized tile is staged in a buffer,
 the same values.
 """
@@ -47,7 +54,7 @@ from . import block_fp8, e4m3_upcast
 from .grouped_matmul_mosaic import BLOCK, BLOCK_KS, TMA_ROWS
 from .cost import stating
 from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, DEFAULT_VARIANT, VARIANTS, Tiles, check_tiles,
-                                    grouped_matmul_cost, window_rows, work_items)
+                                    grouped_matmul_cost, k_splits, summed_splits, window_rows, work_items)
 from .mosaic_gpu import UPCAST_8BIT, compiler_params, interpret_params, interpreting, store, swizzled
 
 # A program copies its column block's row of scales, [K / 128] float32, in one TMA box: a multiple
@@ -64,8 +71,8 @@ def swapped_weights(rhs: jax.Array, rhs_scale_inv: jax.Array) -> tuple[jax.Array
     return jnp.swapaxes(rhs, -1, -2), scales
 
 
-def _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv, tiles) -> str | None:
-    """Why the kernel cannot take these operands and tiles, or None. (The op's own check,
+def _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv) -> str | None:
+    """Why the kernel cannot take these operands, or None. (The op's own check,
     `contracts.check_grouped_matmul_args`, is for weights [G, K, N]; these are transposed.)"""
     if lhs.ndim != 2 or rhs_t.ndim != 3 or rhs_t.shape[2] != lhs.shape[1]:
         return f"lhs {list(lhs.shape)}, rhs_t {list(rhs_t.shape)}: must be [M, K] and [G, N, K]"
@@ -83,21 +90,20 @@ def _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv, tiles) -> str | None:
     if rhs_t_scale_inv is None or tuple(rhs_t_scale_inv.shape) != want:
         shape = None if rhs_t_scale_inv is None else list(rhs_t_scale_inv.shape)
         return f"rhs_t_scale_inv {shape}: must be {list(want)} float32 (swapped_weights)"
-    if tiles.split_k:
-        return f"tiles={tiles!r}: K splits are not taken"
     return None
 
 
 def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, scale_ref, out_ref, *, width: int, block_k: int,
             stages: int, steps: int, integer_upcast: bool, interpret: bool):
-    """One (column block, row tile) program.
+    """One (K split, column block, row tile) program, over `steps` K steps of its split's.
 
     lhs_ref [M, K] bfloat16 (M a multiple of TMA_ROWS, >= BLOCK_M), rhs_ref [G * N, K] e4m3 (the
     groups' W^T stacked), group_ref / start_ref / end_ref [W] int32 (the work table), scale_ref
-    [G, N / 128, Kp] float32; out_ref [W, N, BLOCK_M]: the item's window of BLOCK_M rows,
-    transposed (module docstring)."""
-    item, column_block = jax.lax.axis_index("item"), jax.lax.axis_index("column")
+    [G, N / 128, Kp] float32; out_ref [splits, W, N, BLOCK_M]: the item's window of BLOCK_M rows,
+    transposed (module docstring), float32 partial sums with splits."""
+    item, column_block, split = (jax.lax.axis_index(axis) for axis in ("item", "column", "split"))
     start, end = start_ref[item], end_ref[item]
+    first_step = split * steps
 
     @pl.when(start < end)
     def _():
@@ -106,12 +112,13 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, scale_ref, out_ref,
 
         def body(x_smem, w_smem, scales_smem, out_smem, x_barriers, w_barriers, scale_barrier, staging):
             def fetch_activations(i, slot):
-                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), pl.ds(i * block_k, block_k)],
+                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(first, BLOCK_M), pl.ds((first_step + i) * block_k, block_k)],
                                         x_smem.at[slot], x_barriers.at[slot])
 
             def fetch_weights(i, slot):
                 plgpu.copy_gmem_to_smem(rhs_ref.at[pl.ds(group * width + column_block * BLOCK_N, BLOCK_N),
-                                                   pl.ds(i * block_k, block_k)], w_smem.at[slot], w_barriers.at[slot])
+                                                   pl.ds((first_step + i) * block_k, block_k)], w_smem.at[slot],
+                                        w_barriers.at[slot])
 
             plgpu.copy_gmem_to_smem(scale_ref.at[group, pl.ds(column_block, 1)], scales_smem, scale_barrier)
             for i in range(min(stages, steps)):
@@ -125,7 +132,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, scale_ref, out_ref,
                     slot = jax.lax.rem(i, stages)
                     plgpu.barrier_wait(w_barriers.at[slot])
                     weights = plgpu.layout_cast(w_smem[slot], UPCAST_8BIT)
-                    scale = scales_smem[0, jax.lax.div(i * block_k, BLOCK)]
+                    scale = scales_smem[0, jax.lax.div((first_step + i) * block_k, BLOCK)]
                     if integer_upcast:
                         tile = e4m3_upcast.dequantized(functools.partial(e4m3_upcast.upcast_mosaic, weights,
                                                                          UPCAST_8BIT), scale)
@@ -159,7 +166,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, scale_ref, out_ref,
             acc = pl.run_scoped(accumulate, plgpu.ACC((BLOCK_N, BLOCK_M), jnp.float32))
             store(out_smem, acc.astype(out_smem.dtype))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[item, pl.ds(column_block * BLOCK_N, BLOCK_N)])
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[split, item, pl.ds(column_block * BLOCK_N, BLOCK_N)])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(
@@ -176,15 +183,15 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, scale_ref, out_ref,
         )
 
 
-def rows_from_items(out_t: jax.Array, group_sizes: jax.Array, num_rows: int, first: jax.Array,
-                    start: jax.Array, end: jax.Array) -> jax.Array:
-    """out_t [W, N, BLOCK_M] (each item's window of rows, transposed) -> [num_rows, N]: row r from
-    the item whose rows [start, end) hold it, at r - first; rows past sum(group_sizes) zero."""
+def rows_from_items(out_t: jax.Array, num_rows: int, first: jax.Array, start: jax.Array, end: jax.Array
+                    ) -> jax.Array:
+    """out_t [splits, W, N, BLOCK_M] (each item's window of rows, transposed, per K split) ->
+    [splits, num_rows, N]: row r from the item whose rows [start, end) hold it, at r - first (rows
+    no item holds: any item's, for `summed_splits` to zero)."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     starts = jnp.where(start < end, start, num_rows)  # empty items sort last and hold no row
-    item = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, out_t.shape[0] - 1)
-    picked = out_t[item, :, jnp.clip(rows - first[item], 0, BLOCK_M - 1)]
-    return jnp.where((rows < jnp.sum(group_sizes))[:, None], picked, jnp.zeros((), out_t.dtype))
+    item = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, out_t.shape[1] - 1)
+    return jax.vmap(lambda split: split[item, :, jnp.clip(rows - first[item], 0, BLOCK_M - 1)])(out_t)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -196,20 +203,24 @@ def _swapped(lhs, rhs_t, group_sizes, scales, *, tiles: Tiles, interpret: bool):
     operand = window_rows(lhs)
     operand = jnp.pad(operand, ((0, -operand.shape[0] % TMA_ROWS), (0, 0)))
     first = jnp.minimum(start, operand.shape[0] - BLOCK_M)
+    # K splits as the other grouped-matmul kernels take them: from the weight's shape alone.
+    splits = k_splits(depth, width, num_groups, tiles)
     kernel = plgpu.kernel(
         functools.partial(_kernel, width=width, block_k=tiles.block_k, stages=tiles.stages,
-                          steps=depth // tiles.block_k, integer_upcast=tiles.integer_upcast and not interpret,
-                          interpret=interpret),
+                          steps=depth // tiles.block_k // splits,
+                          integer_upcast=tiles.integer_upcast and not interpret, interpret=interpret),
         kernel_name="grouped_matmul_mosaic_swapped",
-        out_type=jax.ShapeDtypeStruct((group.shape[0], width, BLOCK_M), lhs.dtype),
-        grid=(width // BLOCK_N, group.shape[0]), grid_names=("column", "item"), compiler_params=compiler_params(),
-        interpret=interpret_params() if interpret else None)
+        out_type=jax.ShapeDtypeStruct((splits, group.shape[0], width, BLOCK_M),
+                                      lhs.dtype if splits == 1 else jnp.float32),
+        grid=(splits, width // BLOCK_N, group.shape[0]), grid_names=("split", "column", "item"),
+        compiler_params=compiler_params(), interpret=interpret_params() if interpret else None)
     # The cost of the same product with the weights as the model stores them (module docstring).
     rhs = jax.ShapeDtypeStruct((num_groups, depth, width), rhs_t.dtype)
-    cost = grouped_matmul_cost(lhs, rhs, lhs.dtype, jax.ShapeDtypeStruct(block_fp8.scale_shape(rhs.shape), jnp.float32))
+    cost = grouped_matmul_cost(lhs, rhs, lhs.dtype, jax.ShapeDtypeStruct(block_fp8.scale_shape(rhs.shape), jnp.float32),
+                               splits)
     with stating(cost, "grouped_matmul"):
         out_t = kernel(operand, rhs_t.reshape(-1, depth), group, start, end, scales)
-    return rows_from_items(out_t, group_sizes, num_rows, first, start, end)
+    return summed_splits(rows_from_items(out_t, num_rows, first, start, end), group_sizes, num_rows, width, lhs.dtype)
 
 
 def grouped_matmul_mosaic_swapped(lhs: jax.Array, rhs_t: jax.Array, group_sizes: jax.Array,
@@ -219,10 +230,10 @@ def grouped_matmul_mosaic_swapped(lhs: jax.Array, rhs_t: jax.Array, group_sizes:
     transposed: lhs [M, K] bfloat16 sorted by group, (rhs_t, rhs_t_scale_inv) =
     `swapped_weights(rhs, rhs_scale_inv)` ([G, N, K] float8_e4m3fn, [G, N / 128, Kp] float32),
     group_sizes [G] (sum <= M) -> [M, N] bfloat16, float32 accumulation; rows past
-    sum(group_sizes) are zero. tiles: its K step, stages and e4m3 unpacking (`integer_upcast`); no
-    K splits. ValueError before tracing for anything else (module docstring)."""
+    sum(group_sizes) are zero. tiles: its K step, stages, K splits and e4m3 unpacking
+    (`integer_upcast`). ValueError before tracing for anything else (module docstring)."""
     check_tiles(tiles, BLOCK_KS)
-    problem = _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv, tiles)
+    problem = _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv)
     if problem is not None:
         raise ValueError(f"grouped_matmul_mosaic_swapped: {problem}")
     call = functools.partial(_swapped, lhs, rhs_t, group_sizes, rhs_t_scale_inv, tiles=tiles, interpret=interpret)

@@ -20,7 +20,7 @@ import pytest
 
 from jaxspec.pallas_kernels import block_fp8, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_mosaic_swapped, swapped_weights
-from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_N, VARIANTS, Tiles, num_work_items
+from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_N, VARIANTS, Tiles, k_splits, num_work_items
 from conftest import MOSAIC_INTERPRET
 from test_grouped_matmul import V32_WEIGHTS, device_fp8_experts, random_sizes
 from test_grouped_matmul_mosaic import check_rows_alone_and_in_a_crowd
@@ -53,6 +53,23 @@ def test_matches_reference(variant, power_of_two):
     assert np.all(np.asarray(got)[52:] == 0)
 
 
+def test_k_splits_match_the_reference_and_keep_a_rows_bits():
+    """Under `k64-split` a launch of K 1024 and one column block splits K in two (`k_splits`: 8
+    steps a range): within bfloat16 rounding of the reference, rows past the total zero, and a
+    row's bits the same alone as among the others."""
+    rng = np.random.default_rng(5)
+    lhs, sizes, quantized, scale_inv, (rhs_t, scales) = fp8_case(rng, 20, 1024, 128, 3, 18, 0.0, True)
+    tiles = VARIANTS["k64-split"]
+    assert k_splits(1024, 128, 3, tiles) == 2
+    got = call(lhs, rhs_t, sizes, scales, tiles=tiles)
+    want = grouped_matmul_reference(lhs, quantized, sizes, scale_inv)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    assert np.all(np.asarray(got)[18:] == 0)
+    first = int(np.flatnonzero(np.asarray(sizes))[0])
+    alone = call(lhs[:1], rhs_t, jnp.zeros_like(sizes).at[first].set(1), scales, tiles=tiles)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(got[:1]))
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     """The same rows give the same bits alone and among more rows of their groups and after other
     groups: a row is its own column of the accumulator (wgmma's N)."""
@@ -74,18 +91,16 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
     for args, message in cases:
         with pytest.raises(ValueError, match="grouped_matmul_mosaic_swapped: .*" + message):
             call(*args)
-    with pytest.raises(ValueError, match="K splits are not taken"):
-        call(lhs, rhs_t, sizes, scales, tiles=VARIANTS["k64-split"])
     with pytest.raises(ValueError, match="must be a Tiles with block_k in"):
         call(lhs, rhs_t, sizes, scales, tiles=Tiles(block_k=32))
 
 
-@pytest.mark.parametrize("variant", ["k64", "k64-int"])
+@pytest.mark.parametrize("variant", ["k64", "k64-int", "k64-split"])
 def test_compiled_for_h100_at_v32_expert_shapes(h100, variant):
     """256 experts' up projection with 256 rows (decode at batch 32, top-8), compiled for sm_90a: one
-    launch of a warpgroup a (work item, column block), its grid items fastest, within the shared
-    memory that leaves four programs an SM, and the stated cost of the same product with the
-    weights as the model stores them."""
+    launch of a warpgroup a (work item, column block, K split: two under k64-split), its grid items
+    fastest, within the shared memory that leaves four programs an SM, and the stated cost of the
+    same product with the weights as the model stores them."""
     from jaxspec import aot
 
     depth, width, groups = V32_WEIGHTS["expert_up"]
@@ -97,7 +112,9 @@ def test_compiled_for_h100_at_v32_expert_shapes(h100, variant):
                                devices=h100)
     (launch,) = aot.mosaic_launches(compiled)
     assert launch.kernel == "grouped_matmul_mosaic_swapped_mosaic_gpu_kernel"
-    assert launch.grid == (num_work_items(256, groups), width // BLOCK_N, 1) and launch.threads == (128, 1, 1)
+    splits = k_splits(depth, width, groups, VARIANTS[variant])
+    assert splits == (2 if variant == "k64-split" else 1)
+    assert launch.grid == (num_work_items(256, groups), width // BLOCK_N, splits) and launch.threads == (128, 1, 1)
     assert 4 * (launch.shared_memory + 1024) <= 228 * 1024
     (call_,) = aot.pallas_calls(compiled)
     assert call_.name == "grouped_matmul" and call_.flops == 2 * 256 * depth * width
