@@ -70,7 +70,8 @@ run goes past it; a suite chunk ended so marks its modules, and `--retry-failed`
 chunk to find the one that hangs. Sooner than that, the kernel, gather and expert-matmul
 benchmarks give each Mosaic call `kernels.CALL_SECONDS` once compiled (`kernels.watchdog`): one
 that has not returned by then ends its benchmark with status `kernels.HUNG_EXIT` and the hang in
-its JSON, which report.md names. OUT/report.md is rewritten from the JSON at the end of every run.
+its JSON, which report.md names; a kernels.py unit so ended runs again at once with --no-mosaic,
+for the Triton and XLA rows of the shapes the hang left. OUT/report.md is rewritten from the JSON at the end of every run.
 
 Calibration: from the kernel, MoE and matmul rows, the fraction of the roofline each op class
 reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak) of the device's
@@ -135,6 +136,7 @@ GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k128-split", "k64-int", GMM_E2E_TI
 # the suite's time.
 GMM_MOSAIC_TILES = (DEFAULT_VARIANT, "k64-s7", "k64-s3", "k64-int", GMM_E2E_TILES)
 SMOKE_GMM_MOSAIC_TILES = (DEFAULT_VARIANT, GMM_E2E_TILES)
+KERNELS_SCRIPT = "benchmarks/kernels.py"  # the benchmark whose Mosaic rows --no-mosaic leaves out
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
 # kernel failing or hanging on the device costs its own op's rows only.
@@ -530,17 +532,36 @@ def empty_outcome() -> dict:
             "slowest": [], "running": []}
 
 
+def run_benchmark(argv: list[str], clock: Clock, args) -> tuple[dict, dict | None]:
+    """Run one benchmark command ("{json}" in argv: where it writes its rows) -> (`run`'s result,
+    the rows it wrote or None)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        rows_path = os.path.join(scratch, "rows.json")
+        result = run([a.replace("{json}", rows_path) for a in argv], clock, child_env(args.smoke), args.unit_timeout)
+        return result, (json.load(open(rows_path)) if os.path.exists(rows_path) else None)
+
+
 def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
+    """Each unit of part `name` not yet recorded, within the clock. A kernels.py unit that a hung
+    Mosaic call ended (`kernels.HUNG_EXIT`) runs again at once without the Mosaic kernels
+    (`--no-mosaic`): the stuck device ended it before its later shapes, whose Triton and XLA rows
+    the Mosaic rows are read against. Its record keeps the hang (a failure) and the Mosaic rows
+    finished before it."""
     for unit, argv, smoke_argv in BENCHMARK_UNITS[name]:
         if report.has(unit) or clock.expired(30) or (args.smoke and smoke_argv is None):
             continue
-        with tempfile.TemporaryDirectory() as scratch:
-            rows_path = os.path.join(scratch, "rows.json")
-            result = run([a.replace("{json}", rows_path) for a in (smoke_argv if args.smoke else argv)], clock,
-                         child_env(args.smoke), args.unit_timeout)
-            rows = json.load(open(rows_path)) if os.path.exists(rows_path) else None
+        command = smoke_argv if args.smoke else argv
+        result, rows = run_benchmark(command, clock, args)
         note(f"{unit}: exit {result['returncode']} in {result['seconds']:.0f} s"
              + (" (hung: ended at --unit-timeout)" if result["hung"] else ""))
+        if result["returncode"] == HUNG_EXIT and command[0] == KERNELS_SCRIPT and not clock.expired(30):
+            note(f"{unit}: a Mosaic call hung; its other kernels run again without the Mosaic ones")
+            again, others = run_benchmark([*command, "--no-mosaic"], clock, args)
+            note(f"{unit} without Mosaic: exit {again['returncode']} in {again['seconds']:.0f} s")
+            if others:
+                mosaic = [row for row in (rows or {}).get("rows", []) if row["impl"].startswith("mosaic")]
+                rows = {**others, "rows": others["rows"] + mosaic,
+                        "failures": (rows or {}).get("failures", []) + others["failures"]}
         if result["timed_out"]:
             report.cut(f"{unit} after {result['seconds']:.0f} s")
             if rows and rows["rows"]:  # keep what it measured; the next run measures the unit again

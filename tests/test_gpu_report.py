@@ -683,6 +683,46 @@ def test_a_kernel_that_hangs_ends_its_benchmark_at_once_and_the_report_says_whic
     assert f"- mla_attention mosaic (B 2, ctx 128, Q 2): {message}" in text
 
 
+def test_a_kernels_unit_a_mosaic_hang_ended_measures_its_other_kernels_again_at_once(tmp_path, monkeypatch):
+    """A kernels.py unit ended by a hung Mosaic call (exit HUNG_EXIT) runs again at once with
+    --no-mosaic: its record has that run's rows, the Mosaic rows finished before the hang, and the
+    hang, a failure (--retry-failed runs the whole unit again); other exits run nothing more."""
+    def row(impl, batch):
+        return dict(op="mla_attention", impl=impl, batch=batch, context=4096, queries=1, seconds=1e-3, bytes=1e9,
+                    flops=1.0, max_error=None)
+
+    hang = dict(op="mla_attention", impl="mosaic", batch=8, context=4096, queries=1, message="hung: ...")
+    outputs = [(gpu_report.HUNG_EXIT, dict(rows=[row("pallas", 32), row("mosaic", 32)], failures=[hang])),
+               (0, dict(rows=[row("pallas", 32), row("pallas", 8), row("xla", 8)], failures=[]))]
+    commands = []
+
+    def fake_run(argv, clock, env=None, limit=None, progress=None):
+        commands.append(argv)
+        returncode, rows = outputs[len(commands) - 1]
+        json.dump({"device": "x", "copy_bytes_per_s": 1e12, **rows}, open(argv[argv.index("--json") + 1], "w"))
+        return {"returncode": returncode, "seconds": 1.0, "output": "", "timed_out": False, "hung": False}
+
+    monkeypatch.setattr(gpu_report, "run", fake_run)
+    unit = ["benchmarks/kernels.py", "--ops", "mla_attention", "--json", "{json}"]
+    monkeypatch.setitem(gpu_report.BENCHMARK_UNITS, "kernels", [("kernels/mla_attention", unit, None)])
+    report = gpu_report.Report(str(tmp_path), "NVIDIA H200")
+    gpu_report.part_benchmark("kernels", report, gpu_report.Clock(600.0), benchmark_args())
+    def without_json(argv):
+        return [a for a in argv if not a.endswith("rows.json")]
+
+    assert without_json(commands[1]) == without_json(commands[0]) + ["--no-mosaic"]
+    record = report.units["kernels/mla_attention"]
+    assert not record["ok"] and record["returncode"] == gpu_report.HUNG_EXIT
+    assert record["json"]["rows"] == [row("pallas", 32), row("pallas", 8), row("xla", 8), row("mosaic", 32)]
+    assert record["json"]["failures"] == [hang]
+    del outputs[0]  # a unit that ends otherwise (here: exit 0) runs once
+    commands.clear()
+    (tmp_path / "other").mkdir()
+    gpu_report.part_benchmark("kernels", gpu_report.Report(str(tmp_path / "other"), "NVIDIA H200"),
+                              gpu_report.Clock(600.0), benchmark_args())
+    assert len(commands) == 1
+
+
 def test_mosaic_against_triton_says_which_kernel_auto_should_run():
     """Per op, summed over the shapes both kernels were timed at: a Mosaic kernel faster and as
     close to the reference as Triton's is the one to name in AUTO_KERNELS; a slower one leaves
