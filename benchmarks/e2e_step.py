@@ -61,11 +61,12 @@ from projection import ROOFLINE, compiled_cost, load_calibration, step_seconds, 
 from jaxspec.aot.model import reduced_depth
 from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
+from jaxspec.flags import add_kernel_choice_flags
 from jaxspec.loop import DecodeState, _step, prefill
 from jaxspec.memory_plan import device_memory, plan_memory
 from jaxspec.orbax_io import abstract_model
-from jaxspec.pallas_kernels.backend import BACKENDS, auto_kernels, check_auto_choices
-from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
+from jaxspec.pallas_kernels.backend import BACKENDS, auto_kernels
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, tile_variant
 from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, quantize_entries
 from jaxspec.presets import preset
 from jaxspec.sampling import base_key
@@ -294,16 +295,6 @@ def profile_line(profile: dict) -> str:
             f"from first to last ({profile['kernels']} kernels)")
 
 
-def parse_choice(text: str) -> tuple[str, str]:
-    """--auto's OP=IMPL, checked by `backend.check_auto_choices`."""
-    op, _, implementation = text.partition("=")
-    try:
-        check_auto_choices({op: implementation})
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return op, implementation
-
-
 def parse_point(text: str) -> tuple[int, int]:
     try:
         batch, drafts = (int(x) for x in text.split(","))
@@ -326,11 +317,7 @@ def main(argv=None) -> int:
                         help="the kernels' implementation, as DecodeConfig.backend (default auto)")
     parser.add_argument("--cache-dtype", choices=["fp8"], default=None,
                         help="fp8: FP8 caches (the latent in FlashMLA's tokens, the indexer keys e4m3)")
-    parser.add_argument("--tiles", choices=VARIANTS, default=DEFAULT_VARIANT,
-                        help=f"the grouped matmul's tile variant (default {DEFAULT_VARIANT})")
-    parser.add_argument("--auto", type=parse_choice, nargs="+", default=[], metavar="OP=IMPL",
-                        help="what backend auto runs for OP, as an AUTO_KERNELS entry would "
-                             "(e.g. grouped_matmul=mosaic)")
+    add_kernel_choice_flags(parser)
     parser.add_argument("--calibration", metavar="JSON", help="also project with this calibration (projection.py)")
     parser.add_argument("--json", metavar="PATH", help="write the points here as they finish (existing points kept)")
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",

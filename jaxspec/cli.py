@@ -5,10 +5,14 @@
     jaxspec aot --target h100|h200 [--devices N] (--preset NAME | --config config.json)
                 --batch B --context C [--mtp K | --tree SPEC] [--phase prefill|decode] [--layers L]
                 [--prefill-chunk C] [--cache-dtype fp8] [--unroll-layers]
+                [--backend pallas|mosaic|xla|auto] [--tiles VARIANT] [--auto OP=IMPL ...]
 
 `aot` compiles the model's prefill or one decode step for an NVIDIA GPU target without a GPU
 (`jaxspec.aot`) and prints per-device memory, flops and bytes (XLA ops plus the Pallas kernels'),
-the collectives, each Pallas kernel's launch resources and the compile time.
+the collectives, each Pallas kernel's launch resources and the compile time. `--tiles` compiles
+the grouped matmul under another tile variant and `--auto` with another kernel for an op under
+`--backend auto`, as `benchmarks/e2e_step.py` times them: what a GPU run of a variant will
+launch, checked without one.
 
 `convert` reads the Hugging Face checkpoint directory SRC tensor by tensor (FP8 weights
 dequantized, or kept with --dtype fp8; progress on stderr), writes DST with
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxspec import progress
 from jaxspec.checkpoint import is_orbax_checkpoint, load_model
-from jaxspec.flags import add_cache_dtype_flag, add_prefill_flag, checkpoint_dir
+from jaxspec.flags import add_cache_dtype_flag, add_kernel_choice_flags, add_prefill_flag, checkpoint_dir
 from jaxspec.orbax_io import save_model, saved_dtype
 from jaxspec.platforms import use_cpu_without_nvidia_driver
 
@@ -91,6 +95,8 @@ def aot(args: argparse.Namespace) -> None:
     from jaxspec.aot.model import compile_model, reduced_depth
     from jaxspec.decode_config import DecodeConfig
     from jaxspec.model_config import ModelConfig
+    from jaxspec.pallas_kernels.backend import auto_kernels
+    from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, tile_variant
     from jaxspec.presets import preset
 
     config = preset(args.preset) if args.config is None else ModelConfig.from_hf(args.config)
@@ -100,7 +106,8 @@ def aot(args: argparse.Namespace) -> None:
                           cache_dtype=args.cache_dtype, unroll_layers=args.unroll_layers)
     memory = {} if args.device_memory is None else dict(device_memory=int(args.device_memory * 2 ** 30))
     devices = instrument.gpu_devices(args.target, args.devices, hosts=args.hosts, **memory)
-    with progress.elapsed(f"compiling the {args.phase} for {args.devices} x {args.target}"):
+    with (progress.elapsed(f"compiling the {args.phase} for {args.devices} x {args.target}"),
+          tile_variant(args.tiles), auto_kernels(**dict(args.auto))):  # both read while tracing
         compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
                                  devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
                                  fail_on_spill=not args.allow_spills, mesh_shape=args.mesh, plan=args.plan)
@@ -110,6 +117,8 @@ def aot(args: argparse.Namespace) -> None:
              f"{drafting}, batch {args.batch}, context {args.context}"
              f"{f', prefill chunks of {args.prefill_chunk}' if args.prefill_chunk else ''}"
              f"{f', {args.cache_dtype} caches' if args.cache_dtype else ''}, backend {args.backend}"
+             f"{''.join(f', auto {op}={impl}' for op, impl in args.auto)}"
+             f"{f', grouped matmul tiles {args.tiles}' if args.tiles != DEFAULT_VARIANT else ''}"
              f"{', layers unrolled' if args.unroll_layers else ''}; "
              f"{args.devices} x {devices[0].device_kind}{f' on {args.hosts} hosts' if args.hosts > 1 else ''}{mesh}")
     print(instrument.report(compiled, title))
@@ -152,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     add_cache_dtype_flag(aot_parser)
     aot_parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                             help=f"parameter dtype; {FP8_HELP}")
-    aot_parser.add_argument("--backend", choices=("pallas", "mosaic", "xla"), default="pallas",
-                            help="kernels: Triton (pallas), Mosaic GPU where an op has one (mosaic), or the references")
+    aot_parser.add_argument("--backend", choices=("pallas", "mosaic", "xla", "auto"), default="pallas",
+                            help="kernels: Triton (pallas), Mosaic GPU where an op has one (mosaic), the references "
+                                 "(xla), or what auto runs on the target (backend.AUTO_KERNELS, Triton where it "
+                                 "names none; --auto changes an entry)")
+    add_kernel_choice_flags(aot_parser)
     aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
     aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
     aot_parser.add_argument("--unroll-layers", action="store_true",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from jaxspec.pallas_kernels.backend import BACKENDS
+from jaxspec.pallas_kernels.backend import BACKENDS, check_auto_choices
+from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS
 from jaxspec.trees import STATIC_TREES, parse_tree
 
 # The presets small enough to build and run on a CPU, with the byte tokenizer's vocabulary.
@@ -49,6 +50,28 @@ def relaxed_spec(text: str) -> tuple[int, float]:
         return int(parts[0]), float(parts[1])
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected top_k,delta like 3,0.1, got {text!r}") from None
+
+
+def auto_choice(text: str) -> tuple[str, str]:
+    """argparse type: `OP=IMPL`, what backend "auto" runs for OP on a GPU as an `AUTO_KERNELS` entry
+    would (checked by `backend.check_auto_choices`)."""
+    op, _, implementation = text.partition("=")
+    try:
+        check_auto_choices({op: implementation})
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return op, implementation
+
+
+def add_kernel_choice_flags(parser: argparse.ArgumentParser) -> None:
+    """--tiles (the grouped matmul's tile variant: `grouped_matmul_pallas.tile_variant`) and --auto
+    OP=IMPL (`backend.auto_kernels`): a step compiled or timed as another variant or a flipped
+    `AUTO_KERNELS` entry would run it."""
+    parser.add_argument("--tiles", choices=VARIANTS, default=DEFAULT_VARIANT,
+                        help=f"the grouped matmul's tile variant (default {DEFAULT_VARIANT})")
+    parser.add_argument("--auto", type=auto_choice, nargs="+", default=[], metavar="OP=IMPL",
+                        help="what backend auto runs for OP, as an AUTO_KERNELS entry would "
+                             "(e.g. grouped_matmul=mosaic)")
 
 
 TREE_HELP = (f"draft tree: one of {', '.join(sorted(STATIC_TREES))} (static), or top_k,depth,budget for a dynamic "

@@ -43,6 +43,39 @@ def test_unknown_target_names_the_known_ones():
         aot.gpu_devices("h100", 16, hosts=3)
 
 
+def test_cli_compiles_under_the_tile_variant_and_auto_choices_it_is_given(monkeypatch, capsys):
+    """`jaxspec aot --backend auto --tiles k64-split --auto grouped_matmul=mosaic` traces the step
+    with that tile variant and "auto" choosing the Mosaic grouped matmul on the target (the
+    settings a GPU run of the variant has), names them in the report's title and leaves both as
+    they were; an --auto naming no Mosaic kernel is refused before compiling."""
+    from jaxspec import cli
+    from jaxspec.pallas_kernels import backend, grouped_matmul_pallas
+
+    seen = {}
+
+    def compile_model(config, decode, **options):  # what tracing the step would read
+        with backend.gpu_lowering():
+            seen.update(tiles=grouped_matmul_pallas.current_tiles(), backend=decode.backend,
+                        gmm=backend.resolve_backend(decode.backend, "grouped_matmul"),
+                        attention=backend.resolve_backend(decode.backend, "sparse_mla_attention"))
+        return "compiled"
+
+    monkeypatch.setattr("jaxspec.aot.model.compile_model", compile_model)
+    monkeypatch.setattr(aot, "report", lambda compiled, title: f"{compiled}: {title}")
+    argv = ["aot", "--preset", "tiny", "--batch", "2", "--context", "64", "--mtp", "3", "--backend", "auto"]
+    assert cli.main([*argv, "--tiles", "k64-split", "--auto", "grouped_matmul=mosaic"]) == 0
+    assert seen == dict(tiles=grouped_matmul_pallas.VARIANTS["k64-split"], backend="auto", gmm="mosaic",
+                        attention="pallas")
+    title = capsys.readouterr().out
+    assert "backend auto, auto grouped_matmul=mosaic, grouped matmul tiles k64-split" in title
+    assert grouped_matmul_pallas.current_tiles() == grouped_matmul_pallas.VARIANTS[grouped_matmul_pallas.DEFAULT_VARIANT]
+    with backend.gpu_lowering():
+        assert backend.resolve_backend("auto", "grouped_matmul") == "pallas"
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--auto", "grouped_matmul=cuda"])
+    assert "the implementation 'pallas' or 'mosaic'" in capsys.readouterr().err
+
+
 def test_missing_plugin_says_what_to_install(monkeypatch):
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
