@@ -71,7 +71,8 @@ chunk to find the one that hangs. Sooner than that, the kernel, gather and exper
 benchmarks give each Mosaic call `kernels.CALL_SECONDS` once compiled (`kernels.watchdog`): one
 that has not returned by then ends its benchmark with status `kernels.HUNG_EXIT` and the hang in
 its JSON, which report.md names; a kernels.py unit so ended runs again at once with --no-mosaic,
-for the Triton and XLA rows of the shapes the hang left. OUT/report.md is rewritten from the JSON at the end of every run.
+for the Triton and XLA rows of the shapes the hang left. OUT/report.md is rewritten from the JSON
+at the end of every run.
 
 Calibration: from the kernel, MoE and matmul rows, the fraction of the roofline each op class
 reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak) of the device's

@@ -36,9 +36,8 @@ other operand's axis).
 
 Allowed (ValueError before tracing): bfloat16 activations; float8_e4m3fn weights [G, N, K] with
 scales [G, N / 128, K / 128 padded to SCALE_PAD] (`swapped_weights`); K and N multiples of 128.
-Interpreted on the CPU (`mosaic_gpu.interpreting`), where jax's simulator
-takes wgmma operands from shared memory only: there the dequantized tile is staged in a buffer,
-the same values.
+Interpreted on the CPU (`mosaic_gpu.interpreting`), where jax's simulator takes wgmma operands
+from shared memory only: there the dequantized tile is staged in a buffer, the same values.
 """
 
 from __future__ import annotations

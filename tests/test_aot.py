@@ -68,7 +68,8 @@ def test_cli_compiles_under_the_tile_variant_and_auto_choices_it_is_given(monkey
                         attention="pallas")
     title = capsys.readouterr().out
     assert "backend auto, auto grouped_matmul=mosaic, grouped matmul tiles k64-split" in title
-    assert grouped_matmul_pallas.current_tiles() == grouped_matmul_pallas.VARIANTS[grouped_matmul_pallas.DEFAULT_VARIANT]
+    variants = grouped_matmul_pallas.VARIANTS
+    assert grouped_matmul_pallas.current_tiles() == variants[grouped_matmul_pallas.DEFAULT_VARIANT]
     with backend.gpu_lowering():
         assert backend.resolve_backend("auto", "grouped_matmul") == "pallas"
     with pytest.raises(SystemExit):
