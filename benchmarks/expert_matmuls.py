@@ -26,7 +26,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernels import add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, time_cells, timings, write_rows
+from kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, hang_writer, time_cells, timings,
+                     write_rows)
 
 from jaxspec.pallas_kernels import block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
@@ -90,11 +91,7 @@ def main(argv=None) -> int:
         for kernel, variant in runs:
             weights = transposed if kernel == "mosaic-swapped" else (quantized, scale_inv)
             fn = functools.partial(KERNELS[kernel], tiles=VARIANTS[variant], interpret=interpret)
-
-            def hung(message, impl=f"{kernel}:{variant}"):  # `kernels.watchdog`: the JSON says which kernel hung
-                if args.json:
-                    write_rows(args.json, copy_bw, rows, [dict(op="expert_matmul", impl=impl, message=message)])
-
+            hung = hang_writer(args.json, copy_bw, rows, "expert_matmul", f"{kernel}:{variant}")
             calls = {}
             for tokens in args.tokens:
                 operands = (inputs[tokens], weights[0], jnp.asarray(sizes[tokens]), weights[1])

@@ -57,7 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from kernels import add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, timed, watchdog, write_rows
+from kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, hang_writer, timed, watchdog,
+                     write_rows)
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled, warp_map_interpretable
@@ -224,11 +225,7 @@ def main(argv=None) -> int:
         rows = rows_for(variant, sizes["programs"], sizes["tiles"], sizes["cache_rows"], rng)
         rows_dev = jnp.asarray(rows)
         want = np.asarray(cache, np.float32)[rows[:, -KEYS:]]
-
-        def hung(message, variant=variant):  # the JSON says which variant hung (`kernels.watchdog`)
-            if args.json:
-                write_rows(args.json, copy_bw, out_rows, [dict(op="gather", impl=variant, message=message)])
-
+        hung = hang_writer(args.json, copy_bw, out_rows, "gather", variant)
         run, got = first_call(functools.partial(gather, variant, interpret=interpret), rows_dev, cache,
                               what=f"gather {variant}", on_hang=hung)
         ok = np.array_equal(np.asarray(got, np.float32), want)

@@ -204,6 +204,16 @@ def first_call(fn, *args, what: str, on_hang=None):
         return compiled, jax.block_until_ready(compiled(*args))
 
 
+def hang_writer(path: str | None, copy_bw: float, rows: list[dict], op: str, impl: str):
+    """A `watchdog` on_hang for a benchmark without a failures list of its own: writes --json
+    (`write_rows`, when path is given) with the rows so far and the hang of `op`'s `impl`."""
+    def write(message: str) -> None:
+        if path:
+            write_rows(path, copy_bw, rows, [dict(op=op, impl=impl, message=message)])
+
+    return write
+
+
 def timings(calls: dict, iters: int, warmup: int) -> dict[object, tuple[float, float | None]]:
     """name -> (seconds a call by the wall clock, `timed`; its kernels' seconds a call on the
     device, `kernel_profile.device_seconds`, one profiler trace for all of `calls`) for calls, name ->
@@ -544,6 +554,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
     too, then save(this shape's rows so far) writes the JSON and the run ends (`HUNG_EXIT`)."""
     batch, context, queries = case
     label = f"{batch:>5}{context:>7}{queries:>3}"
+    shape = f"at B {batch}, ctx {context}, Q {queries}"  # in a hung call's message
     timed_rows = []
 
     def failure(op, impl, message):
@@ -603,9 +614,8 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     mosaic.append(("mosaic copies by thread", functools.partial(op.mosaic, copies_by_thread=True)))
             mosaic_outs, compiled = {}, {}
             for impl, fn in mosaic:
-                what = f"{op.name} {impl} at B {batch}, ctx {context}, Q {queries}"
                 try:  # a Mosaic kernel refuses shapes it cannot tile (tiny-v4's D 32, FP8 dense MLA below 512)
-                    compiled[impl], mosaic_outs[impl] = first_call(fn, *op.args, what=what,
+                    compiled[impl], mosaic_outs[impl] = first_call(fn, *op.args, what=f"{op.name} {impl} {shape}",
                                                                    on_hang=hang_recorder(op.name, impl))
                 except ValueError as refused:
                     print(f"{op.name:<16}{impl + ': refused':<22}{label}  {str(refused)[:120]}")
@@ -613,7 +623,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     message = f"{type(problem).__name__}: {problem}"
                     print(f"{op.name:<16}{impl + ': FAILED':<22}{label}  {message[:300]}")
                     failure(op.name, impl, message)
-            mosaic = [(impl, compiled[impl]) for impl, _ in mosaic if impl in mosaic_outs]
+            mosaic = list(compiled.items())  # the kernels that ran, compiled
             xla_seconds = error = None
             mosaic_errors = {}
             fits = memory is None or input_bytes + op.xla_bytes < MEMORY_FRACTION * memory
@@ -629,8 +639,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<22}{label}")
             mosaic_seconds = {}
             for impl, fn in mosaic:  # a kernel that returned once may still hang in a later call
-                with watchdog(f"{op.name} {impl} at B {batch}, ctx {context}, Q {queries} (timing)",
-                              hang_recorder(op.name, impl)):
+                with watchdog(f"{op.name} {impl} {shape} (timing)", hang_recorder(op.name, impl)):
                     mosaic_seconds[impl] = timed(fn, *op.args, iters=args.iters, warmup=args.warmup)
             del mosaic_outs
             calls = {"pallas": functools.partial(op.pallas, *op.args),
