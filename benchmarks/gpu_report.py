@@ -99,6 +99,7 @@ import time
 
 from kernels import HUNG_EXIT
 from projection import Calibration, note, step_seconds, target_peaks
+from suite_log import COMPILE_KEYS, empty_outcome, suite_outcomes
 
 from jaxspec.aot.model import DepthCost
 from jaxspec.pallas_kernels.backend import AUTO_KERNELS
@@ -411,60 +412,6 @@ def test_modules() -> list[str]:
     return sorted(names, key=lambda n: order.get(n, len(order)))
 
 
-def module_of(nodeid: str) -> str:
-    """"tests/test_a.py::test_x[1]" -> "test_a.py"."""
-    return os.path.basename(nodeid.split("::")[0])
-
-
-def suite_outcomes(path: str) -> tuple[dict[str, int], dict[str, dict]]:
-    """A `suite_log` file -> (tests collected per module, and per module with a test that started:
-    {"passed", "failed", "skipped", "finished", "seconds", "failures": [...], "skips": [...],
-    "slowest": [[test, seconds], ...] (its three longest), "running": [tests started, unfinished]}).
-
-    A test is finished once its teardown is logged; it failed if any of its phases failed, was
-    skipped if one was skipped (and none failed), and passed otherwise. A module is complete when
-    "finished" equals its collected count; a run ended from outside leaves the others partial, and
-    the tests it ended in the middle "running"."""
-    collected, phases = {}, {}
-    with open(path) as f:
-        for line in f:
-            entry = json.loads(line)
-            if "collected" in entry:
-                collected = {}
-                for nodeid in entry["collected"]:
-                    collected.setdefault(module_of(nodeid), []).append(nodeid)
-            else:
-                phases.setdefault(entry["nodeid"], []).append(entry)
-    modules = {}
-    for module, nodeids in collected.items():
-        finished = [n for n in nodeids if any(p["when"] == "teardown" for p in phases.get(n, []))]
-        running = [n.split("::", 1)[-1] for n in nodeids if n in phases and n not in finished]
-        if not finished and not running:
-            continue
-        entry = {"passed": 0, "failed": 0, "skipped": 0, "finished": len(finished), "seconds": 0.0, "failures": [],
-                 "skips": []}
-        durations = []
-        for nodeid in finished:
-            test = phases[nodeid]
-            name = nodeid.split("::", 1)[-1]
-            durations.append([name, round(sum(p["seconds"] for p in test), 1)])
-            entry["seconds"] += durations[-1][1]
-            failed = [p for p in test if p["outcome"] == "failed"]
-            skipped = [p for p in test if p["outcome"] == "skipped"]
-            if failed:
-                entry["failed"] += 1
-                entry["failures"].append(f"{name} ({failed[0]['when']}): {failed[0]['message']}")
-            elif skipped:
-                entry["skipped"] += 1
-                entry["skips"].append(f"{name}: {skipped[0]['message'][:200]}")
-            else:
-                entry["passed"] += 1
-        entry["slowest"] = sorted(durations, key=lambda d: -d[1])[:3]
-        entry["running"] = running
-        modules[module] = entry
-    return {module: len(nodeids) for module, nodeids in collected.items()}, modules
-
-
 def part_suite(report: Report, clock: Clock, args) -> None:
     """pytest on the GPU. By default one run takes every module not yet recorded, lightest first:
     the run is usually ended by the clock, and light modules first leave the most modules complete
@@ -525,12 +472,6 @@ def part_suite(report: Report, clock: Clock, args) -> None:
                 found["failures"].append(f"pytest exit {result['returncode']}: {result['output'][-1500:]}")
             report.record(f"suite/{module}", {**found, "collected": collected.get(module),
                                               "chunk_seconds": result["seconds"]}, ok=not found["failed"])
-
-
-def empty_outcome() -> dict:
-    """`suite_outcomes`' entry of a module none of whose tests started."""
-    return {"passed": 0, "failed": 0, "skipped": 0, "finished": 0, "seconds": 0.0, "failures": [], "skips": [],
-            "slowest": [], "running": []}
 
 
 def run_benchmark(argv: list[str], clock: Clock, args) -> tuple[dict, dict | None]:
@@ -844,15 +785,22 @@ def markdown(report: Report) -> str:
         totals = [sum(v[key] for v in suite.values()) for key in ("passed", "failed", "skipped")]
         lines += [f"{len(suite)} modules: {totals[0]} passed, {totals[1]} failed, {totals[2]} skipped "
                   f"({sum(v['seconds'] for v in suite.values()):.0f} s of test time).", "",
-                  "| module | passed | failed | skipped | s |", "|---|---|---|---|---|"]
-        lines += [f"| {m} | {v['passed']} | {v['failed']} | {v['skipped']} | {v['seconds']:.0f} |" for m, v in suite.items()]
+                  "s: the module's test time; compile s: of it, in XLA's compiler (a program from the persistent cache "
+                  "included); trace s: tracing and lowering; programs: compiled or fetched (\"-\": recorded before "
+                  "these were counted).", "",
+                  "| module | passed | failed | skipped | s | compile s | trace s | programs |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {m} | {v['passed']} | {v['failed']} | {v['skipped']} | {v['seconds']:.0f} | "
+                  + " | ".join(f"{v[key]:.0f}" if key in v else "-" for key in COMPILE_KEYS) + " |"
+                  for m, v in suite.items()]
         problems = [f"- {m}: {f}" for m, v in suite.items() for f in v["failures"]]
         skips = [f"- {m}: {s}" for m, v in suite.items() for s in v["skips"]]
         lines += ([""] + ["Failures:"] + problems if problems else []) + ([""] + ["Skips:"] + skips if skips else [])
     if partial:
         lines += ["", "Cut short (run again next time; what had finished):", ""]
-        lines += [f"- {m}: {v['finished']} of {v.get('collected') or '?'} tests in {v['seconds']:.0f} s "
-                  f"({v['passed']} passed, {v['failed']} failed, {v['skipped']} skipped); slowest: "
+        lines += [f"- {m}: {v['finished']} of {v.get('collected') or '?'} tests in {v['seconds']:.0f} s"
+                  + (f", {v['compile_seconds']:.0f} s of it compiling {v['programs']} programs" if "programs" in v else "")
+                  + f" ({v['passed']} passed, {v['failed']} failed, {v['skipped']} skipped); slowest: "
                   + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in v.get("slowest", []))
                   for m, v in partial.items()]
         lines += [f"  - failed: {f}" for v in partial.values() for f in v["failures"]]

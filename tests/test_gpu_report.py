@@ -21,6 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gather_copies  # noqa: E402
 import gpu_report  # noqa: E402
+import suite_log  # noqa: E402
 from projection import Calibration, load_calibration, step_seconds, target_peaks  # noqa: E402
 
 from jaxspec.aot.model import DepthCost  # noqa: E402
@@ -194,10 +195,14 @@ def test_suite_log_records_each_test_as_it_finishes(tmp_path):
     """The `suite_log` plugin, in a real pytest run under pytest-xdist as the suite part runs it
     (without xdist, the smoke run's `--collect-only` reads its collected tests): the collected
     tests, then every phase's outcome, read back per module by `suite_outcomes` (a failure with
-    its phase and message, a skip with its reason; a module-level fixture error fails its tests)."""
+    its phase and message, a skip with its reason; a module-level fixture error fails its tests),
+    and the programs a module's tests compiled, with the seconds that took."""
     (tmp_path / "test_a.py").write_text(
         "import pytest\n"
         "def test_one(): pass\n"
+        "def test_jits():\n"
+        "    import jax\n"
+        "    assert float(jax.jit(lambda x: x * 3 + 1)(2.0)) == 7.0\n"
         "def test_two(): assert 1 == 2, 'boom'\n"
         "@pytest.mark.skip(reason='needs a GPU')\n"
         "def test_three(): pass\n")
@@ -212,10 +217,12 @@ def test_suite_log_records_each_test_as_it_finishes(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "suite_log",
                            "-n", "2", "test_a.py", "test_b.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    collected, found = gpu_report.suite_outcomes(str(log))
-    assert collected == {"test_a.py": 3, "test_b.py": 1}
+    collected, found = suite_log.suite_outcomes(str(log))
+    assert collected == {"test_a.py": 4, "test_b.py": 1}
     a, b = found["test_a.py"], found["test_b.py"]
-    assert (a["passed"], a["failed"], a["skipped"]) == (1, 1, 1)
+    assert (a["passed"], a["failed"], a["skipped"]) == (2, 1, 1)
+    assert a["programs"] >= 1 and a["compile_seconds"] > 0 and a["trace_seconds"] > 0
+    assert (b["programs"], b["compile_seconds"]) == (0, 0)
     assert a["failures"][0].startswith("test_two (call): ") and "boom" in a["failures"][0]
     assert "needs a GPU" in a["skips"][0]
     assert b["failed"] == 1 and b["failures"][0].startswith("test_four (setup): ") and "no device" in b["failures"][0]
@@ -223,12 +230,14 @@ def test_suite_log_records_each_test_as_it_finishes(tmp_path):
 
 def suite_log_lines(finished: dict[str, str], running: list[str], collected: list[str]) -> list[dict]:
     """A `suite_log` file's lines: `collected`, then each finished test's phases (its call's
-    outcome as given), then the setup and call of the tests still running."""
+    outcome as given, 3 programs compiled in 0.75 s and traced in 0.25 s), then the setup and call
+    of the tests still running."""
     lines = [{"collected": collected}]
     for nodeid, outcome in finished.items():
         lines += [{"nodeid": nodeid, "when": "setup", "outcome": "passed", "seconds": 0.5, "message": ""},
                   {"nodeid": nodeid, "when": "call", "outcome": outcome, "seconds": 1.0,
-                   "message": "AssertionError: off" if outcome == "failed" else ""},
+                   "message": "AssertionError: off" if outcome == "failed" else "", "compile_seconds": 0.75,
+                   "trace_seconds": 0.25, "programs": 3},
                   {"nodeid": nodeid, "when": "teardown", "outcome": "passed", "seconds": 0.0, "message": ""}]
     for nodeid in running:
         lines += [{"nodeid": nodeid, "when": "setup", "outcome": "passed", "seconds": 0.5, "message": ""}]
@@ -301,9 +310,26 @@ def test_a_suite_run_the_clock_ends_keeps_the_modules_that_finished_and_notes_th
     assert "suite/test_c.py" not in report.units
     assert report.data["runs"][-1]["cut"] == ["suite: 2 modules unfinished after 200 s"]
     text = gpu_report.markdown(report)
-    assert "- test_b.py: 1 of 2 tests in 2 s (0 passed, 1 failed, 0 skipped); slowest: t4 2 s" in text
+    assert "| test_a.py | 2 | 0 | 0 | 3 | 2 | 0 | 6 |" in text  # compile 1.5 s, trace 0.5 s, 6 programs
+    assert "- test_b.py: 1 of 2 tests in 2 s, 1 s of it compiling 3 programs (0 passed, 1 failed, 0 skipped); slowest: t4 2 s" in text
     assert "  - failed: t4 (call): AssertionError: off" in text
     assert re.search(r"Not run yet: [^\n]*test_c\.py", text) and "Not run yet: test_b" not in text
+
+
+def test_suite_log_prints_where_a_runs_time_went(tmp_path, capsys):
+    """`python benchmarks/suite_log.py LOG`: the finished modules slowest first, each with its
+    seconds compiling and its programs, under the run's totals; --top keeps the slowest."""
+    log = tmp_path / "run.jsonl"
+    lines = suite_log_lines({"tests/test_a.py::t1": "passed", "tests/test_b.py::t2": "passed",
+                             "tests/test_b.py::t3": "failed"}, [], ["tests/test_a.py::t1", "tests/test_b.py::t2",
+                                                                    "tests/test_b.py::t3"])
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert suite_log.main([str(log), "--top", "1"]) == 0
+    header, total, *modules = capsys.readouterr().out.splitlines()
+    assert total.split() == ["4", "2", "1", "9", "all"]  # 1.5 s a test; 0.75 s compiling, 3 programs
+    assert [row.split() for row in modules] == [["3", "2", "0", "6", "test_b.py"]]
+    with pytest.raises(SystemExit):
+        suite_log.main([str(log), "--top", "-1"])
 
 
 def test_every_benchmark_units_gpu_command_parses(monkeypatch, tmp_path):
@@ -601,7 +627,7 @@ def test_redo_measures_the_named_parts_again_and_keeps_their_records_until_then(
     report = gpu_report.Report(str(tmp_path), device)
     for unit in ("moe", "kernels_block_n32", "kernels/mla_attention", "gather/sparse_mla"):
         report.record(unit, {"returncode": 0}, ok=True)
-    report.record("suite/test_a.py", gpu_report.empty_outcome(), ok=True)
+    report.record("suite/test_a.py", suite_log.empty_outcome(), ok=True)
     assert [gpu_report.unit_part(u) for u in [*report.units, "e2e/B=1,k=0", "mainjob/mtp3"]] == [
         "moe", "tiles", "kernels", "gather", "suite", "e2e", "mainjob"]
     assert gpu_report.main(["--out", str(tmp_path), "--redo", "moe,tiles,gather/sparse_mla", "--parts", "suite",
