@@ -799,7 +799,8 @@ def markdown(report: Report) -> str:
     if partial:
         lines += ["", "Cut short (run again next time; what had finished):", ""]
         lines += [f"- {m}: {v['finished']} of {v.get('collected') or '?'} tests in {v['seconds']:.0f} s"
-                  + (f", {v['compile_seconds']:.0f} s of it compiling {v['programs']} programs" if "programs" in v else "")
+                  + (f", {v['compile_seconds']:.0f} s of it compiling {v['programs']} programs"
+                     if "programs" in v else "")
                   + f" ({v['passed']} passed, {v['failed']} failed, {v['skipped']} skipped); slowest: "
                   + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in v.get("slowest", []))
                   for m, v in partial.items()]

@@ -29,6 +29,8 @@ import os
 import pytest
 
 LOG = "JAXSPEC_SUITE_LOG"
+# What the log counts of a test phase's compiling (absent from logs written before it did).
+COMPILE_KEYS = ("compile_seconds", "trace_seconds", "programs")
 
 
 def _write(config, entry: dict) -> None:
@@ -41,7 +43,7 @@ def _write(config, entry: dict) -> None:
 
 _config = None  # the run's pytest config: the hooks below that get no config reach it here
 # JAX's compile events in this process since the last test phase's report.
-_compiles = {"compile_seconds": 0.0, "trace_seconds": 0.0, "programs": 0}
+_compiles = dict.fromkeys(COMPILE_KEYS, 0)
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compile_seconds",
            "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace_seconds"}
@@ -68,7 +70,7 @@ def pytest_runtest_makereport(item, call):
     a new list, since a report shares its item's user_properties."""
     report = (yield).get_result()
     report.user_properties = [*report.user_properties, ("jax_compiles", dict(_compiles))]
-    _compiles.update(compile_seconds=0.0, trace_seconds=0.0, programs=0)
+    _compiles.update(dict.fromkeys(COMPILE_KEYS, 0))
 
 
 def pytest_collection_finish(session):
@@ -108,10 +110,6 @@ def pytest_runtest_logreport(report):
 def module_of(nodeid: str) -> str:
     """"tests/test_a.py::test_x[1]" -> "test_a.py"."""
     return os.path.basename(nodeid.split("::")[0])
-
-
-# What `suite_log` counts of a test's compiling (absent from logs written before it did).
-COMPILE_KEYS = ("compile_seconds", "trace_seconds", "programs")
 
 
 def suite_outcomes(path: str) -> tuple[dict[str, int], dict[str, dict]]:

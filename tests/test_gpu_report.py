@@ -311,7 +311,8 @@ def test_a_suite_run_the_clock_ends_keeps_the_modules_that_finished_and_notes_th
     assert report.data["runs"][-1]["cut"] == ["suite: 2 modules unfinished after 200 s"]
     text = gpu_report.markdown(report)
     assert "| test_a.py | 2 | 0 | 0 | 3 | 2 | 0 | 6 |" in text  # compile 1.5 s, trace 0.5 s, 6 programs
-    assert "- test_b.py: 1 of 2 tests in 2 s, 1 s of it compiling 3 programs (0 passed, 1 failed, 0 skipped); slowest: t4 2 s" in text
+    assert ("- test_b.py: 1 of 2 tests in 2 s, 1 s of it compiling 3 programs (0 passed, 1 failed, 0 skipped); "
+            "slowest: t4 2 s") in text
     assert "  - failed: t4 (call): AssertionError: off" in text
     assert re.search(r"Not run yet: [^\n]*test_c\.py", text) and "Not run yet: test_b" not in text
 
