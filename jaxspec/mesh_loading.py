@@ -70,7 +70,8 @@ def load_onto_mesh(loads: Sequence[tuple[str, list]], tensors: Mapping[str, shar
             values[param] = _unit(sources, spec.shape, spec.dtype, placement[param], tensors, block)
         else:
             unit_sharding = row_sharding(placement[param])
-            stack = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=placement[param])()
+            # jnp.zeros itself, not a lambda per parameter: stacks of one shape share a program.
+            stack = jax.jit(jnp.zeros, static_argnums=(0, 1), out_shardings=placement[param])(spec.shape, spec.dtype)
             for row in range(spec.shape[0]):
                 value = _unit([s for s in sources if s[1].layer == row], spec.shape[1:], spec.dtype, unit_sharding,
                               tensors, block)

