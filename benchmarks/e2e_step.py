@@ -62,7 +62,7 @@ from jaxspec.aot.model import reduced_depth
 from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.flags import add_kernel_choice_flags
-from jaxspec.loop import DecodeState, _step, prefill
+from jaxspec.loop import DecodeState, _step, prefill, row_sampling
 from jaxspec.memory_plan import device_memory, plan_memory
 from jaxspec.orbax_io import abstract_model
 from jaxspec.pallas_kernels.backend import BACKENDS, auto_kernels
@@ -193,7 +193,8 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
     """A loop state of `batch` one-token prompts as `init_state` would return it, without running
     (and compiling) the prefill: caches as `generate` builds them (`jaxspec.batch.prepare`),
     every other field of the prefill's output shape, drawn at random where a step reads values
-    (last token, MTP seeds), zeros elsewhere (counters, the output buffer)."""
+    (last token, MTP seeds), the config's sampling parameters, zeros elsewhere (counters, the output
+    buffer)."""
     rng = np.random.default_rng(batch * 10 + decode.num_draft)
     prompts = rng.integers(2, model.config.vocab_size, (batch, 1)).tolist()
     prepared = prepare(model, prompts, decode)
@@ -204,11 +205,12 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
     # prompts / prompt_lens are None outside prefill_in_loop: they stay None
     fields = {field.name: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), getattr(shapes, field.name))
               for field in dataclasses.fields(DecodeState)
-              if field.name not in ("target_cache", "mtp_cache", "rng_key")}
+              if field.name not in ("target_cache", "mtp_cache", "rng_key", "sampling")}
     fields["last_token"] = jnp.asarray(rng.integers(2, model.config.vocab_size, batch), jnp.int32)
     for name in ("seed_logits", "seed_hidden"):
         fields[name] = jax.random.normal(next(keys), fields[name].shape, jnp.float32).astype(fields[name].dtype)
-    return DecodeState(target_cache=prepared.target_cache, mtp_cache=prepared.mtp_cache, rng_key=base_key(0), **fields)
+    return DecodeState(target_cache=prepared.target_cache, mtp_cache=prepared.mtp_cache, rng_key=base_key(0),
+                       sampling=row_sampling(decode, batch), **fields)
 
 
 @dataclasses.dataclass

@@ -16,15 +16,16 @@
 Greedy speculative decoding is lossless: for one seed, every --mtp and --tree prints the same text;
 only the speed and the acceptance statistics change. Sampling (--temperature > 0) is lossless in
 distribution: the text is distributed as plain sampling's, drawn from one stream per row seeded by
---sample-seed (a runtime input: changing it does not recompile). --relaxed accepts close runners-up
-too, which is lossy: it changes the text. By default the model is the shipped checkpoint
-`examples/checkpoints/tiny-stdlib`: a small DeepSeek-V3.2 (MLA, DSA, MoE, MTP) that
-`examples/train_tiny.py` trained on the Python standard library's source, byte by byte, so Python
-prompts get Python-flavoured text and most drafts are accepted. --random uses the `tiny` preset (or
-`tiny-v3`) with random weights drawn from --seed instead: the text is noise and few drafts are
-accepted. `generate` is compiled ahead of time and run once to warm up, so the decode time excludes both.
-Prompts of at most 64 tokens run through the decoding loop's own calls (`--prefill auto`), so the
-compiled program holds no prefill calls: it compiles in about 60% of the time (docs/aot.md).
+--sample-seed (a runtime input, as are the temperature, top-k and top-p: changing them does not
+recompile). --relaxed accepts close runners-up too, which is lossy: it changes the text. By default
+the model is the shipped checkpoint `examples/checkpoints/tiny-stdlib`: a small DeepSeek-V3.2 (MLA,
+DSA, MoE, MTP) that `examples/train_tiny.py` trained on the Python standard library's source, byte
+by byte, so Python prompts get Python-flavoured text and most drafts are accepted. --random uses the
+`tiny` preset (or `tiny-v3`) with random weights drawn from --seed instead: the text is noise and
+few drafts are accepted. `generate` is compiled ahead of time and run once to warm up, so the decode
+time excludes both. Prompts of at most 64 tokens run through the decoding loop's own calls
+(`--prefill auto`), so the compiled program holds no prefill calls: it compiles in about 60% of the
+time (docs/aot.md).
 
 --checkpoint runs a real model instead: a Hugging Face DeepSeek-V3 / V3.2 / V4 directory (safetensors
 as DeepSeek releases them or as transformers' `save_pretrained` writes them, FP8 or not; loaded

@@ -17,7 +17,9 @@ MAX_DRAFT_TOKENS = 7
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """What the decoding loop needs beyond the model. Every field is static (part of the compiled
-    computation); the sampling seed is not a field but an argument of `generate`.
+    computation) except the values of temperature, top_k and top_p: the programs read those at
+    run time (`program_config`), so changing them with temperature > 0 reuses the compiled
+    program; the sampling seed is not a field but an argument of `generate`.
 
     num_draft: k, draft tokens per speculative step when `tree` is None (0 = plain decoding, the
       baseline; 1..MAX_DRAFT_TOKENS chains the one MTP layer). With a tree it must be >= 1 and is
@@ -201,6 +203,17 @@ class DecodeConfig:
     def max_depth(self) -> int:
         """D: the most drafts one step can accept (the depth of the tree)."""
         return 0 if self.draft_tree is None else self.draft_tree.max_depth
+
+    def program_config(self) -> "DecodeConfig":
+        """This config as the jitted programs take it (their static argument): temperature, top_k
+        and top_p at placeholder values (1, off, off) when sampling, so that configs differing only
+        in those values share one compiled program; their real values go in as a runtime argument
+        (`jaxspec.loop.row_sampling`). Whether a run samples (temperature > 0) stays static: greedy
+        and sampled runs are different programs. Inside a program only `temperature > 0` may be
+        read from the config."""
+        if self.temperature == 0:
+            return self
+        return self.replace(temperature=1.0, top_k=0, top_p=1.0)
 
     def replace(self, **changes) -> "DecodeConfig":
         return dataclasses.replace(self, **changes)

@@ -25,26 +25,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.batch import PreparedBatch, prepare
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding
+from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding, row_sampling
 from jaxspec.models.interface import DecodeCache, DecoderModel
 from jaxspec.sampling import base_key
 from jaxspec.sharding import DEFAULT_PLAN, put, shard_params
 
 
-def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config) -> DecodeState:
-    state = prefill(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
+def _generate(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling,
+              config) -> DecodeState:
+    state = prefill(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, sampling)
     return decode(graphdef, params, state, config)
 
 
-def _generate_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, mesh, plan,
-                   num_rows) -> DecodeState:
+def _generate_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, config,
+                   mesh, plan, num_rows) -> DecodeState:
     """`_generate` inside the loop's shard_map on `mesh` (`jaxspec.loop.mesh_program`); the rows
     past `num_rows` are padding, retired after prefill."""
     def body(params, *args):
-        state = retire_padding(prefill(graphdef, params, *args, config), num_rows)
+        *args, sampling = args
+        state = retire_padding(prefill(graphdef, params, *args, config, sampling), num_rows)
         return decode(graphdef, params, state, config)
 
-    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, mesh=mesh, plan=plan)
+    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
+                        plan=plan)
 
 
 # The caches are donated: the loop updates them in place (one copy of the cache on the device).
@@ -54,10 +57,14 @@ _generate_mesh_jit = jax.jit(_generate_mesh, static_argnames=("graphdef", "confi
 
 
 def _program(graphdef, params, batch: PreparedBatch, config: DecodeConfig, mesh: Mesh | None, plan: str):
-    """The jitted generate program for `batch` and its arguments: (jitted fn, args, static args)."""
+    """The jitted generate program for `batch` and its arguments: (jitted fn, (params, the rows'
+    sampling parameters), static args). The sampling values are a runtime argument
+    (`DecodeConfig.program_config`)."""
+    sampling = row_sampling(config, batch.prompts.shape[0], mesh, plan)
     if mesh is None:
-        return _generate_jit, (params,), (config,)
-    return _generate_mesh_jit, (shard_params(params, mesh, plan),), (config, mesh, plan, batch.num_rows)
+        return _generate_jit, (params, sampling), (config.program_config(),)
+    return (_generate_mesh_jit, (shard_params(params, mesh, plan), sampling),
+            (config.program_config(), mesh, plan, batch.num_rows))
 
 
 def _empty_cache(layout: DecodeCache | None) -> DecodeCache | None:
@@ -134,7 +141,8 @@ def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig()
     tree, `config`).
 
     One jitted computation (prefill, then a `jax.lax.while_loop` of speculative steps), compiled
-    once per (model structure, config, prompt width, batch size). Inside a user's `jax.jit`, pass
+    once per (model structure, config, prompt width, batch size), where the config's temperature,
+    top_k and top_p count only as greedy or sampling (`DecodeConfig.program_config`). Inside a user's `jax.jit`, pass
     `prompts` as a [B, P] array (with `prompt_lens`); the checks that need concrete values are
     then skipped. With temperature 0 the output equals plain greedy decoding (`num_draft=0`) token
     for token; with temperature > 0 it is distributed as plain sampling's. `key` (an int seed or a
@@ -168,9 +176,9 @@ def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig()
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
-    fn, params, static = _program(graphdef, params, batch, config, mesh, plan)
-    state = fn(graphdef, *params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-               base_key(key), *static)
+    fn, (params, sampling), static = _program(graphdef, params, batch, config, mesh, plan)
+    state = fn(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
+               base_key(key), sampling, *static)
     return result_from_state(state, config, batch.num_rows)
 
 
@@ -194,9 +202,9 @@ def compile_generate(model: DecoderModel, prompts, config: DecodeConfig = Decode
     rng_key = base_key(key)
     if mesh is not None:  # a compiled program takes its arguments exactly where it was compiled for
         rng_key = put(rng_key, NamedSharding(mesh, PartitionSpec()))
-    fn, (params,), static = _program(graphdef, params, batch, config, mesh, plan)
+    fn, (params, sampling), static = _program(graphdef, params, batch, config, mesh, plan)
     compiled = fn.lower(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-                        rng_key, *static).compile()
+                        rng_key, sampling, *static).compile()
     # The computation consumes (donates) its caches, so every run gets new empty ones; only their
     # layout and page tables are kept here, not a second copy of the caches.
     target_layout, mtp_layout = _layout(batch.target_cache), _layout(batch.mtp_cache)
@@ -205,6 +213,6 @@ def compile_generate(model: DecoderModel, prompts, config: DecodeConfig = Decode
 
     def run() -> GenerateResult:
         return result_from_state(compiled(params, prompts, prompt_lens, _empty_cache(target_layout),
-                                          _empty_cache(mtp_layout), rng_key), config, num_rows)
+                                          _empty_cache(mtp_layout), rng_key, sampling), config, num_rows)
 
     return run

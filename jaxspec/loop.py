@@ -49,7 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_chain, greedy_accept_tree,
                                 relaxed_accept_chain, relaxed_accept_tree, speculative_sample_chain,
@@ -60,8 +60,8 @@ from jaxspec.drafting import Draft, draft
 from jaxspec.models.interface import DecodeCache, DecoderModel, window_rows
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params
-from jaxspec.sharding import (DEFAULT_PLAN, any_row, cache_specs, check_mesh, on_mesh, param_specs, row_block,
-                              row_spec, shard_params)
+from jaxspec.sharding import (DEFAULT_PLAN, any_row, cache_specs, check_mesh, on_mesh, param_specs, put,
+                              row_block, row_spec, shard_params)
 from jaxspec.trees import compact_slots
 
 PAD_TOKEN = -1  # fills the output buffer past a row's last emitted token
@@ -84,6 +84,9 @@ class DecodeState:
     accepted [B]: drafts accepted in total; position_accepts [B, D]: steps whose accepted path
       reached depth j + 1 (for a chain: whose draft j was accepted).
     rng_key: the base PRNG key; steps []: loop iterations taken.
+    sampling: the rows' sampling parameters (`jaxspec.sampling.SamplingParams`, each [B]): values
+      the program reads at run time, not constants compiled into it, so one program serves every
+      temperature > 0, top-k and top-p (`DecodeConfig.program_config`); unread when greedy.
     prompts [B, P] int32, prompt_lens [B] int32: with `DecodeConfig.prefill_in_loop`, the prompts
       the loop feeds through its own calls (a row is in its prompt while its target cache holds
       fewer than prompt_lens[b] tokens); None otherwise.
@@ -103,6 +106,7 @@ class DecodeState:
     position_accepts: jax.Array
     rng_key: jax.Array
     steps: jax.Array
+    sampling: SamplingParams
     prompts: jax.Array | None = None
     prompt_lens: jax.Array | None = None
 
@@ -121,8 +125,15 @@ def _row_keys(rng_key: jax.Array, step: jax.Array | int, batch: int) -> jax.Arra
     return row_keys(rng_key, step, batch, rows=None if block is None else block[0])
 
 
-def _sampling(config: DecodeConfig, batch: int) -> SamplingParams:
-    return sampling_params(batch, config.temperature, config.top_k, config.top_p)
+def row_sampling(config: DecodeConfig, batch: int, mesh: Mesh | None = None, plan: str = DEFAULT_PLAN
+                 ) -> SamplingParams:
+    """`config`'s temperature, top-k and top-p for each of `batch` rows ([B] arrays; on `mesh`
+    split by rows under `plan`): the runtime argument that goes with `config.program_config()`."""
+    sampling = sampling_params(batch, config.temperature, config.top_k, config.top_p)
+    if mesh is None:
+        return sampling
+    rows = NamedSharding(mesh, row_spec(plan))
+    return jax.tree.map(lambda values: put(values, rows), sampling)
 
 
 def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: DecodeConfig):
@@ -148,17 +159,17 @@ def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: D
     return tokens, num_generated, done
 
 
-def _first_token(last_logits: jax.Array, keys: jax.Array, config: DecodeConfig) -> jax.Array:
+def _first_token(last_logits: jax.Array, keys: jax.Array, config: DecodeConfig, sampling: SamplingParams
+                 ) -> jax.Array:
     """The token after each row's prompt from the target's logits there ([B, V] -> [B]): argmax, or
-    a draw with `keys` [B] (step 0 of the rows' streams)."""
-    batch = last_logits.shape[0]
+    a draw with `keys` [B] (step 0 of the rows' streams) under the rows' `sampling`."""
     if config.temperature > 0:
-        return sample_tokens(keys, processed_probs(last_logits, _sampling(config, batch)))
+        return sample_tokens(keys, processed_probs(last_logits, sampling))
     return _argmax(last_logits)
 
 
 def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
-                      config: DecodeConfig):
+                      config: DecodeConfig, sampling: SamplingParams):
     """The whole padded prompt [B, P] in one target call (expanded attention form), then one MTP
     call over its pairs -> (first_token [B], seed_logits [B, V], seed_hidden [B, H], caches);
     seeds are zeros without drafts."""
@@ -171,7 +182,7 @@ def _prefill_one_call(graphdef, params, prompts, prompt_lens, target_cache, mtp_
                                          backend=config.backend, unroll_layers=config.unroll_layers,
                                          logits_at=last[:, None])
     last_logits = logits[:, 0]
-    first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config)
+    first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config, sampling)
 
     seed_logits = jnp.zeros_like(last_logits)
     seed_hidden = jnp.zeros((batch, hidden.shape[-1]), hidden.dtype)
@@ -195,7 +206,7 @@ def _chunk_visibility(start: jax.Array, ends: jax.Array, chunk: int) -> Visibili
 
 
 def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
-                     config: DecodeConfig):
+                     config: DecodeConfig, sampling: SamplingParams):
     """`_prefill_one_call`'s results from ceil(P / C) calls of C = `config.prefill_width(P)` tokens.
 
     Chunk j (a `jax.lax.fori_loop`, so the program holds one [B, C] target call and one MTP call)
@@ -248,7 +259,7 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
     init = (jnp.zeros((batch, logits_shape.shape[-1]), logits_shape.dtype),
             jnp.zeros((batch, hidden_shape.shape[-1]), hidden_shape.dtype), target_cache, mtp_cache)
     last_logits, last_hidden, target_cache, mtp_cache = jax.lax.fori_loop(0, num_chunks, body, init)
-    first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config)
+    first_token = _first_token(last_logits, _row_keys(rng_key, 0, batch), config, sampling)
 
     seed_logits, seed_hidden = jnp.zeros_like(last_logits), jnp.zeros_like(last_hidden)
     if drafting:
@@ -262,33 +273,37 @@ def _prefill_chunked(graphdef, params, prompts, prompt_lens, target_cache, mtp_c
 
 def prefill(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array,
             target_cache: DecodeCache, mtp_cache: DecodeCache | None, rng_key: jax.Array,
-            config: DecodeConfig) -> DecodeState:
+            config: DecodeConfig, sampling: SamplingParams | None = None) -> DecodeState:
     """Run the prompts through the target (and the MTP module) and emit the first token.
 
     prompts [B, P] int32 (right-padded), prompt_lens [B] int32 in [1, P]. Caches empty. rng_key: the
-    base PRNG key (used when sampling). `config.prefill_chunk` None: one call over the whole prompt
+    base PRNG key (used when sampling). sampling: the rows' sampling parameters, a runtime argument
+    (`row_sampling`; the state carries them to the steps); None: `config`'s values, compiled in.
+    `config.prefill_chunk` None: one call over the whole prompt
     (`_prefill_one_call`); C: calls of C tokens in a loop (`_prefill_chunked`), whose caches hold
     the same entries (up to rounding; bit for bit across chunk sizes with window_invariant).
     `config.prefill_in_loop`: no model call here; the state holds the prompts for the loop
     (`_loop_start`) and nothing is emitted yet.
     """
     batch = prompts.shape[0]
+    sampling = row_sampling(config, batch) if sampling is None else sampling
     if config.prefill_in_loop:
-        return _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
+        return _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config,
+                           sampling)
     run = _prefill_one_call if config.prefill_chunk is None else _prefill_chunked
     first_token, seed_logits, seed_hidden, target_cache, mtp_cache = run(
-        graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config)
+        graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, sampling)
     target_cache = target_cache.commit(prompt_lens)
     if mtp_cache is not None:
         mtp_cache = mtp_cache.commit(prompt_lens)
 
-    state = _initial_state(target_cache, mtp_cache, first_token, seed_logits, seed_hidden, rng_key, config)
+    state = _initial_state(target_cache, mtp_cache, first_token, seed_logits, seed_hidden, rng_key, sampling, config)
     tokens, num_generated, done = _emit(state, first_token[:, None], jnp.ones((batch,), jnp.int32), config)
     return state.replace(tokens=tokens, num_generated=num_generated, done=done)
 
 
-def _initial_state(target_cache, mtp_cache, last_token, seed_logits, seed_hidden, rng_key, config: DecodeConfig,
-                   **fields) -> DecodeState:
+def _initial_state(target_cache, mtp_cache, last_token, seed_logits, seed_hidden, rng_key,
+                   sampling: SamplingParams, config: DecodeConfig, **fields) -> DecodeState:
     """A `DecodeState` before its first step: nothing emitted, no statistics; `fields` the rest."""
     batch, depth = last_token.shape[0], config.max_depth
     zeros = jnp.zeros((batch,), jnp.int32)
@@ -298,11 +313,11 @@ def _initial_state(target_cache, mtp_cache, last_token, seed_logits, seed_hidden
         tokens=jnp.full((batch, config.max_new_tokens + depth + 1), PAD_TOKEN, jnp.int32),
         num_generated=zeros, done=jnp.zeros((batch,), bool), target_calls=zeros, accepted=zeros,
         position_accepts=jnp.zeros((batch, depth), jnp.int32), rng_key=rng_key, steps=jnp.zeros((), jnp.int32),
-        **fields)
+        sampling=sampling, **fields)
 
 
 def _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
-                config: DecodeConfig) -> DecodeState:
+                config: DecodeConfig, sampling: SamplingParams) -> DecodeState:
     """The state `DecodeConfig.prefill_in_loop` starts from: empty caches and the prompts, which
     the loop's steps feed through the model (`_prompt_window`). The seeds are zeros shaped as the
     outputs the step replaces them with (the catch-up MTP call's, or the target's without drafts),
@@ -322,7 +337,7 @@ def _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache,
 
     logits, hidden = jax.eval_shape(outputs)
     return _initial_state(target_cache, mtp_cache, zeros, jnp.zeros(logits.shape, logits.dtype),
-                          jnp.zeros(hidden.shape, hidden.dtype), rng_key, config, prompts=prompts,
+                          jnp.zeros(hidden.shape, hidden.dtype), rng_key, sampling, config, prompts=prompts,
                           prompt_lens=prompt_lens)
 
 
@@ -396,7 +411,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
     batch = state.last_token.shape[0]
     active = ~state.done
     n = state.target_cache.lengths
-    sampling = _sampling(config, batch)
+    sampling = state.sampling
     prompt = None if state.prompts is None else _prompt_window(state, config)
     # Rows past their prompts speculate; rows in them (prefill_in_loop) run their prompt tokens
     # through the same target and catch-up calls, and draw their first token with step 0's keys
@@ -433,7 +448,7 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config:
         # A prompt's tokens are all committed in window order; the step emits the first token
         # after its last one, which also completes the last MTP pair.
         last_fed = jnp.maximum(prompt.length - 1, 0)
-        first = _first_token(window_rows(logits, last_fed[:, None])[:, 0], keys, config)
+        first = _first_token(window_rows(logits, last_fed[:, None])[:, 0], keys, config, sampling)
         node = jnp.arange(config.max_depth + 1, dtype=jnp.int32)[None, :]
         fed = node < prompt.length[:, None]
         pairs = jnp.where(prompt.last[:, None] & (node == prompt.length[:, None] - 1), first[:, None],
@@ -498,8 +513,8 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
 def state_specs(target_cache: DecodeCache, mtp_cache: DecodeCache | None, plan: str = DEFAULT_PLAN) -> DecodeState:
     """The `PartitionSpec`s of a `DecodeState` holding caches laid out as `target_cache` and
     `mtp_cache` (real or abstract) on a mesh under `plan`, a pytree prefix: every per-row array
-    split by rows, the caches as they say (`jaxspec.sharding.cache_specs`), the key and step
-    counter replicated."""
+    split by rows (the rows' sampling parameters too), the caches as they say
+    (`jaxspec.sharding.cache_specs`), the key and step counter replicated."""
     rows = row_spec(plan)
     fields = {field.name: rows for field in dataclasses.fields(DecodeState)}
     return DecodeState(**{**fields, "target_cache": cache_specs(target_cache, plan),
@@ -518,22 +533,27 @@ def retire_padding(state: DecodeState, num_rows: int) -> DecodeState:
 
 
 def mesh_program(body, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array, target_cache: DecodeCache,
-                 mtp_cache: DecodeCache | None, rng_key: jax.Array, *, mesh: Mesh, plan: str) -> DecodeState:
-    """`body(params, prompts, prompt_lens, target_cache, mtp_cache, rng_key)` -> DecodeState, run
-    inside the loop's shard_map on `mesh` (call it inside `jax.jit`): params placed by `plan`'s
-    rules, prompts split by rows, the caches as they say (`cache_specs`), the base PRNG key
-    replicated; the result split by `state_specs`."""
+                 mtp_cache: DecodeCache | None, rng_key: jax.Array, sampling: SamplingParams, *, mesh: Mesh,
+                 plan: str) -> DecodeState:
+    """`body(params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling)` ->
+    DecodeState, run inside the loop's shard_map on `mesh` (call it inside `jax.jit`): params
+    placed by `plan`'s rules, prompts and the rows' sampling parameters split by rows, the caches
+    as they say (`cache_specs`), the base PRNG key replicated; the result split by `state_specs`."""
     rows = row_spec(plan)
-    args = (prompts, prompt_lens, target_cache, mtp_cache, rng_key)
+    args = (prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling)
     in_specs = (param_specs(params, plan), rows, rows, cache_specs(target_cache, plan), cache_specs(mtp_cache, plan),
-                PartitionSpec())
+                PartitionSpec(), rows)
     return on_mesh(body, mesh, plan, in_specs, state_specs(target_cache, mtp_cache, plan))(params, *args)
 
 
-def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, mesh, plan,
-                  num_rows):
-    body = lambda params, *args: retire_padding(prefill(graphdef, params, *args, config), num_rows)
-    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, mesh=mesh, plan=plan)
+def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, config, mesh,
+                  plan, num_rows):
+    def body(params, *args):
+        *args, sampling = args
+        return retire_padding(prefill(graphdef, params, *args, config, sampling), num_rows)
+
+    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
+                        plan=plan)
 
 
 def _step_mesh(graphdef, params, state, config, mesh, plan):
@@ -561,7 +581,8 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     `key` an int seed or a `jax.random.key` (used when sampling). Validation and cache sizing are
     those of `jaxspec.generation.generate` (`jaxspec.batch.prepare`).
 
-    model: a `jaxspec.models.interface.DecoderModel`; config: the `DecodeConfig` every later `step` must be given too.
+    model: a `jaxspec.models.interface.DecoderModel`; config: the `DecodeConfig` every later `step`
+    must be given too (the state carries its temperature, top-k and top-p: `DecodeState.sampling`).
     mesh / plan: run on a `jax.sharding.Mesh` with axes ("data", "model") under a
     `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. On a mesh the
     state holds B rounded up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the
@@ -572,9 +593,11 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
     args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
+    sampling, program = row_sampling(config, batch.prompts.shape[0], mesh, plan), config.program_config()
     if mesh is None:
-        return _prefill_jit(graphdef, params, *args, config)
-    return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, config, mesh, plan, batch.num_rows)
+        return _prefill_jit(graphdef, params, *args, program, sampling)
+    return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, sampling, program, mesh, plan,
+                             batch.num_rows)
 
 
 def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh: Mesh | None = None,
@@ -590,6 +613,6 @@ def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh:
     """
     graphdef, params = nnx.split(model)
     if mesh is None:
-        return _step_jit(graphdef, params, state, config)
+        return _step_jit(graphdef, params, state, config.program_config())
     check_mesh(mesh, plan)
-    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, config, mesh, plan)
+    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, config.program_config(), mesh, plan)

@@ -178,6 +178,43 @@ def test_generate_inside_user_jit(trained_v32):
     np.testing.assert_array_equal(np.asarray(user_fn(padded, lens)), np.asarray(generate(trained_v32, PROMPTS, cfg).tokens))
 
 
+def test_sampling_values_are_runtime_arguments(trained_v32):
+    """Sampled configs that differ only in temperature, top_k or top_p run one compiled generate
+    program and one compiled step, and each value reaches it: top-k 1, a top-p that keeps only
+    the top token, and a temperature of 1e-4 sample greedy's tokens, a temperature of 5 does not.
+    (Greedy is its own program.)"""
+    programs = []
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            programs.append(kwargs.get("fun_name"))
+
+    base = config(2, max_new_tokens=13)  # a budget no other test here compiles
+    greedy = np.asarray(generate(trained_v32, PROMPTS, base).tokens)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        runs = [np.asarray(generate(trained_v32, PROMPTS, base.replace(**values), key=3).tokens)
+                for values in (dict(temperature=1.0, top_k=1), dict(temperature=1.0, top_p=1e-6),
+                               dict(temperature=1e-4), dict(temperature=5.0))]
+        stepped = []
+        for values in (dict(temperature=1.0, top_k=1), dict(temperature=5.0)):
+            cfg = base.replace(**values)
+            state = init_state(trained_v32, PROMPTS, cfg, key=3)
+            while not state.done.all():
+                state = step(trained_v32, state, cfg)
+            stepped.append(np.asarray(state.tokens[:, :base.max_new_tokens]))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    *filtered, hot = runs
+    for tokens in filtered:
+        np.testing.assert_array_equal(tokens, greedy)
+    assert (hot != greedy).any()
+    np.testing.assert_array_equal(stepped[0], greedy)
+    assert (stepped[1] != greedy).any()
+    assert [name for name in programs if "_generate" in name] == ["jit(_generate)"], programs
+    assert sum("_step" in name for name in programs) == 1, programs
+
+
 @pytest.fixture(scope="module")
 def random_model():
     return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import _generate, generate
-from jaxspec.loop import _step, init_state, step
+from jaxspec.loop import _step, init_state, row_sampling, step
 from jaxspec.memory_plan import plan_memory
 from jaxspec.models import DeepseekV3
 from jaxspec.presets import preset
@@ -87,7 +87,8 @@ def test_the_program_holds_no_prefill_calls():
     for in_loop in (False, True):
         cfg = config(3, prefill_in_loop=in_loop)
         batch = prepare(model, PROMPTS, cfg)
-        args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(0))
+        args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(0),
+                row_sampling(cfg, len(PROMPTS)))
         whole = jax.make_jaxpr(lambda p, *a: _generate(graphdef, p, *a, cfg))(params, *args)
         state = jax.eval_shape(lambda: init_state(model, PROMPTS, cfg))
         alone = jax.make_jaxpr(lambda p, s: _step(graphdef, p, s, cfg))(params, state)

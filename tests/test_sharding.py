@@ -104,8 +104,8 @@ def test_mesh_programs_hold_no_zero_sized_arrays(preset_name, draft):
     config = DecodeConfig(max_new_tokens=8, **draft)
     batch = prepare(model, [[1, 2, 3], [4]], config, mesh=mesh, plan="dp")
     graphdef, params = nnx.split(model)
-    fn, params, static = generation._program(graphdef, params, batch, config, mesh, "dp")
-    traced = fn.trace(graphdef, *params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-                      base_key(0), *static)
+    fn, (params, sampling), static = generation._program(graphdef, params, batch, config, mesh, "dp")
+    traced = fn.trace(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
+                      base_key(0), sampling, *static)
     assert any(eqn.primitive.name == "shard_map" for eqn in traced.jaxpr.jaxpr.eqns)
     assert _zero_sized_operands(traced.jaxpr.jaxpr) == []

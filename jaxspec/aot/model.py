@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxspec import sharding
 from jaxspec.batch import cache_geometry, required_capacity
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, state_specs
+from jaxspec.loop import _prefill_mesh, _step, _step_mesh, prefill, row_sampling, state_specs
 from jaxspec.model_config import ModelConfig
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
@@ -90,7 +90,8 @@ def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batc
     graphdef, params, _ = abstract_model(config, dtype)
     model = nnx.merge(graphdef, params)
     prompt_width = context if phase == "prefill" else 1
-    decode = decode.replace(max_new_tokens=1 if phase == "prefill" else context, max_cache_len=None)
+    # The programs `generate` and `step` run: sampling's values are an argument (`program_config`).
+    decode = decode.replace(max_new_tokens=1 if phase == "prefill" else context, max_cache_len=None).program_config()
     if mesh_shape is not None:
         return _compile_on_mesh(graphdef, params, model, decode, phase=phase, batch=batch, prompt_width=prompt_width,
                                 devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
@@ -99,15 +100,16 @@ def compile_model(config: ModelConfig, decode: DecodeConfig, *, phase: str, batc
     prompts = jax.ShapeDtypeStruct((batch, prompt_width), jnp.int32)
     prompt_lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     rng_key = jax.eval_shape(lambda: base_key(0))
+    sampling = jax.eval_shape(lambda: row_sampling(decode, batch))
     options = dict(devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
                    static_argnames=("graphdef", "config"))
     if phase == "prefill":
         return compile_gpu(prefill, graphdef=graphdef, params=params, prompts=prompts, prompt_lens=prompt_lens,
                            target_cache=target_cache, mtp_cache=mtp_cache, rng_key=rng_key, config=decode,
-                           donate_argnames=("target_cache", "mtp_cache"), **options)
+                           sampling=sampling, donate_argnames=("target_cache", "mtp_cache"), **options)
     # The loop state after prefill, as shapes (its tokens buffer sized by max_new_tokens = context).
     state = jax.eval_shape(functools.partial(prefill, graphdef, config=decode), params, prompts, prompt_lens,
-                           target_cache, mtp_cache, rng_key)
+                           target_cache, mtp_cache, rng_key, sampling=sampling)
     return compile_gpu(_step, graphdef=graphdef, params=params, state=state, config=decode,
                        donate_argnames=("state",), **options)
 
@@ -131,15 +133,16 @@ def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: st
     prompt_lens = jax.ShapeDtypeStruct((padded,), jnp.int32, sharding=rows)
     key = jax.eval_shape(lambda: base_key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    sampling = _placed(jax.eval_shape(lambda: row_sampling(decode, padded)), rows)
     options = dict(devices=devices, dump_dir=dump_dir, fail_on_spill=fail_on_spill,
                    static_argnames=("graphdef", "config", "mesh", "plan", "num_rows"))
     prefill_args = dict(graphdef=graphdef, params=params, prompts=prompts, prompt_lens=prompt_lens,
-                        target_cache=caches[0], mtp_cache=caches[1], rng_key=key, config=decode, mesh=mesh,
-                        plan=plan, num_rows=batch)
+                        target_cache=caches[0], mtp_cache=caches[1], rng_key=key, sampling=sampling, config=decode,
+                        mesh=mesh, plan=plan, num_rows=batch)
     if phase == "prefill":
         return compile_gpu(_prefill_mesh, donate_argnames=("target_cache", "mtp_cache"), **prefill_args, **options)
     state = jax.eval_shape(lambda *args: _prefill_mesh(graphdef, *args, decode, mesh, plan, batch),
-                           params, prompts, prompt_lens, *caches, key)
+                           params, prompts, prompt_lens, *caches, key, sampling)
     specs = state_specs(state.target_cache, state.mtp_cache, plan)
     state = _placed(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                         is_leaf=lambda x: isinstance(x, PartitionSpec)))
