@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import distributed, progress, sharding
+from jaxspec.batch import prompt_bucket
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
@@ -282,7 +283,8 @@ def main(argv=None) -> None:
           f"{', prompts fed through the loop' if in_loop else ''}"
           f"{f', {args.cache_dtype} caches' if args.cache_dtype else ''}")
 
-    memory = plan_memory(mconf, config, batch=args.batch, prompt_len=max(map(len, prompt_ids)), mesh=mesh,
+    width = prompt_bucket(max(map(len, prompt_ids)), config, max_positions=mconf.max_position_embeddings)
+    memory = plan_memory(mconf, config, batch=args.batch, prompt_len=width, mesh=mesh,
                          plan=args.plan, dtype=DTYPES[args.dtype] if args.checkpoint else jnp.float32,
                          device_memory=device_memory())
     print(f"memory    {readable(memory.total)} per device{f' of {mesh.devices.size}' if mesh else ''} planned "

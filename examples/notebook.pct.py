@@ -162,6 +162,31 @@ plt.show()
 # there; on a GPU a step is bound by launches and memory reads, and verifying k + 1 tokens costs little more
 # than one (`docs/performance.md` has measured figures).
 
+# %% [markdown]
+# ## What compiles again, and what does not
+#
+# `generate` compiles one program per model, batch size, prompt width and `DecodeConfig`. The width is padded
+# up to a bucket (a power of two, at least 16: `DecodeConfig.prompt_buckets`), and a sampled run's seed,
+# temperature, top-k and top-p are values the program reads at run time, so new prompts of similar lengths, or
+# another temperature, run the program already compiled. JAX reports every compile to `jax.monitoring`:
+
+# %%
+compiled = []
+
+
+def on_compile(event, seconds, **info):
+    if event == "/jax/core/compile/backend_compile_duration":
+        compiled.append(info.get("fun_name"))
+
+
+jax.monitoring.register_event_duration_secs_listener(on_compile)
+other_prompts = ["from collections import ", "    def __init__(self, name):\n        self."]
+start = time.perf_counter()
+generate(model, [tokenizer.encode(p) for p in other_prompts], chain).tokens.block_until_ready()
+jax.monitoring.unregister_event_duration_listener(on_compile)
+print(f"two new prompts: {time.perf_counter() - start:.2f} s, programs compiled: {compiled}")
+assert "jit(_generate)" not in compiled, "the prompts' width bucket already had its program"
+
 # %%
 def timed(config):
     """Compile, then decode TIMING_RUNS times: (result, compile seconds, fastest run in seconds)."""

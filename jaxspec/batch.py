@@ -147,6 +147,25 @@ def check_token_ids(prompts: jax.Array, lengths: np.ndarray | None, vocab_size: 
         raise ValueError(f"prompts: token ids must be in [0, vocab_size={vocab_size}); got {bad[:5].tolist()}")
 
 
+# The narrowest prompt bucket: prompts of up to 16 tokens share one program.
+MIN_PROMPT_BUCKET = 16
+
+
+def prompt_bucket(width: int, config: DecodeConfig, *, max_positions: int, page_table: jax.Array | None = None
+                  ) -> int:
+    """The prompt width `generate` compiles for when the longest prompt has `width` tokens: with
+    `config.prompt_buckets` the next power of two >= max(width, MIN_PROMPT_BUCKET), unless its
+    prompt, budget and step no longer fit `max_positions`, `config.max_cache_len` or the slots of
+    a given `page_table` [B, M]; otherwise `width`."""
+    if not config.prompt_buckets:
+        return width
+    bucket = max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
+    limits = [max_positions, config.max_cache_len, None if page_table is None else page_table.shape[1] * config.page_size]
+    if any(limit is not None and required_capacity(bucket, config) > limit for limit in limits):
+        return width
+    return bucket
+
+
 def row_capacity(prompt_width: int, config: DecodeConfig, *, batch_size: int, max_positions: int,
                  page_table: jax.Array | None) -> tuple[int, jax.Array | None]:
     """Slots per row (`DecodeConfig.max_cache_len`, else `default_capacity`; a given page table's
@@ -218,6 +237,10 @@ def prepare(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_lens=N
     check_request(model, config, page_table=page_table, mesh=mesh, plan=plan)
     prompts_arr, lens_arr, lengths = pad_prompts(prompts, prompt_lens)
     check_token_ids(prompts_arr, lengths, model.config.vocab_size)
+    if _is_concrete(prompts_arr):  # (a traced batch's shapes are the caller's choice)
+        width = prompt_bucket(prompts_arr.shape[1], config, max_positions=model.config.max_position_embeddings,
+                              page_table=page_table)
+        prompts_arr = jnp.pad(prompts_arr, ((0, 0), (0, width - prompts_arr.shape[1])))
     batch, width = prompts_arr.shape
     capacity, page_table = row_capacity(width, config, batch_size=batch,
                                         max_positions=model.config.max_position_embeddings, page_table=page_table)

@@ -91,6 +91,13 @@ class DecodeConfig:
       (`jaxspec.models.stack`). The same parameters and the same tokens; the scan compiles in a
       time that barely depends on depth, the unrolled program in one that grows with it. A switch
       for debugging and per-layer inspection of the compiled program.
+    prompt_buckets: pad the prompts' width P (the longest prompt) up to a power of two, at least
+      `jaxspec.batch.MIN_PROMPT_BUCKET`, so that prompts of similar lengths share one compiled
+      program: a notebook's next prompt runs without compiling (`jaxspec.batch.prompt_bucket`).
+      The padding is masked out as a shorter row's is in any batch; a prefill call also computes
+      its positions (at most twice the prompt's). Off, or where the bucket would not fit the
+      positions, `max_cache_len` or a given page table: exactly P. Prompts traced inside a user's
+      `jax.jit` keep their width.
     """
 
     num_draft: int = 3
@@ -109,6 +116,7 @@ class DecodeConfig:
     prefill_in_loop: bool = False
     unroll_layers: bool = False
     cache_dtype: str | None = None
+    prompt_buckets: bool = True
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -129,6 +137,8 @@ class DecodeConfig:
                                                or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
                              "integer >= 1 (tokens per prefill call)")
+        if not isinstance(self.prompt_buckets, bool):
+            raise ValueError(f"DecodeConfig.prompt_buckets={self.prompt_buckets!r}: must be True or False")
         if not isinstance(self.prefill_in_loop, bool):
             raise ValueError(f"DecodeConfig.prefill_in_loop={self.prefill_in_loop!r}: must be True or False")
         if self.prefill_in_loop and self.prefill_chunk is not None:

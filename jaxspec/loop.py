@@ -88,8 +88,9 @@ class DecodeState:
       the program reads at run time, not constants compiled into it, so one program serves every
       temperature > 0, top-k and top-p (`DecodeConfig.program_config`); unread when greedy.
     prompts [B, P] int32, prompt_lens [B] int32: with `DecodeConfig.prefill_in_loop`, the prompts
-      the loop feeds through its own calls (a row is in its prompt while its target cache holds
-      fewer than prompt_lens[b] tokens); None otherwise.
+      the loop feeds through its own calls, P their padded width (`jaxspec.batch.prompt_bucket`; a
+      row is in its prompt while its target cache holds fewer than prompt_lens[b] tokens); None
+      otherwise.
     """
 
     target_cache: DecodeCache

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxspec.batch import prompt_bucket, required_capacity
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.loop import init_state, step
@@ -213,6 +214,40 @@ def test_sampling_values_are_runtime_arguments(trained_v32):
     assert (stepped[1] != greedy).any()
     assert [name for name in programs if "_generate" in name] == ["jit(_generate)"], programs
     assert sum("_step" in name for name in programs) == 1, programs
+
+
+def test_prompts_of_similar_lengths_share_one_program(trained_v32):
+    """Batches whose longest prompts have 2, 9 and 16 tokens run one compiled generate program (the
+    width padded to 16), 17 tokens a second (32), and each batch's tokens equal those of its
+    unpadded run (`prompt_buckets=False`, float32). `prompt_bucket`'s rule at its edges."""
+    programs = []
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and "_generate" in kwargs.get("fun_name", ""):
+            programs.append(kwargs["fun_name"])
+
+    base = config(2, max_new_tokens=11)  # a budget no other test here compiles
+    batches = [[p[:width] for p in (list(b"the quick brown fox"), list(b"def __init__(self):"))] for width in (2, 9, 16, 17)]
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        padded = [np.asarray(generate(trained_v32, prompts, base).tokens) for prompts in batches]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert len(programs) == 2, programs
+    for prompts, tokens in zip(batches, padded):
+        np.testing.assert_array_equal(tokens, np.asarray(generate(trained_v32, prompts, base.replace(
+            prompt_buckets=False)).tokens))
+
+    positions = trained_v32.config.max_position_embeddings
+    assert [prompt_bucket(w, base, max_positions=positions) for w in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    assert prompt_bucket(5, base.replace(prompt_buckets=False), max_positions=positions) == 5
+    # the bucket must fit what the width fits: the positions, max_cache_len, a page table's slots
+    assert prompt_bucket(100, base, max_positions=required_capacity(127, base)) == 100
+    assert prompt_bucket(100, base.replace(max_cache_len=required_capacity(100, base)), max_positions=positions) == 100
+    table = jnp.zeros((2, -(-required_capacity(100, base) // base.page_size)), jnp.int32)
+    assert prompt_bucket(100, base, max_positions=positions, page_table=table) == 100
+    with pytest.raises(ValueError, match="prompt_buckets=1"):
+        DecodeConfig(prompt_buckets=1)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import pytest
 
 import jaxspec
 from jaxspec import cli
+from jaxspec.batch import prompt_bucket
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
@@ -220,7 +221,8 @@ def test_result_and_state_docstrings_give_the_shapes_they_hold():
     decode = jaxspec.DecodeConfig(num_draft=3, max_new_tokens=6)
     prompts = [[3, 5, 7], [11, 13]]
     sizes = dict(B=len(prompts), D=decode.num_draft, N=decode.num_draft + 1, V=config.vocab_size,
-                 H=config.hidden_size, P=max(map(len, prompts)), max_new_tokens=decode.max_new_tokens)
+                 H=config.hidden_size, max_new_tokens=decode.max_new_tokens,
+                 P=prompt_bucket(max(map(len, prompts)), decode, max_positions=config.max_position_embeddings))
     sizes["T"] = decode.max_new_tokens + sizes["D"] + 1
     results = {jaxspec.GenerateResult: jaxspec.generate(model, prompts, decode),
                jaxspec.DecodeState: jaxspec.init_state(model, prompts, dataclasses.replace(decode, prefill_in_loop=True))}

@@ -73,8 +73,10 @@ def test_rings_are_sized_by_the_widest_call():
     # prompt width 31 > window 4; window 4 > prompt width 2; a dynamic tree's MTP drafting writes
     # (depth - 1) * top_k = 8 slots past the committed length, more than its window (1 + budget 3).
     dynamic = DynamicTreeSpec(top_k=4, depth=3, budget=3)
+    # (exact prompt widths: a bucket would widen the one-call prefill)
     for prompts, dcfg, widest in [(PROMPTS, config(3), 31), ([[1, 2]], config(3), 4),
                                   ([[1, 2]], config(1, tree=dynamic), 8)]:
+        dcfg = dcfg.replace(prompt_buckets=False)
         batch = prepare(model, prompts, dcfg)
         capacity = batch.target_cache.capacity
         for cache in (batch.target_cache, batch.mtp_cache):
