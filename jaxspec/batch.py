@@ -160,7 +160,8 @@ def prompt_bucket(width: int, config: DecodeConfig, *, max_positions: int, page_
     if not config.prompt_buckets:
         return width
     bucket = max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
-    limits = [max_positions, config.max_cache_len, None if page_table is None else page_table.shape[1] * config.page_size]
+    slots = None if page_table is None else page_table.shape[1] * config.page_size
+    limits = [max_positions, config.max_cache_len, slots]
     if any(limit is not None and required_capacity(bucket, config) > limit for limit in limits):
         return width
     return bucket
@@ -227,7 +228,8 @@ def prepare(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_lens=N
     """Check the inputs, pad the prompts and build empty caches. Raises ValueError on bad input.
 
     prompts: a sequence of token-id sequences, or a [B, P] int array (then `prompt_lens` [B] gives
-    each row's length; None means every row is P long). page_table: an optional [B, M] page layout
+    each row's length; None means every row is P long); padded on the right to `prompt_bucket`'s
+    width unless traced. page_table: an optional [B, M] page layout
     for both caches (M pages per row), where the model's caches take one; by default rows get
     consecutive pages. mesh / plan: lay the batch out for a mesh (`jaxspec.sharding`): B is padded
     to a multiple of the row shards with one-token rows (retired after prefill), and the caches are

@@ -141,10 +141,11 @@ def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig()
     tree, `config`).
 
     One jitted computation (prefill, then a `jax.lax.while_loop` of speculative steps), compiled
-    once per (model structure, config, prompt width, batch size), where the config's temperature,
-    top_k and top_p count only as greedy or sampling (`DecodeConfig.program_config`). Inside a user's `jax.jit`, pass
-    `prompts` as a [B, P] array (with `prompt_lens`); the checks that need concrete values are
-    then skipped. With temperature 0 the output equals plain greedy decoding (`num_draft=0`) token
+    once per (model structure, config, prompt width, batch size), where the width is the longest
+    prompt's bucket (`DecodeConfig.prompt_buckets`) and the config's temperature, top_k and top_p
+    count only as greedy or sampling (`DecodeConfig.program_config`). Inside a user's `jax.jit`,
+    pass `prompts` as a [B, P] array (with `prompt_lens`); the checks that need concrete values
+    are then skipped. With temperature 0 the output equals plain greedy decoding (`num_draft=0`) token
     for token; with temperature > 0 it is distributed as plain sampling's. `key` (an int seed or a
     `jax.random.key`) is a runtime argument: changing it does not recompile. Row b's draws depend
     on (key, step, b) only. Relaxed acceptance (`config.relaxed`) is the one lossy mode.

@@ -227,7 +227,8 @@ def test_prompts_of_similar_lengths_share_one_program(trained_v32):
             programs.append(kwargs["fun_name"])
 
     base = config(2, max_new_tokens=11)  # a budget no other test here compiles
-    batches = [[p[:width] for p in (list(b"the quick brown fox"), list(b"def __init__(self):"))] for width in (2, 9, 16, 17)]
+    rows = (list(b"the quick brown fox"), list(b"def __init__(self):"))
+    batches = [[row[:width] for row in rows] for width in (2, 9, 16, 17)]
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
         padded = [np.asarray(generate(trained_v32, prompts, base).tokens) for prompts in batches]
