@@ -166,9 +166,10 @@ plt.show()
 # ## What compiles again, and what does not
 #
 # `generate` compiles one program per model, batch size, prompt width and `DecodeConfig`. The width is padded
-# up to a bucket (a power of two, at least 16: `DecodeConfig.prompt_buckets`), and a sampled run's seed,
-# temperature, top-k and top-p are values the program reads at run time, so new prompts of similar lengths, or
-# another temperature, run the program already compiled. JAX reports every compile to `jax.monitoring`:
+# up to a bucket (16, 32, 64, ..., 1024, then multiples of 1024: `DecodeConfig.prompt_buckets`), and a sampled
+# run's seed, temperature, top-k and top-p are values the program reads at run time, so new prompts of similar
+# lengths, or another temperature, run the program already compiled. JAX reports every compile to
+# `jax.monitoring`:
 
 # %%
 compiled = []

@@ -149,17 +149,25 @@ def check_token_ids(prompts: jax.Array, lengths: np.ndarray | None, vocab_size: 
 
 # The narrowest prompt bucket: prompts of up to 16 tokens share one program.
 MIN_PROMPT_BUCKET = 16
+# Past this width the buckets are its multiples: a power of two would give a long prompt up to
+# twice its cache and prefill (a 70,000-token prompt 131,072 slots a row), where a multiple adds
+# fewer than PROMPT_BUCKET_STEP slots.
+PROMPT_BUCKET_STEP = 1024
 
 
 def prompt_bucket(width: int, config: DecodeConfig, *, max_positions: int, page_table: jax.Array | None = None
                   ) -> int:
     """The prompt width `generate` compiles for when the longest prompt has `width` tokens: with
-    `config.prompt_buckets` the next power of two >= max(width, MIN_PROMPT_BUCKET), unless its
+    `config.prompt_buckets` the next power of two >= max(width, MIN_PROMPT_BUCKET) up to
+    PROMPT_BUCKET_STEP, the next multiple of PROMPT_BUCKET_STEP past it, unless the bucket's
     prompt, budget and step no longer fit `max_positions`, `config.max_cache_len` or the slots of
     a given `page_table` [B, M]; otherwise `width`."""
     if not config.prompt_buckets:
         return width
-    bucket = max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
+    if width <= PROMPT_BUCKET_STEP:
+        bucket = max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
+    else:
+        bucket = -(-width // PROMPT_BUCKET_STEP) * PROMPT_BUCKET_STEP
     slots = None if page_table is None else page_table.shape[1] * config.page_size
     limits = [max_positions, config.max_cache_len, slots]
     if any(limit is not None and required_capacity(bucket, config) > limit for limit in limits):

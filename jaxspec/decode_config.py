@@ -91,11 +91,12 @@ class DecodeConfig:
       (`jaxspec.models.stack`). The same parameters and the same tokens; the scan compiles in a
       time that barely depends on depth, the unrolled program in one that grows with it. A switch
       for debugging and per-layer inspection of the compiled program.
-    prompt_buckets: pad the prompts' width P (the longest prompt) up to a power of two, at least
-      `jaxspec.batch.MIN_PROMPT_BUCKET`, so that prompts of similar lengths share one compiled
+    prompt_buckets: pad the prompts' width P (the longest prompt) up to a power of two (at least
+      16; past 1024 a multiple of 1024), so that prompts of similar lengths share one compiled
       program: a notebook's next prompt runs without compiling (`jaxspec.batch.prompt_bucket`).
       The padding is masked out as a shorter row's is in any batch; a prefill call also computes
-      its positions (at most twice the prompt's). Off, or where the bucket would not fit the
+      its positions, and the cache holds them (at most twice the prompt's, and fewer than 1024
+      more past 1024). Off, or where the bucket would not fit the
       positions, `max_cache_len` or a given page table: exactly P. Prompts traced inside a user's
       `jax.jit` keep their width.
     """

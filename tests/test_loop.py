@@ -240,7 +240,8 @@ def test_prompts_of_similar_lengths_share_one_program(trained_v32):
             prompt_buckets=False)).tokens))
 
     positions = trained_v32.config.max_position_embeddings
-    assert [prompt_bucket(w, base, max_positions=positions) for w in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    widths = (1, 16, 17, 100, 1024, 1025, 70_000)
+    assert [prompt_bucket(w, base, max_positions=10 ** 6) for w in widths] == [16, 16, 32, 128, 1024, 2048, 70_656]
     assert prompt_bucket(5, base.replace(prompt_buckets=False), max_positions=positions) == 5
     # the bucket must fit what the width fits: the positions, max_cache_len, a page table's slots
     assert prompt_bucket(100, base, max_positions=required_capacity(127, base)) == 100
