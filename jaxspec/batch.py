@@ -250,7 +250,8 @@ def prepare(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_lens=N
     if _is_concrete(prompts_arr):  # (a traced batch's shapes are the caller's choice)
         width = prompt_bucket(prompts_arr.shape[1], config, max_positions=model.config.max_position_embeddings,
                               page_table=page_table)
-        prompts_arr = jnp.pad(prompts_arr, ((0, 0), (0, width - prompts_arr.shape[1])))
+        # on the host: an eager jnp.pad would compile a program for every new width
+        prompts_arr = jnp.asarray(np.pad(np.asarray(prompts_arr), ((0, 0), (0, width - prompts_arr.shape[1]))))
     batch, width = prompts_arr.shape
     capacity, page_table = row_capacity(width, config, batch_size=batch,
                                         max_positions=model.config.max_position_embeddings, page_table=page_table)
