@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.batch import PreparedBatch, prepare
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.loop import DecodeState, decode, mesh_program, prefill, retire_padding, row_sampling
+from jaxspec.loop import DecodeState, decode, mesh_program, prefill, prefill_body, row_sampling
 from jaxspec.models.interface import DecodeCache, DecoderModel
 from jaxspec.sampling import base_key
 from jaxspec.sharding import DEFAULT_PLAN, put, shard_params
@@ -41,10 +41,10 @@ def _generate_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cac
                    mesh, plan, num_rows) -> DecodeState:
     """`_generate` inside the loop's shard_map on `mesh` (`jaxspec.loop.mesh_program`); the rows
     past `num_rows` are padding, retired after prefill."""
+    prefilled = prefill_body(graphdef, config, num_rows)
+
     def body(params, *args):
-        *args, sampling = args
-        state = retire_padding(prefill(graphdef, params, *args, config, sampling), num_rows)
-        return decode(graphdef, params, state, config)
+        return decode(graphdef, params, prefilled(params, *args), config)
 
     return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
                         plan=plan)

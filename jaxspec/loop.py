@@ -547,13 +547,18 @@ def mesh_program(body, params: nnx.State, prompts: jax.Array, prompt_lens: jax.A
     return on_mesh(body, mesh, plan, in_specs, state_specs(target_cache, mtp_cache, plan))(params, *args)
 
 
+def prefill_body(graphdef, config: DecodeConfig, num_rows: int):
+    """`prefill` as `mesh_program`'s body, the rows past `num_rows` (a mesh's padding) retired."""
+    def body(params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling):
+        state = prefill(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, config, sampling)
+        return retire_padding(state, num_rows)
+
+    return body
+
+
 def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, config, mesh,
                   plan, num_rows):
-    def body(params, *args):
-        *args, sampling = args
-        return retire_padding(prefill(graphdef, params, *args, config, sampling), num_rows)
-
-    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
+    return mesh_program(prefill_body(graphdef, config, num_rows), params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
                         plan=plan)
 
 
