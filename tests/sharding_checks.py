@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import sharding
+from jaxspec.batch import prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import compile_generate, generate
 from jaxspec.loop import init_state, step
@@ -56,6 +57,27 @@ def check_param_bytes(model, mesh, plan: str) -> None:
         assert all(s.data.nbytes == per_device for s in value.addressable_shards), where
 
 
+def check_cache_layout(model, config: DecodeConfig, mesh, plan: str) -> None:
+    """`prepare` creates the caches split as `cache_shardings` says (rows over the row shards), and
+    a second batch of the same shapes compiles nothing: the caches' program is reused."""
+    compiled = []
+    listener = lambda event, seconds, **kwargs: compiled.append(kwargs.get("fun_name")) if event.endswith(
+        "backend_compile_duration") else None
+    prepare(model, PROMPTS, config, mesh=mesh, plan=plan)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        batch = prepare(model, PROMPTS[::-1], config, mesh=mesh, plan=plan)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled == [], f"a second prepare on the mesh compiled {compiled}"
+    for cache in (batch.target_cache, batch.mtp_cache):
+        planned = jax.tree.leaves(sharding.cache_shardings(cache, mesh, plan))
+        leaves = jax.tree.leaves(cache)
+        assert len(planned) == len(leaves) > 0
+        for leaf, want in zip(leaves, planned):
+            assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (plan, leaf.shape, leaf.sharding, want)
+
+
 def main() -> None:
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     # Tiny expert-parallel chunks, so the mesh runs exchange tokens in several chunks (every prefill
@@ -67,6 +89,7 @@ def main() -> None:
 
     for plan in sharding.PLANS:
         check_param_bytes(v32, meshes[(2, 4)], plan)
+        check_cache_layout(v32, DecodeConfig(num_draft=3, max_new_tokens=8), meshes[(2, 4)], plan)
 
     # Seven compiles in all (the bulk of the time), so each mesh shape and plan appears once.
     chain = DecodeConfig(num_draft=3, max_new_tokens=8, backend="xla")
