@@ -63,10 +63,10 @@ def test_smoke_run_records_every_part(smoke_report):
     # the tuned rows say their tuning, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
     # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only, on the
-    # Triton and the Mosaic kernel
+    # Triton and the Mosaic kernel, and beside them XLA's dot of the dequantized weight
     assert {(row["op"], row["impl"]) for row in units["gmm/matmuls"]["json"]["rows"]} == {
         ("linear_fp8", f"{impl}{tiles}") for impl in ("pallas", "mosaic")
-        for tiles in ("", f":{gpu_report.GMM_E2E_TILES}")}
+        for tiles in ("", f":{gpu_report.GMM_E2E_TILES}")} | {("linear_fp8", "xla")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
     # the experts' matmuls alone: the Triton kernel beside the transposed-product Mosaic one
     assert {row["impl"] for row in units["gmm/expert_matmuls"]["json"]["rows"]} == {
