@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import distributed, progress, sharding
-from jaxspec.batch import prompt_bucket
+from jaxspec.batch import budget_bucket, prompt_bucket
 from jaxspec.checkpoint import load_model
 from jaxspec.cli import DTYPES, FP8_HELP, mesh_shape
 from jaxspec.decode_config import MAX_DRAFT_TOKENS, DecodeConfig
@@ -283,8 +283,10 @@ def main(argv=None) -> None:
           f"{', prompts fed through the loop' if in_loop else ''}"
           f"{f', {args.cache_dtype} caches' if args.cache_dtype else ''}")
 
+    # the shapes generate compiles for: the prompts' width and the budget, each padded to its bucket
     width = prompt_bucket(max(map(len, prompt_ids)), config, max_positions=mconf.max_position_embeddings)
-    memory = plan_memory(mconf, config, batch=args.batch, prompt_len=width, mesh=mesh,
+    budget = budget_bucket(width, config, max_positions=mconf.max_position_embeddings)
+    memory = plan_memory(mconf, config.replace(max_new_tokens=budget), batch=args.batch, prompt_len=width, mesh=mesh,
                          plan=args.plan, dtype=DTYPES[args.dtype] if args.checkpoint else jnp.float32,
                          device_memory=device_memory())
     print(f"memory    {readable(memory.total)} per device{f' of {mesh.devices.size}' if mesh else ''} planned "

@@ -165,11 +165,11 @@ plt.show()
 # %% [markdown]
 # ## What compiles again, and what does not
 #
-# `generate` compiles one program per model, batch size, prompt width and `DecodeConfig`. The width is padded
-# up to a bucket (16, 32, 64, ..., 1024, then multiples of 1024: `DecodeConfig.prompt_buckets`), and a sampled
-# run's seed, temperature, top-k and top-p are values the program reads at run time, so new prompts of similar
-# lengths, or another temperature, run the program already compiled. JAX reports every compile to
-# `jax.monitoring`:
+# `generate` compiles one program per model, batch size, prompt width, budget and `DecodeConfig`. The width
+# and the budget (`max_new_tokens`) are padded up to buckets (16, 32, 64, ..., 1024, then multiples of 1024:
+# `DecodeConfig.buckets`), and each row's budget and a sampled run's seed, temperature, top-k and top-p are
+# values the program reads at run time, so new prompts of similar lengths, a similar budget or another
+# temperature run the program already compiled. JAX reports every compile to `jax.monitoring`:
 
 # %%
 compiled = []
@@ -183,10 +183,11 @@ def on_compile(event, seconds, **info):
 jax.monitoring.register_event_duration_secs_listener(on_compile)
 other_prompts = ["from collections import ", "    def __init__(self, name):\n        self."]
 start = time.perf_counter()
-generate(model, [tokenizer.encode(p) for p in other_prompts], chain).tokens.block_until_ready()
+shorter = chain.replace(max_new_tokens=MAX_NEW_TOKENS - 8)  # the same budget bucket
+generate(model, [tokenizer.encode(p) for p in other_prompts], shorter).tokens.block_until_ready()
 jax.monitoring.unregister_event_duration_listener(on_compile)
-print(f"two new prompts: {time.perf_counter() - start:.2f} s, programs compiled: {compiled}")
-assert "jit(_generate)" not in compiled, "the prompts' width bucket already had its program"
+print(f"two new prompts, 8 fewer tokens: {time.perf_counter() - start:.2f} s, programs compiled: {compiled}")
+assert "jit(_generate)" not in compiled, "the prompts' width and budget buckets already had their program"
 
 # %%
 def timed(config):

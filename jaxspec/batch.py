@@ -34,6 +34,7 @@ class PreparedBatch(NamedTuple):
     target_cache: DecodeCache
     mtp_cache: DecodeCache | None
     num_rows: int            # the caller's rows: B without a mesh's padding rows
+    max_new_tokens: int      # the budget the caches and the program are built for (`budget_bucket`)
 
 
 # -- capacity and geometry ------------------------------------------------------------------------
@@ -149,32 +150,50 @@ def check_token_ids(prompts: jax.Array, lengths: np.ndarray | None, vocab_size: 
         raise ValueError(f"prompts: token ids must be in [0, vocab_size={vocab_size}); got {bad[:5].tolist()}")
 
 
-# The narrowest prompt bucket: prompts of up to 16 tokens share one program.
-MIN_PROMPT_BUCKET = 16
-# Past this width the buckets are its multiples: a power of two would give a long prompt up to
+# The narrowest bucket: prompts of up to 16 tokens share one program, and so do budgets.
+MIN_BUCKET = 16
+# Past this size the buckets are its multiples: a power of two would give a long prompt up to
 # twice its cache and prefill (a 70,000-token prompt 131,072 slots a row), where a multiple adds
-# fewer than PROMPT_BUCKET_STEP slots.
-PROMPT_BUCKET_STEP = 1024
+# fewer than BUCKET_STEP slots.
+BUCKET_STEP = 1024
+
+
+def bucket(size: int) -> int:
+    """The next power of two >= max(size, MIN_BUCKET) up to BUCKET_STEP, the next multiple of
+    BUCKET_STEP past it."""
+    if size <= BUCKET_STEP:
+        return max(MIN_BUCKET, 1 << (size - 1).bit_length())
+    return -(-size // BUCKET_STEP) * BUCKET_STEP
+
+
+def _fits(prompt_width: int, config: DecodeConfig, max_positions: int, page_table: jax.Array | None) -> bool:
+    """Whether the prompt, the budget and one step fit `max_positions`, `config.max_cache_len` and
+    the slots of `page_table` [B, M] (when given)."""
+    slots = None if page_table is None else page_table.shape[1] * config.page_size
+    needed = required_capacity(prompt_width, config)
+    return all(limit is None or needed <= limit for limit in (max_positions, config.max_cache_len, slots))
 
 
 def prompt_bucket(width: int, config: DecodeConfig, *, max_positions: int, page_table: jax.Array | None = None
                   ) -> int:
     """The prompt width `generate` compiles for when the longest prompt has `width` tokens: with
-    `config.prompt_buckets` the next power of two >= max(width, MIN_PROMPT_BUCKET) up to
-    PROMPT_BUCKET_STEP, the next multiple of PROMPT_BUCKET_STEP past it, unless the bucket's
-    prompt, budget and step no longer fit `max_positions`, `config.max_cache_len` or the slots of
-    a given `page_table` [B, M]; otherwise `width`."""
-    if not config.prompt_buckets:
-        return width
-    if width <= PROMPT_BUCKET_STEP:
-        bucket = max(MIN_PROMPT_BUCKET, 1 << (width - 1).bit_length())
-    else:
-        bucket = -(-width // PROMPT_BUCKET_STEP) * PROMPT_BUCKET_STEP
-    slots = None if page_table is None else page_table.shape[1] * config.page_size
-    limits = [max_positions, config.max_cache_len, slots]
-    if any(limit is not None and required_capacity(bucket, config) > limit for limit in limits):
-        return width
-    return bucket
+    `config.buckets` its `bucket`, unless the bucket's prompt, budget and step no longer fit
+    `max_positions`, `config.max_cache_len` or the slots of a given `page_table` [B, M];
+    otherwise `width`."""
+    padded = bucket(width)
+    return padded if config.buckets and _fits(padded, config, max_positions, page_table) else width
+
+
+def budget_bucket(prompt_width: int, config: DecodeConfig, *, max_positions: int,
+                  page_table: jax.Array | None = None) -> int:
+    """The token budget `generate` builds its caches and program for, prompts `prompt_width` wide
+    (their bucket already): with `config.buckets` the `bucket` of `config.max_new_tokens`, unless
+    the prompt, that budget and a step no longer fit (as `prompt_bucket`); otherwise
+    `config.max_new_tokens`. Each row still stops at `config.max_new_tokens`, which the program
+    reads at run time (`jaxspec.loop.row_sampling`)."""
+    padded = config.replace(max_new_tokens=bucket(config.max_new_tokens))
+    fits = config.buckets and _fits(prompt_width, padded, max_positions, page_table)
+    return padded.max_new_tokens if fits else config.max_new_tokens
 
 
 def row_capacity(prompt_width: int, config: DecodeConfig, *, batch_size: int, max_positions: int,
@@ -255,7 +274,7 @@ def prepare(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_lens=N
 
     prompts: a sequence of token-id sequences, or a [B, P] int array (then `prompt_lens` [B] gives
     each row's length; None means every row is P long); padded on the right to `prompt_bucket`'s
-    width unless traced. page_table: an optional [B, M] page layout
+    width, and the caches sized for `budget_bucket`'s budget, unless traced. page_table: an optional [B, M] page layout
     for both caches (M pages per row), where the model's caches take one; by default rows get
     consecutive pages. mesh / plan: lay the batch out for a mesh (`jaxspec.sharding`): B is padded
     to a multiple of the row shards with one-token rows (retired after prefill), and the caches are
@@ -265,20 +284,23 @@ def prepare(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_lens=N
     check_request(model, config, page_table=page_table, mesh=mesh, plan=plan)
     prompts_arr, lens_arr, lengths = pad_prompts(prompts, prompt_lens)
     check_token_ids(prompts_arr, lengths, model.config.vocab_size)
+    positions = model.config.max_position_embeddings
+    budget = config.max_new_tokens
     if _is_concrete(prompts_arr):  # (a traced batch's shapes are the caller's choice)
-        width = prompt_bucket(prompts_arr.shape[1], config, max_positions=model.config.max_position_embeddings,
-                              page_table=page_table)
+        width = prompt_bucket(prompts_arr.shape[1], config, max_positions=positions, page_table=page_table)
         # on the host: an eager jnp.pad would compile a program for every new width
         prompts_arr = jnp.asarray(np.pad(np.asarray(prompts_arr), ((0, 0), (0, width - prompts_arr.shape[1]))))
+        budget = budget_bucket(width, config, max_positions=positions, page_table=page_table)
+    sized = config.replace(max_new_tokens=budget)
     batch, width = prompts_arr.shape
-    capacity, page_table = row_capacity(width, config, batch_size=batch,
-                                        max_positions=model.config.max_position_embeddings, page_table=page_table)
+    capacity, page_table = row_capacity(width, sized, batch_size=batch, max_positions=positions,
+                                        page_table=page_table)
     shards = row_shards(mesh, plan)
     prompts_arr, lens_arr = pad_rows(prompts_arr, lens_arr, shards)
     if mesh is not None:
         rows = NamedSharding(mesh, row_spec(plan))
         prompts_arr, lens_arr = put(prompts_arr, rows), put(lens_arr, rows)
-    geometry = cache_geometry(width, config, batch_size=prompts_arr.shape[0], capacity=capacity, row_shards=shards)
+    geometry = cache_geometry(width, sized, batch_size=prompts_arr.shape[0], capacity=capacity, row_shards=shards)
     target_cache, mtp_cache = make_caches(model, geometry, drafting=config.draft_tree is not None,
                                           page_table=page_table, mesh=mesh, plan=plan)
-    return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache, batch)
+    return PreparedBatch(prompts_arr, lens_arr, target_cache, mtp_cache, batch, budget)

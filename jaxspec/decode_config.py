@@ -33,7 +33,8 @@ class DecodeConfig:
     relaxed: None, or (top_k, delta) for relaxed acceptance: a draft among the target's top_k and
       within delta of its top-1 probability is accepted. LOSSY: the output is no longer the
       target's greedy output. Needs temperature 0 and drafts.
-    max_new_tokens: per-row budget of generated tokens (the first token after the prompt counts).
+    max_new_tokens: per-row budget of generated tokens (the first token after the prompt counts);
+      the program reads it at run time and is built for its bucket (`buckets`).
     eos_token_id: a row stops after emitting it; None = only the budget stops rows.
     page_size: cache slots per page.
     max_cache_len: slots per row; None sizes the cache to the prompts and the budget.
@@ -91,14 +92,17 @@ class DecodeConfig:
       (`jaxspec.models.stack`). The same parameters and the same tokens; the scan compiles in a
       time that barely depends on depth, the unrolled program in one that grows with it. A switch
       for debugging and per-layer inspection of the compiled program.
-    prompt_buckets: pad the prompts' width P (the longest prompt) up to a power of two (at least
-      16; past 1024 a multiple of 1024), so that prompts of similar lengths share one compiled
-      program: a notebook's next prompt runs without compiling (`jaxspec.batch.prompt_bucket`).
-      The padding is masked out as a shorter row's is in any batch; a prefill call also computes
-      its positions, and the cache holds them (at most twice the prompt's, and fewer than 1024
-      more past 1024). Off, or where the bucket would not fit the
-      positions, `max_cache_len` or a given page table: exactly P. Prompts traced inside a user's
-      `jax.jit` keep their width.
+    buckets: pad the shapes a run compiles for up to buckets, so that runs of similar sizes share
+      one compiled program: a notebook's next prompt or budget runs without compiling. The
+      prompts' width P (the longest prompt) goes up to a power of two (at least 16; past 1024 a
+      multiple of 1024: `jaxspec.batch.prompt_bucket`), and the token budget the program is built
+      for, its output buffer and the cache's room for it, by the same rule
+      (`jaxspec.batch.budget_bucket`); each row still stops at `max_new_tokens`, a value the
+      program reads at run time. The padding is masked out as a shorter row's is in any batch; a
+      prefill call also computes the padded positions, and the cache holds them (at most twice
+      the prompt and the budget, and fewer than 1024 more of each past 1024). Off, or where a
+      bucket would not fit the positions, `max_cache_len` or a given page table: exactly P and
+      `max_new_tokens`. Prompts traced inside a user's `jax.jit` keep their width.
     """
 
     num_draft: int = 3
@@ -117,7 +121,7 @@ class DecodeConfig:
     prefill_in_loop: bool = False
     unroll_layers: bool = False
     cache_dtype: str | None = None
-    prompt_buckets: bool = True
+    buckets: bool = True
 
     def __post_init__(self):
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
@@ -138,8 +142,8 @@ class DecodeConfig:
                                                or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
                              "integer >= 1 (tokens per prefill call)")
-        if not isinstance(self.prompt_buckets, bool):
-            raise ValueError(f"DecodeConfig.prompt_buckets={self.prompt_buckets!r}: must be True or False")
+        if not isinstance(self.buckets, bool):
+            raise ValueError(f"DecodeConfig.buckets={self.buckets!r}: must be True or False")
         if not isinstance(self.prefill_in_loop, bool):
             raise ValueError(f"DecodeConfig.prefill_in_loop={self.prefill_in_loop!r}: must be True or False")
         if self.prefill_in_loop and self.prefill_chunk is not None:
@@ -215,16 +219,23 @@ class DecodeConfig:
         """D: the most drafts one step can accept (the depth of the tree)."""
         return 0 if self.draft_tree is None else self.draft_tree.max_depth
 
-    def program_config(self) -> "DecodeConfig":
-        """This config as the jitted programs take it (their static argument): temperature, top_k
-        and top_p at placeholder values (1, off, off) when sampling, so that configs differing only
-        in those values share one compiled program; their real values go in as a runtime argument
-        (`jaxspec.loop.row_sampling`). Whether a run samples (temperature > 0) stays static: greedy
-        and sampled runs are different programs. Inside a program only `temperature > 0` may be
-        read from the config."""
+    def program_config(self, max_new_tokens: int | None = None) -> "DecodeConfig":
+        """This config as the jitted programs take it (their static argument), with the values a
+        program reads at run time (`jaxspec.loop.row_sampling`) normalized, so that configs
+        differing only in them share one compiled program:
+
+        - max_new_tokens: the budget the program is built for (its token buffer; default this
+          config's): `generate` passes its batch's bucket (`DecodeConfig.buckets`), `step` the
+          budget of the state's buffer. The loop stops each row at the row's own budget, a
+          runtime value.
+        - temperature, top_k and top_p: placeholders (1, off, off) when sampling. Whether a run
+          samples (temperature > 0) stays static: greedy and sampled runs are different
+          programs. Inside a program only `temperature > 0` may be read from the config.
+        """
+        program = self if max_new_tokens is None else self.replace(max_new_tokens=max_new_tokens)
         if self.temperature == 0:
-            return self
-        return self.replace(temperature=1.0, top_k=0, top_p=1.0)
+            return program
+        return program.replace(temperature=1.0, top_k=0, top_p=1.0)
 
     def replace(self, **changes) -> "DecodeConfig":
         return dataclasses.replace(self, **changes)

@@ -58,13 +58,13 @@ _generate_mesh_jit = jax.jit(_generate_mesh, static_argnames=("graphdef", "confi
 
 def _program(graphdef, params, batch: PreparedBatch, config: DecodeConfig, mesh: Mesh | None, plan: str):
     """The jitted generate program for `batch` and its arguments: (jitted fn, (params, the rows'
-    sampling parameters), static args). The sampling values are a runtime argument
-    (`DecodeConfig.program_config`)."""
+    sampling parameters and budgets), static args). Those values are a runtime argument; the
+    program is built for the batch's budget bucket (`DecodeConfig.program_config`)."""
     sampling = row_sampling(config, batch.prompts.shape[0], mesh, plan)
+    program = config.program_config(batch.max_new_tokens)
     if mesh is None:
-        return _generate_jit, (params, sampling), (config.program_config(),)
-    return (_generate_mesh_jit, (shard_params(params, mesh, plan), sampling),
-            (config.program_config(), mesh, plan, batch.num_rows))
+        return _generate_jit, (params, sampling), (program,)
+    return (_generate_mesh_jit, (shard_params(params, mesh, plan), sampling), (program, mesh, plan, batch.num_rows))
 
 
 def _empty_cache(layout: DecodeCache | None) -> DecodeCache | None:
@@ -142,8 +142,9 @@ def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig()
 
     One jitted computation (prefill, then a `jax.lax.while_loop` of speculative steps), compiled
     once per (model structure, config, prompt width, batch size), where the width is the longest
-    prompt's bucket (`DecodeConfig.prompt_buckets`) and the config's temperature, top_k and top_p
-    count only as greedy or sampling (`DecodeConfig.program_config`). Inside a user's `jax.jit`,
+    prompt's bucket and `max_new_tokens` counts by its bucket (`DecodeConfig.buckets`), and the
+    config's temperature, top_k and top_p count only as greedy or sampling
+    (`DecodeConfig.program_config`). Inside a user's `jax.jit`,
     pass `prompts` as a [B, P] array (with `prompt_lens`); the checks that need concrete values
     are then skipped. With temperature 0 the output equals plain greedy decoding (`num_draft=0`) token
     for token; with temperature > 0 it is distributed as plain sampling's. `key` (an int seed or a

@@ -71,7 +71,8 @@ PAD_TOKEN = -1  # fills the output buffer past a row's last emitted token
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
     """The loop carry. Shapes: B rows, N window nodes, D the tree's depth (k for a chain), H hidden,
-    V vocabulary, T = max_new_tokens + D + 1.
+    V vocabulary, T = the program's budget + D + 1 (`max_new_tokens`, or its bucket:
+    `DecodeConfig.buckets`).
 
     target_cache / mtp_cache: the model's `DecodeCache`s (mtp_cache is None without drafts).
     last_token [B]: t_n, emitted, not yet in the target cache.
@@ -84,9 +85,10 @@ class DecodeState:
     accepted [B]: drafts accepted in total; position_accepts [B, D]: steps whose accepted path
       reached depth j + 1 (for a chain: whose draft j was accepted).
     rng_key: the base PRNG key; steps []: loop iterations taken.
-    sampling: the rows' sampling parameters (`jaxspec.sampling.SamplingParams`, each [B]): values
-      the program reads at run time, not constants compiled into it, so one program serves every
-      temperature > 0, top-k and top-p (`DecodeConfig.program_config`); unread when greedy.
+    sampling: the rows' settings (`jaxspec.sampling.SamplingParams`, each [B]): values the program
+      reads at run time, not constants compiled into it, so one program serves every temperature
+      > 0, top-k and top-p (unread when greedy) and every budget up to its buffer's: a row stops
+      at its `max_new_tokens` (`DecodeConfig.program_config`).
     prompts [B, P] int32, prompt_lens [B] int32: with `DecodeConfig.prefill_in_loop`, the prompts
       the loop feeds through its own calls, P their padded width (`jaxspec.batch.prompt_bucket`; a
       row is in its prompt while its target cache holds fewer than prompt_lens[b] tokens); None
@@ -128,9 +130,10 @@ def _row_keys(rng_key: jax.Array, step: jax.Array | int, batch: int) -> jax.Arra
 
 def row_sampling(config: DecodeConfig, batch: int, mesh: Mesh | None = None, plan: str = DEFAULT_PLAN
                  ) -> SamplingParams:
-    """`config`'s temperature, top-k and top-p for each of `batch` rows ([B] arrays; on `mesh`
-    split by rows under `plan`): the runtime argument that goes with `config.program_config()`."""
-    sampling = sampling_params(batch, config.temperature, config.top_k, config.top_p)
+    """`config`'s temperature, top-k, top-p and max_new_tokens for each of `batch` rows ([B] arrays;
+    on `mesh` split by rows under `plan`): the runtime argument that goes with
+    `config.program_config(...)`."""
+    sampling = sampling_params(batch, config.temperature, config.top_k, config.top_p, config.max_new_tokens)
     if mesh is None:
         return sampling
     rows = NamedSharding(mesh, row_spec(plan))
@@ -138,13 +141,15 @@ def row_sampling(config: DecodeConfig, batch: int, mesh: Mesh | None = None, pla
 
 
 def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: DecodeConfig):
-    """Append `new_tokens[b, :count[b]]` ([B, W]) to each row, cut at EOS and at the budget.
+    """Append `new_tokens[b, :count[b]]` ([B, W]) to each row, cut at EOS and at the row's budget
+    (`state.sampling.max_new_tokens`: at most the buffer's, `DecodeConfig.program_config`).
 
     Returns (tokens, num_generated, done).
     """
     width = new_tokens.shape[1]
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
-    count = jnp.minimum(count, config.max_new_tokens - state.num_generated)
+    budget = state.sampling.max_new_tokens
+    count = jnp.minimum(count, budget - state.num_generated)
     if config.eos_token_id is not None:
         is_eos = (new_tokens == config.eos_token_id) & (j < count[:, None])
         first_eos = jnp.min(jnp.where(is_eos, j, width), axis=1)
@@ -156,7 +161,7 @@ def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: D
     rows = jnp.arange(new_tokens.shape[0])[:, None]
     tokens = state.tokens.at[rows, dest].set(new_tokens, mode="drop")
     num_generated = state.num_generated + count
-    done = state.done | hit_eos | (num_generated >= config.max_new_tokens)
+    done = state.done | hit_eos | (num_generated >= budget)
     return tokens, num_generated, done
 
 
@@ -588,18 +593,21 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     those of `jaxspec.generation.generate` (`jaxspec.batch.prepare`).
 
     model: a `jaxspec.models.interface.DecoderModel`; config: the `DecodeConfig` every later `step`
-    must be given too (the state carries its temperature, top-k and top-p: `DecodeState.sampling`).
+    must be given too (the state carries its temperature, top-k, top-p and budget:
+    `DecodeState.sampling`).
     mesh / plan: run on a `jax.sharding.Mesh` with axes ("data", "model") under a
     `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. On a mesh the
     state holds B rounded up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the
     rows past B are padding, done from the start.
-    Returns a `DecodeState` (tokens [B, max_new_tokens + depth + 1] so far, `done` [B], statistics).
-    Raises the ValueErrors `generate` raises, before tracing.
+    Returns a `DecodeState` (tokens [B, T] so far, T = the budget's bucket + depth + 1: the first
+    `max_new_tokens` are the row's; `done` [B], statistics). Raises the ValueErrors `generate`
+    raises, before tracing.
     """
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
     args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
-    sampling, program = row_sampling(config, batch.prompts.shape[0], mesh, plan), config.program_config()
+    sampling = row_sampling(config, batch.prompts.shape[0], mesh, plan)
+    program = config.program_config(batch.max_new_tokens)
     if mesh is None:
         return _prefill_jit(graphdef, params, *args, program, sampling)
     return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, sampling, program, mesh, plan,
@@ -618,7 +626,9 @@ def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh:
     `state.tokens[b, :state.num_generated[b]]`. mesh / plan: those `init_state` was given.
     """
     graphdef, params = nnx.split(model)
+    # The step reads each row's budget from the state; its static config names the buffer's.
+    program = config.program_config(state.tokens.shape[1] - config.max_depth - 1)
     if mesh is None:
-        return _step_jit(graphdef, params, state, config.program_config())
+        return _step_jit(graphdef, params, state, program)
     check_mesh(mesh, plan)
-    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, config.program_config(), mesh, plan)
+    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, program, mesh, plan)

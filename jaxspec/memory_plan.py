@@ -147,7 +147,8 @@ def _param_bytes(state: nnx.State, mesh, plan: str) -> int:
 def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt_len: int, mesh=None,
                 plan: str = sharding.DEFAULT_PLAN, dtype=jnp.bfloat16, device_memory: int | None = None) -> MemoryPlan:
     """The per-device `MemoryPlan` of `generate` on `batch` prompts padded to `prompt_len` tokens
-    (`jaxspec.batch.prompt_bucket` gives the width `generate` pads its longest prompt to), decoding
+    (`jaxspec.batch.prompt_bucket` gives the width `generate` pads its longest prompt to, and
+    `budget_bucket` the `max_new_tokens` it builds for), decoding
     as `decode` says (its draft settings, `max_new_tokens`, `prefill_chunk`, cache dtype and the
     backend its temporaries are those of), with parameters built in `dtype`, on
     `mesh` (a `jax.sharding.Mesh`, a (data, model) pair of sizes, or None for one device) under

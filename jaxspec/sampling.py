@@ -25,21 +25,27 @@ ACCEPT_STREAM = 1
 
 
 class SamplingParams(NamedTuple):
-    """temperature [B] float32 (<= 0: greedy), top_k [B] int32 (<= 0: off), top_p [B] float32 in
-    (0, 1] (1: off). Filters apply in the order temperature, top-k, top-p; the top token is always
-    kept, and tokens tied with the last kept logit are kept too."""
+    """A row's generation settings that a program reads at run time: temperature [B] float32
+    (<= 0: greedy), top_k [B] int32 (<= 0: off), top_p [B] float32 in (0, 1] (1: off), and (as
+    vLLM's SamplingParams carries max_tokens) max_new_tokens [B] int32, the row's budget of
+    generated tokens, or None where nothing decodes (the acceptance rules read only the filters).
+    Filters apply in the order temperature, top-k, top-p; the top token is always kept, and tokens
+    tied with the last kept logit are kept too."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    max_new_tokens: jax.Array | None = None
 
 
-def sampling_params(num_rows: int, temperature=1.0, top_k=0, top_p=1.0) -> SamplingParams:
+def sampling_params(num_rows: int, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=None) -> SamplingParams:
     """SamplingParams with each field broadcast to [num_rows] (scalars or per-row sequences)."""
     return SamplingParams(
         temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (num_rows,)),
         top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (num_rows,)),
         top_p=jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (num_rows,)),
+        max_new_tokens=None if max_new_tokens is None else jnp.broadcast_to(jnp.asarray(max_new_tokens, jnp.int32),
+                                                                            (num_rows,)),
     )
 
 

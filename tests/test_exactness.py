@@ -167,14 +167,14 @@ def test_cache_capacity_does_not_depend_on_the_draft_setting():
     """Attention reduces over the cache's capacity, whose reduction order a GPU picks by length: a
     plain run and a speculative run of the same prompts must get the same capacity, or even their
     shared prefill rounds differently. 96 + 160 = 256 slots is a page boundary, where an exactly
-    sized cache gained a page for k >= 1. (The prompt's exact width: a bucket would move it off the
+    sized cache gained a page for k >= 1. (Exact sizes: a bucket would move them off the
     boundary.)"""
     from jaxspec.batch import prepare
     model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0)))  # prepare reads only its config
     prompt = [[1 + i % 60 for i in range(96)]]
     settings = [dict(num_draft=k) for k in range(8)] + [dict(num_draft=3, tree="small"),
                                                         dict(num_draft=3, tree="4,3,8")]
-    capacities = {str(s): prepare(model, prompt, DecodeConfig(max_new_tokens=160, prompt_buckets=False, **s)
+    capacities = {str(s): prepare(model, prompt, DecodeConfig(max_new_tokens=160, buckets=False, **s)
                           ).target_cache.capacity
                   for s in settings}
     assert set(capacities.values()) == {320}, capacities

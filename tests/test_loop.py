@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.batch import prompt_bucket, required_capacity
+from jaxspec.batch import budget_bucket, prompt_bucket, required_capacity
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
-from jaxspec.loop import init_state, step
+from jaxspec.loop import PAD_TOKEN, init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
@@ -184,13 +184,14 @@ def test_sampling_values_are_runtime_arguments(trained_v32):
     program and one compiled step, and each value reaches it: top-k 1, a top-p that keeps only
     the top token, and a temperature of 1e-4 sample greedy's tokens, a temperature of 5 does not.
     (Greedy is its own program.)"""
+    jax.clear_caches()  # counts this test's programs alone, whatever ran before it
     programs = []
 
     def count(event, seconds, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             programs.append(kwargs.get("fun_name"))
 
-    base = config(2, max_new_tokens=13)  # a budget no other test here compiles
+    base = config(2, max_new_tokens=13)
     greedy = np.asarray(generate(trained_v32, PROMPTS, base).tokens)
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
@@ -216,40 +217,67 @@ def test_sampling_values_are_runtime_arguments(trained_v32):
     assert sum("_step" in name for name in programs) == 1, programs
 
 
-def test_prompts_of_similar_lengths_share_one_program(trained_v32):
-    """Batches whose longest prompts have 2, 9 and 16 tokens run one compiled generate program (the
-    width padded to 16), 17 tokens a second (32), and each batch's tokens equal those of its
-    unpadded run (`prompt_buckets=False`, float32). `prompt_bucket`'s rule at its edges."""
+def test_similar_prompts_and_budgets_share_one_program(trained_v32):
+    """Batches whose longest prompts and budgets are (2, 5), (9, 9) and (16, 16) tokens run one
+    compiled generate program (both padded to 16), (17, 11) a second (width 32) and (5, 17) a
+    third (budget 32); each batch's tokens equal those of its exact run (`buckets=False`, float32).
+    Stepping budgets 5 and 9 compiles one prefill and one step, and each row stops at its budget.
+    The rule at its edges, and where a bucket would not fit."""
+    jax.clear_caches()  # counts this test's programs alone, whatever ran before it
     programs = []
 
     def count(event, seconds, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration" and "_generate" in kwargs.get("fun_name", ""):
-            programs.append(kwargs["fun_name"])
+        if event == "/jax/core/compile/backend_compile_duration":
+            programs.append(kwargs.get("fun_name", ""))
 
-    base = config(2, max_new_tokens=11)  # a budget no other test here compiles
+    base = config(2)
     rows = (list(b"the quick brown fox"), list(b"def __init__(self):"))
-    batches = [[row[:width] for row in rows] for width in (2, 9, 16, 17)]
+    runs = [([row[:width] for row in rows], base.replace(max_new_tokens=budget))
+            for width, budget in ((2, 5), (9, 9), (16, 16), (17, 11), (5, 17))]
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
-        padded = [np.asarray(generate(trained_v32, prompts, base).tokens) for prompts in batches]
+        padded = [np.asarray(generate(trained_v32, prompts, cfg).tokens) for prompts, cfg in runs]
+        stepped = []
+        for budget in (5, 9):
+            cfg = base.replace(max_new_tokens=budget)
+            state = init_state(trained_v32, runs[0][0], cfg)
+            while not state.done.all():
+                state = step(trained_v32, state, cfg)
+            stepped.append(state)
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
-    assert len(programs) == 2, programs
-    for prompts, tokens in zip(batches, padded):
-        np.testing.assert_array_equal(tokens, np.asarray(generate(trained_v32, prompts, base.replace(
-            prompt_buckets=False)).tokens))
+    assert sum("_generate" in name for name in programs) == 3, programs
+    assert [programs.count(name) for name in ("jit(prefill)", "jit(_step)")] == [1, 1], programs
+    for (prompts, cfg), tokens in zip(runs, padded):
+        assert tokens.shape == (2, cfg.max_new_tokens)
+        np.testing.assert_array_equal(tokens, np.asarray(generate(trained_v32, prompts, cfg.replace(
+            buckets=False)).tokens))
+    for budget, state in zip((5, 9), stepped):  # greedy: budget 9's first 5 tokens are budget 5's
+        tokens = np.asarray(state.tokens)
+        assert tokens.shape[1] == 16 + base.max_depth + 1 and (np.asarray(state.num_generated) == budget).all()
+        np.testing.assert_array_equal(tokens[:, :5], padded[0])
+        assert (tokens[:, :budget] >= 0).all() and (tokens[:, budget:] == PAD_TOKEN).all()
 
     positions = trained_v32.config.max_position_embeddings
-    widths = (1, 16, 17, 100, 1024, 1025, 70_000)
-    assert [prompt_bucket(w, base, max_positions=10 ** 6) for w in widths] == [16, 16, 32, 128, 1024, 2048, 70_656]
-    assert prompt_bucket(5, base.replace(prompt_buckets=False), max_positions=positions) == 5
-    # the bucket must fit what the width fits: the positions, max_cache_len, a page table's slots
+    sizes = (1, 16, 17, 100, 1024, 1025, 70_000)
+    assert [prompt_bucket(w, base, max_positions=10 ** 6) for w in sizes] == [16, 16, 32, 128, 1024, 2048, 70_656]
+    assert [budget_bucket(16, base.replace(max_new_tokens=n), max_positions=10 ** 6)
+            for n in sizes] == [16, 16, 32, 128, 1024, 2048, 70_656]
+    exact = base.replace(buckets=False, max_new_tokens=5)
+    assert prompt_bucket(5, exact, max_positions=positions) == 5 == budget_bucket(5, exact, max_positions=positions)
+    # a bucket must fit what the exact size fits: the positions, max_cache_len, a page table's slots
     assert prompt_bucket(100, base, max_positions=required_capacity(127, base)) == 100
     assert prompt_bucket(100, base.replace(max_cache_len=required_capacity(100, base)), max_positions=positions) == 100
     table = jnp.zeros((2, -(-required_capacity(100, base) // base.page_size)), jnp.int32)
     assert prompt_bucket(100, base, max_positions=positions, page_table=table) == 100
-    with pytest.raises(ValueError, match="prompt_buckets=1"):
-        DecodeConfig(prompt_buckets=1)
+    small = base.replace(max_new_tokens=40)  # bucket 64
+    assert budget_bucket(16, small, max_positions=required_capacity(16, small)) == 40
+    assert budget_bucket(16, small.replace(max_cache_len=required_capacity(16, small)), max_positions=positions) == 40
+    table = jnp.zeros((2, -(-required_capacity(16, small) // base.page_size)), jnp.int32)
+    assert budget_bucket(16, small, max_positions=positions, page_table=table) == 40
+    assert budget_bucket(16, small, max_positions=positions) == 64
+    with pytest.raises(ValueError, match="buckets=1"):
+        DecodeConfig(buckets=1)
 
 
 @pytest.fixture(scope="module")

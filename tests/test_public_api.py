@@ -23,7 +23,7 @@ import pytest
 
 import jaxspec
 from jaxspec import cli
-from jaxspec.batch import prompt_bucket
+from jaxspec.batch import budget_bucket, prompt_bucket
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
@@ -212,8 +212,9 @@ def documented_shapes(cls) -> dict[str, str]:
 def test_result_and_state_docstrings_give_the_shapes_they_hold():
     """Every shape that GenerateResult's and DecodeState's docstrings state is the shape a real run
     holds, dimension by dimension (B rows, D the draft depth, N window nodes, T the token buffer,
-    V the vocabulary, H the hidden width, P the prompt width). The state comes from a loop-mode
-    prefill, the one that fills every field (prompts and prompt_lens are None otherwise)."""
+    V the vocabulary, H the hidden width, P the prompt width; the budget in T and P as padded to
+    their buckets). The state comes from a loop-mode prefill, the one that fills every field
+    (prompts and prompt_lens are None otherwise)."""
     from flax import nnx
 
     config = jaxspec.preset("tiny")
@@ -223,7 +224,7 @@ def test_result_and_state_docstrings_give_the_shapes_they_hold():
     sizes = dict(B=len(prompts), D=decode.num_draft, N=decode.num_draft + 1, V=config.vocab_size,
                  H=config.hidden_size, max_new_tokens=decode.max_new_tokens,
                  P=prompt_bucket(max(map(len, prompts)), decode, max_positions=config.max_position_embeddings))
-    sizes["T"] = decode.max_new_tokens + sizes["D"] + 1
+    sizes["T"] = budget_bucket(sizes["P"], decode, max_positions=config.max_position_embeddings) + sizes["D"] + 1
     results = {jaxspec.GenerateResult: jaxspec.generate(model, prompts, decode),
                jaxspec.DecodeState: jaxspec.init_state(model, prompts, dataclasses.replace(decode, prefill_in_loop=True))}
     for cls, value in results.items():

@@ -76,7 +76,7 @@ def test_rings_are_sized_by_the_widest_call():
     # (exact prompt widths: a bucket would widen the one-call prefill)
     for prompts, dcfg, widest in [(PROMPTS, config(3), 31), ([[1, 2]], config(3), 4),
                                   ([[1, 2]], config(1, tree=dynamic), 8)]:
-        dcfg = dcfg.replace(prompt_buckets=False)
+        dcfg = dcfg.replace(buckets=False)
         batch = prepare(model, prompts, dcfg)
         capacity = batch.target_cache.capacity
         for cache in (batch.target_cache, batch.mtp_cache):
