@@ -620,7 +620,8 @@ def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh:
     `state` is donated: its arrays are consumed, use the returned state).
 
     model: the model that `init_state` was given (its parameters as they are now); state:
-    the `DecodeState` from `init_state` or the previous `step`; config: the same `DecodeConfig`.
+    the `DecodeState` from `init_state` or the previous `step`; config: the same `DecodeConfig`
+    (the rows' budgets are the state's, set by `init_state`).
     Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
     `while not state.done.all(): state = step(model, state, config)`, then read
     `state.tokens[b, :state.num_generated[b]]`. mesh / plan: those `init_state` was given.

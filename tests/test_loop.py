@@ -220,7 +220,8 @@ def test_sampling_values_are_runtime_arguments(trained_v32):
 def test_similar_prompts_and_budgets_share_one_program(trained_v32):
     """Batches whose longest prompts and budgets are (2, 5), (9, 9) and (16, 16) tokens run one
     compiled generate program (both padded to 16), (17, 11) a second (width 32) and (5, 17) a
-    third (budget 32); each batch's tokens equal those of its exact run (`buckets=False`, float32).
+    third (budget 32); each program's tokens equal those of the exact run (`buckets=False`,
+    float32) of a batch it padded: (2, 5), (17, 11) and (5, 17).
     Stepping budgets 5 and 9 compiles one prefill and one step, and each row stops at its budget.
     The rule at its edges, and where a bucket would not fit."""
     jax.clear_caches()  # counts this test's programs alone, whatever ran before it
@@ -248,10 +249,11 @@ def test_similar_prompts_and_budgets_share_one_program(trained_v32):
         jax.monitoring.unregister_event_duration_listener(count)
     assert sum("_generate" in name for name in programs) == 3, programs
     assert [programs.count(name) for name in ("jit(prefill)", "jit(_step)")] == [1, 1], programs
-    for (prompts, cfg), tokens in zip(runs, padded):
+    for i, ((prompts, cfg), tokens) in enumerate(zip(runs, padded)):
         assert tokens.shape == (2, cfg.max_new_tokens)
-        np.testing.assert_array_equal(tokens, np.asarray(generate(trained_v32, prompts, cfg.replace(
-            buckets=False)).tokens))
+        if i in (0, 3, 4):  # each program once, against the exact run of a batch it padded
+            np.testing.assert_array_equal(tokens, np.asarray(generate(trained_v32, prompts, cfg.replace(
+                buckets=False)).tokens))
     for budget, state in zip((5, 9), stepped):  # greedy: budget 9's first 5 tokens are budget 5's
         tokens = np.asarray(state.tokens)
         assert tokens.shape[1] == 16 + base.max_depth + 1 and (np.asarray(state.num_generated) == budget).all()
