@@ -114,7 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled programs in DIR (JAX's persistent compilation cache): a later run "
                              "with the same model and settings loads them instead of compiling (the XLA compile "
-                             "is nearly all of a full-depth model's compile time)")
+                             "is nearly all of a full-depth model's compile time); a --max-new-tokens or prompts "
+                             "in the same bucket, or another --temperature or --sample-seed, count as the same")
     parser.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
                         help="run on a DATA x MODEL device mesh (jaxspec.sharding), e.g. 1x8 on an 8-GPU node, "
                              "2x8 over two with --distributed (default: one device)")
