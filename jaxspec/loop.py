@@ -614,6 +614,24 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
                              batch.num_rows)
 
 
+def check_step_config(state: DecodeState, config: DecodeConfig) -> None:
+    """ValueError, before tracing, where `config` does not decode as the one `state` was made for
+    (`init_state`) does: its verification window, tree depth, drafting or prompts in the loop,
+    which the state's shapes record (a mismatch would otherwise fail deep inside the trace). A
+    config that agrees on those and differs otherwise (another tree of the same window and depth)
+    is not caught: the state does not hold its config."""
+    made = dict(window=state.drafts.shape[1] + 1, depth=state.position_accepts.shape[1],
+                drafting=state.mtp_cache is not None, prefill_in_loop=state.prompts is not None)
+    given = dict(window=config.window_size, depth=config.max_depth, drafting=config.draft_tree is not None,
+                 prefill_in_loop=config.prefill_in_loop)
+    if made != given:
+        differ = ", ".join(f"{name} {given[name]} (the state's: {made[name]})"
+                           for name in made if made[name] != given[name])
+        raise ValueError(f"config: num_draft={config.num_draft}, tree={config.tree}, prefill_in_loop="
+                         f"{config.prefill_in_loop} decodes with {differ}; step takes the DecodeConfig the "
+                         "state's init_state was given")
+
+
 def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh: Mesh | None = None,
          plan: str = DEFAULT_PLAN) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
@@ -625,7 +643,9 @@ def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh:
     Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
     `while not state.done.all(): state = step(model, state, config)`, then read
     `state.tokens[b, :state.num_generated[b]]`. mesh / plan: those `init_state` was given.
+    Raises ValueError (`check_step_config`) for a config whose draft setting is not the state's.
     """
+    check_step_config(state, config)
     graphdef, params = nnx.split(model)
     # The step reads each row's budget from the state; its static config names the buffer's.
     program = config.program_config(state.tokens.shape[1] - config.max_depth - 1)

@@ -287,6 +287,18 @@ def random_model():
     return DeepseekV3(preset("tiny"), rngs=nnx.Rngs(0))
 
 
+def test_step_refuses_a_config_that_is_not_the_states(random_model):
+    """A state made for k = 3 stepped with k = 2, a tree, no drafts or prompts in the loop: a
+    ValueError naming what differs, before tracing (it failed deep inside the trace)."""
+    state = init_state(random_model, [[1, 2]], DecodeConfig(num_draft=3, max_new_tokens=4))
+    for changes, match in [(dict(num_draft=2), r"window 3 \(the state's: 4\), depth 2 \(the state's: 3\)"),
+                           (dict(num_draft=1, tree="2,2,3"), r"decodes with depth 2 \(the state's: 3\);"),
+                           (dict(num_draft=0), "drafting False \\(the state's: True\\)"),
+                           (dict(prefill_in_loop=True), "prefill_in_loop True \\(the state's: False\\)")]:
+        with pytest.raises(ValueError, match=match):
+            step(random_model, state, DecodeConfig(num_draft=3, max_new_tokens=4).replace(**changes))
+
+
 @pytest.mark.parametrize("kwargs, prompts, match", [
     (dict(max_cache_len=20), [[1, 2, 3]], "max_cache_len=20 is too small"),
     (dict(), [[1, 2], []], r"row\(s\) \[1\] are empty"),
