@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.batch import PreparedBatch, prepare
 from jaxspec.decode_config import DecodeConfig
-from jaxspec.loop import DecodeState, decode, mesh_program, prefill, prefill_body, row_sampling
+from jaxspec.loop import DecodeState, decode, mesh_program, prefill, prefill_body, program_inputs
 from jaxspec.models.interface import DecodeCache, DecoderModel
 from jaxspec.sampling import base_key
 from jaxspec.sharding import DEFAULT_PLAN, put, shard_params
@@ -60,8 +60,7 @@ def _program(graphdef, params, batch: PreparedBatch, config: DecodeConfig, mesh:
     """The jitted generate program for `batch` and its arguments: (jitted fn, (params, the rows'
     sampling parameters and budgets), static args). Those values are a runtime argument; the
     program is built for the batch's budget bucket (`DecodeConfig.program_config`)."""
-    sampling = row_sampling(config, batch.prompts.shape[0], mesh, plan)
-    program = config.program_config(batch.max_new_tokens)
+    program, sampling = program_inputs(config, batch, mesh, plan)
     if mesh is None:
         return _generate_jit, (params, sampling), (program,)
     return (_generate_mesh_jit, (shard_params(params, mesh, plan), sampling), (program, mesh, plan, batch.num_rows))

@@ -54,7 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxspec.acceptance import (TreeAcceptance, emitted_tokens, greedy_accept_chain, greedy_accept_tree,
                                 relaxed_accept_chain, relaxed_accept_tree, speculative_sample_chain,
                                 speculative_sample_tree)
-from jaxspec.batch import prepare
+from jaxspec.batch import PreparedBatch, prepare
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.drafting import Draft, draft
 from jaxspec.models.interface import DecodeCache, DecoderModel, window_rows
@@ -138,6 +138,16 @@ def row_sampling(config: DecodeConfig, batch: int, mesh: Mesh | None = None, pla
         return sampling
     rows = NamedSharding(mesh, row_spec(plan))
     return jax.tree.map(lambda values: put(values, rows), sampling)
+
+
+def program_inputs(config: DecodeConfig, batch: PreparedBatch, mesh: Mesh | None = None, plan: str = DEFAULT_PLAN
+                   ) -> tuple[DecodeConfig, SamplingParams]:
+    """What a generate or prefill program of `batch` takes besides its arrays, as one pair, so the
+    two never drift apart: its static config, built for the batch's budget bucket with the values
+    it reads at run time normalized (`DecodeConfig.program_config`), and those values for each of
+    the batch's rows (`row_sampling`)."""
+    return (config.program_config(batch.max_new_tokens),
+            row_sampling(config, batch.prompts.shape[0], mesh, plan))
 
 
 def _emit(state: DecodeState, new_tokens: jax.Array, count: jax.Array, config: DecodeConfig):
@@ -563,8 +573,8 @@ def prefill_body(graphdef, config: DecodeConfig, num_rows: int):
 
 def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, config, mesh,
                   plan, num_rows):
-    return mesh_program(prefill_body(graphdef, config, num_rows), params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
-                        plan=plan)
+    return mesh_program(prefill_body(graphdef, config, num_rows), params, prompts, prompt_lens, target_cache,
+                        mtp_cache, rng_key, sampling, mesh=mesh, plan=plan)
 
 
 def _step_mesh(graphdef, params, state, config, mesh, plan):
@@ -606,8 +616,7 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
     args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
-    sampling = row_sampling(config, batch.prompts.shape[0], mesh, plan)
-    program = config.program_config(batch.max_new_tokens)
+    program, sampling = program_inputs(config, batch, mesh, plan)
     if mesh is None:
         return _prefill_jit(graphdef, params, *args, program, sampling)
     return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, sampling, program, mesh, plan,
