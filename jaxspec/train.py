@@ -4,7 +4,8 @@
 
 The MTP module sees the target's hidden states without a stop-gradient, as DeepSeek trains it.
 Sequences run through the same cached forward the decoder uses (an empty cache, the expanded MLA
-form), so training and inference share one code path.
+form), so training and inference share one code path, on the reference ops (backend "xla": the
+Pallas kernels define no gradients).
 
 The DSA indexer's top-k selection is not differentiable, so the LM loss never reaches the indexer.
 With `indexer_kl_weight > 0` it is trained as DeepSeek-V3.2 trains it (`indexer_kl_loss`): towards
@@ -77,10 +78,10 @@ def _attention_kl(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, vis: Visib
     c = attn.config
     batch, length, _ = x.shape
     x = jax.lax.stop_gradient(x)
-    q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
-    q = attn.q_b_proj(q_latent).reshape(batch, length, c.num_attention_heads, c.qk_head_dim)
+    q_latent = attn.q_a_layernorm(attn.q_a_proj(x, backend="xla"))
+    q = attn.q_b_proj(q_latent, backend="xla").reshape(batch, length, c.num_attention_heads, c.qk_head_dim)
     q_rope = apply_rope(q[..., c.qk_nope_head_dim:], cos, sin, interleaved=True)
-    kv = attn.kv_a_proj_with_mqa(x)
+    kv = attn.kv_a_proj_with_mqa(x, backend="xla")
     latent = attn.kv_a_layernorm(kv[..., :c.kv_lora_rank])
     k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleaved=True)
     w_uk, _ = attn._up_projections()
@@ -91,12 +92,10 @@ def _attention_kl(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, vis: Visib
     target = jax.lax.stop_gradient(jnp.mean(probs, axis=2))  # [B, L, S]
 
     indexer = attn.indexer
-    q_idx = indexer._rotate(indexer.wq_b(jax.lax.stop_gradient(q_latent)).reshape(
-        batch, length, c.index_n_heads, c.index_head_dim), cos, sin)
-    weights = indexer.weights_proj(x.astype(jnp.float32)) * (c.index_n_heads ** -0.5 * c.index_head_dim ** -0.5)
+    q_idx, weights = indexer.queries(x, jax.lax.stop_gradient(q_latent), cos, sin, backend="xla")
     # One page per row: the window's keys are the whole key cache.
     page_table = jnp.arange(batch, dtype=jnp.int32)[:, None]
-    index_scores = indexer_scores_reference(q_idx, weights, indexer.keys(x, cos, sin), page_table, vis)
+    index_scores = indexer_scores_reference(q_idx, weights, indexer.keys(x, cos, sin, backend="xla"), page_table, vis)
     log_q = jax.nn.log_softmax(jnp.where(mask, index_scores, -1e30), axis=-1)
     kl = jnp.where(mask, jax.scipy.special.xlogy(target, target) - target * log_q, 0.0)
     return jnp.mean(jnp.sum(kl, axis=-1))
@@ -131,7 +130,7 @@ def indexer_kl_loss(model, tokens: jax.Array) -> jax.Array:
         mtp = model.mtp
         hidden = model.norm(x)[:, :-1]
         embedded = mtp.enorm(model.embed_tokens(tokens[:, 1:]).astype(model.dtype))
-        mtp_in = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden)], axis=-1))
+        mtp_in = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden)], axis=-1), backend="xla")
         mtp_vis = vis._replace(query_len=vis.query_len - 1)
         layer_losses.append(_attention_kl(mtp.block.self_attn, mtp.block.input_layernorm(mtp_in),
                                           cos[:, :-1], sin[:, :-1], mtp_vis)[None])

@@ -80,10 +80,10 @@ class Compressor(nnx.Module):
 
     def project(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x [B, Q, D], positions [B, Q] -> ring rows [B, Q, 2 * coff * width] float32: kv then
-        gate + position_bias[p % m]."""
+        gate + position_bias[p % m]. Both multiply float32 inputs, which only XLA's dot takes (`Linear`)."""
         xf = x.astype(jnp.float32)
-        score = self.gate_proj(xf) + self.position_bias[...][positions % self.rate]
-        return jnp.concatenate([self.kv_proj(xf), score], axis=-1)
+        score = self.gate_proj(xf, backend="xla") + self.position_bias[...][positions % self.rate]
+        return jnp.concatenate([self.kv_proj(xf, backend="xla"), score], axis=-1)
 
     def pool(self, rows: jax.Array, present: jax.Array, start: jax.Array, dtype) -> jax.Array:
         """One entry per block: rows [B, N, span, 2 * coff * width] float32 (the block's source
@@ -195,12 +195,14 @@ class Indexer(Compressor):
                                dtype=dtype, scale_fmt=config.scale_fmt, names=("q_lora", "index_heads"))
         self.scorer = IndexerScorer(config, rngs=rngs, dtype=dtype)
 
-    def queries(self, x: jax.Array, q_residual: jax.Array, cos: jax.Array, sin: jax.Array):
+    def queries(self, x: jax.Array, q_residual: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str):
         """x [B, Q, D], q_residual [B, Q, q_lora_rank], the layer's angles [B, Q, Dr / 2] ->
-        (q [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32 with both scales folded in)."""
+        (q [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32 with both scales folded in). backend:
+        the model call's, for `q_b_proj`; `weights_proj` multiplies float32 inputs (XLA's dot)."""
         batch, num_queries, _ = x.shape
-        q = self.q_b_proj(q_residual).reshape(batch, num_queries, self.num_heads, self.width)
-        weights = self.scorer.weights_proj(x.astype(jnp.float32)) * (self.width ** -0.5 * self.num_heads ** -0.5)
+        q = self.q_b_proj(q_residual, backend=backend).reshape(batch, num_queries, self.num_heads, self.width)
+        weights = (self.scorer.weights_proj(x.astype(jnp.float32), backend="xla")
+                   * (self.width ** -0.5 * self.num_heads ** -0.5))
         return rotate_tail(q, cos, sin), weights
 
     def select(self, cache: V4Cache, layer, x, q_residual, cos, sin, positions: jax.Array, vis: Visibility, *,
@@ -225,13 +227,13 @@ class Indexer(Compressor):
             counts = jnp.where(valid, (positions + 1) // self.rate, 0)
 
             def choose(x, q_residual, cos, sin, counts):
-                q, weights = self.queries(x, q_residual, cos, sin)
+                q, weights = self.queries(x, q_residual, cos, sin, backend=backend)
                 return indexer_topk(q, weights, keys, pages, counts, topk=self.topk, backend=backend)
 
             alone = window_invariant and not window_invariant_kernels(backend, "indexer_topk")
             return per_position(choose, x, q_residual, cos, sin, counts, enabled=alone)
         counts = jnp.where(valid, (vis.prefix_len // self.rate)[:, None], 0)
-        q, weights = self.queries(x, q_residual, cos, sin)
+        q, weights = self.queries(x, q_residual, cos, sin, backend=backend)
         scores = indexer_scores(q, weights, keys, pages, counts, backend=backend)
         per_query = jax.vmap(lambda q, w, k, ok: score_keys(q[:, None], w[:, None], k, ok[:, None])[:, 0],
                              in_axes=1, out_axes=1)

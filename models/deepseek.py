@@ -70,8 +70,7 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         h = each(self.post_attention_layernorm, x)
         # Per position, the MoE sees B tokens whatever Q is, so it also takes the same expert path.
-        mlp = (lambda h: self.mlp(h, backend=backend)) if isinstance(self.mlp, MoE) else self.mlp
-        return x + each(mlp, h), cache
+        return x + each(lambda h: self.mlp(h, backend=backend), h), cache
 
 
 class MTPModule(nnx.Module):
@@ -244,7 +243,7 @@ class DeepseekV3(nnx.Module):
         mtp = self.mtp
         cos, sin = rope_angles(self.config, positions)
         embedded = mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype))
-        x = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden.astype(self.dtype))], axis=-1))
+        x = mtp.eh_proj(jnp.concatenate([embedded, mtp.hnorm(hidden.astype(self.dtype))], axis=-1), backend=backend)
         x, cache = mtp.block(x, cos, sin, cache, 0, vis, form=form, backend=backend)
         logits, out_hidden = head_logits(mtp.shared_head_norm, self.lm_head, x, logits_at)
         return logits, out_hidden, cache

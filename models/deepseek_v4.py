@@ -257,8 +257,8 @@ class DeepseekV4(nnx.Module):
             raise ValueError("this model has no MTP module (config.num_nextn_predict_layers == 0)")
         mtp, (batch, num_queries) = self.mtp, next_tokens.shape
         streams = hidden.astype(self.dtype).reshape(batch, num_queries, self.config.hc_mult, -1)
-        embedded = mtp.e_proj(mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype)))
-        streams = mtp.h_proj(mtp.hnorm(streams)) + embedded[:, :, None]
+        embedded = mtp.e_proj(mtp.enorm(self.embed_tokens(next_tokens).astype(self.dtype)), backend=backend)
+        streams = mtp.h_proj(mtp.hnorm(streams), backend=backend) + embedded[:, :, None]
         streams, cache = mtp.block(streams, next_tokens, positions, cache, 0, vis, backend=backend)
         logits = self._logits(mtp.hc_head, mtp.norm, window_rows(streams, logits_at), False)
         return logits, streams.reshape(batch, num_queries, -1), cache

@@ -46,29 +46,33 @@ class Indexer(nnx.Module):
         rope_dim = self.config.qk_rope_head_dim
         return jnp.concatenate([apply_rope(x[..., :rope_dim], cos, sin, interleaved=False), x[..., rope_dim:]], axis=-1)
 
-    def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, fp8: bool = False) -> jax.Array:
+    def keys(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str, fp8: bool = False) -> jax.Array:
         """x [B, Q, D] -> the window's indexer keys [B, Q, Di] (to be written to the cache;
-        fp8: Hadamard-rotated for an FP8 key cache, which quantizes them as it stores them)."""
-        keys = self._rotate(self.k_norm(self.wk(x)), cos, sin)
+        fp8: Hadamard-rotated for an FP8 key cache, which quantizes them as it stores them).
+        backend: the model call's, for `wk` (`Linear`)."""
+        keys = self._rotate(self.k_norm(self.wk(x, backend=backend)), cos, sin)
         return rotate(keys) if fp8 else keys
 
-    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, *,
+    def queries(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str,
                 key_rule: str | None = None):
         """The token-local part of selection: x [B, Q, D], q_latent [B, Q, q_lora_rank]
         -> (q_idx [B, Q, Hi, Di] rotated, weights [B, Q, Hi] float32, scaled). key_rule: the FP8 key
         cache's `Fp8Pool.rule` (None: keys in the compute dtype); with one, q_idx is
         Hadamard-rotated and quantized to e4m3 by the keys' scale rule (powers of two or not), its
-        scale folded into the weights: queries and keys then always share the rule."""
+        scale folded into the weights: queries and keys then always share the rule. backend: the
+        model call's, for `wq_b`; `weights_proj` multiplies float32 inputs, which only XLA's dot takes."""
         batch, num_queries, _ = x.shape
         heads, head_dim = self.config.index_n_heads, self.config.index_head_dim
-        q_idx = self._rotate(self.wq_b(q_latent).reshape(batch, num_queries, heads, head_dim), cos, sin)
+        q_idx = self.wq_b(q_latent, backend=backend).reshape(batch, num_queries, heads, head_dim)
+        q_idx = self._rotate(q_idx, cos, sin)
+        weights = self.weights_proj(x.astype(jnp.float32), backend="xla")
         if key_rule is None:
-            return q_idx, self.weights_proj(x.astype(jnp.float32)) * (heads ** -0.5 * head_dim ** -0.5)
-        return fp8_index_queries(q_idx, self.weights_proj(x.astype(jnp.float32)), pow2_scales=key_rule == INDEX_RULE)
+            return q_idx, weights * (heads ** -0.5 * head_dim ** -0.5)
+        return fp8_index_queries(q_idx, weights, pow2_scales=key_rule == INDEX_RULE)
 
     def select(self, x: jax.Array, q_latent: jax.Array, cos: jax.Array, sin: jax.Array, key_cache: jax.Array,
                page_table: jax.Array, vis: Visibility, *, backend: str) -> jax.Array:
         """x [B, Q, D], q_latent [B, Q, q_lora_rank], key_cache holding the window's keys
         -> indices [B, Q, index_topk] int32 (-1 padded). An FP8 key cache selects as DeepSeek's release does."""
-        q_idx, weights = self.queries(x, q_latent, cos, sin, key_rule=key_rule(key_cache))
+        q_idx, weights = self.queries(x, q_latent, cos, sin, backend=backend, key_rule=key_rule(key_cache))
         return indexer_topk(q_idx, weights, key_cache, page_table, vis, topk=self.config.index_topk, backend=backend)

@@ -76,8 +76,11 @@ class Linear(nnx.Module):
             return self.weight[...]
         return dequantize(self.weight[...], self.weight_scale_inv[...])
 
-    def __call__(self, x: jax.Array, *, backend: str = "auto") -> jax.Array:
-        """x [..., in] -> [..., out]. backend: how a quantized layer multiplies (class docstring).
+    def __call__(self, x: jax.Array, *, backend: str) -> jax.Array:
+        """x [..., in] -> [..., out]. backend: the model call's (`DecodeConfig.backend`), which decides
+        how a quantized layer multiplies (class docstring). It has no default: a layer called
+        without it would resolve "auto" by itself, and on a GPU a model run on "xla" (the reference)
+        would then multiply through the Triton kernel.
 
         A layer of a stack (`models.stack`: its weight a `StackRow`) multiplies on the GPU backends
         through the grouped-matmul kernel too, as one group read in place, when its weight has x's
@@ -160,8 +163,10 @@ class MLP(nnx.Module):
         self.down_proj = linear(hidden, dim, names=(hidden_name, "embed"))
         self.swiglu_limit = swiglu_limit
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+    def __call__(self, x: jax.Array, *, backend: str) -> jax.Array:
+        """x [..., dim] -> [..., dim]. backend: the model call's, for the linears (`Linear`)."""
+        linear = lambda layer, x: layer(x, backend=backend)
+        return linear(self.down_proj, swiglu(linear(self.gate_proj, x), linear(self.up_proj, x), self.swiglu_limit))
 
 
 def head_logits(norm: RMSNorm, lm_head: Linear, x: jax.Array, at: jax.Array | None = None, *,

@@ -128,15 +128,16 @@ class MLA(nnx.Module):
         batch, num_queries, _ = x.shape
         each = functools.partial(per_position, enabled=window_invariant)
         fp8_index = self.indexer is not None and isinstance(cache.index_keys, Fp8Pool)
-        q_latent, q_nope, q_rope, entry, index_key = each(functools.partial(self._project, fp8_index=fp8_index),
-                                                          x, cos, sin)
+        project = functools.partial(self._project, fp8_index=fp8_index, backend=backend)
+        q_latent, q_nope, q_rope, entry, index_key = each(project, x, cos, sin)
         cache = cache.write(layer, window_slots(vis, num_queries), entry, index_key)
 
         w_uk, w_uv = self._up_projections()
         if window_invariant:
-            index_queries = (None if self.indexer is None
-                             else each(functools.partial(self.indexer.queries, key_rule=key_rule(cache.index_keys)),
-                                       x, q_latent, cos, sin))
+            index_queries = None
+            if self.indexer is not None:
+                queries = functools.partial(self.indexer.queries, key_rule=key_rule(cache.index_keys), backend=backend)
+                index_queries = each(queries, x, q_latent, cos, sin)
             if attention_on_mosaic(backend, self.indexer is None, q_nope, q_rope, cache, layer, c.kv_lora_rank):
                 out = self._attend_invariant_kernel(q_nope, q_rope, index_queries, cache, layer, vis, w_uk, w_uv,
                                                     "mosaic")
@@ -160,29 +161,29 @@ class MLA(nnx.Module):
             else:
                 out = self._expanded(q_nope, q_rope, as_entries(gather_parts(latent_cache, page_table)), vis,
                                      indices, w_uk, w_uv)
-        out = each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,))), out)
+        out = each(lambda o: self.o_proj(o.reshape(o.shape[:2] + (-1,)), backend=backend), out)
         par = current()
         if par is not None and par.head_axes:  # tensor parallel: each device projected its heads' share
             out = jax.lax.psum(out, par.head_axes)
         return out, cache
 
-    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, fp8_index: bool = False):
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str, fp8_index: bool = False):
         """The token-local part: x [B, Q, D] -> q_latent [B, Q, q_lora_rank] (None without q_lora_rank),
         q_nope [B, Q, H, Dn], rotated q_rope [B, Q, H, Dr], the cache entry [B, Q, R + Dr] and the
         indexer key [B, Q, Di] (None without DSA; Hadamard-rotated for an FP8 key cache)."""
         c = self.config
         batch, num_queries, _ = x.shape
         if c.q_lora_rank is None:
-            q_latent, q = None, self.q_proj(x)
+            q_latent, q = None, self.q_proj(x, backend=backend)
         else:
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_latent)
+            q_latent = self.q_a_layernorm(self.q_a_proj(x, backend=backend))
+            q = self.q_b_proj(q_latent, backend=backend)
         q = q.reshape(batch, num_queries, -1, c.qk_head_dim)  # [B, Q, H (this device's heads), Dqk]
         q_rope = apply_rope(q[..., c.qk_nope_head_dim:], cos, sin, interleaved=True)
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = self.kv_a_proj_with_mqa(x, backend=backend)
         latent = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
         k_rope = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleaved=True)
-        index_key = self.indexer.keys(x, cos, sin, fp8=fp8_index) if self.indexer is not None else None
+        index_key = self.indexer.keys(x, cos, sin, backend=backend, fp8=fp8_index) if self.indexer is not None else None
         return q_latent, q[..., :c.qk_nope_head_dim], q_rope, jnp.concatenate([latent, k_rope], axis=-1), index_key
 
     def _attend_alone(self, q_nope, q_rope, index_queries, cache: PagedCache, layer, vis: Visibility,

@@ -207,7 +207,7 @@ class MoE(nnx.Module):
             per_assignment = self._expert_parallel(tokens, experts, par, backend, path)
         out = jnp.einsum("tkd,tk->td", per_assignment.astype(jnp.float32), weights).astype(x.dtype)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            out = out + self.shared_experts(tokens, backend=backend)
         return out.reshape(shape)
 
     def _routed(self, tokens, experts, par: Parallel | None, backend, path):

@@ -104,7 +104,7 @@ class V4Attention(nnx.Module):
         num_queries = x.shape[1]
         each = functools.partial(per_position, enabled=window_invariant)
         cos, sin = rope_angles(self.rope_config, positions)
-        q_residual, q, kv = each(self._project, x, cos, sin)
+        q_residual, q, kv = each(functools.partial(self._project, backend=backend), x, cos, sin)
         slots = window_slots(vis, num_queries)
         cache = cache.write_ring("window", layer, slots, kv)
         if self.compressor is not None:
@@ -147,25 +147,25 @@ class V4Attention(nnx.Module):
             out = self._attend_alone(attend, q, cache, layer, positions, vis, compressed)
         else:
             out = attend(q, *cache.layer_pages("window", layer), positions, vis, self.sinks[...], **compressed)
-        out = each(lambda o, cos, sin: self._output(rotate_tail(o, cos, -sin)), out, cos, sin)
+        out = each(lambda o, cos, sin: self._output(rotate_tail(o, cos, -sin), backend=backend), out, cos, sin)
         par = current()
         if par is not None and par.head_axes:  # tensor parallel: each device projected its heads' share
             out = jax.lax.psum(out, par.head_axes)
         return out, cache
 
-    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    def _project(self, x: jax.Array, cos: jax.Array, sin: jax.Array, *, backend: str):
         """The token-local part: x [B, Q, D] -> q_residual [B, Q, q_lora_rank], q [B, Q, H, D] and
         kv [B, Q, D], both normed and rotated."""
         c = self.config
         batch, num_queries, _ = x.shape
-        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q_residual = self.q_a_norm(self.q_a_proj(x, backend=backend))
         # -1 heads: under tensor parallelism (`jaxspec.sharding`, plan "tp") this device's heads only.
-        q = self.q_b_proj(q_residual).reshape(batch, num_queries, -1, c.head_dim)
+        q = self.q_b_proj(q_residual, backend=backend).reshape(batch, num_queries, -1, c.head_dim)
         q = rotate_tail(unit_rms_norm(q, c.rms_norm_eps), cos, sin)
-        kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x, backend=backend)), cos, sin)
         return q_residual, q, kv
 
-    def _output(self, o: jax.Array) -> jax.Array:
+    def _output(self, o: jax.Array, *, backend: str) -> jax.Array:
         """o [B, Q, H, D] un-rotated -> o_b_proj(o_a_proj per group) [B, Q, hidden_size]."""
         c = self.config
         batch, num_queries = o.shape[:2]
@@ -173,7 +173,7 @@ class V4Attention(nnx.Module):
         grouped = o.reshape(batch, num_queries, -1, per_group)  # [B, Q, G (this device's), H / G * D]
         w = self.o_a_proj.dense_weight().reshape(per_group, -1, c.o_lora_rank).astype(o.dtype)
         mixed = jnp.einsum("bqgi,igr->bqgr", grouped, w)
-        return self.o_b_proj(mixed.reshape(batch, num_queries, -1))
+        return self.o_b_proj(mixed.reshape(batch, num_queries, -1), backend=backend)
 
     def _tree_alone(self, x: jax.Array, positions: jax.Array, cache: V4Cache, layer, vis: Visibility, *,
                     backend: str) -> jax.Array:

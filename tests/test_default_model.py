@@ -140,7 +140,7 @@ def test_indexer_kl_loss_is_the_mean_over_layers_one_by_one():
             x, cache = layer(x, cos, sin, cache, i, vis, form="expanded", backend="xla")
         mtp = model.mtp
         mtp_in = mtp.eh_proj(jnp.concatenate([mtp.enorm(model.embed_tokens(tokens[:, 1:]).astype(model.dtype)),
-                                              mtp.hnorm(model.norm(x)[:, :-1])], axis=-1))
+                                              mtp.hnorm(model.norm(x)[:, :-1])], axis=-1), backend="xla")
         kls.append(_attention_kl(mtp.block.self_attn, mtp.block.input_layernorm(mtp_in), cos[:, :-1], sin[:, :-1],
                                  vis._replace(query_len=vis.query_len - 1)))
         return jnp.mean(jnp.stack(kls))

@@ -212,7 +212,7 @@ def test_fp8_linear_compiled_reads_fp8_bytes(h100):
     fan_in, fan_out, rows = 16384, 7168, 128
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Linear(fan_in, fan_out, rngs=nnx.Rngs(0), dtype=FP8)))
     x = jax.ShapeDtypeStruct((32, 4, fan_in), jnp.bfloat16)
-    compiled = aot.compile_gpu(lambda p, x: nnx.merge(graphdef, p)(x), params, x, devices=h100)
+    compiled = aot.compile_gpu(lambda p, x: nnx.merge(graphdef, p)(x, backend="auto"), params, x, devices=h100)
     weight_bytes = fan_in * fan_out + 4 * (fan_in // 128) * (fan_out // 128)
     activations = rows * (fan_in + fan_out) * 2
     mem, cost = aot.memory(compiled), aot.program_cost(compiled)
@@ -225,3 +225,27 @@ def test_fp8_linear_compiled_reads_fp8_bytes(h100):
     classes = aot.op_class_costs(compiled)
     assert classes["grouped_matmul"] == (call.flops, call.bytes_accessed) and classes["attention"] == (0, 0)
     assert classes["xla"] == (cost.xla_flops, cost.xla_bytes)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_every_fp8_linear_follows_the_models_backend(h100, backend):
+    """The tiny FP8 DeepSeek-V3.2's decode forward (B 2, one token) compiled for an H100: on "xla",
+    the reference, it runs no Pallas kernel at all, its FP8 linears included (XLA's dot of the
+    dequantized weight; a layer left to resolve "auto" itself would run Triton's grouped matmul
+    there); on "pallas" each FP8 linear a layer calls is one grouped-matmul site (kv_b_proj is
+    read as its dequantized weight, `MLA._up_projections`), beside the routed experts' three."""
+    from jaxspec import aot
+
+    model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(4), dtype=FP8))
+    graphdef, params = nnx.split(model)
+    linears = [path for run in model.layer_runs for path, module in nnx.iter_graph(getattr(model, run.name))
+               if isinstance(module, Linear) and module.weight_scale_inv is not None and path[-1] != "kv_b_proj"]
+    tokens = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    cache = jax.eval_shape(lambda: model.init_cache(2, 64, page_size=64))
+    vis = Visibility(jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    forward = lambda p, t, c, v: nnx.merge(graphdef, p)(t, t, c, v, backend=backend)[0]
+    names = [call.name for call in aot.pallas_calls(aot.compile_gpu(forward, params, tokens, cache, vis, devices=h100))]
+    if backend == "xla":
+        assert names == []
+    else:
+        assert linears and names.count("grouped_matmul") == len(linears) + 3
