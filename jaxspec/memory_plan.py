@@ -18,7 +18,10 @@ are estimated, erring high, from the terms that dominate XLA's buffer assignment
 and follow the program that will run: the backend `DecodeConfig.backend` resolves to
 (`pallas_kernels.resolve_backend`: "auto" is the pure-jnp references on a CPU host, so a plan for a
 GPU made on a CPU host, as `benchmarks/fp8_caches.py` makes it, names `backend="pallas"`) and the
-mesh. A decode step: the float32 logits of the window and a companion of each. Prefill, per call of
+mesh. A decode step: the float32 logits of the window and a companion of each, and the largest one
+layer's temporaries of its model calls, each a chunk of 1 to `window` tokens a row (on "xla" at few
+tokens, the experts' gathered matrices). On "xla" both count a layer's FP8 linear weights
+dequantized in float32 too. Prefill, per call of
 T = rows x W tokens on a device (W the prompt, or one `prefill_chunk`): the float32 logits [T, V]
 (every plan replicates the vocabulary, `jaxspec.sharding.RULES`: each device computes its own
 rows' logits in full), a few [T, D] activations, and one layer's temporaries as the model counts
@@ -144,6 +147,23 @@ def _param_bytes(state: nnx.State, mesh, plan: str) -> int:
     return sum(shard_bytes(x.shape, x.dtype, spec, sizes) for x, spec in zip(leaves, specs, strict=True))
 
 
+def _dequantized_linears(flat: dict[str, nnx.Variable], stacks: set[str]) -> int:
+    """The bytes of one layer's FP8 linear weights dequantized in float32, for the layer whose are
+    largest (a stack's row, or the MTP block): what the references ("xla") can hold of them at once,
+    erring high (each such linear multiplies by its weight dequantized, `models.layers.Linear`; the
+    routed experts' copies are the feed-forward part's, `moe.prefill_temp_bytes`). flat: the
+    abstract parameters by dotted path (`orbax_io.abstract_model`); stacks: the layer stacks' names."""
+    per_layer: dict[str, int] = {}
+    for name, variable in flat.items():
+        value = variable.get_value()
+        if value.dtype != jnp.float8_e4m3fn or ".experts_" in name:
+            continue
+        owner = name.split(".")[0]
+        elements = math.prod(value.shape[1:] if owner in stacks else value.shape)
+        per_layer[owner] = per_layer.get(owner, 0) + elements
+    return 4 * max(per_layer.values(), default=0)
+
+
 def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt_len: int, mesh=None,
                 plan: str = sharding.DEFAULT_PLAN, dtype=jnp.bfloat16, device_memory: int | None = None) -> MemoryPlan:
     """The per-device `MemoryPlan` of `generate` on `batch` prompts padded to `prompt_len` tokens
@@ -167,7 +187,7 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
     capacity = default_capacity(prompt_len, decode)
     drafting = decode.draft_tree is not None
     # The model, abstract (nothing allocated), in the activations' dtype its caches take.
-    graphdef, params, _ = abstract_model(config, dtype)
+    graphdef, params, flat = abstract_model(config, dtype)
     model = nnx.merge(graphdef, params)
     geometry = cache_geometry(prompt_len, decode, batch_size=rows, capacity=capacity)
     caches = sum(cache_bytes(model, geometry, mtp=mtp) for mtp in ((False, True) if drafting else (False,)))
@@ -180,9 +200,24 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
                     + window * 4)
     if decode.prefill_in_loop:  # the prompts and their lengths ride in the loop state
         state += rows * (prompt_len + 1) * 4
+    backend = resolve_backend(decode.backend)
+    row_shards = None if mesh is None else row_parts
+    # The references dequantize a layer's FP8 linear weights in XLA (the kernels, tile by tile).
+    dequantized = _dequantized_linears(flat, {run.name for run in model.layer_runs}) if backend == "xla" else 0
+    # The ops gather a row's slots in whole pages.
+    slots = -(-capacity // decode.page_size) * decode.page_size
     # A step: the float32 logits of the target's window and of the MTP's next draft, each with a
-    # same-sized float32 companion (probabilities, acceptance's work on them).
-    step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2
+    # same-sized float32 companion (probabilities, acceptance's work on them), and the largest one
+    # layer's temporaries of its model calls (the layers run one at a time: scans), each a chunk of
+    # W tokens a row (the absorbed form), W from 1 (a chained draft) to the window (verification):
+    # at few tokens the references' experts take the gathered path, whose copies of every
+    # assignment's expert matrices are the largest term there (`moe.expert_path`; one full-width
+    # V3.2 layer at B 32 on "xla": 21 GiB in bfloat16, 42 GiB with FP8 experts).
+    step_layer = max(model.prefill_layer_bytes(rows=rows, width=width, prompt_len=capacity, capacity=slots,
+                                               heads=heads_local, chunked=True, backend=backend,
+                                               row_shards=row_shards)
+                     for width in range(1, window + 1)) + dequantized
+    step_temp = rows * (window + (1 if drafting else 0)) * vocab * f32 * 2 + step_layer
     # Prefill, per call of T = rows x W tokens (W = the whole prompt, or one `prefill_chunk`): a
     # few [T, H] activations, one layer's temporaries as the model counts them for the backend the
     # config resolves to (the layers run one at a time: a scan), and the float32 logits of each
@@ -193,13 +228,9 @@ def plan_memory(config: ModelConfig, decode: DecodeConfig, *, batch: int, prompt
         width = decode.prefill_width(prompt_len)
         chunked = decode.prefill_chunk is not None
         logit_rows = 2 if drafting else 1
-        # The ops gather a row's slots in whole pages.
-        slots = -(-capacity // decode.page_size) * decode.page_size
         layer = model.prefill_layer_bytes(rows=rows, width=width, prompt_len=prompt_len, capacity=slots,
-                                          heads=heads_local, chunked=chunked,
-                                          backend=resolve_backend(decode.backend),
-                                          row_shards=None if mesh is None else row_parts)
-        prefill_temp = rows * (logit_rows * vocab * f32 + width * hidden * act * 8) + layer
+                                          heads=heads_local, chunked=chunked, backend=backend, row_shards=row_shards)
+        prefill_temp = rows * (logit_rows * vocab * f32 + width * hidden * act * 8) + layer + dequantized
     return MemoryPlan(weights=_param_bytes(params, mesh, plan), caches=caches, state=state,
                       prefill_temp=prefill_temp, step_temp=step_temp,
                       device_memory=None if device_memory is None else int(device_memory))

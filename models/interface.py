@@ -139,9 +139,10 @@ class DecoderModel(Protocol):
                             chunked: bool, backend: str, row_shards: int | None) -> int:
         """An estimate, erring high, of the bytes of the temporaries one decoder layer holds at once
         on a device in one prefill call: `rows` rows of `width` tokens (`prompt_len` in one call
-        unless `chunked`) over `capacity` slots, `heads` attention heads on the device, the ops'
-        implementation `backend` ("xla", "pallas" or "mosaic", resolved), and `row_shards` the row
-        shards of a mesh (None: one device, no mesh) (`jaxspec.memory_plan`)."""
+        unless `chunked`; a decode step's calls are chunks of 1 to its window) over `capacity`
+        slots, `heads` attention heads on the device, the ops' implementation `backend` ("xla",
+        "pallas" or "mosaic", resolved), and `row_shards` the row shards of a mesh (None: one
+        device, no mesh) (`jaxspec.memory_plan`)."""
 
 
 def check_head_split(config: ModelConfig, head_split: int) -> None:

@@ -131,7 +131,13 @@ def prefill_temp_bytes(config: ModelConfig, tokens: int, row_shards: int | None,
     together errs high (the sorted inputs die before the outputs exist): checked against sm_90a
     compiles in docs/model-interface.md. Where `expert_path` takes the gathered path (few
     assignments, "xla"), each assignment's three expert matrices [D, moe_intermediate_size] too, as
-    stored and in the compute dtype (counted at the compute dtype's width both times)."""
+    stored and in the compute dtype (counted at the compute dtype's width both times). Where the
+    references take the grouped path, `jax.lax.ragged_dot`'s copies per group too, for the larger
+    of the experts' products [A, K] x [G, K, N] (G the experts a device holds, at most E /
+    row_shards): XLA's CPU backend copies the rows [G, A, K] and the stack [G, K, N] in float32
+    (sm_90a: the rows in their dtype, and an FP8 stack dequantized into a copy), counted in float32
+    (one full-width V3.2 layer's experts at 96 tokens: 19.3 GiB counted, 2.6 GiB compiled for sm_90a
+    in bfloat16 and 9.6 GiB with FP8 experts)."""
     k, dim, inner = config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size
     dense = tokens * config.intermediate_size * 3 if config.first_k_dense_replace > 0 else 0
     if config.n_routed_experts == 0:
@@ -140,9 +146,14 @@ def prefill_temp_bytes(config: ModelConfig, tokens: int, row_shards: int | None,
     combined = 0 if row_shards is None else (tokens + min(tokens, EP_CHUNK_TOKENS)) * k * dim
     shared = tokens * config.n_shared_experts * inner * 3
     routed = gathered * k * (3 * dim + 3 * inner) + gathered * dim + combined + shared
-    if expert_path(gathered * k, config.n_routed_experts, backend) == "gathered":
+    path = expert_path(gathered * k, config.n_routed_experts, backend)
+    if path == "gathered":
         routed += gathered * k * 3 * dim * inner * 2
-    return itemsize * max(dense, routed)
+    copies = 0
+    if backend == "xla" and path == "grouped":
+        held = -(-config.n_routed_experts // (row_shards or 1))
+        copies = 4 * held * (gathered * k * max(dim, inner) + dim * inner)
+    return max(itemsize * dense, itemsize * routed + copies)
 
 
 class MoE(nnx.Module):
