@@ -17,8 +17,6 @@ import sys
 import tempfile
 
 import jax
-import ml_dtypes
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -97,13 +95,6 @@ def on_cpu(tree):
     fuse one side's dequantization into a matmul and pick another matmul kernel than the other
     side's (another summation order)."""
     return jax.device_put(tree, jax.devices("cpu")[0])
-
-
-def bfloat16_ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """|got - want| in units in the last place of bfloat16 at the larger magnitude (both hold
-    bfloat16 values, or float32 ones that are compared exactly)."""
-    spacing = np.spacing(np.maximum(np.abs(got), np.abs(want)).astype(ml_dtypes.bfloat16)).astype(np.float32)
-    return np.abs(got - want) / np.maximum(spacing, np.finfo(np.float32).tiny)
 
 
 # One persistent compilation cache for the whole run on the CPU, shared by the pytest workers and

@@ -25,7 +25,7 @@ from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import Visibility, block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_pallas import grouped_matmul_pallas
 from jaxspec.presets import preset
-from conftest import ON_GPU, bfloat16_ulps, on_cpu
+from conftest import ON_GPU, on_cpu
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
@@ -83,9 +83,7 @@ def test_random_fp8_model_scales_follow_the_configs_scale_fmt(scale_fmt):
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_quantized_linear_multiplies_by_the_dequantized_weight(backend):
     """A 300 -> 200 FP8 Linear (partial blocks both ways) equals the bfloat16 dequantized weight's
-    product bit for bit: XLA's dot on "xla", the grouped kernel with a bfloat16 rhs on "pallas".
-    Natively on a GPU, Triton compiles the kernel's FP8 and bfloat16 paths apart, and they agree
-    within one bfloat16 ulp (an H200: 2 of 2,000 products one ulp off, the rest equal)."""
+    product bit for bit: XLA's dot on "xla", the grouped kernel with a bfloat16 rhs on "pallas"."""
     layer = Linear(300, 200, rngs=nnx.Rngs(1), dtype=FP8, names=("embed", "mlp"))
     weight, scale_inv = layer.weight[...], layer.weight_scale_inv[...]
     assert weight.dtype == FP8 and scale_inv.shape == (3, 2)
@@ -101,11 +99,7 @@ def test_quantized_linear_multiplies_by_the_dequantized_weight(backend):
                                      interpret=not ON_GPU).reshape(2, 5, 200)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(x @ dense, np.float32), rtol=2e-2, atol=2e-2)
     assert got.dtype == jnp.bfloat16
-    if ON_GPU and backend == "pallas":
-        ulps = bfloat16_ulps(np.asarray(got, np.float32), np.asarray(want, np.float32))
-        assert ulps.max() <= 1 and np.mean(ulps > 0) < 0.01
-    else:
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def dequantized_twin(model: DeepseekV3) -> DeepseekV3:

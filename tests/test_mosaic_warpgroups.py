@@ -24,12 +24,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import bfloat16_ulps  # noqa: E402
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic  # noqa: E402
 from jaxspec.pallas_kernels.mosaic_gpu import WARPGROUPS_VARIABLE, interpreted_warpgroups  # noqa: E402
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic  # noqa: E402
@@ -90,6 +90,13 @@ def outputs(tmp_path_factory):
     env = {**virtual_devices_env(1), "NPROC": "4"}
     subprocess.run([sys.executable, __file__, str(path)], cwd=REPO, env=env, check=True, timeout=600)
     return dict(np.load(path))
+
+
+def bfloat16_ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| in units in the last place of bfloat16 at the larger magnitude (both hold
+    bfloat16 values, or float32 ones that are compared exactly)."""
+    spacing = np.spacing(np.maximum(np.abs(got), np.abs(want)).astype(ml_dtypes.bfloat16)).astype(np.float32)
+    return np.abs(got - want) / np.maximum(spacing, np.finfo(np.float32).tiny)
 
 
 @pytest.mark.slow
