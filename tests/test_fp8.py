@@ -227,25 +227,30 @@ def test_fp8_linear_compiled_reads_fp8_bytes(h100):
     assert classes["xla"] == (cost.xla_flops, cost.xla_bytes)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_every_fp8_linear_follows_the_models_backend(h100, backend):
-    """The tiny FP8 DeepSeek-V3.2's decode forward (B 2, one token) compiled for an H100: on "xla",
-    the reference, it runs no Pallas kernel at all, its FP8 linears included (XLA's dot of the
+@pytest.mark.parametrize("name, backend", [("tiny", "xla"), ("tiny", "pallas"), ("tiny-v4", "xla")])
+def test_every_fp8_linear_follows_the_models_backend(h100, name, backend):
+    """A tiny FP8 model's decode forward (B 2, one token) compiled for an H100: on "xla", the
+    reference, it runs no Pallas kernel at all, its FP8 linears included (XLA's dot of the
     dequantized weight; a layer left to resolve "auto" itself would run Triton's grouped matmul
-    there); on "pallas" each FP8 linear a layer calls is one grouped-matmul site (kv_b_proj is
-    read as its dequantized weight, `MLA._up_projections`), beside the routed experts' three."""
+    there: 18 of them in V3.2, 30 in V4); on "pallas" each FP8 linear a V3.2 layer calls is one
+    grouped-matmul site (kv_b_proj is read as its dequantized weight, `MLA._up_projections`),
+    beside the routed experts' three."""
     from jaxspec import aot
+    from jaxspec.models import DeepseekV4
 
-    model = nnx.eval_shape(lambda: DeepseekV3(preset("tiny"), rngs=nnx.Rngs(4), dtype=FP8))
+    config = preset(name)
+    model = nnx.eval_shape(lambda: (DeepseekV4 if config.is_v4 else DeepseekV3)(config, rngs=nnx.Rngs(4), dtype=FP8))
     graphdef, params = nnx.split(model)
-    linears = [path for run in model.layer_runs for path, module in nnx.iter_graph(getattr(model, run.name))
-               if isinstance(module, Linear) and module.weight_scale_inv is not None and path[-1] != "kv_b_proj"]
     tokens = jax.ShapeDtypeStruct((2, 1), jnp.int32)
     cache = jax.eval_shape(lambda: model.init_cache(2, 64, page_size=64))
     vis = Visibility(jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
     forward = lambda p, t, c, v: nnx.merge(graphdef, p)(t, t, c, v, backend=backend)[0]
-    names = [call.name for call in aot.pallas_calls(aot.compile_gpu(forward, params, tokens, cache, vis, devices=h100))]
+    # (XLA's own fusions spill registers in the tiny V4's program: what is read here is which kernels run.)
+    compiled = aot.compile_gpu(forward, params, tokens, cache, vis, devices=h100, fail_on_spill=False)
+    names = [call.name for call in aot.pallas_calls(compiled)]
     if backend == "xla":
         assert names == []
     else:
+        linears = [path for run in model.layer_runs for path, module in nnx.iter_graph(getattr(model, run.name))
+                   if isinstance(module, Linear) and module.weight_scale_inv is not None and path[-1] != "kv_b_proj"]
         assert linears and names.count("grouped_matmul") == len(linears) + 3
