@@ -158,7 +158,8 @@ def _dequantized_linears(flat: dict[str, nnx.Variable], stacks: set[str]) -> int
         value = variable.get_value()
         if value.dtype != jnp.float8_e4m3fn or ".experts_" in name:
             continue
-        owner = name.split(".")[0]
+        # a stack's rows are its layers (V4's runs are "layer_groups.G": a row holds the group's layers)
+        owner = next((stack for stack in stacks if name.startswith(stack + ".")), name.split(".")[0])
         elements = math.prod(value.shape[1:] if owner in stacks else value.shape)
         per_layer[owner] = per_layer.get(owner, 0) + elements
     return 4 * max(per_layer.values(), default=0)
