@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from jaxspec import fp8
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, DeepseekV4
 from jaxspec.models.layers import Linear
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import Visibility, block_fp8
@@ -236,7 +236,6 @@ def test_every_fp8_linear_follows_the_models_backend(h100, name, backend):
     grouped-matmul site (kv_b_proj is read as its dequantized weight, `MLA._up_projections`),
     beside the routed experts' three."""
     from jaxspec import aot
-    from jaxspec.models import DeepseekV4
 
     config = preset(name)
     model = nnx.eval_shape(lambda: (DeepseekV4 if config.is_v4 else DeepseekV3)(config, rngs=nnx.Rngs(4), dtype=FP8))
