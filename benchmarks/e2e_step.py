@@ -205,12 +205,12 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
     # prompts / prompt_lens are None outside prefill_in_loop: they stay None
     fields = {field.name: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), getattr(shapes, field.name))
               for field in dataclasses.fields(DecodeState)
-              if field.name not in ("target_cache", "mtp_cache", "rng_key", "sampling")}
+              if field.name not in ("target_cache", "mtp_cache", "rng_key", "sampling", "config")}
     fields["last_token"] = jnp.asarray(rng.integers(2, model.config.vocab_size, batch), jnp.int32)
     for name in ("seed_logits", "seed_hidden"):
         fields[name] = jax.random.normal(next(keys), fields[name].shape, jnp.float32).astype(fields[name].dtype)
     return DecodeState(target_cache=prepared.target_cache, mtp_cache=prepared.mtp_cache, rng_key=base_key(0),
-                       sampling=row_sampling(decode, batch), **fields)
+                       sampling=row_sampling(decode, batch), config=shapes.config, **fields)
 
 
 @dataclasses.dataclass

@@ -105,17 +105,17 @@ print("acceptance per draft position", np.round(result.acceptance_per_position, 
 # %% [markdown]
 # ## One step at a time
 #
-# `init_state` runs the prefill and returns the loop's state; each `step` is one iteration of the loop.
-# Between steps the state is on the host's side of the loop, so it can be read: `state.drafts` holds the
-# drafts the latest step verified, `state.num_generated` how many tokens each row has. The state is donated
-# to `step` (its arrays are consumed), so read what you need before the next step.
+# `init_state` runs the prefill and returns the loop's state, which holds its config; each `step` is one
+# iteration of the loop. Between steps the state is on the host's side of the loop, so it can be read:
+# `state.drafts` holds the drafts the latest step verified, `state.num_generated` how many tokens each row
+# has. The state is donated to `step` (its arrays are consumed), so read what you need before the next step.
 
 # %%
 state = init_state(model, prompt_ids, chain)
 emitted, accepted = np.asarray(state.num_generated), np.asarray(state.accepted)
 print("after the prefill:", [tokenizer.decode(np.asarray(state.tokens)[b, :n]) for b, n in enumerate(emitted)])
 while not bool(np.all(state.done)):
-    state = step(model, state, chain)
+    state = step(model, state)
     now, accepted_now = np.asarray(state.num_generated), np.asarray(state.accepted)
     if int(state.steps) <= STEPS_SHOWN:
         tokens, drafts = np.asarray(state.tokens), np.asarray(state.drafts)

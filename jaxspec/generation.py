@@ -46,8 +46,8 @@ def _generate_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cac
     def body(params, *args):
         return decode(graphdef, params, prefilled(params, *args), config)
 
-    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, mesh=mesh,
-                        plan=plan)
+    return mesh_program(body, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling,
+                        config=config, mesh=mesh, plan=plan)
 
 
 # The caches are donated: the loop updates them in place (one copy of the cache on the device).

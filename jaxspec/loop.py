@@ -89,6 +89,10 @@ class DecodeState:
       reads at run time, not constants compiled into it, so one program serves every temperature
       > 0, top-k and top-p (unread when greedy) and every budget up to its buffer's: a row stops
       at its `max_new_tokens` (`DecodeConfig.program_config`).
+    config: the `DecodeConfig` the state decodes with, as its programs take it
+      (`DecodeConfig.program_config`: its budget the token buffer's, its sampling values
+      placeholders; the rows' own are `sampling`). Static: part of the state's tree structure, not
+      an array, so `step` needs no config and refuses one that would decode otherwise.
     prompts [B, P] int32, prompt_lens [B] int32: with `DecodeConfig.prefill_in_loop`, the prompts
       the loop feeds through its own calls, P their padded width (`jaxspec.batch.prompt_bucket`; a
       row is in its prompt while its target cache holds fewer than prompt_lens[b] tokens); None
@@ -110,6 +114,7 @@ class DecodeState:
     rng_key: jax.Array
     steps: jax.Array
     sampling: SamplingParams
+    config: DecodeConfig = dataclasses.field(metadata=dict(static=True))
     prompts: jax.Array | None = None
     prompt_lens: jax.Array | None = None
 
@@ -329,7 +334,7 @@ def _initial_state(target_cache, mtp_cache, last_token, seed_logits, seed_hidden
         tokens=jnp.full((batch, config.max_new_tokens + depth + 1), PAD_TOKEN, jnp.int32),
         num_generated=zeros, done=jnp.zeros((batch,), bool), target_calls=zeros, accepted=zeros,
         position_accepts=jnp.zeros((batch, depth), jnp.int32), rng_key=rng_key, steps=jnp.zeros((), jnp.int32),
-        sampling=sampling, **fields)
+        sampling=sampling, config=config, **fields)
 
 
 def _loop_start(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key,
@@ -526,16 +531,17 @@ def decode(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, config
     return jax.lax.while_loop(cond, lambda state: _step(graphdef, params, state, config), state)
 
 
-def state_specs(target_cache: DecodeCache, mtp_cache: DecodeCache | None, plan: str = DEFAULT_PLAN) -> DecodeState:
-    """The `PartitionSpec`s of a `DecodeState` holding caches laid out as `target_cache` and
-    `mtp_cache` (real or abstract) on a mesh under `plan`, a pytree prefix: every per-row array
-    split by rows (the rows' sampling parameters too), the caches as they say
-    (`jaxspec.sharding.cache_specs`), the key and step counter replicated."""
+def state_specs(target_cache: DecodeCache, mtp_cache: DecodeCache | None, config: DecodeConfig,
+                plan: str = DEFAULT_PLAN) -> DecodeState:
+    """The `PartitionSpec`s of a `DecodeState` of the program config `config` holding caches laid
+    out as `target_cache` and `mtp_cache` (real or abstract) on a mesh under `plan`, a pytree
+    prefix: every per-row array split by rows (the rows' sampling parameters too), the caches as
+    they say (`jaxspec.sharding.cache_specs`), the key and step counter replicated."""
     rows = row_spec(plan)
     fields = {field.name: rows for field in dataclasses.fields(DecodeState)}
     return DecodeState(**{**fields, "target_cache": cache_specs(target_cache, plan),
                           "mtp_cache": cache_specs(mtp_cache, plan), "rng_key": PartitionSpec(),
-                          "steps": PartitionSpec()})
+                          "steps": PartitionSpec(), "config": config})
 
 
 def retire_padding(state: DecodeState, num_rows: int) -> DecodeState:
@@ -549,17 +555,18 @@ def retire_padding(state: DecodeState, num_rows: int) -> DecodeState:
 
 
 def mesh_program(body, params: nnx.State, prompts: jax.Array, prompt_lens: jax.Array, target_cache: DecodeCache,
-                 mtp_cache: DecodeCache | None, rng_key: jax.Array, sampling: SamplingParams, *, mesh: Mesh,
-                 plan: str) -> DecodeState:
+                 mtp_cache: DecodeCache | None, rng_key: jax.Array, sampling: SamplingParams, *,
+                 config: DecodeConfig, mesh: Mesh, plan: str) -> DecodeState:
     """`body(params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling)` ->
-    DecodeState, run inside the loop's shard_map on `mesh` (call it inside `jax.jit`): params
-    placed by `plan`'s rules, prompts and the rows' sampling parameters split by rows, the caches
-    as they say (`cache_specs`), the base PRNG key replicated; the result split by `state_specs`."""
+    DecodeState of the program config `config`, run inside the loop's shard_map on `mesh` (call it
+    inside `jax.jit`): params placed by `plan`'s rules, prompts and the rows' sampling parameters
+    split by rows, the caches as they say (`cache_specs`), the base PRNG key replicated; the result
+    split by `state_specs`."""
     rows = row_spec(plan)
     args = (prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling)
     in_specs = (param_specs(params, plan), rows, rows, cache_specs(target_cache, plan), cache_specs(mtp_cache, plan),
                 PartitionSpec(), rows)
-    return on_mesh(body, mesh, plan, in_specs, state_specs(target_cache, mtp_cache, plan))(params, *args)
+    return on_mesh(body, mesh, plan, in_specs, state_specs(target_cache, mtp_cache, config, plan))(params, *args)
 
 
 def prefill_body(graphdef, config: DecodeConfig, num_rows: int):
@@ -574,11 +581,11 @@ def prefill_body(graphdef, config: DecodeConfig, num_rows: int):
 def _prefill_mesh(graphdef, params, prompts, prompt_lens, target_cache, mtp_cache, rng_key, sampling, config, mesh,
                   plan, num_rows):
     return mesh_program(prefill_body(graphdef, config, num_rows), params, prompts, prompt_lens, target_cache,
-                        mtp_cache, rng_key, sampling, mesh=mesh, plan=plan)
+                        mtp_cache, rng_key, sampling, config=config, mesh=mesh, plan=plan)
 
 
 def _step_mesh(graphdef, params, state, config, mesh, plan):
-    specs = state_specs(state.target_cache, state.mtp_cache, plan)
+    specs = state_specs(state.target_cache, state.mtp_cache, state.config, plan)
     return on_mesh(lambda params, state: _step(graphdef, params, state, config), mesh, plan,
                    (param_specs(params, plan), specs), specs)(params, state)
 
@@ -602,9 +609,9 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     `key` an int seed or a `jax.random.key` (used when sampling). Validation and cache sizing are
     those of `jaxspec.generation.generate` (`jaxspec.batch.prepare`).
 
-    model: a `jaxspec.models.interface.DecoderModel`; config: the `DecodeConfig` every later `step`
-    must be given too (the state carries its temperature, top-k, top-p and budget:
-    `DecodeState.sampling`).
+    model: a `jaxspec.models.interface.DecoderModel`; config: a `DecodeConfig`, which the state
+    holds for every later `step` (`DecodeState.config`; the rows' temperature, top-k, top-p and
+    budget: `DecodeState.sampling`).
     mesh / plan: run on a `jax.sharding.Mesh` with axes ("data", "model") under a
     `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. On a mesh the
     state holds B rounded up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the
@@ -624,41 +631,39 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
 
 
 def check_step_config(state: DecodeState, config: DecodeConfig) -> None:
-    """ValueError, before tracing, where `config` does not decode as the one `state` was made for
-    (`init_state`) does: its verification window, tree depth, drafting or prompts in the loop,
-    which the state's shapes record (a mismatch would otherwise fail deep inside the trace). A
-    config that agrees on those and differs otherwise (another tree of the same window and depth)
-    is not caught: the state does not hold its config."""
-    made = dict(window=state.drafts.shape[1] + 1, depth=state.position_accepts.shape[1],
-                drafting=state.mtp_cache is not None, prefill_in_loop=state.prompts is not None)
-    given = dict(window=config.window_size, depth=config.max_depth, drafting=config.draft_tree is not None,
-                 prefill_in_loop=config.prefill_in_loop)
-    if made != given:
-        differ = ", ".join(f"{name} {given[name]} (the state's: {made[name]})"
-                           for name in made if made[name] != given[name])
-        raise ValueError(f"config: num_draft={config.num_draft}, tree={config.tree}, prefill_in_loop="
-                         f"{config.prefill_in_loop} decodes with {differ}; step takes the DecodeConfig the "
-                         "state's init_state was given")
+    """ValueError, before tracing, where `config` would decode otherwise than the config `state`
+    holds (`init_state`'s, as its programs take it: `DecodeState.config`), naming each field that
+    differs. Only what a program reads at run time may differ: the budget (each row's is the
+    state's, set by `init_state`) and, when sampling, temperature, top-k and top-p (the state's
+    rows keep theirs)."""
+    given = config.program_config(state.config.max_new_tokens)
+    if given != state.config:
+        differ = ", ".join(f"{field.name}={getattr(given, field.name)!r} (the state's: "
+                           f"{getattr(state.config, field.name)!r})" for field in dataclasses.fields(DecodeConfig)
+                           if getattr(given, field.name) != getattr(state.config, field.name))
+        raise ValueError(f"config: decodes with {differ}; step takes the DecodeConfig the state's init_state "
+                         "was given, or none (the state holds it)")
 
 
-def step(model: DecoderModel, state: DecodeState, config: DecodeConfig, *, mesh: Mesh | None = None,
-         plan: str = DEFAULT_PLAN) -> DecodeState:
+def step(model: DecoderModel, state: DecodeState, config: DecodeConfig | None = None, *,
+         mesh: Mesh | None = None, plan: str = DEFAULT_PLAN) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
     `state` is donated: its arrays are consumed, use the returned state).
 
     model: the model that `init_state` was given (its parameters as they are now); state:
-    the `DecodeState` from `init_state` or the previous `step`; config: the same `DecodeConfig`
-    (the rows' budgets are the state's, set by `init_state`).
+    the `DecodeState` from `init_state` or the previous `step`, which decodes with the config it
+    holds (`DecodeState.config`); config: None, or the `DecodeConfig` `init_state` was given, to
+    check (the rows' budgets and sampling values are the state's, set by `init_state`).
     Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
-    `while not state.done.all(): state = step(model, state, config)`, then read
+    `while not state.done.all(): state = step(model, state)`, then read
     `state.tokens[b, :state.num_generated[b]]`. mesh / plan: those `init_state` was given.
-    Raises ValueError (`check_step_config`) for a config whose draft setting is not the state's.
+    Raises ValueError (`check_step_config`) for a config that would decode otherwise than the
+    state's.
     """
-    check_step_config(state, config)
+    if config is not None:
+        check_step_config(state, config)
     graphdef, params = nnx.split(model)
-    # The step reads each row's budget from the state; its static config names the buffer's.
-    program = config.program_config(state.tokens.shape[1] - config.max_depth - 1)
     if mesh is None:
-        return _step_jit(graphdef, params, state, program)
+        return _step_jit(graphdef, params, state, state.config)
     check_mesh(mesh, plan)
-    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, program, mesh, plan)
+    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, state.config, mesh, plan)

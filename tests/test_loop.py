@@ -15,7 +15,7 @@ from flax import nnx
 from jaxspec.batch import budget_bucket, prompt_bucket, required_capacity
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
-from jaxspec.loop import PAD_TOKEN, init_state, step
+from jaxspec.loop import PAD_TOKEN, check_step_config, init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
@@ -288,15 +288,39 @@ def random_model():
 
 
 def test_step_refuses_a_config_that_is_not_the_states(random_model):
-    """A state made for k = 3 stepped with k = 2, a tree, no drafts or prompts in the loop: a
-    ValueError naming what differs, before tracing (it failed deep inside the trace)."""
-    state = init_state(random_model, [[1, 2]], DecodeConfig(num_draft=3, max_new_tokens=4))
-    for changes, match in [(dict(num_draft=2), r"window 3 \(the state's: 4\), depth 2 \(the state's: 3\)"),
-                           (dict(num_draft=1, tree="2,2,3"), r"decodes with depth 2 \(the state's: 3\);"),
-                           (dict(num_draft=0), "drafting False \\(the state's: True\\)"),
-                           (dict(prefill_in_loop=True), "prefill_in_loop True \\(the state's: False\\)")]:
+    """A state made for k = 3 stepped with k = 2, a tree of the same depth, no drafts, prompts in the
+    loop, another EOS, window_invariant or cache dtype: a ValueError naming each field that differs,
+    before tracing (the first ones failed deep inside the trace, the others decoded otherwise than
+    `init_state` was asked, silently). What a program reads at run time may differ: the budget and,
+    when sampling, the sampling values (the state's rows keep theirs)."""
+    made = DecodeConfig(num_draft=3, max_new_tokens=4)
+    state = init_state(random_model, [[1, 2]], made)
+    for changes, match in [(dict(num_draft=2), r"decodes with num_draft=2 \(the state's: 3\);"),
+                           (dict(num_draft=1, tree="3,3,3"), r"num_draft=1 \(the state's: 3\), tree=.*\(the state's: None\)"),
+                           (dict(num_draft=0), r"num_draft=0 \(the state's: 3\)"),
+                           (dict(prefill_in_loop=True), r"prefill_in_loop=True \(the state's: False\)"),
+                           (dict(eos_token_id=7), r"eos_token_id=7 \(the state's: None\)"),
+                           (dict(window_invariant=True, cache_dtype="fp8"),
+                            r"window_invariant=True \(the state's: False\), cache_dtype='fp8' \(the state's: None\)")]:
         with pytest.raises(ValueError, match=match):
-            step(random_model, state, DecodeConfig(num_draft=3, max_new_tokens=4).replace(**changes))
+            step(random_model, state, made.replace(**changes))
+    check_step_config(state, made.replace(max_new_tokens=9))
+    sampled = made.replace(temperature=0.7, top_k=5)
+    check_step_config(init_state(random_model, [[1, 2]], sampled), sampled.replace(temperature=1.3, top_p=0.9))
+
+
+def test_a_state_steps_with_the_config_it_holds(random_model):
+    """`step` without a config decodes with the state's (`DecodeState.config`, the program's:
+    the budget the buffer's), to the tokens `generate` emits; the config rides along unchanged."""
+    config = DecodeConfig(num_draft=2, max_new_tokens=6, eos_token_id=3)
+    state = init_state(random_model, [[1, 2], [5]], config)
+    assert state.config == config.program_config(state.tokens.shape[1] - config.max_depth - 1)
+    while not state.done.all():
+        state = step(random_model, state)
+    assert state.config.eos_token_id == 3
+    result = generate(random_model, [[1, 2], [5]], config)
+    assert [np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist() for b in range(2)] == \
+        [result.row_tokens(b) for b in range(2)]
 
 
 @pytest.mark.parametrize("kwargs, prompts, match", [

@@ -143,7 +143,7 @@ def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: st
         return compile_gpu(_prefill_mesh, donate_argnames=("target_cache", "mtp_cache"), **prefill_args, **options)
     state = jax.eval_shape(lambda *args: _prefill_mesh(graphdef, *args, decode, mesh, plan, batch),
                            params, prompts, prompt_lens, *caches, key, sampling)
-    specs = state_specs(state.target_cache, state.mtp_cache, plan)
+    specs = state_specs(state.target_cache, state.mtp_cache, state.config, plan)
     state = _placed(state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                         is_leaf=lambda x: isinstance(x, PartitionSpec)))
     options["static_argnames"] = ("graphdef", "config", "mesh", "plan")
