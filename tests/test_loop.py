@@ -296,7 +296,8 @@ def test_step_refuses_a_config_that_is_not_the_states(random_model):
     made = DecodeConfig(num_draft=3, max_new_tokens=4)
     state = init_state(random_model, [[1, 2]], made)
     for changes, match in [(dict(num_draft=2), r"decodes with num_draft=2 \(the state's: 3\);"),
-                           (dict(num_draft=1, tree="3,3,3"), r"num_draft=1 \(the state's: 3\), tree=.*\(the state's: None\)"),
+                           (dict(num_draft=1, tree="3,3,3"),
+                            r"num_draft=1 \(the state's: 3\), tree=.*\(the state's: None\)"),
                            (dict(num_draft=0), r"num_draft=0 \(the state's: 3\)"),
                            (dict(prefill_in_loop=True), r"prefill_in_loop=True \(the state's: False\)"),
                            (dict(eos_token_id=7), r"eos_token_id=7 \(the state's: None\)"),
