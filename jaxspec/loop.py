@@ -60,7 +60,7 @@ from jaxspec.drafting import Draft, draft
 from jaxspec.models.interface import DecodeCache, DecoderModel, window_rows
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.sampling import SamplingParams, base_key, processed_probs, row_keys, sample_tokens, sampling_params
-from jaxspec.sharding import (DEFAULT_PLAN, any_row, cache_specs, check_mesh, on_mesh, param_specs, put,
+from jaxspec.sharding import (DEFAULT_PLAN, any_row, cache_specs, on_mesh, param_specs, put,
                               row_block, row_spec, shard_params)
 from jaxspec.trees import compact_slots
 
@@ -97,6 +97,11 @@ class DecodeState:
       the loop feeds through its own calls, P their padded width (`jaxspec.batch.prompt_bucket`; a
       row is in its prompt while its target cache holds fewer than prompt_lens[b] tokens); None
       otherwise.
+    mesh / plan: the `jax.sharding.Mesh` and `jaxspec.sharding` plan the state's arrays are laid
+      out for (`init_state`'s; `step` runs on them), None for one device. Static, as `config`.
+      Inside the loop's shard_map, where the arrays are one device's block, they are None: a
+      device's page tables index its own pages, so a program of the whole mesh's rows must never
+      read a mesh state as one device's (its tokens were wrong, silently).
     """
 
     target_cache: DecodeCache
@@ -117,6 +122,8 @@ class DecodeState:
     config: DecodeConfig = dataclasses.field(metadata=dict(static=True))
     prompts: jax.Array | None = None
     prompt_lens: jax.Array | None = None
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    plan: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def replace(self, **changes) -> "DecodeState":
         return dataclasses.replace(self, **changes)
@@ -538,7 +545,7 @@ def state_specs(target_cache: DecodeCache, mtp_cache: DecodeCache | None, config
     prefix: every per-row array split by rows (the rows' sampling parameters too), the caches as
     they say (`jaxspec.sharding.cache_specs`), the key and step counter replicated."""
     rows = row_spec(plan)
-    fields = {field.name: rows for field in dataclasses.fields(DecodeState)}
+    fields = {field.name: rows for field in dataclasses.fields(DecodeState) if not field.metadata.get("static")}
     return DecodeState(**{**fields, "target_cache": cache_specs(target_cache, plan),
                           "mtp_cache": cache_specs(mtp_cache, plan), "rng_key": PartitionSpec(),
                           "steps": PartitionSpec(), "config": config})
@@ -613,9 +620,10 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     holds for every later `step` (`DecodeState.config`; the rows' temperature, top-k, top-p and
     budget: `DecodeState.sampling`).
     mesh / plan: run on a `jax.sharding.Mesh` with axes ("data", "model") under a
-    `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. On a mesh the
-    state holds B rounded up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the
-    rows past B are padding, done from the start.
+    `jaxspec.sharding` plan ("dp" or "tp"), as `generate` does; None = one device. The state holds
+    them (`DecodeState.mesh` / `plan`): every `step` runs there. On a mesh the state holds B rounded
+    up to a multiple of the row shards (`jaxspec.sharding.row_shards`); the rows past B are
+    padding, done from the start.
     Returns a `DecodeState` (tokens [B, T] so far, T = the budget's bucket + depth + 1: the first
     `max_new_tokens` are the row's; `done` [B], statistics). Raises the ValueErrors `generate`
     raises, before tracing.
@@ -626,8 +634,9 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     program, sampling = program_inputs(config, batch, mesh, plan)
     if mesh is None:
         return _prefill_jit(graphdef, params, *args, program, sampling)
-    return _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, sampling, program, mesh, plan,
-                             batch.num_rows)
+    state = _prefill_mesh_jit(graphdef, shard_params(params, mesh, plan), *args, sampling, program, mesh, plan,
+                              batch.num_rows)
+    return state.replace(mesh=mesh, plan=plan)
 
 
 def check_step_config(state: DecodeState, config: DecodeConfig) -> None:
@@ -646,24 +655,34 @@ def check_step_config(state: DecodeState, config: DecodeConfig) -> None:
 
 
 def step(model: DecoderModel, state: DecodeState, config: DecodeConfig | None = None, *,
-         mesh: Mesh | None = None, plan: str = DEFAULT_PLAN) -> DecodeState:
+         mesh: Mesh | None = None, plan: str | None = None) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
     `state` is donated: its arrays are consumed, use the returned state).
 
     model: the model that `init_state` was given (its parameters as they are now); state:
     the `DecodeState` from `init_state` or the previous `step`, which decodes with the config it
-    holds (`DecodeState.config`); config: None, or the `DecodeConfig` `init_state` was given, to
-    check (the rows' budgets and sampling values are the state's, set by `init_state`).
+    holds (`DecodeState.config`) on the mesh it holds (`DecodeState.mesh` / `plan`, None: one
+    device); config, mesh, plan: None, or what `init_state` was given, to check (the rows' budgets
+    and sampling values are the state's, set by `init_state`).
     Returns the next `DecodeState`; rows with `state.done` set are left unchanged. Loop with
     `while not state.done.all(): state = step(model, state)`, then read
-    `state.tokens[b, :state.num_generated[b]]`. mesh / plan: those `init_state` was given.
-    Raises ValueError (`check_step_config`) for a config that would decode otherwise than the
-    state's.
+    `state.tokens[b, :state.num_generated[b]]`.
+    Raises ValueError, before tracing, for a config that would decode otherwise than the state's
+    (`check_step_config`), or a mesh or plan other than the state's.
     """
     if config is not None:
         check_step_config(state, config)
+    for name, given, held in (("mesh", mesh, state.mesh), ("plan", plan, state.plan)):
+        if given is not None and given != held:
+            made = "on one device" if state.mesh is None else f"with {name}={held!r}"
+            raise ValueError(f"{name}={given!r}: the state was made {made} (init_state's) and steps there; pass "
+                             f"no {name}, or the state's")
     graphdef, params = nnx.split(model)
-    if mesh is None:
+    if state.mesh is None:
         return _step_jit(graphdef, params, state, state.config)
-    check_mesh(mesh, plan)
-    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), state, state.config, mesh, plan)
+    # The mesh program takes the state as one device's block sees it (no mesh), then it is the
+    # mesh's again.
+    mesh, plan = state.mesh, state.plan
+    inner = state.replace(mesh=None, plan=None)
+    return _step_mesh_jit(graphdef, shard_params(params, mesh, plan), inner, state.config, mesh,
+                          plan).replace(mesh=mesh, plan=plan)

@@ -104,9 +104,19 @@ def main() -> None:
     # The prompts run through the loop's own steps (prefill_in_loop), the padding rows never start.
     sampled = DecodeConfig(num_draft=3, max_new_tokens=8, temperature=1.0, backend="xla", prefill_in_loop=True)
     ref = generate(v32, PROMPTS, sampled, key=7)
+    # The state holds its mesh: the first step names it (checked), the others do not, and another
+    # mesh is refused (a mesh state stepped as one device's read its page tables wrongly).
     state = init_state(v32, PROMPTS, sampled, key=7, mesh=meshes[(1, 8)])
+    assert (state.mesh, state.plan) == (meshes[(1, 8)], "dp"), (state.mesh, state.plan)
+    try:
+        step(v32, state, mesh=meshes[(2, 4)])
+        raise AssertionError("a step on another mesh than the state's was not refused")
+    except ValueError as refused:
+        assert "the state was made with mesh=" in str(refused), refused
+    state = step(v32, state, sampled, mesh=meshes[(1, 8)], plan="dp")
     while not bool(state.done.all()):
-        state = step(v32, state, sampled, mesh=meshes[(1, 8)])
+        state = step(v32, state)
+    assert state.mesh == meshes[(1, 8)]
     rows = len(PROMPTS)
     same(state.tokens[:rows, :sampled.max_new_tokens], ref.tokens, "V3.2 k=3 sampled dp on 1x8, prompts in the loop (init_state/step)")
     same(state.num_generated[:rows], ref.num_tokens, "V3.2 k=3 sampled dp on 1x8 (num_tokens)")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.batch import budget_bucket, prompt_bucket, required_capacity
 from jaxspec.decode_config import DecodeConfig
@@ -19,6 +20,7 @@ from jaxspec.loop import PAD_TOKEN, check_step_config, init_state, step
 from jaxspec.models import DeepseekV3
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
+from jaxspec.sharding import MESH_AXES
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -308,6 +310,18 @@ def test_step_refuses_a_config_that_is_not_the_states(random_model):
     check_step_config(state, made.replace(max_new_tokens=9))
     sampled = made.replace(temperature=0.7, top_k=5)
     check_step_config(init_state(random_model, [[1, 2]], sampled), sampled.replace(temperature=1.3, top_p=0.9))
+
+
+def test_a_one_device_state_refuses_a_mesh(random_model):
+    """A state `init_state` made on one device steps there: a mesh or plan passed to `step` is
+    refused before tracing (on a mesh, tests/sharding_checks.py: its state steps on its mesh)."""
+    state = init_state(random_model, [[1, 2]], DecodeConfig(num_draft=1, max_new_tokens=4))
+    assert state.mesh is None and state.plan is None
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), MESH_AXES)
+    with pytest.raises(ValueError, match="mesh=Mesh.*the state was made on one device"):
+        step(random_model, state, mesh=mesh)
+    with pytest.raises(ValueError, match="plan='tp': the state was made on one device"):
+        step(random_model, state, plan="tp")
 
 
 def test_a_state_steps_with_the_config_it_holds(random_model):
