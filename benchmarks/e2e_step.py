@@ -202,15 +202,17 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
     shapes = jax.eval_shape(functools.partial(prefill, graphdef, config=decode), params, prepared.prompts,
                             prepared.prompt_lens, prepared.target_cache, prepared.mtp_cache, base_key(0))
     keys = iter(jax.random.split(jax.random.key(batch), 2))
-    # prompts / prompt_lens are None outside prefill_in_loop: they stay None
+    # prompts / prompt_lens are None outside prefill_in_loop: they stay None. The static fields
+    # (config, mesh, plan) are not arrays: the prefill's own.
     fields = {field.name: jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), getattr(shapes, field.name))
               for field in dataclasses.fields(DecodeState)
-              if field.name not in ("target_cache", "mtp_cache", "rng_key", "sampling", "config")}
+              if field.name not in ("target_cache", "mtp_cache", "rng_key", "sampling") and not field.metadata.get("static")}
     fields["last_token"] = jnp.asarray(rng.integers(2, model.config.vocab_size, batch), jnp.int32)
     for name in ("seed_logits", "seed_hidden"):
         fields[name] = jax.random.normal(next(keys), fields[name].shape, jnp.float32).astype(fields[name].dtype)
     return DecodeState(target_cache=prepared.target_cache, mtp_cache=prepared.mtp_cache, rng_key=base_key(0),
-                       sampling=row_sampling(decode, batch), config=shapes.config, **fields)
+                       sampling=row_sampling(decode, batch), config=shapes.config, mesh=shapes.mesh, plan=shapes.plan,
+                       **fields)
 
 
 @dataclasses.dataclass
