@@ -64,13 +64,13 @@ def rows(model, prompt_list, config: DecodeConfig) -> list[list[int]]:
     return [result.row_tokens(b) for b in range(len(prompt_list))]
 
 
-@functools.partial(nnx.jit, static_argnames=("prompt_width",))
-def _prefill(model, tokens, prompt_width):
+@functools.partial(nnx.jit, static_argnames=("prompt_width", "cache_dtype"))
+def _prefill(model, tokens, prompt_width, cache_dtype):
     batch = tokens.shape[0]
     positions = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch, prompt_width))
     vis = Visibility(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), prompt_width, jnp.int32))
-    _, _, cache = model(tokens, positions, model.init_cache(batch, prompt_width + 16), vis, form="expanded",
-                        backend="xla")
+    cache = model.init_cache(batch, prompt_width + 16, cache_dtype=cache_dtype)
+    _, _, cache = model(tokens, positions, cache, vis, form="expanded", backend="xla")
     return cache
 
 
@@ -99,12 +99,13 @@ def assert_as_alone(in_window: jax.Array, alone: jax.Array) -> None:
                                atol=tolerance)
 
 
-def assert_windows_equal_single_steps(model, tokens: jax.Array) -> None:
-    """After prefilling `tokens` [B, P]: a chain window of 4 and a tree window of 6 against the same
-    tokens decoded one per call, from the same prefilled cache: logits and hidden states bit for
-    bit, every row."""
+def assert_windows_equal_single_steps(model, tokens: jax.Array, cache_dtype: str | None = None) -> None:
+    """After prefilling `tokens` [B, P] into a cache of `cache_dtype`: a chain window of 4 and a
+    tree window of 6 against the same tokens decoded one per call, from the same prefilled cache:
+    logits and hidden states bit for bit, every row. (A window's later tokens read its earlier
+    tokens' entries as the cache stores them, FP8 ones included, so their bits pin the writes too.)"""
     batch, width = tokens.shape
-    cache = _prefill(model, tokens, width)
+    cache = _prefill(model, tokens, width, cache_dtype)
     rng = np.random.default_rng(0)
     parents = np.array([-1, 0, 0, 1, 2, 3])  # two branches: 0-1-3-5 and 0-2-4
     window = jnp.asarray(rng.integers(32, 127, (batch, len(parents))), jnp.int32)
@@ -131,14 +132,16 @@ def assert_windows_equal_single_steps(model, tokens: jax.Array) -> None:
         assert_as_alone(chain_logits[:, q], logits[:, 0])
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_window_hidden_states_equal_single_steps(dtype):
-    """The shipped model's front on the held-out prompts (see `assert_windows_equal_single_steps`);
-    on a GPU also the shipped model's window-invariant k = 3 rows against plain greedy (ON_GPU)."""
-    assert_windows_equal_single_steps(shipped_front(dtype), jnp.asarray(prompts(), jnp.int32))
+@pytest.mark.parametrize("dtype, cache_dtype", [(jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, "fp8")],
+                         ids=["bf16", "f32", "bf16-fp8-cache"])
+def test_window_hidden_states_equal_single_steps(dtype, cache_dtype):
+    """The shipped model's front on the held-out prompts (see `assert_windows_equal_single_steps`),
+    with caches in the compute dtype and in FP8; on a GPU also the shipped model's window-invariant
+    k = 3 rows against plain greedy (ON_GPU)."""
+    assert_windows_equal_single_steps(shipped_front(dtype), jnp.asarray(prompts(), jnp.int32), cache_dtype)
     if ON_GPU:
         model = restore_model(DEFAULT_CHECKPOINT, dtype=dtype)
-        base = DecodeConfig(max_new_tokens=64, num_draft=0, window_invariant=True)
+        base = DecodeConfig(max_new_tokens=64, num_draft=0, window_invariant=True, cache_dtype=cache_dtype)
         assert rows(model, prompts(), base.replace(num_draft=3)) == rows(model, prompts(), base)
 
 
