@@ -1,5 +1,5 @@
 """Chunked prefill (`DecodeConfig.prefill_chunk`; greedy decoding after chunks of 5 equals plain
-greedy in test_v4_loop's (tiny-v4, k = 2) and test_loop's (tiny V3.2, k = 2 and 4) greedy tests):
+greedy in test_v4_loop's (tiny-v4, k = 1) and test_loop's (tiny V3.2, k = 2 and 4) greedy tests):
 with window_invariant the target caches after chunks of 5 equal those after the whole prompt in
 one chunk bit for bit (tiny-v4 and tiny V3.2); V4's rings are sized by the chunk, which takes
 exactly their bytes off the V4-Flash memory plan; bad chunk values are refused when the config is
