@@ -26,10 +26,10 @@ entries for the context), in random page order.
 
 Shapes whose inputs (or a reference's intermediates) do not fit in device memory are skipped and
 said so. A timing ("ms") is the best of three runs of --iters back-to-back calls (after --warmup
-calls); "dev ms" is the op's kernels' device time a call, from JAX's profiler
-(`kernel_profile.device_seconds`), which the rates, the ratio to XLA and the GPU report's
-verdicts use: a call from Python pays tens of microseconds of dispatch that a compiled decode
-step does not, and the smaller shapes' calls take that long whatever their kernels do.
+calls; under --smoke one call after the op's first); "dev ms" is the op's kernels' device time a
+call, from JAX's profiler (`kernel_profile.device_seconds`), which the rates, the ratio to XLA and
+the GPU report's verdicts use: a call from Python pays tens of microseconds of dispatch that a
+compiled decode step does not, and the smaller shapes' calls take that long whatever their kernels do.
 """
 
 from __future__ import annotations
@@ -136,19 +136,22 @@ def grouped_matmul_runs(variants: list[str], mosaic_variants: list[str]) -> list
             for backend, names in (("pallas", variants), ("mosaic", mosaic_variants)) for name in names]
 
 
-def timed(fn, *args, iters: int, warmup: int) -> float:
+RUNS = 3  # `timed`'s runs, of which the best counts
+
+
+def timed(fn, *args, iters: int, warmup: int, runs: int = RUNS) -> float:
     """Seconds per call: `iters` calls dispatched back to back and synchronised once (so host
-    dispatch overlaps device work, as in a decode loop), best of three such runs, after warmup."""
+    dispatch overlaps device work, as in a decode loop), best of `runs` such runs, after warmup."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(3):
+    seconds = []
+    for _ in range(runs):
         start = time.perf_counter()
         for _ in range(iters):
             out = fn(*args)
         jax.block_until_ready(out)
-        runs.append((time.perf_counter() - start) / iters)
-    return min(runs)
+        seconds.append((time.perf_counter() - start) / iters)
+    return min(seconds)
 
 
 # On a GPU a call gets this long to return once compiled (`first_call`, `watchdog`): the benchmarks'
@@ -505,8 +508,10 @@ def main(argv=None) -> int:
         return 2
     dims = SMOKE if args.smoke else DEEPSEEK_V32
     v4 = preset("tiny-v4" if args.smoke else args.v4_preset)
+    # No warmup under --smoke: the ops' timings follow a first call (`run_case`), and the others'
+    # best of RUNS leaves out the run that compiled.
     if args.smoke:
-        args.batch, args.context, args.queries, args.iters, args.warmup = [2], [128], [2], 1, 1
+        args.batch, args.context, args.queries, args.iters, args.warmup = [2], [128], [2], 1, 0
     tuning = {k: v for k, v in (("block_m", args.block_m), ("block_n", args.block_n), ("num_splits", args.num_splits),
                                 ("num_stages", args.num_stages)) if v is not None}
     memory = device_memory()
@@ -555,6 +560,9 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
     batch, context, queries = case
     label = f"{batch:>5}{context:>7}{queries:>3}"
     shape = f"at B {batch}, ctx {context}, Q {queries}"  # in a hung call's message
+    # An op's kernels and reference are timed after a first call compiled and ran them: under
+    # --smoke one more call shows the timing runs (interpreted, a Mosaic call takes tenths of a second).
+    runs = 1 if args.smoke else RUNS
     timed_rows = []
 
     def failure(op, impl, message):
@@ -595,7 +603,7 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
             if op.name not in args.ops:
                 continue
             pallas_out = jax.block_until_ready(op.pallas(*op.args))
-            pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup)
+            pallas_seconds = timed(op.pallas, *op.args, iters=args.iters, warmup=args.warmup, runs=runs)
             # The Mosaic kernel, with the split-KV part lengths --part-slots asks for (the attention
             # ops: not the indexer), for sparse MLA its lowering without automatic barriers
             # (--no-auto-barriers), for sparse MLA and V4 its copies issued by warp (--copies-by-warp), and
@@ -634,13 +642,13 @@ def run_case(case: Case, dims: Dims, v4: ModelConfig, key, tuning: dict, memory:
                     error = max_error(pallas_out, want)
                     mosaic_errors = {impl: max_error(out, want) for impl, out in mosaic_outs.items()}
                     del want
-                    xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup)
+                    xla_seconds = timed(op.xla, *op.args, iters=args.iters, warmup=args.warmup, runs=runs)
                 except jax.errors.JaxRuntimeError as failure:  # out of memory after all
                     print(f"{op.name:<16}{'xla: ' + type(failure).__name__:<22}{label}")
             mosaic_seconds = {}
             for impl, fn in mosaic:  # a kernel that returned once may still hang in a later call
                 with watchdog(f"{op.name} {impl} {shape} (timing)", hang_recorder(op.name, impl)):
-                    mosaic_seconds[impl] = timed(fn, *op.args, iters=args.iters, warmup=args.warmup)
+                    mosaic_seconds[impl] = timed(fn, *op.args, iters=args.iters, warmup=args.warmup, runs=runs)
             del mosaic_outs
             calls = {"pallas": functools.partial(op.pallas, *op.args),
                      **{impl: functools.partial(fn, *op.args) for impl, fn in mosaic}}

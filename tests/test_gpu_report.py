@@ -63,10 +63,11 @@ def test_smoke_run_records_every_part(smoke_report):
     # the tuned rows say their tuning, and are the Triton kernel's only (no Mosaic, no XLA)
     assert {row["impl"] for row in units["kernels_block_n32"]["json"]["rows"]} == {"pallas block_n=32"}
     # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only, on the
-    # Triton and the Mosaic kernel, and beside them XLA's dot of the dequantized weight
+    # Triton kernel (default and GMM_E2E_TILES) and the Mosaic one (GMM_E2E_TILES: its default
+    # tiles are tests/test_grouped_matmul_mosaic.py's), and beside them XLA's dot of the dequantized weight
+    tiles = f":{gpu_report.GMM_E2E_TILES}"
     assert {(row["op"], row["impl"]) for row in units["gmm/matmuls"]["json"]["rows"]} == {
-        ("linear_fp8", f"{impl}{tiles}") for impl in ("pallas", "mosaic")
-        for tiles in ("", f":{gpu_report.GMM_E2E_TILES}")} | {("linear_fp8", "xla")}
+        ("linear_fp8", impl) for impl in ("pallas", f"pallas{tiles}", f"mosaic{tiles}", "xla")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
     # the experts' matmuls alone: the Triton kernel beside the transposed-product Mosaic one
     assert {row["impl"] for row in units["gmm/expert_matmuls"]["json"]["rows"]} == {
@@ -427,29 +428,34 @@ def test_e2e_steps_random_scales_follow_the_configs_scale_fmt(scale_fmt):
         assert np.all(np.abs(np.log2(scale / unit)) <= 0.5 + 1e-6), name
 
 
-def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path):
+def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path, monkeypatch):
     """`benchmarks/e2e_step.py --backend pallas --cache-dtype fp8` (smoke): the caches it times are
     FP8 pools holding random quantized entries (every page, both caches), its point records the
     backend and cache dtype, and a point of other settings already in the JSON file is kept."""
     import e2e_step
 
-    from jaxspec.decode_config import DecodeConfig
     from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, entries
 
-    model = e2e_step.random_fp8_model(e2e_step.shallow(e2e_step.preset("tiny"), 2))
-    decode = DecodeConfig(num_draft=1, max_new_tokens=64, cache_dtype="fp8")
-    state = e2e_step._random_caches(e2e_step.state_at(model, 2, decode), e2e_step.jax.random.key(0))
-    pools = [pool for cache in (state.target_cache, state.mtp_cache) for pool in (cache.latent, cache.index_keys)]
-    assert len(pools) == 4 and all(isinstance(pool, Fp8Pool) for pool in pools)
-    for pool in pools:
-        values = np.asarray(entries(pool), np.float32)  # [L, P, page, width]: dequantized by the pool's scales
-        assert (values.std(axis=(-2, -1)) > 0.5).all()  # every page of every layer drawn, at unit scale
-        assert (np.asarray(pool.scales) > 0).all()
+    random_caches, draws = e2e_step._random_caches, []
+
+    def inspected(state, key):  # the point's own caches, read before the step donates them
+        state = random_caches(state, key)
+        pools = [pool for cache in (state.target_cache, state.mtp_cache) for pool in (cache.latent, cache.index_keys)]
+        assert len(pools) == 4 and all(isinstance(pool, Fp8Pool) for pool in pools)
+        for pool in pools:
+            values = np.asarray(entries(pool), np.float32)  # [L, P, page, width]: dequantized by the pool's scales
+            assert (values.std(axis=(-2, -1)) > 0.5).all()  # every page of every layer drawn, at unit scale
+            assert (np.asarray(pool.scales) > 0).all()
+        draws.append(key)
+        return state
+
+    monkeypatch.setattr(e2e_step, "_random_caches", inspected)
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps({"earlier": {"batch": 1}}))
     argv = ["--smoke", "--points", "2,1", "--iters", "1", "--backend", "pallas", "--cache-dtype", "fp8",
             "--tiles", "k64-split", "--auto", "grouped_matmul=mosaic", "--json", str(path)]
     assert e2e_step.main(argv) == 0
+    assert len(draws) == 1  # the one point's caches were drawn, and checked
     points = json.loads(path.read_text())
     assert points["earlier"] == {"batch": 1}
     [(key, point)] = [(k, v) for k, v in points.items() if k != "earlier"]
@@ -567,14 +573,14 @@ def test_a_benchmark_cut_short_keeps_its_rows_and_runs_again_and_one_that_hangs_
                         [("kernels/mla_attention", [sys.executable, "-c", writer, "{json}"], None)])
     report = gpu_report.Report(str(tmp_path), "NVIDIA H100 80GB HBM3")
     report.data["runs"].append({"started": "now"})
-    clock = gpu_report.Clock(4.0)
+    clock = gpu_report.Clock(2.0)  # the writer starts and writes in a few tenths of a second
     clock.expired = lambda needed=0.0: False  # start the unit although under 30 s are left
     gpu_report.part_benchmark("kernels", report, clock, benchmark_args())
     record = report.units["kernels/mla_attention"]
     assert record["incomplete"] and record["json"]["rows"] == rows["rows"] and not record.get("hung")
     assert not report.has("kernels/mla_attention") and report.data["runs"][-1]["cut"]
     assert gpu_report.unit_rows(report.units, "kernels") == rows["rows"]  # measured rows already count
-    gpu_report.part_benchmark("kernels", report, gpu_report.Clock(600.0), benchmark_args(unit_timeout=3.0))
+    gpu_report.part_benchmark("kernels", report, gpu_report.Clock(600.0), benchmark_args(unit_timeout=1.0))
     record = report.units["kernels/mla_attention"]
     assert record["hung"] and not record["ok"] and not record.get("incomplete")
     assert report.has("kernels/mla_attention")  # recorded: the next run goes past it
@@ -671,7 +677,7 @@ def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(
 
 # A benchmark run whose Mosaic kernel never returns: a host callback that sleeps stands in for a
 # kernel waiting on the device, the Triton kernel is the reference (fast to interpret), and the
-# watchdog's limit is 3 s, as on a GPU (elsewhere it sets none).
+# watchdog's limit is 1 s, as on a GPU (elsewhere it sets none).
 HANGING_RUN = """
 import sys, time
 import jax, jax.numpy as jnp
@@ -684,7 +690,7 @@ def never_returns(q_nope, q_rope, latent_cache, page_table, vis, **options):
 
 kernels.mla_attention_mosaic = never_returns
 kernels.mla_attention_pallas = kernels.mla_attention_reference
-kernels.call_limit = lambda: 3.0
+kernels.call_limit = lambda: 1.0
 sys.exit(kernels.main(["--smoke", "--ops", "mla_attention", "--json", sys.argv[1]]))
 """
 
@@ -698,7 +704,7 @@ def test_a_kernel_that_hangs_ends_its_benchmark_at_once_and_the_report_says_whic
     done = subprocess.run([sys.executable, "-c", HANGING_RUN, str(path)], cwd=os.path.join(REPO, "benchmarks"),
                           capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == gpu_report.HUNG_EXIT, done.stdout[-2000:] + done.stderr[-2000:]
-    message = "hung: mla_attention mosaic at B 2, ctx 128, Q 2 did not return within 3 s"
+    message = "hung: mla_attention mosaic at B 2, ctx 128, Q 2 did not return within 1 s"
     assert message in done.stdout.splitlines()
     data = json.loads(path.read_text())
     assert data["rows"] == [] and data["failures"] == [
