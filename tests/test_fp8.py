@@ -23,9 +23,11 @@ from jaxspec.models import DeepseekV3, DeepseekV4
 from jaxspec.models.layers import Linear
 from jaxspec.models.moe import MoE
 from jaxspec.pallas_kernels import Visibility, block_fp8
+from jaxspec.pallas_kernels.backend import DEFAULT_DEVICE_KIND, gpu_lowering
 from jaxspec.pallas_kernels.grouped_matmul_pallas import grouped_matmul_pallas
 from jaxspec.presets import preset
 from conftest import ON_GPU, on_cpu
+from test_tree_decoding import equations
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
@@ -228,15 +230,15 @@ def test_fp8_linear_compiled_reads_fp8_bytes(h100):
 
 
 @pytest.mark.parametrize("name, backend", [("tiny", "xla"), ("tiny", "pallas"), ("tiny-v4", "xla")])
-def test_every_fp8_linear_follows_the_models_backend(h100, name, backend):
-    """A tiny FP8 model's decode forward (B 2, one token) compiled for an H100: on "xla", the
-    reference, it runs no Pallas kernel at all, its FP8 linears included (XLA's dot of the
-    dequantized weight; a layer left to resolve "auto" itself would run Triton's grouped matmul
-    there: 18 of them in V3.2, 30 in V4); on "pallas" each FP8 linear a V3.2 layer calls is one
-    grouped-matmul site (kv_b_proj is read as its dequantized weight, `MLA._up_projections`),
-    beside the routed experts' three."""
-    from jaxspec import aot
-
+def test_every_fp8_linear_follows_the_models_backend(name, backend):
+    """A tiny FP8 model's decode forward (B 2, one token) traced for an H100 as `aot.compile_gpu`
+    traces it (`gpu_lowering`: which kernels run is decided while tracing, and the compiled
+    program's Pallas launches are the traced program's `pallas_call`s): on "xla", the reference,
+    it runs no Pallas kernel at all, its FP8 linears included (XLA's dot of the dequantized weight;
+    a layer left to resolve "auto" itself would run Triton's grouped matmul there: 18 of them in
+    V3.2, 30 in V4); on "pallas" each FP8 linear a V3.2 layer calls is one grouped-matmul site
+    (kv_b_proj is read as its dequantized weight, `MLA._up_projections`), beside the routed
+    experts' three."""
     config = preset(name)
     model = nnx.eval_shape(lambda: (DeepseekV4 if config.is_v4 else DeepseekV3)(config, rngs=nnx.Rngs(4), dtype=FP8))
     graphdef, params = nnx.split(model)
@@ -244,9 +246,9 @@ def test_every_fp8_linear_follows_the_models_backend(h100, name, backend):
     cache = jax.eval_shape(lambda: model.init_cache(2, 64, page_size=64))
     vis = Visibility(jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
     forward = lambda p, t, c, v: nnx.merge(graphdef, p)(t, t, c, v, backend=backend)[0]
-    # (XLA's own fusions spill registers in the tiny V4's program: what is read here is which kernels run.)
-    compiled = aot.compile_gpu(forward, params, tokens, cache, vis, devices=h100, fail_on_spill=False)
-    names = [call.name for call in aot.pallas_calls(compiled)]
+    with gpu_lowering(DEFAULT_DEVICE_KIND):
+        jaxpr = jax.make_jaxpr(forward)(params, tokens, cache, vis).jaxpr
+    names = [eqn.params["name"] for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
     if backend == "xla":
         assert names == []
     else:

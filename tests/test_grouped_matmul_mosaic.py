@@ -73,30 +73,30 @@ def check_rows_alone_and_in_a_crowd(rng, run, reference_weights) -> None:
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("variant", ["k64", "k128"])
 def test_matches_reference(case, variant):
-    """At either K step: bfloat16 weights within bfloat16 rounding of the reference and of a float64
-    loop (the reference sums K in another order), rows past the total zero; FP8 weights bit for bit
-    the kernel's own result for their dequantized bfloat16 values."""
+    """At either K step: bfloat16 weights (an FP8 draw's dequantized values) within bfloat16
+    rounding of the reference and of a float64 loop (the reference sums K in another order), rows
+    past the total zero; the FP8 weights bit for bit the kernel's own result for those bfloat16
+    values, and within rounding of the reference."""
     rows, depth, width, groups, total, empty = CASES[case]
-    tiles = VARIANTS[variant]
     rng = np.random.default_rng(sum(map(ord, case)))
     sizes = random_sizes(rng, groups, total, empty)
     lhs = jnp.asarray(rng.normal(size=(rows, depth)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.normal(size=(groups, depth, width)) * depth ** -0.5, jnp.bfloat16)
-    got = grouped_matmul_mosaic(lhs, rhs, jnp.asarray(sizes), tiles=tiles, interpret=MOSAIC_INTERPRET)
-    want = grouped_matmul_reference(lhs, rhs, jnp.asarray(sizes))
+    quantized, scale_inv, dense = fp8_weights(rng, (groups, depth, width))
+    group_sizes = jnp.asarray(sizes)
+    call = functools.partial(grouped_matmul_mosaic, tiles=VARIANTS[variant], interpret=MOSAIC_INTERPRET)
+    got = call(lhs, dense, group_sizes)
+    want = grouped_matmul_reference(lhs, dense, group_sizes)
     assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == (rows, width)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(np.asarray(got, np.float32), grouped_loop(np.asarray(lhs, np.float32),
-                               np.asarray(rhs, np.float32), sizes), rtol=2e-2, atol=2e-2)
+                               np.asarray(dense, np.float32), sizes), rtol=2e-2, atol=2e-2)
     assert np.all(np.asarray(got)[total:] == 0)
 
-    quantized, scale_inv, dense = fp8_weights(rng, (groups, depth, width))
-    call = functools.partial(grouped_matmul_mosaic, tiles=tiles, interpret=MOSAIC_INTERPRET)
-    fp8 = call(lhs, quantized, jnp.asarray(sizes), scale_inv)
-    np.testing.assert_array_equal(np.asarray(fp8), np.asarray(call(lhs, dense, jnp.asarray(sizes))))
+    fp8 = call(lhs, quantized, group_sizes, scale_inv)
+    np.testing.assert_array_equal(np.asarray(fp8), np.asarray(got))
     np.testing.assert_allclose(np.asarray(fp8, np.float32),
-                               np.asarray(grouped_matmul_reference(lhs, quantized, jnp.asarray(sizes), scale_inv),
-                                          np.float32), rtol=2e-2, atol=2e-2)
+                               np.asarray(grouped_matmul_reference(lhs, quantized, group_sizes, scale_inv), np.float32),
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("variant", ["k64", "k128-split", "k64-s3"])

@@ -41,6 +41,13 @@ def acceptance_histogram(result, k):
     return np.array([at_least[j] - at_least[j + 1] for j in range(k + 1)])
 
 
+@pytest.fixture(scope="module")
+def plain_v32(trained_v32):
+    """Plain greedy decoding of PROMPTS by trained_v32 (`config(0)`): the tokens the V3.2 tests here
+    compare with, one program run once."""
+    return generate(trained_v32, PROMPTS, config(0))
+
+
 @pytest.mark.parametrize("model_name, draft_lengths, prefill_chunk",
                          [("trained_v3", (1,), None), ("trained_v32", (2, 4), 5)])
 def test_greedy_speculative_equals_plain(model_name, draft_lengths, prefill_chunk, request):
@@ -49,7 +56,7 @@ def test_greedy_speculative_equals_plain(model_name, draft_lengths, prefill_chun
     on meshes in test_sharding, trees in test_tree_decoding). V3.2's speculative runs prefill in
     chunks of 5 (`DecodeConfig.prefill_chunk`; V4's: tests/test_chunked_prefill.py)."""
     model = request.getfixturevalue(model_name)
-    plain = generate(model, PROMPTS, config(0))
+    plain = request.getfixturevalue("plain_v32") if model_name == "trained_v32" else generate(model, PROMPTS, config(0))
     plain_tokens = np.asarray(plain.tokens)
     assert plain.mean_accepted_length == 1.0
     rng = np.random.default_rng(0)
@@ -117,18 +124,19 @@ def naive_drafts(model, sequences, k, width):
     return drafts
 
 
-def test_cached_drafts_equal_naive_recompute(trained_v32):
+def test_cached_drafts_equal_naive_recompute(trained_v32, plain_v32):
     """Every step's drafts (k = 3) equal a from-scratch recompute; nothing in the state is NaN, also
-    once rows have finished (their budgets run out at different steps); stepping by hand equals
-    generate."""
+    once rows have finished (their budgets run out at different steps); stepping by hand emits plain
+    greedy's tokens, as generate does (test_greedy_speculative_equals_plain)."""
     k = 3
     cfg = config(k, max_new_tokens=30)
     state = init_state(trained_v32, PROMPTS, cfg)
     width = max(map(len, PROMPTS)) + cfg.max_new_tokens + k + 1
     checked, finish_steps = 0, set()
     while not bool(np.all(state.done)):
-        sequences = [PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
-                     for b in range(len(PROMPTS))]
+        # Host copies: an eager slice of a device array compiles a program for each length.
+        tokens, num_generated = np.asarray(state.tokens), np.asarray(state.num_generated)
+        sequences = [PROMPTS[b] + tokens[b, :num_generated[b]].tolist() for b in range(len(PROMPTS))]
         active = ~np.asarray(state.done)
         expected = naive_drafts(trained_v32, sequences, k, width)
         state = step(trained_v32, state, cfg)
@@ -140,33 +148,33 @@ def test_cached_drafts_equal_naive_recompute(trained_v32):
         finish_steps.update(int(state.steps) for _ in np.flatnonzero(active & np.asarray(state.done)))
     assert checked >= 20
     assert len(finish_steps) > 1, "rows should finish at different steps"
-    result = generate(trained_v32, PROMPTS, cfg)
-    np.testing.assert_array_equal(np.asarray(state.tokens[:, :cfg.max_new_tokens]), np.asarray(result.tokens))
+    np.testing.assert_array_equal(np.asarray(state.tokens)[:, :cfg.max_new_tokens],
+                                  np.asarray(plain_v32.tokens)[:, :cfg.max_new_tokens])
 
 
-def test_rows_are_independent_and_finish_cleanly(trained_v32):
+def test_rows_are_independent_and_finish_cleanly(trained_v32, plain_v32):
     """Rows stopped by EOS at different steps ride along without changing the others: each row equals
     its own single-row run and plain greedy cut at the first EOS. (Finished rows' state stays finite:
     test_cached_drafts_equal_naive_recompute checks every step's.)"""
     eos = ord(" ")
     cfg = config(3, eos_token_id=eos)
     batched = generate(trained_v32, PROMPTS, cfg)
-    plain = generate(trained_v32, PROMPTS, config(0))
     finished_at = []
     width = max(map(len, PROMPTS))
     for b, prompt in enumerate(PROMPTS):  # each row alone, padded to one width: one compile for all
         alone = generate(trained_v32, jnp.asarray([prompt + [0] * (width - len(prompt))], jnp.int32), cfg,
                          prompt_lens=jnp.asarray([len(prompt)], jnp.int32))
         assert batched.row_tokens(b) == alone.row_tokens(0)
-        row = plain.row_tokens(b)
+        row = plain_v32.row_tokens(b)
         cut = row.index(eos) + 1 if eos in row else len(row)
         assert batched.row_tokens(b) == row[:cut]
         finished_at.append(cut)
     assert len(set(finished_at)) > 1, "rows should finish at different lengths"
 
 
-def test_generate_inside_user_jit(trained_v32):
-    """generate traces inside a user's jitted function, with array prompts and lengths."""
+def test_generate_inside_user_jit(trained_v32, plain_v32):
+    """generate traces inside a user's jitted function, with array prompts and lengths, and emits
+    plain greedy's tokens there."""
     cfg = config(2, max_new_tokens=12)
     width = max(map(len, PROMPTS))
     padded = np.zeros((len(PROMPTS), width), np.int32)
@@ -178,15 +186,18 @@ def test_generate_inside_user_jit(trained_v32):
     def user_fn(prompts, prompt_lens):
         return generate(trained_v32, prompts, cfg, prompt_lens=prompt_lens).tokens
 
-    np.testing.assert_array_equal(np.asarray(user_fn(padded, lens)), np.asarray(generate(trained_v32, PROMPTS, cfg).tokens))
+    np.testing.assert_array_equal(np.asarray(user_fn(padded, lens)),
+                                  np.asarray(plain_v32.tokens)[:, :cfg.max_new_tokens])
 
 
-def test_sampling_values_are_runtime_arguments(trained_v32):
+def test_sampling_values_are_runtime_arguments(trained_v32, plain_v32):
     """Sampled configs that differ only in temperature, top_k or top_p run one compiled generate
     program and one compiled step, and each value reaches it: top-k 1, a top-p that keeps only
     the top token, and a temperature of 1e-4 sample greedy's tokens, a temperature of 5 does not.
+    The key is a runtime argument too: another key runs the same program and gives other tokens.
     (Greedy is its own program.)"""
-    jax.clear_caches()  # counts this test's programs alone, whatever ran before it
+    # The counts are this test's alone: no test before it in this module compiles a sampled program,
+    # and conftest clears JAX's in-memory caches between modules.
     programs = []
 
     def count(event, seconds, **kwargs):
@@ -194,12 +205,13 @@ def test_sampling_values_are_runtime_arguments(trained_v32):
             programs.append(kwargs.get("fun_name"))
 
     base = config(2, max_new_tokens=13)
-    greedy = np.asarray(generate(trained_v32, PROMPTS, base).tokens)
+    greedy = np.asarray(plain_v32.tokens)[:, :base.max_new_tokens]
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
-        runs = [np.asarray(generate(trained_v32, PROMPTS, base.replace(**values), key=3).tokens)
-                for values in (dict(temperature=1.0, top_k=1), dict(temperature=1.0, top_p=1e-6),
-                               dict(temperature=1e-4), dict(temperature=5.0))]
+        runs = [np.asarray(generate(trained_v32, PROMPTS, base.replace(**values), key=key).tokens)
+                for values, key in ((dict(temperature=1.0, top_k=1), 3), (dict(temperature=1.0, top_p=1e-6), 3),
+                                    (dict(temperature=1e-4), 3), (dict(temperature=5.0), 3),
+                                    (dict(temperature=5.0), 4))]
         stepped = []
         for values in (dict(temperature=1.0, top_k=1), dict(temperature=5.0)):
             cfg = base.replace(**values)
@@ -209,10 +221,10 @@ def test_sampling_values_are_runtime_arguments(trained_v32):
             stepped.append(np.asarray(state.tokens[:, :base.max_new_tokens]))
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
-    *filtered, hot = runs
+    *filtered, hot, other_key = runs
     for tokens in filtered:
         np.testing.assert_array_equal(tokens, greedy)
-    assert (hot != greedy).any()
+    assert (hot != greedy).any() and (other_key != hot).any()
     np.testing.assert_array_equal(stepped[0], greedy)
     assert (stepped[1] != greedy).any()
     assert [name for name in programs if "_generate" in name] == ["jit(_generate)"], programs

@@ -261,13 +261,16 @@ def test_window_invariant_model_on_the_mosaic_kernels_equals_single_steps(kind):
     tree_logits, tree_hidden, _ = _window(model, window, width + depth[None].repeat(batch, 0), cache, prefix, tree,
                                           "mosaic")
     chain_logits, chain_hidden, _ = _window(*chain_args)
+    # One call a token along each path; the paths' shared prefix (node 0) is decoded once.
+    decoded = {(): (None, None, cache)}
     for path, (logits_of, hidden_of) in (([0, 1, 2], (chain_logits, chain_hidden)),
                                          ([0, 2], (tree_logits, tree_hidden))):
-        step_cache = cache
         for position, node in enumerate(path):
-            logits, hidden, step_cache = _window(model, window[:, node:node + 1],
-                                                 jnp.full((batch, 1), width + position), step_cache,
-                                                 prefix + position, None, "mosaic")
+            key = tuple(path[:position + 1])
+            if key not in decoded:
+                decoded[key] = _window(model, window[:, node:node + 1], jnp.full((batch, 1), width + position),
+                                       decoded[key[:-1]][2], prefix + position, None, "mosaic")
+            logits, hidden, _ = decoded[key]
             index = node if logits_of is tree_logits else position
             as_f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
             np.testing.assert_array_equal(as_f32(hidden_of[:, index]), as_f32(hidden[:, 0]))
