@@ -121,8 +121,9 @@ class GenerateResult:
         return np.asarray(self.position_accepts).sum(axis=0) / calls
 
     def row_tokens(self, row: int) -> list[int]:
-        """The ids row `row` emitted, without padding."""
-        return np.asarray(self.tokens[row, : int(self.num_tokens[row])]).tolist()
+        """The ids row `row` emitted, without padding. (Read on the host: indexing the device arrays
+        would compile a program for each row and length.)"""
+        return np.asarray(self.tokens)[row, : int(np.asarray(self.num_tokens)[row])].tolist()
 
 
 def result_from_state(state: DecodeState, config: DecodeConfig, num_rows: int | None = None) -> GenerateResult:
