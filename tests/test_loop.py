@@ -41,6 +41,13 @@ def acceptance_histogram(result, k):
     return np.array([at_least[j] - at_least[j + 1] for j in range(k + 1)])
 
 
+def emitted_sequences(prompts, state) -> list[list[int]]:
+    """Each row's prompt followed by the tokens `state` (a DecodeState) has emitted for it. Read on the
+    host: an eager slice of a device array compiles a program for each row and length."""
+    tokens, num_generated = np.asarray(state.tokens), np.asarray(state.num_generated)
+    return [list(prompt) + tokens[b, :num_generated[b]].tolist() for b, prompt in enumerate(prompts)]
+
+
 @pytest.fixture(scope="module")
 def plain_v32(trained_v32):
     """Plain greedy decoding of PROMPTS by trained_v32 (`config(0)`): the tokens the V3.2 tests here
@@ -134,9 +141,7 @@ def test_cached_drafts_equal_naive_recompute(trained_v32, plain_v32):
     width = max(map(len, PROMPTS)) + cfg.max_new_tokens + k + 1
     checked, finish_steps = 0, set()
     while not bool(np.all(state.done)):
-        # Host copies: an eager slice of a device array compiles a program for each length.
-        tokens, num_generated = np.asarray(state.tokens), np.asarray(state.num_generated)
-        sequences = [PROMPTS[b] + tokens[b, :num_generated[b]].tolist() for b in range(len(PROMPTS))]
+        sequences = emitted_sequences(PROMPTS, state)
         active = ~np.asarray(state.done)
         expected = naive_drafts(trained_v32, sequences, k, width)
         state = step(trained_v32, state, cfg)
@@ -346,8 +351,7 @@ def test_a_state_steps_with_the_config_it_holds(random_model):
         state = step(random_model, state)
     assert state.config.eos_token_id == 3
     result = generate(random_model, [[1, 2], [5]], config)
-    assert [np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist() for b in range(2)] == \
-        [result.row_tokens(b) for b in range(2)]
+    assert emitted_sequences([[], []], state) == [result.row_tokens(b) for b in range(2)]
 
 
 @pytest.mark.parametrize("kwargs, prompts, match", [

@@ -26,7 +26,7 @@ from jaxspec.presets import preset
 from jaxspec.sampling import processed_probs, sampling_params
 from jaxspec.trees import DynamicTreeSpec, StaticTree, compact_slots
 from test_acceptance import chi_square_p_value
-from test_loop import PROMPTS, acceptance_histogram, config
+from test_loop import PROMPTS, acceptance_histogram, config, emitted_sequences
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -240,9 +240,7 @@ def test_commit_leaves_the_caches_of_the_emitted_tokens(trained_v32):
         snapshots.append((*jax.device_get((state.target_cache, state.mtp_cache)), np.asarray(state.num_generated),
                           np.asarray(state.done)))
     assert int(np.sum(state.position_accepts[:, 1])) > 0, "no step accepted a path that needs moving"
-    # Host copies: an eager slice of a device array compiles a program for each length.
-    tokens, num_generated = np.asarray(state.tokens), np.asarray(state.num_generated)
-    sequences = [PROMPTS[b] + tokens[b, :num_generated[b]].tolist() for b in range(len(PROMPTS))]
+    sequences = emitted_sequences(PROMPTS, state)
     target_ref, mtp_ref = recomputed_caches(trained_v32, sequences, state.target_cache.capacity)
     known = np.array([len(seq) - 1 for seq in sequences])  # the budget may cut a last commit's tokens
     prompt_lens = np.array([len(p) for p in PROMPTS])

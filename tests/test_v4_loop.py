@@ -31,7 +31,7 @@ from jaxspec.pallas_kernels import Visibility
 from jaxspec.pallas_kernels.paged import read_slots
 from jaxspec.presets import preset
 from jaxspec.trees import DynamicTreeSpec
-from test_loop import acceptance_histogram, naive_drafts
+from test_loop import acceptance_histogram, emitted_sequences, naive_drafts
 from test_tree_decoding import HORIZON, SAMPLE_PROMPT, SAMPLING, assert_distributed_as, exact_sequence_probs
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -190,8 +190,7 @@ def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trai
     state = init_state(trained_v4, PROMPTS, cfg)
     checked, finished_at = 0, {}
     while not bool(np.all(state.done)):
-        sequences = [PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
-                     for b in range(len(PROMPTS))]
+        sequences = emitted_sequences(PROMPTS, state)
         active = ~np.asarray(state.done)
         expected = naive_drafts(trained_v4, sequences, k, width)
         before = {b: row_pages(state.target_cache, b) + row_pages(state.mtp_cache, b)
@@ -211,8 +210,9 @@ def test_steps_draft_naively_commit_exactly_and_finished_rows_write_nothing(trai
         going = ~np.asarray(state.done)
         committed = np.asarray(state.target_cache.lengths)
         tokens = np.zeros((len(PROMPTS), width), np.int32)
+        emitted = emitted_sequences(PROMPTS, state)
         for b in np.flatnonzero(going):
-            seq = PROMPTS[b] + np.asarray(state.tokens[b, :int(state.num_generated[b])]).tolist()
+            seq = emitted[b]
             assert len(seq) == committed[b] + 1
             tokens[b, :committed[b]] = seq[:committed[b]]
         fresh = recompute(params, jnp.asarray(tokens), jnp.asarray(np.where(going, committed, 1), jnp.int32))
