@@ -339,8 +339,11 @@ def test_moe_layer_compiled_at_routed_cost(h100, num_tokens, slack):
     """Flops within `slack` of the routed work (3 matmuls per token-expert pair, the shared expert,
     the router), bytes within `slack` of reading each expert that can be hit once (min(E, T * k):
     the static worst case) plus the shared expert, router and activations, temporaries of
-    activation size only, and kernels within the H100's shared memory with no spills."""
+    activation size only, kernels within the H100's shared memory with no spills, and no while
+    loop: a loop on a GPU splits the decode step's CUDA graph around it at every MoE layer (a
+    binary search for the work table's groups would be one, 9 trips of one-thread kernels)."""
     from jaxspec import aot
+    from jaxspec.aot.hlo_loops import parse_module
 
     config = preset("deepseek-v3.2")
     dim, hidden, experts, topk = (config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
@@ -363,6 +366,7 @@ def test_moe_layer_compiled_at_routed_cost(h100, num_tokens, slack):
     assert aot.memory(compiled).temp <= 8 * assignments * dim * 2
     launches = aot.kernel_launches(compiled)
     assert launches and all(l.shared_memory <= 227 * 1024 and l.spill_stores == l.spill_loads == 0 for l in launches)
+    assert parse_module(compiled.as_text()).loops == []
 
 
 # ----------------------------------------------------------------------------------------------
