@@ -95,6 +95,13 @@ def check_request(model: DecoderModel, config: DecodeConfig, *, page_table, mesh
         raise ValueError(f"{'tree' if config.tree else f'num_draft={config.num_draft}'} needs an MTP module, "
                          "but the model has none (num_nextn_predict_layers == 0); use num_draft=0")
     vocab = model.config.vocab_size
+    if config.eos_token_id is not None and config.eos_token_id >= vocab:
+        raise ValueError(f"DecodeConfig.eos_token_id={config.eos_token_id}: must be < vocab_size={vocab} (no row "
+                         "could ever emit it)")
+    if page_table is not None and (getattr(page_table, "ndim", None) != 2
+                                   or not jnp.issubdtype(page_table.dtype, jnp.integer)):
+        raise ValueError(f"page_table: must be a [B, M] integer array, got "
+                         f"{getattr(page_table, 'dtype', type(page_table).__name__)} of shape {np.shape(page_table)}")
     if config.tree is not None and config.tree.top_k > vocab:
         raise ValueError(f"DecodeConfig.tree top_k={config.tree.top_k} exceeds the vocabulary ({vocab})")
 
@@ -110,19 +117,21 @@ def pad_prompts(prompts, prompt_lens=None) -> tuple[jax.Array, jax.Array, np.nda
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             raise ValueError("prompts: empty batch; pass at least one prompt")
-        rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        if prompt_lens is not None:
+            raise ValueError("prompt_lens: only with a [B, P] array of prompts; a list's rows have their own lengths")
+        rows = [_token_row(p, i) for i, p in enumerate(prompts)]
         lengths = np.array([len(r) for r in rows], np.int32)
         padded = np.zeros((len(rows), int(lengths.max())), np.int32)
         for i, r in enumerate(rows):
             padded[i, :len(r)] = r
         prompts_arr, lens_arr = jnp.asarray(padded), jnp.asarray(lengths)
     else:
-        prompts_arr = jnp.asarray(prompts, jnp.int32)
-        if prompts_arr.ndim != 2:
-            raise ValueError(f"prompts: expected [B, P] token ids, got shape {prompts_arr.shape}")
+        if np.ndim(prompts) != 2:
+            raise ValueError(f"prompts: expected [B, P] token ids, got shape {np.shape(prompts)}")
+        prompts_arr = jnp.asarray(_integers("prompts", prompts), jnp.int32)
         width = prompts_arr.shape[1]
         lens_arr = (jnp.full((prompts_arr.shape[0],), width, jnp.int32) if prompt_lens is None
-                    else jnp.asarray(prompt_lens, jnp.int32))
+                    else jnp.asarray(_integers("prompt_lens", prompt_lens), jnp.int32))
         if lens_arr.shape != (prompts_arr.shape[0],):
             raise ValueError(f"prompt_lens: expected shape ({prompts_arr.shape[0]},), got {lens_arr.shape}")
         lengths = np.asarray(lens_arr) if _is_concrete(lens_arr) else None
@@ -136,6 +145,32 @@ def pad_prompts(prompts, prompt_lens=None) -> tuple[jax.Array, jax.Array, np.nda
         if (lengths > width).any():
             raise ValueError(f"prompt_lens: values must be <= the padded width {width}")
     return prompts_arr, lens_arr, lengths
+
+
+def _integers(name: str, values):
+    """`values` (an array or nested lists) unchanged if its entries are integers that int32 holds
+    (checked where concrete), else a ValueError naming `name`: a float id would be truncated and an
+    id past int32 wrapped into the vocabulary, both silently."""
+    if isinstance(values, jax.core.Tracer):
+        if not jnp.issubdtype(values.dtype, jnp.integer):
+            raise ValueError(f"{name}: must be integers, got dtype {values.dtype}")
+        return values
+    array = np.asarray(values)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name}: must be integers, got {array.dtype} values such as {array.reshape(-1)[:3].tolist()}")
+    flat, info = array.reshape(-1), np.iinfo(np.int32)
+    outside = flat[(flat < info.min) | (flat > info.max)]
+    if outside.size:
+        raise ValueError(f"{name}: values must fit int32, got {outside[:3].tolist()}")
+    return values
+
+
+def _token_row(prompt, index: int) -> np.ndarray:
+    """One prompt of a list: a 1-D sequence of integer ids -> int64 [len]."""
+    if np.ndim(prompt) != 1:
+        raise ValueError(f"prompts[{index}]: each prompt must be a sequence of token ids (a list of lists, or a "
+                         f"[B, P] array), got {'a single id' if np.ndim(prompt) == 0 else f'shape {np.shape(prompt)}'}")
+    return np.asarray(_integers(f"prompts[{index}]", prompt), dtype=np.int64)
 
 
 def check_token_ids(prompts: jax.Array, lengths: np.ndarray | None, vocab_size: int) -> None:

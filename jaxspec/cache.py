@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULES, LATENT_RULE, Fp8Pool, check_cache_dtype, copy_slots,
@@ -128,6 +129,22 @@ def check_geometry(batch_size: int, capacity: int, row_shards: int, page_table) 
         raise ValueError("page_table: a cache split into row shards numbers its pages itself; pass None")
 
 
+def check_page_table(page_table, num_pages: int) -> None:
+    """A caller's page table [B, M]: every entry a page of the pool, [0, num_pages), and no page
+    twice, since two slots on one page overwrite each other's entries (another row's, or the same
+    row's). A traced table is not read (ValueError naming the first bad entries otherwise)."""
+    if isinstance(page_table, jax.core.Tracer):
+        return
+    pages = np.asarray(page_table).reshape(-1)
+    outside = pages[(pages < 0) | (pages >= num_pages)]
+    if outside.size:
+        raise ValueError(f"page_table: entries must be pages in [0, {num_pages}), got {outside[:5].tolist()}")
+    repeated = np.flatnonzero(np.bincount(pages, minlength=num_pages) > 1)
+    if repeated.size:
+        raise ValueError(f"page_table: page(s) {repeated[:5].tolist()} appear more than once; each slot needs a "
+                         "page of its own (a permutation of range(num_pages))")
+
+
 def row_page_table(batch_size: int, num_row_pages: int, row_shards: int = 1) -> jax.Array:
     """[batch_size, num_row_pages] int32: row b owns pages [b * M, (b + 1) * M), numbered within its
     block of batch_size / row_shards rows (each row shard's pages are its own pool)."""
@@ -146,10 +163,10 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
     that width for every layer; page_size: slots per page (capacity is rounded up to whole pages);
     dtype: the entries' dtype. Pages are handed out row after row (row b owns pages
     [b*M, (b+1)*M)); pass `page_table` ([batch_size, M] int32, entries a permutation of
-    range(num_pages)) to lay them out otherwise. row_shards > 1 lays the cache out for a mesh
-    that splits the rows into that many blocks (`jaxspec.sharding`): the page pool is split the same
-    way, each block's rows own the block's pages, and the page table numbers pages within the block
-    (every device's page table addresses its own pages only). Returns a `PagedCache`: latent
+    range(num_pages), `check_page_table`) to lay them out otherwise. row_shards > 1 lays the cache
+    out for a mesh that splits the rows into that many blocks (`jaxspec.sharding`): the page pool
+    is split the same way, each block's rows own the block's pages, and the page table numbers
+    pages within the block (every device's page table addresses its own pages only). Returns a `PagedCache`: latent
     [L, num_pages, page_size, latent_dim]; index_keys [L, num_pages, page_size, index_dim] (None
     when index_dim = 0); page_table [batch_size, M]; lengths [batch_size] = 0.
     rope_dim: the trailing RoPE width of a latent entry (qk_rope_head_dim; read only with FP8).
@@ -167,6 +184,8 @@ def init_cache(*, num_layers: int, batch_size: int, capacity: int, latent_dim: i
         page_table = row_page_table(batch_size, num_row_pages, row_shards)
     elif page_table.shape != (batch_size, num_row_pages):
         raise ValueError(f"page_table shape {page_table.shape}: expected {(batch_size, num_row_pages)}")
+    else:
+        check_page_table(page_table, num_pages)
 
     def one_layer():
         if cache_dtype == "fp8":

@@ -6,12 +6,38 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 from jaxspec.pallas_kernels.backend import BACKENDS
 from jaxspec.pallas_kernels.fp8_cache import CACHE_DTYPES
 from jaxspec.trees import DynamicTreeSpec, StaticTree, chain_tree, parse_tree
 
 MAX_DRAFT_TOKENS = 7
+# Fields normalized to Python numbers before any check (`DecodeConfig._normalize_numbers`).
+INTEGER_FIELDS = ("num_draft", "max_new_tokens", "page_size", "top_k")
+OPTIONAL_INTEGER_FIELDS = ("eos_token_id", "max_cache_len", "prefill_chunk")
+REAL_FIELDS = ("temperature", "top_p")
+
+
+def _integer(name: str, value) -> int:
+    """`value` as a Python int: an int, a numpy integer or a concrete 0-d integer array; anything
+    else (a float, a string, a bool) is a ValueError naming the field."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"DecodeConfig.{name}={value!r}: must be an integer")
+
+
+def _real(name: str, value) -> float:
+    """`value` as a Python float: any real number (a string or a bool is a ValueError)."""
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"DecodeConfig.{name}={value!r}: must be a number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +61,8 @@ class DecodeConfig:
       target's greedy output. Needs temperature 0 and drafts.
     max_new_tokens: per-row budget of generated tokens (the first token after the prompt counts);
       the program reads it at run time and is built for its bucket (`buckets`).
-    eos_token_id: a row stops after emitting it; None = only the budget stops rows.
+    eos_token_id: a row stops after emitting it (an id in [0, vocab_size), checked against the
+      model by `generate`); None = only the budget stops rows.
     page_size: cache slots per page.
     max_cache_len: slots per row; None sizes the cache to the prompts and the budget.
     backend: kernel implementation, "xla" (pure-jnp references), "pallas" (Triton kernels),
@@ -66,7 +93,8 @@ class DecodeConfig:
       widths), the DSA indexer keys Hadamard-rotated in e4m3 with per-128 scales (powers of two
       where the model's `scale_fmt` says "ue8m0"), and the indexer scores from FP8 queries and keys
       (docs/fp8-caches.md). Quantization is per token, so the exactness guarantees above hold
-      unchanged. Every backend reads them; DeepSeek-V4 models refuse them (ValueError).
+      unchanged. Every backend reads them, and DeepSeek-V4 models store their window and compressed
+      entries in FlashMLA's V4 token (docs/fp8-caches.md).
     prefill_chunk: None (default) runs the whole padded prompt [B, P] through the target and the
       MTP module in one call each. C >= 1 runs it in ceil(P / C) calls of min(C, P) tokens inside
       one `jax.lax.fori_loop` (`jaxspec.loop.prefill`), so the prefill's activations and
@@ -124,6 +152,7 @@ class DecodeConfig:
     buckets: bool = True
 
     def __post_init__(self):
+        self._normalize_numbers()
         if not 0 <= self.num_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"DecodeConfig.num_draft={self.num_draft}: must be in [0, {MAX_DRAFT_TOKENS}]")
         if self.max_new_tokens < 1:
@@ -132,14 +161,15 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.page_size={self.page_size}: must be >= 1")
         if self.max_cache_len is not None and self.max_cache_len < 1:
             raise ValueError(f"DecodeConfig.max_cache_len={self.max_cache_len}: must be >= 1 or None")
+        if self.eos_token_id is not None and self.eos_token_id < 0:
+            raise ValueError(f"DecodeConfig.eos_token_id={self.eos_token_id}: must be a token id >= 0 or None")
         if self.backend not in BACKENDS:
             raise ValueError(f"DecodeConfig.backend={self.backend!r}: must be one of {BACKENDS}")
         if not isinstance(self.window_invariant, bool):
             raise ValueError(f"DecodeConfig.window_invariant={self.window_invariant!r}: must be True or False")
         if not isinstance(self.unroll_layers, bool):
             raise ValueError(f"DecodeConfig.unroll_layers={self.unroll_layers!r}: must be True or False")
-        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
-                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"DecodeConfig.prefill_chunk={self.prefill_chunk!r}: must be None (one call) or an "
                              "integer >= 1 (tokens per prefill call)")
         if not isinstance(self.buckets, bool):
@@ -155,6 +185,18 @@ class DecodeConfig:
                              "(None: the model's compute dtype)")
         self._check_tree()
         self._check_sampling()
+
+    def _normalize_numbers(self):
+        """Numeric fields as Python numbers, whatever integer or real type was passed (a numpy
+        integer, a 0-d array): a config is a static argument of the compiled programs, hashed and
+        compared, and the shape arithmetic (`jaxspec.batch`) needs ints."""
+        for name in INTEGER_FIELDS:
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
+        for name in OPTIONAL_INTEGER_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _integer(name, getattr(self, name)))
+        for name in REAL_FIELDS:
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
 
     def _check_tree(self):
         if isinstance(self.tree, str):
@@ -181,10 +223,10 @@ class DecodeConfig:
                                  f"set temperature > 0 or leave {name} at {off}")
         if self.relaxed is None:
             return
-        if len(self.relaxed) != 2:
+        if not isinstance(self.relaxed, (tuple, list)) or len(self.relaxed) != 2:
             raise ValueError(f"DecodeConfig.relaxed={self.relaxed!r}: must be None or (top_k, delta)")
-        top_k, delta = self.relaxed
-        if int(top_k) != top_k or top_k < 1:
+        top_k, delta = _integer("relaxed top_k", self.relaxed[0]), _real("relaxed delta", self.relaxed[1])
+        if top_k < 1:
             raise ValueError(f"DecodeConfig.relaxed top_k={top_k}: must be an integer >= 1")
         if not 0 <= delta <= 1:
             raise ValueError(f"DecodeConfig.relaxed delta={delta}: must be in [0, 1] (a probability gap)")
@@ -193,7 +235,7 @@ class DecodeConfig:
                              f"it needs temperature=0, got {self.temperature}")
         if self.num_draft == 0:
             raise ValueError("DecodeConfig.relaxed needs drafts to accept; num_draft=0 is plain decoding")
-        object.__setattr__(self, "relaxed", (int(top_k), float(delta)))  # hashable, whatever was passed
+        object.__setattr__(self, "relaxed", (top_k, delta))  # hashable, whatever was passed
 
     @functools.cached_property
     def draft_tree(self) -> StaticTree | DynamicTreeSpec | None:

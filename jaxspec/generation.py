@@ -170,17 +170,22 @@ def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig()
       over all devices in both.
     Returns a `GenerateResult`: tokens [B, max_new_tokens] int32 (-1 past num_tokens[b]) and the
     per-row statistics. Raises ValueError (before tracing) for: an empty batch or an empty row,
-    token ids outside the vocabulary, `prompt_lens` of the wrong shape or longer than P, a prompt
+    a prompt that is not a sequence of integer ids (a flat list of ids is one prompt per id:
+    refused), token ids outside the vocabulary, `prompt_lens` with a list of prompts, of the wrong
+    shape or longer than P, an `eos_token_id` outside the vocabulary, a `key` that is neither an
+    int64 seed nor a PRNG key, a prompt
     plus budget plus draft window over `max_position_embeddings` or `config.max_cache_len`, a
-    `page_table` with too few rows or slots, drafting (`num_draft > 0` or a tree) with a model that
+    `page_table` that is not [B, M] integers, has too few rows or slots, or names a page twice or
+    one outside the cache (checked where concrete), drafting (`num_draft > 0` or a tree) with a model that
     has no MTP module, a tree whose top_k exceeds the vocabulary, a mesh without the axes
     ("data", "model"), an unknown plan, a page_table with a mesh or with a DeepSeek-V4 model.
     """
+    rng_key = base_key(key)
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
     fn, (params, sampling), static = _program(graphdef, params, batch, config, mesh, plan)
     state = fn(graphdef, params, batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache,
-               base_key(key), sampling, *static)
+               rng_key, sampling, *static)
     return result_from_state(state, config, batch.num_rows)
 
 
@@ -199,9 +204,9 @@ def compile_generate(model: DecoderModel, prompts, config: DecodeConfig = Decode
     model, prompts, config, prompt_lens, page_table, key, mesh, plan: as for `generate` (and the
     same ValueErrors, raised here, before compiling). Returns `run() -> GenerateResult`.
     """
+    rng_key = base_key(key)
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
-    rng_key = base_key(key)
     if mesh is not None:  # a compiled program takes its arguments exactly where it was compiled for
         rng_key = put(rng_key, NamedSharding(mesh, PartitionSpec()))
     fn, (params, sampling), static = _program(graphdef, params, batch, config, mesh, plan)

@@ -44,6 +44,10 @@ _REQUIRED_HF_VALUES = {
     "tie_word_embeddings": (False,),
 }
 
+# Fields every config.json of a model states: without them transformers would build DeepSeek-V3's
+# full size (its defaults), which for a config meant to describe another model is a silent error.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
 # rope_scaling / rope_parameters keys that are read elsewhere or are the defaults this code implements.
 _ROPE_KEYS_HANDLED = frozenset({"type", "rope_type", "rope_theta"})
 _ROPE_REQUIRED_VALUES = {"truncate": (True,), "partial_rotary_factor": (1, 1.0)}
@@ -62,10 +66,19 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
         if not os.path.isfile(path):
             raise ValueError(f"config.json: {path} does not exist")
         with open(path) as f:
-            raw = json.load(f)
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"config.json: {path} is not valid JSON ({error})") from None
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"config.json: {path} holds a JSON {type(raw).__name__}, not an object of fields")
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r}: must be one of {MODEL_TYPES}")
+    missing = [key for key in _SIZE_FIELDS if key not in raw]
+    if missing:
+        raise ValueError(f"config.json has no {missing}: they size the model, and this code does not guess them "
+                         "(transformers would take DeepSeek-V3's own)")
     if model_type == "deepseek_v4":
         return config_class(**_v4_kwargs_from_hf(raw, strict))
 
@@ -83,7 +96,7 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
     kwargs["model_type"] = model_type
     kwargs["scale_fmt"] = _scale_fmt(raw)
     eos = raw.get("eos_token_id")
-    kwargs["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+    kwargs["eos_token_id"] = (eos[0] if eos else None) if isinstance(eos, list) else eos  # [] names none
     if "first_k_dense_replace" in raw and "num_hidden_layers" in raw:
         # transformers clamps it (a 2-layer test model keeps DeepSeek's default of 3); the MTP
         # block, at index num_hidden_layers, then stays MoE as it always is in transformers.
@@ -91,6 +104,8 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
 
     rope = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
+    if rope is not None and not isinstance(rope, Mapping):
+        raise ValueError(f"config.json rope_parameters={rope!r}: must be an object of fields or null")
     if rope is not None:  # transformers 5: theta and scaling live together
         kwargs["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         scaling = rope
@@ -186,7 +201,7 @@ def _v4_kwargs_from_hf(raw: Mapping[str, Any], strict: bool) -> dict[str, Any]:
     kw = {**_V4_HF_DEFAULTS, **{k: v for k, v in raw.items() if k in _V4_HF_FIELDS}, "scale_fmt": _scale_fmt(raw)}
     n = kw["num_hidden_layers"]
     eos = raw.get("eos_token_id", _V4_HF_DEFAULTS["eos_token_id"])
-    kw["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
+    kw["eos_token_id"] = (eos[0] if eos else None) if isinstance(eos, list) else eos  # [] names none
 
     rates = dict(raw.get("compress_rates") or _V4_DEFAULT_COMPRESS_RATES)
     for key, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
@@ -298,6 +313,8 @@ def _parse_rope_scaling(scaling: Mapping[str, Any] | None, max_position_embeddin
     """
     if not scaling:
         return None
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"config.json rope_scaling / rope_parameters={scaling!r}: must be an object of fields or null")
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None

@@ -628,9 +628,10 @@ def init_state(model: DecoderModel, prompts, config: DecodeConfig, *, prompt_len
     `max_new_tokens` are the row's; `done` [B], statistics). Raises the ValueErrors `generate`
     raises, before tracing.
     """
+    rng_key = base_key(key)
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, mesh=mesh, plan=plan)
     graphdef, params = nnx.split(model)
-    args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, base_key(key))
+    args = (batch.prompts, batch.prompt_lens, batch.target_cache, batch.mtp_cache, rng_key)
     program, sampling = program_inputs(config, batch, mesh, plan)
     if mesh is None:
         return _prefill_jit(graphdef, params, *args, program, sampling)

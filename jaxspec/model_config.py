@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Any, Mapping
 
@@ -211,6 +212,19 @@ class ModelConfig:
         def fail(field: str, why: str):
             raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r}: {why}")
 
+        # Types first (a config.json may hold "64" or 64.5): the range checks below compare numbers.
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), str(field.type)
+            if value is None and kind.endswith("| None"):
+                continue
+            if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                fail(field.name, "must be an integer")
+            if kind.startswith("float") and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                fail(field.name, "must be a number")
+            if kind.startswith("bool") and not isinstance(value, bool):
+                fail(field.name, "must be true or false")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            fail("eos_token_id", f"must be a token id in [0, vocab_size={self.vocab_size}) or null")
         if self.model_type not in MODEL_TYPES:
             fail("model_type", f"must be one of {MODEL_TYPES}")
         if self.scale_fmt not in SCALE_FMTS:

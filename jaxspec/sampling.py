@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DRAFT_STREAM = 0
 ACCEPT_STREAM = 1
@@ -79,10 +80,19 @@ def processed_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def base_key(seed_or_key) -> jax.Array:
-    """An int seed (or a [] integer array, possibly traced) or a `jax.random.key` -> a PRNG key."""
+    """An int seed (or a [] integer array, possibly traced) or a `jax.random.key` -> a PRNG key.
+    Anything else, or a seed outside int64, is a ValueError naming `key` (`generate`'s argument)."""
     if isinstance(seed_or_key, jax.Array) and jnp.issubdtype(seed_or_key.dtype, jax.dtypes.prng_key):
         return seed_or_key
-    return jax.random.key(seed_or_key)
+    integer = (isinstance(seed_or_key, (int, np.integer)) and not isinstance(seed_or_key, bool)) or (
+        isinstance(seed_or_key, (jax.Array, np.ndarray)) and seed_or_key.ndim == 0
+        and jnp.issubdtype(seed_or_key.dtype, jnp.integer))
+    if not integer:
+        raise ValueError(f"key={seed_or_key!r}: must be an int seed, a [] integer array or a jax.random.key")
+    try:
+        return jax.random.key(seed_or_key)
+    except OverflowError:
+        raise ValueError(f"key={seed_or_key}: an int seed must be in [-2**63, 2**63)") from None
 
 
 def row_keys(key: jax.Array, step: jax.Array | int, num_rows: int, rows: jax.Array | None = None) -> jax.Array:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec.decode_config import DecodeConfig
@@ -85,3 +87,51 @@ def test_decode_config_ranges():
                        (dict(max_cache_len=0), "max_cache_len"), (dict(num_draft=8), "num_draft")]:
         with pytest.raises(ValueError, match=match):
             DecodeConfig(**bad)
+
+
+def test_decode_config_numbers_are_python_numbers_or_refused():
+    """Any integer type (a numpy integer, a 0-d array) becomes an int, so a config built from
+    numpy hashes, compares and sizes caches like one built from ints; a float, a string or a bool
+    where an integer belongs is refused naming the field (they failed later, deep in `prepare`, or
+    were truncated)."""
+    config = DecodeConfig(num_draft=np.int64(2), max_new_tokens=jnp.int32(16), eos_token_id=np.uint8(7),
+                          temperature=np.float32(0.5), top_k=np.int16(4))
+    assert config == DecodeConfig(num_draft=2, max_new_tokens=16, eos_token_id=7, temperature=0.5, top_k=4)
+    assert [type(v) for v in (config.num_draft, config.max_new_tokens, config.eos_token_id, config.temperature)] \
+        == [int, int, int, float]
+    for bad, match in [(dict(max_new_tokens=2.5), r"max_new_tokens=2.5: must be an integer"),
+                       (dict(num_draft="3"), r"num_draft='3': must be an integer"),
+                       (dict(page_size=None), r"page_size=None: must be an integer"),
+                       (dict(max_cache_len=10.5), r"max_cache_len=10.5: must be an integer"),
+                       (dict(prefill_chunk=True), r"prefill_chunk=True: must be an integer"),
+                       (dict(temperature=1.0, top_k=2.5), r"top_k=2.5: must be an integer"),
+                       (dict(temperature="0.5"), r"temperature='0.5': must be a number"),
+                       (dict(eos_token_id="26"), r"eos_token_id='26': must be an integer"),
+                       (dict(eos_token_id=-1), r"eos_token_id=-1: must be a token id >= 0"),
+                       (dict(relaxed=3), r"relaxed=3: must be None or \(top_k, delta\)"),
+                       (dict(relaxed=("a", 0.1)), r"relaxed top_k='a': must be an integer")]:
+        with pytest.raises(ValueError, match=match):
+            DecodeConfig(**bad)
+
+
+def test_hf_config_that_cannot_describe_a_model_is_refused(tmp_path):
+    """A config.json without the fields that size the model (transformers would take DeepSeek-V3's
+    full size for them), with fields of the wrong type, an EOS id outside the vocabulary, or a file
+    that is not a JSON object: a ValueError naming the field or the file."""
+    raw = preset("tiny").to_hf()
+    for bad, match in [({"model_type": "deepseek_v3"}, r"has no \['vocab_size', 'hidden_size', 'num_hidden_layers', "
+                                                       r"'num_attention_heads'\]"),
+                       ({k: v for k, v in raw.items() if k != "vocab_size"}, r"has no \['vocab_size'\]"),
+                       ({**raw, "hidden_size": "64"}, "ModelConfig.hidden_size='64': must be an integer"),
+                       ({**raw, "hidden_size": 64.5}, "ModelConfig.hidden_size=64.5: must be an integer"),
+                       ({**raw, "rms_norm_eps": None}, "ModelConfig.rms_norm_eps=None: must be a number"),
+                       ({**raw, "eos_token_id": 10**6}, r"eos_token_id=1000000: must be a token id in \[0, "
+                                                        r"vocab_size=258\)"),
+                       ({**raw, "rope_scaling": "yarn"}, "rope_scaling / rope_parameters='yarn': must be an object")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf(bad)
+    assert ModelConfig.from_hf({**raw, "eos_token_id": []}).eos_token_id is None
+    for text, match in [("[1, 2]", "holds a JSON list, not an object"), ("{bad", "is not valid JSON")]:
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf(tmp_path)

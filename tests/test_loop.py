@@ -360,10 +360,53 @@ def test_a_state_steps_with_the_config_it_holds(random_model):
     (dict(), [], "empty batch"),
     (dict(), [[1, 300]], "token ids must be in"),
     (dict(max_new_tokens=2000), [[1, 2]], "max_position_embeddings"),
+    (dict(), [72, 105], r"prompts\[0\]: each prompt must be a sequence of token ids .* got a single id"),
+    (dict(), [[[1, 2], [3, 4]]], r"prompts\[0\]: each prompt must be a sequence .* got shape \(2, 2\)"),
+    (dict(), [[72.7, 105.2]], r"prompts\[0\]: must be integers, got float64"),
+    (dict(), np.array([[72.7, 105.2]]), "prompts: must be integers, got float64"),
+    (dict(), [[2**32 + 5, 1]], r"prompts\[0\]: values must fit int32, got \[4294967301\]"),
+    (dict(), np.array([[2**32 + 5, 1]]), r"prompts: values must fit int32"),
+    (dict(eos_token_id=258), [[1, 2]], "eos_token_id=258: must be < vocab_size=258"),
 ])
 def test_bad_input_is_refused_before_tracing(random_model, kwargs, prompts, match):
+    """Each refused with a ValueError naming the argument; the prompts' forms were read silently
+    before (a flat list as one-token rows, float ids truncated, ids past int32 wrapped into the
+    vocabulary)."""
     with pytest.raises(ValueError, match=match):
         generate(random_model, prompts, DecodeConfig(**{"max_new_tokens": 16, **kwargs}))
+
+
+@pytest.mark.parametrize("page_table, match", [
+    ([[0], [0]], r"page_table: page\(s\) \[0\] appear more than once"),
+    ([[5], [9]], r"page_table: entries must be pages in \[0, 2\), got \[5, 9\]"),
+    ([[-1], [0]], r"entries must be pages in \[0, 2\), got \[-1\]"),
+    ([0, 1], r"page_table: must be a \[B, M\] integer array, got int32 of shape \(2,\)"),
+    ([[0.0], [1.0]], r"must be a \[B, M\] integer array, got float32"),
+], ids=["shared page", "past the pool", "negative", "1-D", "float"])
+def test_a_page_table_that_would_overwrite_entries_is_refused(random_model, page_table, match):
+    """A caller's page table may lay pages out in any order, but two slots on one page, or a page
+    outside the pool, would silently overwrite entries (another row's, or clamped reads): each is a
+    ValueError before tracing. A permutation decodes as the default layout does."""
+    prompts, config = [[72, 105], [84, 104, 101]], DecodeConfig(num_draft=1, max_new_tokens=4)
+    with pytest.raises(ValueError, match=match):
+        generate(random_model, prompts, config, page_table=jnp.asarray(page_table))
+    swapped = generate(random_model, prompts, config, page_table=jnp.asarray([[1], [0]], jnp.int32))
+    np.testing.assert_array_equal(swapped.tokens, generate(random_model, prompts, config).tokens)
+
+
+@pytest.mark.parametrize("key, match", [(None, "key=None: must be an int seed"), ("abc", "key='abc'"),
+                                        (1.5, "key=1.5"), (2**70, r"must be in \[-2\*\*63, 2\*\*63\)")])
+def test_a_bad_key_is_refused_naming_it(random_model, key, match):
+    with pytest.raises(ValueError, match=match):
+        generate(random_model, [[1, 2]], DecodeConfig(num_draft=0, max_new_tokens=2, temperature=1.0), key=key)
+
+
+def test_prompt_lens_go_with_an_array_of_prompts(random_model):
+    """A list's rows carry their own lengths: `prompt_lens` beside one was ignored, now refused."""
+    with pytest.raises(ValueError, match="prompt_lens: only with a \\[B, P\\] array of prompts"):
+        generate(random_model, [[72, 105, 3]], DecodeConfig(max_new_tokens=2), prompt_lens=[1])
+    with pytest.raises(ValueError, match="prompt_lens: must be integers, got float64"):
+        generate(random_model, np.array([[1, 2, 3], [1, 2, 3]]), DecodeConfig(max_new_tokens=2), prompt_lens=[2.5, 3])
 
 
 def test_bad_decode_config_and_batch(random_model):
