@@ -145,8 +145,11 @@ def restore_model(directory: str | os.PathLike, *, dtype=jnp.float32, mesh: jax.
         placement = param_placement(abstract_state, mesh, plan)
 
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = {name: (tuple(meta.shape), meta.dtype)
-                  for name, meta in checkpointer.metadata(params_path).item_metadata.items()}
+        metadata = checkpointer.metadata(params_path).item_metadata
+        if metadata is None:
+            raise ValueError(f"{params_path} holds no complete orbax save (no array metadata: an interrupted save?); "
+                             "save the model again")
+        stored = {name: (tuple(meta.shape), meta.dtype) for name, meta in metadata.items()}
         sources = _per_layer_sources(config, stored)
         if sources:
             log(f"{directory} holds one array per decoder layer (saved before the layers were stacked): "

@@ -137,3 +137,12 @@ def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a saved model"):
         restore_model(tmp_path)
 
+
+
+def test_an_interrupted_save_is_named(model, tmp_path):
+    """config.json beside a params/ folder orbax never finished (no array metadata): a ValueError
+    saying so, not an AttributeError from inside the restore."""
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf()))
+    (tmp_path / "params").mkdir()
+    with pytest.raises(ValueError, match="holds no complete orbax save"):
+        restore_model(tmp_path)
