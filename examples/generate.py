@@ -101,8 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampling streams (one per row)")
     parser.add_argument("--random", action="store_true",
                         help="random weights of --preset (seeded by --seed) instead of the shipped trained model")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random model weights (with --random)")
+    parser.add_argument("--seed", type=int, help="seed of the random model weights (with --random; default 0)")
     add_model_flags(parser, default_preset="tiny")
+    parser.set_defaults(preset=None)  # given without --random it would be ignored: refused below
     parser.add_argument("--page-size", type=positive_int, default=64, help="cache slots per page")
     add_prefill_flag(parser)
     parser.add_argument("--prefill", choices=PREFILL_MODES, default="auto",
@@ -139,8 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", metavar="DIR", type=checkpoint_dir,
                         help="run this checkpoint (Hugging Face safetensors, or a `jaxspec convert` output) "
                              "instead of the shipped model")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help=f"parameter dtype of --checkpoint; {FP8_HELP}")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help=f"parameter dtype of --checkpoint (default float32); {FP8_HELP}")
     parser.add_argument("--prompt-ids", action="append", type=token_ids, metavar="IDS",
                         help="a prompt as token ids, e.g. 1,2,3; repeat for several (instead of --prompt)")
     parser.add_argument("--print-ids", action="store_true", help="print token ids instead of text")
@@ -148,6 +149,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     if args.random and args.checkpoint is not None:
         parser.error("--random and --checkpoint: choose one model")
+    ignored = [flag for flag, value in (("--preset", args.preset), ("--seed", args.seed)) if value is not None]
+    if ignored and not args.random:
+        parser.error(f"{' and '.join(ignored)}: the random model's shape and weights; add --random "
+                     "(without it the shipped trained model runs, or --checkpoint's)")
+    if args.dtype is not None and args.checkpoint is None:
+        parser.error("--dtype: the dtype --checkpoint's weights are loaded in; the shipped and random models run "
+                     "in float32")
+    args.preset, args.seed, args.dtype = args.preset or "tiny", args.seed or 0, args.dtype or "float32"
+    if args.prefill == "loop" and args.prefill_chunk is not None:
+        parser.error(f"--prefill loop feeds the prompts through the decoding loop, --prefill-chunk "
+                     f"{args.prefill_chunk} runs a prefill program in chunks: choose one")
     if args.prompts and args.prompt_ids:
         parser.error("--prompt and --prompt-ids: give one kind of prompt")
     if args.checkpoint is not None and not has_hf_tokenizer(args.checkpoint):
@@ -194,10 +206,7 @@ def describe_decoding(args: argparse.Namespace) -> str:
 
 def prefill_in_loop(args: argparse.Namespace, longest_prompt: int) -> bool:
     """`DecodeConfig.prefill_in_loop` for --prefill (auto: prompts up to LOOP_PREFILL_MAX tokens
-    without --prefill-chunk)."""
-    if args.prefill == "loop" and args.prefill_chunk is not None:
-        raise SystemExit(f"--prefill loop feeds the prompts through the decoding loop, --prefill-chunk "
-                         f"{args.prefill_chunk} runs a prefill program in chunks: choose one")
+    without --prefill-chunk; `parse_args` refuses loop with --prefill-chunk)."""
     if args.prefill == "auto":
         return args.prefill_chunk is None and longest_prompt <= LOOP_PREFILL_MAX
     return args.prefill == "loop"

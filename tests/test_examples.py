@@ -21,8 +21,7 @@ from virtual_devices import virtual_devices_env
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ROOT / "examples" / "generate.py"
 BENCHMARK = ROOT / "benchmarks" / "speculative.py"
-EXAMPLE_FLAGS = ["--seed", "1", "--max-new-tokens", "12", "--prompt", "hello", "--prompt", "ab", "--batch", "3",
-                 "--backend", "xla"]
+EXAMPLE_FLAGS = ["--max-new-tokens", "12", "--prompt", "hello", "--prompt", "ab", "--batch", "3", "--backend", "xla"]
 V4_MODEL = ROOT / "tests" / "fixtures" / "tiny-v4"  # the suite's trained DeepSeek-V4 (trained_models)
 RUNS = {
     "mtp3": [GENERATE, "--mtp", "3", *EXAMPLE_FLAGS],
@@ -31,7 +30,7 @@ RUNS = {
     "mtp0 on a mesh": [GENERATE, "--mtp", "0", *EXAMPLE_FLAGS, "--mesh", "2x2"],
     "sampled": [GENERATE, "--checkpoint", V4_MODEL, "--prompt-ids", "116,104,101,32", "--prompt-ids", "97",
                 "--tree", "2,2,3", "--temperature", "1.0", "--top-k", "5", "--sample-seed", "3",
-                *EXAMPLE_FLAGS[:4], "--batch", "3", "--backend", "xla"],
+                *EXAMPLE_FLAGS[:2], "--batch", "3", "--backend", "xla"],
     "benchmark": [BENCHMARK, "--random", "--k", "1", "--tree", "small", "--batch", "2", "--prompt-len", "8",
                   "--max-new-tokens", "8", "--repeats", "1", "--backend", "xla"],
 }
@@ -165,6 +164,10 @@ def _load_script(path: Path):
     (GENERATE, ["--prompt", ""], "--prompt: prompts must not be empty"),
     (GENERATE, ["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
     (GENERATE, ["--preset", "deepseek-v3"], "--preset: invalid choice"),
+    (GENERATE, ["--preset", "tiny-v4"], "--preset: the random model's shape and weights; add --random"),
+    (GENERATE, ["--seed", "2", "--preset", "tiny"], "--preset and --seed: the random model's"),
+    (GENERATE, ["--dtype", "bfloat16"], "--dtype: the dtype --checkpoint's weights are loaded in"),
+    (GENERATE, ["--prefill", "loop", "--prefill-chunk", "4"], "--prefill loop feeds the prompts through"),
     (GENERATE, ["--tree", "bushy"], "argument --tree: tree 'bushy'"),
     (GENERATE, ["--tree", "small", "--mtp", "0"], "num_draft=0 means plain decoding"),
     (GENERATE, ["--top-p", "0.5"], "top_p=0.5 filters sampling, but temperature=0 is greedy"),
