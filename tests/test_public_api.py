@@ -117,23 +117,32 @@ def test_python_blocks_run_as_written(page):
         exec(compile(block, page, "exec"), {"__name__": "docs"})
 
 
-def shell_commands(page: str) -> list[str]:
-    """The script commands of a page's shell blocks: `python <file>.py ...` and `jaxspec ...`."""
-    commands = []
-    for block in code_blocks(page, "bash"):
-        for line in block.splitlines():
+def shell_commands(page: str) -> dict[str, set[str]]:
+    """The script commands of a page's shell blocks (```bash and ```sh; a line ending in `\\`
+    continues): `python <file>.py ...` and `jaxspec <subcommand> ...`, each with the --flags the
+    page gives it (a `--flag=value` counted as --flag)."""
+    commands: dict[str, set[str]] = {}
+    for block in code_blocks(page, "bash") + code_blocks(page, "sh"):
+        for line in block.replace("\\\n", " ").splitlines():
             for command in line.split("#")[0].split("&&"):
                 words = command.split()
                 while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value prefixes
                     words = words[1:]
-                if words[:1] == ["python"] and len(words) > 1 and words[1].endswith(".py"):
-                    commands.append(" ".join(words[:2]))
+                if words[:1] in (["python"], ["python3"]) and len(words) > 1 and words[1].endswith(".py"):
+                    name = f"python {words[1]}"
                 elif words[:1] == ["jaxspec"]:
-                    commands.append(" ".join(w for w in words[:2] if not w.startswith("-")))
+                    name = " ".join(w for w in words[:2] if not w.startswith("-"))
+                else:
+                    continue
+                flags = {w.split("=")[0] for w in words[2:] if w.startswith("--") and w != "--help"}
+                commands.setdefault(name, set()).update(flags)
     return commands
 
 
-ALL_COMMANDS = sorted({command for page in PAGES for command in shell_commands(page)})
+ALL_COMMANDS: dict[str, set[str]] = {}
+for _page in PAGES:
+    for _name, _flags in shell_commands(_page).items():
+        ALL_COMMANDS.setdefault(_name, set()).update(_flags)
 
 
 def test_readme_shows_the_main_job_and_docs_the_benchmarks():
@@ -141,11 +150,13 @@ def test_readme_shows_the_main_job_and_docs_the_benchmarks():
     assert any(c.startswith("python benchmarks/") for c in shell_commands(os.path.join(DOCS, "benchmarks.md")))
 
 
-@pytest.mark.parametrize("command", ALL_COMMANDS)
+@pytest.mark.parametrize("command", sorted(ALL_COMMANDS))
 def test_command_answers_help(command, monkeypatch, capsys):
-    """Run as `python` would run it (`runpy`: the script as __main__, its directory first on the
-    path; `jaxspec` as its console script calls `jaxspec.cli.main`), in this process: a subprocess per command
-    cost ~4 s of CPU each, mostly importing JAX again."""
+    """Every script command the pages show answers `--help`, and its help names every --flag the
+    pages give it (a renamed or dropped flag fails here, not in a reader's shell). Run as `python`
+    would run it (`runpy`: the script as __main__, its directory first on the path; `jaxspec` as its
+    console script calls `jaxspec.cli.main`), in this process: a subprocess per command cost ~4 s of
+    CPU each, mostly importing JAX again."""
     words = command.split()
     if words[0] == "python":
         script = os.path.join(REPO, words[1])
@@ -157,8 +168,11 @@ def test_command_answers_help(command, monkeypatch, capsys):
         run = lambda: sys.exit(cli.main())  # what the console script runs
     with pytest.raises(SystemExit) as exited:
         run()
-    assert exited.value.code in (0, None), capsys.readouterr().err[-2000:]
-    assert "usage:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert exited.value.code in (0, None), captured.err[-2000:]
+    assert "usage:" in captured.out
+    known = set(re.findall(r"--[\w-]+", captured.out))
+    assert not ALL_COMMANDS[command] - known, f"{command}: the docs give {sorted(ALL_COMMANDS[command] - known)}"
 
 
 def heading_anchors(path: str) -> set[str]:
