@@ -366,9 +366,9 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     [G, ceil(K / 128), ceil(N / 128)] float32), group_sizes [G] (sum <= M) -> [M, N] in the
     promoted dtype (lhs's for FP8), float32 accumulation; rows past sum(group_sizes) are zero.
     rhs_row: None, or r with rhs a stack [n, G, K, N] (rhs_scale_inv [n, G, ...]) whose row r
-    holds the groups: the kernel sees the stack as n * G groups, of which groups r * G .. r * G +
-    G - 1 have rows (group_sizes placed there, zeros elsewhere), so it reads only row r, where it
-    lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
+    holds the groups: the kernel sees the stack as n * G groups, of which its work items name
+    groups r * G .. r * G + G - 1 (the table built from the G sizes, offset), so it reads only row
+    r, where it lies, and its grid stays that of G groups. interpret None = interpret mode off a GPU.
     tiles: the launch's K step and split (`Tiles`; the module docstring's tile variants).
     """
     check_tiles(tiles, BLOCK_KS)
@@ -377,16 +377,19 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     depth, width = rhs.shape[-2:]
     splits = k_splits(depth, width, num_groups, tiles)
     cost = grouped_matmul_cost(lhs, rhs, out_dtype, rhs_scale_inv, splits)
-    if rhs_row is not None:  # the stack as n * G groups, all but row r's empty
+    row_of = lambda a: a if rhs_row is None or a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+    check_grouped_matmul_args(lhs, row_of(rhs), group_sizes, row_of(rhs_scale_inv))
+    if rhs_row is not None:  # the stack as n * G groups, of which row r's are the work items'
         rhs = rhs.reshape(-1, *rhs.shape[2:])
         rhs_scale_inv = None if rhs_scale_inv is None else rhs_scale_inv.reshape(-1, *rhs_scale_inv.shape[2:])
-        group_sizes = jax.lax.dynamic_update_slice(jnp.zeros(rhs.shape[:1], group_sizes.dtype), group_sizes,
-                                                   (rhs_row * num_groups,))
-    check_grouped_matmul_args(lhs, rhs, group_sizes, rhs_scale_inv)
     num_rows, stacked_groups = lhs.shape[0], rhs.shape[0]
     if num_rows == 0:  # no work items: CUDA refuses a launch of an empty grid, and there is nothing to compute
         return jnp.zeros((0, width), out_dtype)
+    # The table of the G groups, then offset to row r's: built over the whole stack it would
+    # search n * G group ends (every layer's) at every layer.
     group, start, end = work_items(group_sizes, num_rows, num_groups)
+    if rhs_row is not None:
+        group = group + rhs_row.astype(jnp.int32) * num_groups
     operand = window_rows(lhs)
     padded = operand.shape[0]
     column_blocks = pl.cdiv(width, BLOCK_N)
