@@ -204,3 +204,30 @@ def test_a_scatter_counts_the_rows_it_touches(h100):
     pool_bytes = pages * 64 * width * 2
     assert 2 * update_bytes <= one.bytes_accessed < 4 * update_bytes < pool_bytes / 100
     assert six.bytes_accessed == pytest.approx(6 * one.bytes_accessed, rel=0.05)
+
+
+@pytest.mark.parametrize("layers", [4, 16])
+def test_one_slot_read_and_written_in_place_counts_the_slot(h100, layers):
+    """A decode step at one row reads and writes single cache slots: a dynamic slice and an
+    in-place dynamic update of the layers' stacked cache [L, P, 64, W], each through a bitcast to
+    [L * P, 64, W] inside its fusion, as the model's paged reads and writes are. XLA's analysis
+    counts such a fusion as reading the whole cache, so a step's bytes grew with depth squared;
+    program_cost counts what each touches: a layer costs a few slots, not a page, at 4 layers as
+    at 16 (the uncorrected count is at least the cache a layer)."""
+    from jaxspec.aot.analysis import _parsed, _sliced_fusion_overcount
+
+    pages, width = 65, 576
+
+    def step(cache, x, position):  # cache [L, P, 64, W] bf16, donated
+        def layer(cache, l):
+            flat, row = cache.reshape(layers * pages, 64, width), l * pages + position // 64
+            old = jax.lax.optimization_barrier(jax.lax.dynamic_slice(flat, (row, position % 64, 0), (1, 1, width)))
+            new = jax.lax.optimization_barrier((x + old.reshape(width)).astype(flat.dtype))
+            return jax.lax.dynamic_update_slice(flat, new[None, None], (row, position % 64, 0)).reshape(cache.shape), None
+        return jax.lax.scan(layer, cache, jnp.arange(layers))[0]
+
+    compiled = aot.compile_gpu(step, Spec((layers, pages, 64, width), jnp.bfloat16), Spec((width,), jnp.bfloat16),
+                               Spec((), jnp.int32), devices=h100, donate_argnums=(0,))
+    per_layer = aot.program_cost(compiled).bytes_accessed / layers
+    assert 4 * width * 2 <= per_layer < 64 * width * 2  # a few slots, not a page, let alone the cache
+    assert _sliced_fusion_overcount(*_parsed(compiled.as_text())) / layers >= layers * pages * 64 * width * 2
