@@ -78,7 +78,7 @@ def config_from_hf(config_class: type, source: str | os.PathLike | Mapping[str, 
     missing = [key for key in _SIZE_FIELDS if key not in raw]
     if missing:
         raise ValueError(f"config.json has no {missing}: they size the model, and this code does not guess them "
-                         "(transformers would take DeepSeek-V3's own)")
+                         "(transformers would take its defaults: DeepSeek's full size)")
     if model_type == "deepseek_v4":
         return config_class(**_v4_kwargs_from_hf(raw, strict))
 
