@@ -15,19 +15,21 @@ from jaxspec.trees import DynamicTreeSpec, StaticTree, chain_tree, parse_tree
 MAX_DRAFT_TOKENS = 7
 # Fields normalized to Python numbers before any check (`DecodeConfig._normalize_numbers`).
 INTEGER_FIELDS = ("num_draft", "max_new_tokens", "page_size", "top_k")
-OPTIONAL_INTEGER_FIELDS = ("eos_token_id", "max_cache_len", "prefill_chunk")
+# Fields that may be None, with what the error says they take.
+OPTIONAL_INTEGER_FIELDS = {"eos_token_id": "None or a token id >= 0", "max_cache_len": "None or an integer >= 1",
+                           "prefill_chunk": "None (one call) or an integer >= 1 (tokens per prefill call)"}
 REAL_FIELDS = ("temperature", "top_p")
 
 
-def _integer(name: str, value) -> int:
+def _integer(name: str, value, takes: str = "an integer") -> int:
     """`value` as a Python int: an int, a numpy integer or a concrete 0-d integer array; anything
-    else (a float, a string, a bool) is a ValueError naming the field."""
+    else (a float, a string, a bool) is a ValueError naming the field and what it `takes`."""
     if not isinstance(value, bool):
         try:
             return operator.index(value)
         except TypeError:
             pass
-    raise ValueError(f"DecodeConfig.{name}={value!r}: must be an integer")
+    raise ValueError(f"DecodeConfig.{name}={value!r}: must be {takes}")
 
 
 def _real(name: str, value) -> float:
@@ -192,9 +194,9 @@ class DecodeConfig:
         compared, and the shape arithmetic (`jaxspec.batch`) needs ints."""
         for name in INTEGER_FIELDS:
             object.__setattr__(self, name, _integer(name, getattr(self, name)))
-        for name in OPTIONAL_INTEGER_FIELDS:
+        for name, takes in OPTIONAL_INTEGER_FIELDS.items():
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, _integer(name, getattr(self, name)))
+                object.__setattr__(self, name, _integer(name, getattr(self, name), takes))
         for name in REAL_FIELDS:
             object.__setattr__(self, name, _real(name, getattr(self, name)))
 

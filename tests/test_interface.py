@@ -161,7 +161,7 @@ class ToyModel(nnx.Module):
     bigram[t] + its hidden state (the embedding of t) times a small matrix."""
 
     def __init__(self, seed: int = 0):
-        self.config = preset("tiny").replace(vocab_size=32)
+        self.config = preset("tiny").replace(vocab_size=32, eos_token_id=None)  # the byte EOS (257) is past 32
         keys = jax.random.split(jax.random.key(seed), 4)
         vocab, dim = self.config.vocab_size, 8
         self.bigram = nnx.Param(jax.random.normal(keys[0], (vocab, vocab)))
