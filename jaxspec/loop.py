@@ -655,6 +655,33 @@ def check_step_config(state: DecodeState, config: DecodeConfig) -> None:
                          "was given, or none (the state holds it)")
 
 
+# `check_step_model`'s expected cache class and leading axes, by model class, config and geometry.
+_CACHE_LAYOUTS: dict[tuple, tuple[type, list[int]]] = {}
+
+
+def check_step_model(model: DecoderModel, state: DecodeState) -> None:
+    """ValueError, before tracing, where `model` is not the model `state` was made for: another
+    hidden width or vocabulary than the state's seeds, or caches of another family or depth than
+    the state's (compared by class and each array's leading, layer, axis: the rest depends on the
+    geometry the state's caches already have). A wrong model failed deep inside the trace."""
+    hidden, vocab = state.seed_hidden.shape[-1], state.seed_logits.shape[-1]
+    if (model.hidden_width, model.config.vocab_size) != (hidden, vocab):
+        raise ValueError(f"model: hidden width {model.hidden_width} and vocabulary {model.config.vocab_size}, the "
+                         f"state's {hidden} and {vocab}; step takes the model init_state was given")
+    cache = state.target_cache
+    layers = lambda c: [leaf.shape[0] for leaf in jax.tree.leaves(c) if leaf.ndim]
+    key = (type(model), model.config, cache.batch_size, cache.page_size, state.config.cache_dtype)
+    if key not in _CACHE_LAYOUTS:  # an abstract init_cache costs milliseconds: once, not every step
+        made = jax.eval_shape(lambda: model.init_cache(cache.batch_size, cache.page_size, page_size=cache.page_size,
+                                                       cache_dtype=state.config.cache_dtype))
+        _CACHE_LAYOUTS[key] = (type(made), layers(made))
+    kind, leading = _CACHE_LAYOUTS[key]
+    if kind is not type(cache) or leading != layers(cache):
+        raise ValueError(f"model: its caches are a {kind.__name__} of leading axes {leading}, the state's "
+                         f"a {type(cache).__name__} of {layers(cache)}; step takes the model init_state was given")
+
+
+
 def step(model: DecoderModel, state: DecodeState, config: DecodeConfig | None = None, *,
          mesh: Mesh | None = None, plan: str | None = None) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;
@@ -669,10 +696,12 @@ def step(model: DecoderModel, state: DecodeState, config: DecodeConfig | None = 
     `while not state.done.all(): state = step(model, state)`, then read
     `state.tokens[b, :state.num_generated[b]]`.
     Raises ValueError, before tracing, for a config that would decode otherwise than the state's
-    (`check_step_config`), or a mesh or plan other than the state's.
+    (`check_step_config`), a model other than the state's (`check_step_model`), or a mesh or plan
+    other than the state's.
     """
     if config is not None:
         check_step_config(state, config)
+    check_step_model(model, state)
     for name, given, held in (("mesh", mesh, state.mesh), ("plan", plan, state.plan)):
         if given is not None and given != held:
             made = "on one device" if state.mesh is None else f"with {name}={held!r}"

@@ -17,7 +17,7 @@ from jaxspec.batch import budget_bucket, prompt_bucket, required_capacity
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.generation import generate
 from jaxspec.loop import PAD_TOKEN, check_step_config, init_state, step
-from jaxspec.models import DeepseekV3
+from jaxspec.models import DeepseekV3, DeepseekV4
 from jaxspec.pallas_kernels import Visibility
 from jaxspec.presets import preset
 from jaxspec.sharding import MESH_AXES
@@ -327,6 +327,23 @@ def test_step_refuses_a_config_that_is_not_the_states(random_model):
     check_step_config(state, made.replace(max_new_tokens=9))
     sampled = made.replace(temperature=0.7, top_k=5)
     check_step_config(init_state(random_model, [[1, 2]], sampled), sampled.replace(temperature=1.3, top_p=0.9))
+
+
+def test_step_refuses_a_model_that_is_not_the_states(random_model):
+    """A state stepped with another model: another width (DeepSeek-V4's hyper-connections carry
+    4 x 64), or caches of another depth or family, is a ValueError naming the difference before
+    tracing (the first two failed deep inside the trace with a broadcasting error); the state's own
+    model steps. The other models are shapes only: the check reads no parameter."""
+    state = init_state(random_model, [[1, 2]], DecodeConfig(num_draft=1, max_new_tokens=4))
+    abstract = lambda family, name, **changes: nnx.eval_shape(lambda: family(preset(name, **changes), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="model: hidden width 96 and vocabulary 258, the state's 64 and 258"):
+        step(abstract(DeepseekV3, "tiny", hidden_size=96), state)
+    with pytest.raises(ValueError, match="model: hidden width 256 and vocabulary 258, the state's 64"):
+        step(abstract(DeepseekV4, "tiny-v4"), state)
+    with pytest.raises(ValueError, match=r"model: its caches are a PagedCache of leading axes \[3, 3, .*the state's a "
+                                         r"PagedCache of \[2, 2, "):
+        step(abstract(DeepseekV3, "tiny", num_hidden_layers=3), state)
+    assert int(step(random_model, state).steps) == 1
 
 
 def test_a_one_device_state_refuses_a_mesh(random_model):
