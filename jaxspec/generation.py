@@ -176,9 +176,9 @@ def generate(model: DecoderModel, prompts, config: DecodeConfig = DecodeConfig()
     int64 seed nor a PRNG key, a prompt
     plus budget plus draft window over `max_position_embeddings` or `config.max_cache_len`, a
     `page_table` that is not [B, M] integers, has too few rows or slots, or names a page twice or
-    one outside the cache (checked where concrete), drafting (`num_draft > 0` or a tree) with a model that
-    has no MTP module, a tree whose top_k exceeds the vocabulary, a mesh without the axes
-    ("data", "model"), an unknown plan, a page_table with a mesh or with a DeepSeek-V4 model.
+    one outside the cache (checked where concrete), drafting (`num_draft > 0` or a tree) with a
+    model that has no MTP module, a tree whose top_k exceeds the vocabulary, a mesh without the
+    axes ("data", "model"), an unknown plan, a page_table with a mesh or with a DeepSeek-V4 model.
     """
     rng_key = base_key(key)
     batch = prepare(model, prompts, config, prompt_lens=prompt_lens, page_table=page_table, mesh=mesh, plan=plan)

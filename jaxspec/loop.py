@@ -681,7 +681,6 @@ def check_step_model(model: DecoderModel, state: DecodeState) -> None:
                          f"a {type(cache).__name__} of {layers(cache)}; step takes the model init_state was given")
 
 
-
 def step(model: DecoderModel, state: DecodeState, config: DecodeConfig | None = None, *,
          mesh: Mesh | None = None, plan: str | None = None) -> DecodeState:
     """One speculative step (draft, verify, accept, commit, catch up) on every unfinished row (jitted;

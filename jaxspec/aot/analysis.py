@@ -292,12 +292,15 @@ def _fusion_module(module, fused: str, kind: str) -> str:
     """HLO text of a module whose ENTRY runs one fusion instruction calling `fused`: its cost is
     what XLA's analysis counts for that instruction inside the program."""
     params, _, _ = _fused_instructions(module.computations[fused])
-    output = re.match(r"^.*\) -> (.*) \{$", module.computations[fused][0].strip()).group(1)
-    text = module_with_entry(module, fused)
-    text = text.replace(f"ENTRY {module.computations[fused][0].strip()}", module.computations[fused][0].strip(), 1)
-    entry = [f"ENTRY %fusion_only ({', '.join(f'p{i}: {shape}' for i, shape in enumerate(params.values()))}) -> {output} {{"]
-    entry += [f"  %p{i} = {shape} parameter({i})" for i, shape in enumerate(params.values())]
-    entry += [f"  ROOT %f = {output} fusion({', '.join(f'%p{i}' for i in range(len(params)))}), kind={kind}, calls=%{fused}",
+    header = module.computations[fused][0].strip()
+    output = re.match(r"^.*\) -> (.*) \{$", header).group(1)
+    # `fused` and what it calls, `fused` demoted from the ENTRY module_with_entry makes it.
+    text = module_with_entry(module, fused).replace(f"ENTRY {header}", header, 1)
+    names = [f"p{i}" for i in range(len(params))]
+    signature = ", ".join(f"{name}: {shape}" for name, shape in zip(names, params.values()))
+    entry = [f"ENTRY %fusion_only ({signature}) -> {output} {{"]
+    entry += [f"  %{name} = {shape} parameter({i})" for i, (name, shape) in enumerate(zip(names, params.values()))]
+    entry += [f"  ROOT %f = {output} fusion({', '.join('%' + name for name in names)}), kind={kind}, calls=%{fused}",
               "}"]
     return text + "\n" + "\n".join(entry) + "\n"
 
