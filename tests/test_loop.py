@@ -393,6 +393,10 @@ def test_bad_input_is_refused_before_tracing(random_model, kwargs, prompts, matc
         generate(random_model, prompts, DecodeConfig(**{"max_new_tokens": 16, **kwargs}))
 
 
+# Two rows of one page each: the page tables below lay out, or misname, that pool of 2 pages.
+PAGED_REQUEST = ([[72, 105], [84, 104, 101]], DecodeConfig(num_draft=1, max_new_tokens=4))
+
+
 @pytest.mark.parametrize("page_table, match", [
     ([[0], [0]], r"page_table: page\(s\) \[0\] appear more than once"),
     ([[5], [9]], r"page_table: entries must be pages in \[0, 2\), got \[5, 9\]"),
@@ -403,12 +407,14 @@ def test_bad_input_is_refused_before_tracing(random_model, kwargs, prompts, matc
 def test_a_page_table_that_would_overwrite_entries_is_refused(random_model, page_table, match):
     """A caller's page table may lay pages out in any order, but two slots on one page, or a page
     outside the pool, would silently overwrite entries (another row's, or clamped reads): each is a
-    ValueError before tracing. A permutation decodes as the default layout does."""
-    prompts, config = [[72, 105], [84, 104, 101]], DecodeConfig(num_draft=1, max_new_tokens=4)
+    ValueError before tracing."""
     with pytest.raises(ValueError, match=match):
-        generate(random_model, prompts, config, page_table=jnp.asarray(page_table))
-    swapped = generate(random_model, prompts, config, page_table=jnp.asarray([[1], [0]], jnp.int32))
-    np.testing.assert_array_equal(swapped.tokens, generate(random_model, prompts, config).tokens)
+        generate(random_model, *PAGED_REQUEST, page_table=jnp.asarray(page_table))
+
+
+def test_a_permuted_page_table_decodes_as_the_default_layout(random_model):
+    swapped = generate(random_model, *PAGED_REQUEST, page_table=jnp.asarray([[1], [0]], jnp.int32))
+    np.testing.assert_array_equal(swapped.tokens, generate(random_model, *PAGED_REQUEST).tokens)
 
 
 @pytest.mark.parametrize("key, match", [(None, "key=None: must be an int seed"), ("abc", "key='abc'"),
