@@ -54,6 +54,7 @@ from jaxspec.flags import (TREE_HELP, add_cache_dtype_flag, add_model_flags, add
                            positive_int, relaxed_spec, tree_spec)
 from jaxspec.generation import compile_generate
 from jaxspec.memory_plan import device_memory, plan_memory, readable
+from jaxspec.model_config import ModelConfig
 from jaxspec.models import DeepseekV3, model_class
 from jaxspec.orbax_io import restore_model
 from jaxspec.platforms import use_cpu_without_nvidia_driver
@@ -167,6 +168,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--checkpoint {args.checkpoint}: no tokenizer.json there; give --prompt-ids (e.g. 1,2,3)")
         args.print_ids = True
     args.prompts = args.prompt_ids or args.prompts or list(DEFAULT_PROMPTS)
+    vocab = model_vocab(args) if args.prompt_ids else None
+    outside = sorted({i for ids in args.prompt_ids or [] for i in ids if vocab is not None and i >= vocab})
+    if outside:
+        parser.error(f"--prompt-ids: token ids must be in [0, {vocab}), the model's vocabulary; got {outside[:5]}")
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit) and (None in explicit or args.distributed):
         parser.error("--coordinator, --num-processes, --process-id: give all three (or --distributed alone)")
@@ -185,6 +190,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     return args
+
+
+def model_vocab(args: argparse.Namespace) -> int | None:
+    """The vocabulary size of the model the flags choose, read from its config alone, so that bad
+    --prompt-ids are refused before any weights load. None where the config does not read: loading
+    the checkpoint then says what is wrong with it."""
+    if args.random:
+        return preset(args.preset).vocab_size
+    try:
+        return ModelConfig.from_hf(os.path.join(args.checkpoint or DEFAULT_CHECKPOINT, "config.json")).vocab_size
+    except (OSError, ValueError):
+        return None
 
 
 def draft_options(args: argparse.Namespace) -> dict:

@@ -176,6 +176,11 @@ def _load_script(path: Path):
     (GENERATE, ["--mesh", "8"], "argument --mesh: expected DATAxMODEL like 1x8, got '8'"),
     (GENERATE, ["--mesh", "0x8"], "argument --mesh: both mesh sizes must be >= 1"),
     (GENERATE, ["--plan", "fsdp"], "argument --plan: invalid choice"),
+    # out-of-vocabulary ids, refused from the config alone: the shipped model, a random one, a V4 save
+    (GENERATE, ["--prompt-ids", "1,258"],
+     "--prompt-ids: token ids must be in [0, 258), the model's vocabulary; got [258]"),
+    (GENERATE, ["--random", "--preset", "tiny-v4", "--prompt-ids", "7", "--prompt-ids", "300,259"], "got [259, 300]"),
+    (GENERATE, ["--checkpoint", str(V4_MODEL), "--prompt-ids", "1000"], "must be in [0, 258)"),
     (BENCHMARK, ["--tree", "1,2"], "argument --tree: tree '1,2'"),
     (BENCHMARK, ["--k", "0", "1"], "--k [0]: each must be in [1, 7]"),
     (BENCHMARK, ["--k", "8"], "--k [8]: each must be in [1, 7]"),
