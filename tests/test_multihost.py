@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import random
 import re
 import shutil
 import signal
@@ -55,10 +56,35 @@ JOB_FLAGS = [*(f for p in PROMPTS[:2] for f in ("--prompt-ids", ",".join(map(str
              "--max-new-tokens", str(MAX_NEW_TOKENS), "--backend", "xla"]
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and that no other socket is handed meanwhile.
+
+    A coordinator binds its port seconds after this returns (the process imports JAX first). A port
+    from the kernel's ephemeral range (what `bind(0)` gives) can be taken in that time as the local end
+    of any outgoing connection, the other processes' own included ("Failed to add port to server").
+    Below that range only an explicit bind takes a port, so the port is drawn there, at random so that
+    two pytest workers rarely draw alike, and checked free."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below the ephemeral range ({low})")
 
 
 class Runs:
