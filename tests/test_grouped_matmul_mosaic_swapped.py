@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +20,9 @@ from jaxspec.pallas_kernels import block_fp8, grouped_matmul_reference
 from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_mosaic_swapped, swapped_weights
 from jaxspec.pallas_kernels.grouped_matmul_pallas import BLOCK_N, VARIANTS, Tiles, k_splits, num_work_items
 from conftest import MOSAIC_INTERPRET
+from cuda_lowering import mosaic_gpu_dump
 from test_grouped_matmul import V32_WEIGHTS, device_fp8_experts, random_sizes
 from test_grouped_matmul_mosaic import check_rows_alone_and_in_a_crowd
-from virtual_devices import virtual_devices_env
 
 call = functools.partial(grouped_matmul_mosaic_swapped, interpret=MOSAIC_INTERPRET)
 
@@ -126,12 +124,7 @@ def test_loop_keeps_the_dequantized_weights_in_registers(h100, tmp_path):
     wgmma is m64n16k16 with its A operand in registers (the tile's 16 rows are N: no padded rows),
     the only shared-memory stores are the output tile's (128 x 16 bfloat16: 32 bytes a thread, in
     at most 8 stores), and no register spills, with 4 programs an SM's registers to spare."""
-    env = {**virtual_devices_env(1), "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
-           "MOSAIC_GPU_DUMP_TO": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (ptx,) = [path.read_text() for path in tmp_path.glob("grouped_matmul_mosaic_swapped*.ptx")]
-    (report,) = [path.read_text() for path in tmp_path.glob("grouped_matmul_mosaic_swapped*.ptxas")]
+    ptx, report = mosaic_gpu_dump(tmp_path, PROBE, "grouped_matmul_mosaic_swapped")
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)
     assert mmas and set(mmas) == {"m64n16k16"}  # "{acc}, {a registers}": A not a descriptor
     assert len(re.findall(r"\bst\.shared", ptx)) <= 8

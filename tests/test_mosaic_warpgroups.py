@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from jaxspec.pallas_kernels.mla_attention_mosaic import mla_attention_mosaic  # noqa: E402
 from jaxspec.pallas_kernels.mosaic_gpu import WARPGROUPS_VARIABLE, interpreted_warpgroups  # noqa: E402
 from jaxspec.pallas_kernels.sparse_mla_attention_mosaic import sparse_mla_attention_mosaic  # noqa: E402
+from cuda_lowering import mosaic_gpu_dump  # noqa: E402
 from test_fp8_cache import fp8_pool_of  # noqa: E402
 from test_kernels import latent_inputs, make_window, scale_for  # noqa: E402
 from test_sliding_compressed_attention import make_case, run  # noqa: E402
@@ -158,14 +159,8 @@ def test_the_register_split_fits_what_the_launch_allocates(h100, tmp_path):
     the simulator, which has no register pool, ran it."""
     from jaxspec.pallas_kernels.gathered_softmax_mosaic import FOLLOWERS
 
-    env = {**virtual_devices_env(1), "MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1",
-           "MOSAIC_GPU_DUMP_TO": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", REGISTER_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (report,) = tmp_path.glob("mla_attention_mosaic*.ptxas")
-    (ptx,) = tmp_path.glob("mla_attention_mosaic*.ptx")
-    launched = int(re.search(r"Used (\d+) registers", report.read_text()).group(1))
-    text = ptx.read_text()
+    text, report = mosaic_gpu_dump(tmp_path, REGISTER_PROBE, "mla_attention_mosaic")
+    launched = int(re.search(r"Used (\d+) registers", report).group(1))
     threads = int(re.search(r"\.maxntid (\d+)", text).group(1))
     increases = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", text)}
     decreases = {int(n) for n in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", text)}
