@@ -1,8 +1,10 @@
 """DeepSeek-V3.2's FP8 experts' grouped matmuls alone, on every kernel side by side: the Triton
-kernel and the Mosaic GPU one (weights stored [in, out], as the model does) and the transposed-
+kernel and the Mosaic GPU one (weights stored [in, out], as the model does), the transposed-
 product Mosaic kernel (`grouped_matmul_mosaic_swapped`: weights stored [out, in], as the
-checkpoints do, dequantized in registers as wgmma's A operand), each under the tile variants named
-(--tiles, --mosaic-tiles, --swapped-tiles).
+checkpoints do, dequantized in registers as wgmma's A operand) and the W8A8 Mosaic kernel
+(`grouped_matmul_mosaic_w8a8`: weights [out, in], activations quantized to e4m3 as DeepSeek's
+own inference does, e4m3 products on the tensor cores; other numerics, within FP8's rounding),
+each under the tile variants named (--tiles, --mosaic-tiles, --swapped-tiles, --w8a8-tiles).
 
     python benchmarks/expert_matmuls.py --json expert_matmuls.json     # on a GPU
     python benchmarks/expert_matmuls.py --smoke                        # tiny widths, any machine
@@ -32,6 +34,7 @@ from kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke,
 from jaxspec.pallas_kernels import block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
 from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_mosaic_swapped, swapped_weights
+from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import grouped_matmul_mosaic_w8a8
 from jaxspec.pallas_kernels.grouped_matmul_pallas import VARIANTS, grouped_matmul_pallas
 
 # name: (K, N) of one expert's matrix as the model stores it ([in, out]).
@@ -40,8 +43,11 @@ SMOKE_SHAPES = {"smoke_up": (256, 128)}
 EXPERTS, TOPK = 256, 8
 SMOKE_EXPERTS, SMOKE_TOPK = 8, 2
 KERNELS = {"pallas": grouped_matmul_pallas, "mosaic": grouped_matmul_mosaic,
-           "mosaic-swapped": grouped_matmul_mosaic_swapped}
+           "mosaic-swapped": grouped_matmul_mosaic_swapped,
+           "mosaic-w8a8": functools.partial(grouped_matmul_mosaic_w8a8, pow2_scales=True)}  # V3.2's ue8m0
+TRANSPOSED = ("mosaic-swapped", "mosaic-w8a8")  # the kernels that read the weights [out, in]
 SWAPPED_TILES = ("k64", "k64-int", "k128", "k64-split")  # the split last: for one token, whose launch is narrow
+W8A8_TILES = ("k128", "k128-split")  # its K step is the scale block
 
 
 def routed_sizes(rng, tokens: int, experts: int, topk: int) -> np.ndarray:
@@ -60,6 +66,8 @@ def main(argv=None) -> int:
                         help="tile variants of the Mosaic GPU kernel")
     parser.add_argument("--swapped-tiles", nargs="*", choices=SWAPPED_TILES, default=list(SWAPPED_TILES),
                         help="tile variants of the transposed-product Mosaic kernel")
+    parser.add_argument("--w8a8-tiles", nargs="*", choices=W8A8_TILES, default=list(W8A8_TILES),
+                        help="tile variants of the W8A8 Mosaic kernel")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/expert_matmuls.py", args.smoke):
@@ -75,9 +83,10 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     rows = []
-    # The kernel "auto" runs first, then the transposed-product one, so that a run cut short has
-    # the comparison that matters most.
+    # The kernel "auto" runs first, then the transposed-product ones, so that a run cut short has
+    # the comparisons that matter most.
     runs = [("pallas", variant) for variant in args.tiles] + [("mosaic-swapped", v) for v in args.swapped_tiles]
+    runs += [("mosaic-w8a8", variant) for variant in args.w8a8_tiles]
     runs += [("mosaic", variant) for variant in args.mosaic_tiles]
     rng = np.random.default_rng(0)
     for name, (depth, width) in shapes.items():
@@ -89,7 +98,7 @@ def main(argv=None) -> int:
         inputs = {tokens: jax.random.normal(jax.random.key(tokens), (tokens * topk, depth), jnp.bfloat16)
                   for tokens in args.tokens}
         for kernel, variant in runs:
-            weights = transposed if kernel == "mosaic-swapped" else (quantized, scale_inv)
+            weights = transposed if kernel in TRANSPOSED else (quantized, scale_inv)
             fn = functools.partial(KERNELS[kernel], tiles=VARIANTS[variant], interpret=interpret)
             hung = hang_writer(args.json, copy_bw, rows, "expert_matmul", f"{kernel}:{variant}")
             calls = {}

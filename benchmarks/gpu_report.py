@@ -213,11 +213,12 @@ BENCHMARK_UNITS = {
     # each, at the tokens a call of the gmm part's e2e points has: B 1 decode, B 32 k 3 verification
     # (a linear's launch is the same for 1 and 8 tokens, and 8 is what the matmuls part measured).
     # Beside them the Mosaic GPU kernel (GMM_MOSAIC_TILES). First the experts' matmuls alone on
-    # every kernel, the transposed-product Mosaic one (weights [out, in], in registers) among them.
+    # every kernel, the two that read the weights [out, in] among them (the transposed product,
+    # dequantized in registers; W8A8, e4m3 activations as DeepSeek's inference).
     "gmm": [("gmm/expert_matmuls", ["benchmarks/expert_matmuls.py", "--tokens", "128", "1", "--json", "{json}"],
              # (smoke: the Mosaic kernel's code path is the moe_fp8 and matmuls units')
              ["benchmarks/expert_matmuls.py", "--smoke", "--tiles", DEFAULT_VARIANT, "--mosaic-tiles",
-              "--swapped-tiles", DEFAULT_VARIANT, "--json", "{json}"]),
+              "--swapped-tiles", DEFAULT_VARIANT, "--w8a8-tiles", "k128", "--json", "{json}"]),
             ("gmm/moe_fp8", ["benchmarks/moe.py", "--weights", "fp8", "--tiles", *GMM_TRITON_TILES, "--mosaic-tiles",
                              *GMM_MOSAIC_TILES, "--tokens", "1", "128", "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),

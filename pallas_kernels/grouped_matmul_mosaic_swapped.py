@@ -70,9 +70,10 @@ def swapped_weights(rhs: jax.Array, rhs_scale_inv: jax.Array) -> tuple[jax.Array
     return jnp.swapaxes(rhs, -1, -2), scales
 
 
-def _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv) -> str | None:
-    """Why the kernel cannot take these operands, or None. (The op's own check,
-    `contracts.check_grouped_matmul_args`, is for weights [G, K, N]; these are transposed.)"""
+def transposed_operands_problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv) -> str | None:
+    """Why a kernel that reads FP8 weights [out, in] (this one, `grouped_matmul_mosaic_w8a8`) cannot
+    take these operands, or None. (The op's own check, `contracts.check_grouped_matmul_args`, is
+    for weights [G, K, N]; these are transposed.)"""
     if lhs.ndim != 2 or rhs_t.ndim != 3 or rhs_t.shape[2] != lhs.shape[1]:
         return f"lhs {list(lhs.shape)}, rhs_t {list(rhs_t.shape)}: must be [M, K] and [G, N, K]"
     if group_sizes.shape != rhs_t.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
@@ -82,7 +83,7 @@ def _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv) -> str | None:
     if jnp.dtype(lhs.dtype) != jnp.dtype(jnp.bfloat16):
         return f"lhs.dtype={lhs.dtype}: must be bfloat16"
     if jnp.dtype(rhs_t.dtype) != jnp.dtype(block_fp8.FP8):
-        return f"rhs_t.dtype={rhs_t.dtype}: must be float8_e4m3fn (the kernel dequantizes FP8 weights)"
+        return f"rhs_t.dtype={rhs_t.dtype}: must be float8_e4m3fn"
     if depth % BLOCK or width % BLOCK:
         return f"rhs_t [G, {width}, {depth}]: N and K must be multiples of {BLOCK}"
     want = (rhs_t.shape[0], width // BLOCK, -(-depth // BLOCK // SCALE_PAD) * SCALE_PAD)
@@ -232,7 +233,7 @@ def grouped_matmul_mosaic_swapped(lhs: jax.Array, rhs_t: jax.Array, group_sizes:
     sum(group_sizes) are zero. tiles: its K step, stages, K splits and e4m3 unpacking
     (`integer_upcast`). ValueError before tracing for anything else (module docstring)."""
     check_tiles(tiles, BLOCK_KS)
-    problem = _problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv)
+    problem = transposed_operands_problem(lhs, rhs_t, group_sizes, rhs_t_scale_inv)
     if problem is not None:
         raise ValueError(f"grouped_matmul_mosaic_swapped: {problem}")
     call = functools.partial(_swapped, lhs, rhs_t, group_sizes, rhs_t_scale_inv, tiles=tiles, interpret=interpret)

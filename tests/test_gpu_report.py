@@ -69,9 +69,9 @@ def test_smoke_run_records_every_part(smoke_report):
     assert {(row["op"], row["impl"]) for row in units["gmm/matmuls"]["json"]["rows"]} == {
         ("linear_fp8", impl) for impl in ("pallas", f"pallas{tiles}", f"mosaic{tiles}", "xla")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
-    # the experts' matmuls alone: the Triton kernel beside the transposed-product Mosaic one
+    # the experts' matmuls alone: the Triton kernel beside the two that read the weights [out, in]
     assert {row["impl"] for row in units["gmm/expert_matmuls"]["json"]["rows"]} == {
-        f"{kernel}:{DEFAULT_VARIANT}" for kernel in ("pallas", "mosaic-swapped")}
+        f"{kernel}:{DEFAULT_VARIANT}" for kernel in ("pallas", "mosaic-swapped")} | {"mosaic-w8a8:k128"}
     # the Mosaic kernel's split-KV parts (the tiles part's --part-slots, here in the kernels part's
     # smoke): its default and 64-slot parts side by side, only the Triton rows calibrating
     kernel_rows = units["kernels/mla_attention"]["json"]["rows"]

@@ -50,12 +50,13 @@ def fp8_weights(rng, shape):
     return quantized, scale_inv, block_fp8.dequantize(quantized, scale_inv)
 
 
-def check_rows_alone_and_in_a_crowd(rng, run, reference_weights) -> None:
+def check_rows_alone_and_in_a_crowd(rng, run, reference_weights, reference=grouped_matmul_reference) -> None:
     """Three rows, one of group 1 and two of group 3 of four groups, give the same bits alone
     (sizes [0, 1, 0, 2]) as among 30 others (5 rows of group 0, then 1 + 16 of group 1, the row
     first, then 2 + 9 of group 3), and that batch is within rounding of the reference.
     run(lhs, group_sizes) -> [M, N]: the kernel on its weights; reference_weights: (rhs [G, K, N],
-    rhs_scale_inv) as the model stores them."""
+    rhs_scale_inv) as the model stores them; reference(lhs, rhs, group_sizes, rhs_scale_inv): the
+    kernel's definition (the op's, unless its numerics are another's)."""
     rhs, rhs_scale_inv = reference_weights
     depth = rhs.shape[1]
     mine = jnp.asarray(rng.normal(size=(3, depth)), jnp.bfloat16)
@@ -66,7 +67,7 @@ def check_rows_alone_and_in_a_crowd(rng, run, reference_weights) -> None:
     np.testing.assert_array_equal(np.asarray(together[jnp.asarray([5, 22, 23])]),
                                   np.asarray(run(mine, jnp.asarray([0, 1, 0, 2]))))
     np.testing.assert_allclose(np.asarray(together, np.float32),
-                               np.asarray(grouped_matmul_reference(batch, rhs, sizes, rhs_scale_inv), np.float32),
+                               np.asarray(reference(batch, rhs, sizes, rhs_scale_inv), np.float32),
                                rtol=2e-2, atol=2e-2)
 
 
