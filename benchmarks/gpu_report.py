@@ -223,9 +223,10 @@ BENCHMARK_UNITS = {
                              *GMM_MOSAIC_TILES, "--tokens", "1", "128", "--json", "{json}"],
              ["benchmarks/moe.py", "--smoke", "--weights", "fp8", "--tiles", "k128", "--json", "{json}"]),
             ("gmm/matmuls", ["benchmarks/matmuls.py", "--dtypes", "fp8", "--tiles", *GMM_TRITON_TILES,
-                             "--mosaic-tiles", *GMM_MOSAIC_TILES, "--tokens", "8", "128", "--json", "{json}"],
+                             "--mosaic-tiles", *GMM_MOSAIC_TILES, "--w8a8-tiles", "k128", "k128-split",
+                             "--tokens", "8", "128", "--json", "{json}"],
              ["benchmarks/matmuls.py", "--smoke", "--dtypes", "fp8", "--tiles", DEFAULT_VARIANT, GMM_E2E_TILES,
-              "--mosaic-tiles", *SMOKE_GMM_MOSAIC_TILES, "--json", "{json}"])],
+              "--mosaic-tiles", *SMOKE_GMM_MOSAIC_TILES, "--w8a8-tiles", "k128", "--json", "{json}"])],
     # FlashMLA, DeepSeek's CUDA decode kernels, at the kernels part's MLA and V4 shapes (its harness,
     # built where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA and V4
     # kernels on the FP8 caches FlashMLA's sparse decode reads, so that its rows have ours beside them.

@@ -16,7 +16,10 @@ TFLOP/s. Weights and inputs are random (FP8 weights with V3.2's power-of-two blo
 variant (`grouped_matmul_pallas.VARIANTS`: the K step, stages, K splits that fill the GPU where a layer
 has few column blocks), a row each; --mosaic-tiles adds the FP8 layers on the Mosaic GPU kernel
 (`grouped_matmul_mosaic.py`: kv_a_proj's 576 columns are not whole blocks, and stay on Triton)
-under each variant it names; --dtypes picks the weights' rows. A timing is
+under each variant it names; --w8a8-tiles adds them on the W8A8 Mosaic kernel
+(`grouped_matmul_mosaic_w8a8`: activations quantized to e4m3 as DeepSeek's inference does, on a
+copy of the weight stored [out, in], made before the timing; rows `fp8:w8a8:VARIANT`, other
+numerics within FP8's rounding); --dtypes picks the weights' rows. A timing is
 `benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
 beside the device time of the layer's kernels a call ("dev ms", which the rates use).
 """
@@ -34,6 +37,8 @@ from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matm
 
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
+from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import swapped_weights
+from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import grouped_matmul_mosaic_w8a8
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 from jaxspec.presets import preset
 
@@ -51,6 +56,15 @@ def min_bytes(layer: Linear, tokens: int) -> int:
     return weight.nbytes + scales + 2 * tokens * (weight.shape[0] + weight.shape[1])
 
 
+def w8a8_layer(layer: Linear, variant: str):
+    """An FP8 layer on the W8A8 kernel: (params, x [T, in]) -> [T, out], its weight [out, in]
+    copied once here (`swapped_weights`), as a model that ran the kernel would store it."""
+    rhs_t, scales = swapped_weights(layer.weight[...][None], layer.weight_scale_inv[...][None])
+    run = jax.jit(functools.partial(grouped_matmul_mosaic_w8a8, pow2_scales=V32_SCALE_FMT == "ue8m0",
+                                    tiles=VARIANTS[variant], interpret=jax.default_backend() != "gpu"))
+    return lambda params, x: run(x, rhs_t, jnp.asarray([x.shape[0]], jnp.int32), scales)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny widths; runs anywhere (interpret mode off a GPU)")
@@ -60,6 +74,8 @@ def main(argv=None) -> int:
                         help="the FP8 kernel's tile variants, a row each")
     parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=[],
                         help="also the FP8 layers on the Mosaic GPU grouped matmul under these tile variants")
+    parser.add_argument("--w8a8-tiles", nargs="*", choices=("k128", "k128-split"), default=[],
+                        help="also the FP8 layers on the W8A8 Mosaic GPU kernel under these tile variants")
     add_timing_flags(parser)
     args = parser.parse_args(argv)
     if not gpu_or_smoke("benchmarks/matmuls.py", args.smoke):
@@ -82,15 +98,20 @@ def main(argv=None) -> int:
             # dequantizes it into a bfloat16 copy, then its dot reads that: 5 bytes a weight against
             # the kernel's 1), the model's other way to multiply by it.
             runs = (grouped_matmul_runs(args.tiles, args.mosaic_tiles) + [("xla", "xla", DEFAULT_VARIANT)]
+                    + [(f"w8a8:{variant}", "w8a8", variant) for variant in args.w8a8_tiles]
                     if label == "fp8" else [("xla", "pallas", DEFAULT_VARIANT)])
             for impl, backend, tiles in runs:
                 shown = label if (label, impl) in (("bf16", "xla"), ("fp8", "pallas")) else \
                     f"{label}:{impl.removeprefix('pallas:')}"
-                if backend == "mosaic" and not accepts(jax.ShapeDtypeStruct((1, fan_in), jnp.bfloat16),
-                                                       layer.weight[...][None], layer.weight_scale_inv[...][None]):
+                if backend in ("mosaic", "w8a8") and not accepts(jax.ShapeDtypeStruct((1, fan_in), jnp.bfloat16),
+                                                                 layer.weight[...][None],
+                                                                 layer.weight_scale_inv[...][None]):
                     print(f"{name:<20}{shown:>16}  skipped: not whole 128-blocks, the op runs it on Triton")
                     continue
-                fn = jax.jit(lambda p, x, backend=backend: nnx.merge(graphdef, p)(x, backend=backend))
+                if backend == "w8a8":
+                    fn = w8a8_layer(layer, tiles)
+                else:
+                    fn = jax.jit(lambda p, x, backend=backend: nnx.merge(graphdef, p)(x, backend=backend))
                 calls = {tokens: functools.partial(fn, params, jax.random.normal(jax.random.key(tokens),
                                                                                   (tokens, fan_in), jnp.bfloat16))
                          for tokens in args.tokens}

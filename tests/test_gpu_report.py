@@ -65,9 +65,10 @@ def test_smoke_run_records_every_part(smoke_report):
     # the grouped matmul's tile variants: a row each, named by variant, FP8 weights only, on the
     # Triton kernel (default and GMM_E2E_TILES) and the Mosaic one (GMM_E2E_TILES: its default
     # tiles are tests/test_grouped_matmul_mosaic.py's), and beside them XLA's dot of the dequantized weight
+    # and the W8A8 Mosaic kernel
     tiles = f":{gpu_report.GMM_E2E_TILES}"
     assert {(row["op"], row["impl"]) for row in units["gmm/matmuls"]["json"]["rows"]} == {
-        ("linear_fp8", impl) for impl in ("pallas", f"pallas{tiles}", f"mosaic{tiles}", "xla")}
+        ("linear_fp8", impl) for impl in ("pallas", f"pallas{tiles}", f"mosaic{tiles}", "xla", "w8a8:k128")}
     assert {(row["op"], row["impl"]) for row in units["gmm/moe_fp8"]["json"]["rows"]} == {("moe_layer_fp8", "pallas:k128")}
     # the experts' matmuls alone: the Triton kernel beside the two that read the weights [out, in]
     assert {row["impl"] for row in units["gmm/expert_matmuls"]["json"]["rows"]} == {
