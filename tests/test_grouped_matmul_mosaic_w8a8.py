@@ -125,8 +125,10 @@ def test_operands_it_does_not_take_are_refused_before_tracing():
 def test_compiled_for_h100_at_v32_expert_shapes(h100, variant):
     """256 experts' up projection with 256 rows (decode at batch 32, top-8), compiled for sm_90a:
     one launch of a warpgroup a (work item, column block, K split), within the shared memory that
-    leaves two programs an SM, and the stated cost of the product with one-byte activations."""
+    leaves two programs an SM, the stated cost of the product with one-byte activations, and no
+    loop around it (the activations' quantization is one pass)."""
     from jaxspec import aot
+    from jaxspec.aot.hlo_loops import parse_module
 
     depth, width, groups = V32_WEIGHTS["expert_up"]
     rhs_t, scales = jax.eval_shape(swapped_weights, jax.ShapeDtypeStruct((groups, depth, width), jnp.float8_e4m3fn),
@@ -145,6 +147,7 @@ def test_compiled_for_h100_at_v32_expert_shapes(h100, variant):
     (call_,) = aot.pallas_calls(compiled)
     assert call_.name == "grouped_matmul" and call_.flops == 2 * 256 * depth * width
     assert call_.bytes_accessed > min(groups, 256) * depth * width
+    assert parse_module(compiled.as_text()).loops == []
 
 
 def test_loop_multiplies_e4m3_straight_from_shared_memory(h100, tmp_path):
