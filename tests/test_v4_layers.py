@@ -122,3 +122,17 @@ def test_a_save_from_before_stacking_restores_each_layer_into_its_row(trained_v4
     for name, value in saved.items():
         np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(value).astype(restored[name].dtype),
                                       err_msg=name)
+
+
+def test_sinkhorn_rounds_are_a_loop_on_the_cpu_and_straight_line_on_a_gpu(h100):
+    """mHC's Sinkhorn rounds (19 at V4's 20 iterations): on the CPU one loop (there it compiles
+    faster and saves no launch); compiled for sm_90a without a GPU, no loop, so that a decode step
+    does not run 19 loop trips of one-thread kernels, each read by the host, at every mHC site."""
+    from jaxspec import aot
+    from jaxspec.aot.hlo_loops import parse_module
+    from jaxspec.models.hyper_connections import sinkhorn
+
+    comb = jax.ShapeDtypeStruct((2, 3, 4, 4), jnp.float32)
+    rounds = lambda c: sinkhorn(c, 20, 1e-6)  # noqa: E731
+    assert [loop.trip_count for loop in parse_module(jax.jit(rounds).lower(comb).compile().as_text()).loops] == [19]
+    assert parse_module(aot.compile_gpu(rounds, comb, devices=h100).as_text()).loops == []
