@@ -34,7 +34,7 @@ from kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke,
 from jaxspec.pallas_kernels import block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic
 from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_mosaic_swapped, swapped_weights
-from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import grouped_matmul_mosaic_w8a8
+from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import W8A8_VARIANTS, grouped_matmul_mosaic_w8a8
 from jaxspec.pallas_kernels.grouped_matmul_pallas import VARIANTS, grouped_matmul_pallas
 
 # name: (K, N) of one expert's matrix as the model stores it ([in, out]).
@@ -47,7 +47,6 @@ KERNELS = {"pallas": grouped_matmul_pallas, "mosaic": grouped_matmul_mosaic,
            "mosaic-w8a8": functools.partial(grouped_matmul_mosaic_w8a8, pow2_scales=True)}  # V3.2's ue8m0
 TRANSPOSED = ("mosaic-swapped", "mosaic-w8a8")  # the kernels that read the weights [out, in]
 SWAPPED_TILES = ("k64", "k64-int", "k128", "k64-split")  # the split last: for one token, whose launch is narrow
-W8A8_TILES = ("k128", "k128-split")  # its K step is the scale block
 
 
 def routed_sizes(rng, tokens: int, experts: int, topk: int) -> np.ndarray:
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
                         help="tile variants of the Mosaic GPU kernel")
     parser.add_argument("--swapped-tiles", nargs="*", choices=SWAPPED_TILES, default=list(SWAPPED_TILES),
                         help="tile variants of the transposed-product Mosaic kernel")
-    parser.add_argument("--w8a8-tiles", nargs="*", choices=W8A8_TILES, default=list(W8A8_TILES),
+    parser.add_argument("--w8a8-tiles", nargs="*", choices=W8A8_VARIANTS, default=list(W8A8_VARIANTS),
                         help="tile variants of the W8A8 Mosaic kernel")
     add_timing_flags(parser)
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matm
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts
 from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import swapped_weights
-from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import grouped_matmul_mosaic_w8a8
+from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import W8A8_VARIANTS, grouped_matmul_mosaic_w8a8
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, VARIANTS, tile_variant
 from jaxspec.presets import preset
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                         help="the FP8 kernel's tile variants, a row each")
     parser.add_argument("--mosaic-tiles", nargs="*", choices=VARIANTS, default=[],
                         help="also the FP8 layers on the Mosaic GPU grouped matmul under these tile variants")
-    parser.add_argument("--w8a8-tiles", nargs="*", choices=("k128", "k128-split"), default=[],
+    parser.add_argument("--w8a8-tiles", nargs="*", choices=W8A8_VARIANTS, default=[],
                         help="also the FP8 layers on the W8A8 Mosaic GPU kernel under these tile variants")
     add_timing_flags(parser)
     args = parser.parse_args(argv)

@@ -169,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.print_ids = True
     args.prompts = args.prompt_ids or args.prompts or list(DEFAULT_PROMPTS)
     vocab = model_vocab(args) if args.prompt_ids else None
-    outside = sorted({i for ids in args.prompt_ids or [] for i in ids if vocab is not None and i >= vocab})
+    outside = [] if vocab is None else sorted({i for ids in args.prompt_ids for i in ids if i >= vocab})
     if outside:
         parser.error(f"--prompt-ids: token ids must be in [0, {vocab}), the model's vocabulary; got {outside[:5]}")
     explicit = [args.coordinator, args.num_processes, args.process_id]

@@ -56,6 +56,8 @@ from .grouped_matmul_pallas import (BLOCK_M, BLOCK_N, VARIANTS, Tiles, check_til
                                     grouped_matmul_cost, k_splits, summed_splits, window_rows, work_items)
 from .mosaic_gpu import compiler_params, interpret_params, interpreting, store, swizzled, union
 
+# The tile variants the kernel takes: those whose K step is the scale block.
+W8A8_VARIANTS = tuple(name for name, tiles in VARIANTS.items() if tiles.block_k == BLOCK)
 # The activation scales' rows a program copies are its 64-row window's, from a transposed array
 # [K / 128, M'] whose rows are padded to whole 16 bytes (a TMA box's rows) past the last window.
 SCALE_ALIGN = 4
