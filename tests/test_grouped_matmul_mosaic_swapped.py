@@ -135,13 +135,16 @@ def test_loop_keeps_the_dequantized_weights_in_registers(h100, tmp_path):
     assert "0 bytes spill stores" in report and registers <= 65536 // (4 * 128)
 
 
-PROBE = """
+# A probe's operands for a kernel that reads FP8 weights [out, in]: 16 rows, 2 groups of [128, 256].
+PROBE_OPERANDS = """
 import functools, jax, jax.numpy as jnp
 from jaxspec import aot
-from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_mosaic_swapped
 spec = jax.ShapeDtypeStruct
 args = (spec((16, 256), jnp.bfloat16), spec((2, 128, 256), jnp.float8_e4m3fn), spec((2,), jnp.int32),
         spec((2, 1, 32), jnp.float32))
+"""
+PROBE = PROBE_OPERANDS + """
+from jaxspec.pallas_kernels.grouped_matmul_mosaic_swapped import grouped_matmul_mosaic_swapped
 aot.compile_gpu(grouped_matmul_mosaic_swapped, *args, devices=aot.gpu_devices("h100"))
 """
 

@@ -26,6 +26,7 @@ from cuda_lowering import mosaic_gpu_dump
 from test_fp8_cache import numpy_act_quant
 from test_grouped_matmul import V32_WEIGHTS, device_fp8_experts, random_sizes
 from test_grouped_matmul_mosaic import check_rows_alone_and_in_a_crowd
+from test_grouped_matmul_mosaic_swapped import PROBE_OPERANDS
 
 call = functools.partial(grouped_matmul_mosaic_w8a8, interpret=MOSAIC_INTERPRET)
 
@@ -163,13 +164,8 @@ def test_loop_multiplies_e4m3_straight_from_shared_memory(h100, tmp_path):
     assert "0 bytes spill stores" in report and registers <= 65536 // (2 * 128)
 
 
-PROBE = """
-import functools, jax, jax.numpy as jnp
-from jaxspec import aot
+PROBE = PROBE_OPERANDS + """
 from jaxspec.pallas_kernels.grouped_matmul_mosaic_w8a8 import grouped_matmul_mosaic_w8a8
-spec = jax.ShapeDtypeStruct
-args = (spec((16, 256), jnp.bfloat16), spec((2, 128, 256), jnp.float8_e4m3fn), spec((2,), jnp.int32),
-        spec((2, 1, 32), jnp.float32))
 aot.compile_gpu(functools.partial(grouped_matmul_mosaic_w8a8, pow2_scales=True), *args,
                 devices=aot.gpu_devices("h100"))
 """
