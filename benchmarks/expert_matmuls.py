@@ -14,7 +14,7 @@ Shapes: the experts' up projection (E x 7168 x 2048, the gate's the same) and do
 at random, seeded; default T 128, 32 and 1: verification at B 32, k = 3, decode at B 32 and 1).
 FP8 weights with power-of-two block scales, as V3.2's release. A row's "GB/s" counts the weights
 of the experts hit and their scales once, plus activations in and out; "% roofline" is against
-the copy bandwidth measured in the same run. Timings are `benchmarks/kernels.py`'s: the best of
+the copy bandwidth measured in the same run. Timings are `benchmarks/attention_kernels.py`'s: the best of
 three runs of --iters back-to-back calls after --warmup, beside the device time of the call's
 kernels ("dev ms", which the rates use: the swapped kernel's includes its row gather).
 """
@@ -28,8 +28,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, hang_writer, time_cells, timings,
-                     write_rows)
+from attention_kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, hang_writer, time_cells,
+                               timings, write_rows)
 
 from jaxspec.pallas_kernels import block_fp8
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import grouped_matmul_mosaic

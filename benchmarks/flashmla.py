@@ -1,4 +1,4 @@
-"""FlashMLA's Hopper decode kernels timed at `kernels.py`'s shapes: the ground truth beside
+"""FlashMLA's Hopper decode kernels timed at `attention_kernels.py`'s shapes: the ground truth beside
 jaxspec's MLA kernels (GPU; a Hopper GPU for the run, only nvcc for the build).
 
 FlashMLA (github.com/deepseek-ai/FlashMLA) is DeepSeek's CUDA MLA decode library, what SGLang and
@@ -13,7 +13,7 @@ driver takes its CUDA version: build it where nvcc is, carry it to the GPU.
     python benchmarks/flashmla.py                              # every shape below, on a GPU
     python benchmarks/flashmla.py --batch 32 --queries 1 --json rows.json
 
-Shapes (`kernels.py`'s): dense MLA (`flash_mla_with_kvcache` on a bfloat16 latent cache, pages of 64
+Shapes (`attention_kernels.py`'s): dense MLA (`flash_mla_with_kvcache` on a bfloat16 latent cache, pages of 64
 in a random order, a window of Q > 1 tokens causal) at B x context x Q; sparse MLA (its FP8 sparse
 decode on V3.2's 656-byte cache, each query token's top-k distinct random slots) at B x Q over a
 context of 4096; DeepSeek-V4-Flash's attention (the same kernel on FlashMLA's MODEL1 FP8 token, 64
@@ -21,10 +21,10 @@ heads of 512, per-head sinks: each token's 128-token window as its extra cache, 
 of the entries closed every 4 tokens, or HCA's every entry closed every 128) at B x Q, context
 4096. Each row is the median of --iters calls timed by CUDA events (split-KV kernel and
 combine; the scheduler metadata, computed once a step for every layer, is printed apart), with the
-bytes the op must move at least as `kernels.py` counts them (cache, queries, outputs; V4: every
-token's keys once, where kernels.py counts a row's distinct entries once), and the
+bytes the op must move at least as `attention_kernels.py` counts them (cache, queries, outputs; V4: every
+token's keys once, where attention_kernels.py counts a row's distinct entries once), and the
 largest error of three output rows against a float64 reference the harness computes from the same
-data. `--json` writes the rows as `kernels.py --json` does, so `gpu_report.py`'s `flashmla` part
+data. `--json` writes the rows as `attention_kernels.py --json` does, so `gpu_report.py`'s `flashmla` part
 puts them beside jaxspec's rows of the same shape.
 """
 
@@ -56,8 +56,8 @@ NVCC_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-depr
               "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a")
 INCLUDES = ("", "kerutils/include", "sm90", "cutlass/include", "cutlass/tools/util/include")  # under csrc/
 TOPK = 2048  # DeepSeek-V3.2's index_topk
-SPARSE_CONTEXT = 4096  # the sparse and V4 rows' context (kernels.py's V4 rows have it too)
-# V4-Flash's compressed layer kinds as kernels.py times them: (entries closed every RATE tokens, the
+SPARSE_CONTEXT = 4096  # the sparse and V4 rows' context (attention_kernels.py's V4 rows have it too)
+# V4-Flash's compressed layer kinds as attention_kernels.py times them: (entries closed every RATE tokens, the
 # entries a token attends to at most: CSA's index_topk; HCA's every one, at most 64 at 4096).
 V4_KINDS = {"v4_csa": (4, 512), "v4_hca": (128, 64)}
 OPS = ("mla_attention", "sparse_mla", *V4_KINDS)
@@ -129,7 +129,7 @@ def run_binary(binary: str, *args) -> dict:
 
 
 def row_of(result: dict) -> dict:
-    """The harness's JSON object -> a row as `kernels.py --json` writes it (impl "flashmla"; device
+    """The harness's JSON object -> a row as `attention_kernels.py --json` writes it (impl "flashmla"; device
     seconds = the event-timed median, which is device time)."""
     seconds = result["median_us"] * 1e-6
     return dict(op=result["op"], impl="flashmla", batch=result["batch"], context=result["context"],
@@ -157,7 +157,7 @@ def cases(args) -> list[tuple]:
 
 
 def op_of(case: tuple) -> str:
-    """The op a harness call (`cases`) times, as kernels.py names it."""
+    """The op a harness call (`cases`) times, as attention_kernels.py names it."""
     if case[0] == "v4":
         return next(op for op, kind in V4_KINDS.items() if kind == case[5:])
     return "mla_attention" if case[0] == "dense" else "sparse_mla"

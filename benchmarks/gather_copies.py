@@ -41,7 +41,7 @@ Each program copies its rows into a staging tile and, after its last tile, write
 through registers (as the kernels read it), which every run checks against the rows it asked for
 (interpreted, the barrier setting is ignored: there the check is of the code path). Rows are
 chosen at random over a cache several times the L2. The table gives each variant's time per tile,
-per copy and its bytes per second; --json writes kernels.py's row format (`gpu_report.py`'s part
+per copy and its bytes per second; --json writes attention_kernels.py's row format (`gpu_report.py`'s part
 `gather`).
 """
 
@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, hang_writer, timed, watchdog,
-                     write_rows)
+from attention_kernels import (add_timing_flags, copy_bandwidth, first_call, gpu_or_smoke, hang_writer, timed,
+                               watchdog, write_rows)
 
 from jaxspec.pallas_kernels.gathered_softmax_mosaic import CHUNK, fetch_rows, issue_keys, rows_buffer, staging
 from jaxspec.pallas_kernels.mosaic_gpu import compiler_params, interpreting, store, swizzled, warp_map_interpretable

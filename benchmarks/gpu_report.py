@@ -14,7 +14,7 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              lightest first (or --suite-chunk modules a run); each test's outcome is logged as it
              finishes (`suite_log`), so a run the clock ends keeps the modules whose every test
              finished and notes the others' progress (smoke: `--collect-only` of one module);
-  kernels    benchmarks/kernels.py, one unit per op (V3.2's mla_attention, sparse_mla, indexer_scores,
+  kernels    benchmarks/attention_kernels.py, one unit per op (V3.2's mla_attention, sparse_mla, indexer_scores,
              V4's v4_csa, v4_hca) at B 32, 8, 1, context 4096, Q 1, 4, each row with its error
              against the reference, then mla_attention at context 32768 (B 32, 1);
   moe        benchmarks/moe.py (one V3.2 MoE layer, 8 to 1024 tokens);
@@ -25,11 +25,11 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              copy a row, with and without Pallas' automatic barriers, issued by two
              warpgroups, by four warps or by one thread a row) beside a tile copy; then the
              sparse MLA kernels at B 32, 1, Q 1, 4: Triton, Mosaic, Mosaic without automatic
-             barriers (kernels.py --no-auto-barriers), Mosaic with its copies issued by warp
+             barriers (attention_kernels.py --no-auto-barriers), Mosaic with its copies issued by warp
              (--copies-by-warp) or by thread (--copies-by-thread), and Mosaic with split-KV
              parts of 256 and 2048 slots beside
              its 512 (--part-slots; 2048 is one part at top-2048);
-  tiles      benchmarks/kernels.py's Triton MLA kernels again with three tiles in flight
+  tiles      benchmarks/attention_kernels.py's Triton MLA kernels again with three tiles in flight
              (--num-stages 3), sparse MLA with both 32-slot tiles and three in flight, and with
              32-slot tiles (--block-n 32), to set against the kernels
              part's two and 16 (the defaults), Triton's sparse MLA at B 8 and 1 with 16
@@ -49,7 +49,7 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
              top-2048, V4-Flash's CSA and HCA) decode kernels at the kernels part's shapes, the
              ground truth beside ours (its harness binary must be there: built with
              `flashmla.py --build` and carried), then our sparse MLA and V4 kernels on FP8 caches
-             (kernels.py --cache-dtype fp8); report.md sets each FlashMLA row beside our rows of
+             (attention_kernels.py --cache-dtype fp8); report.md sets each FlashMLA row beside our rows of
              the same op, shape and cache (not under --smoke);
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one),
@@ -68,9 +68,9 @@ everything; their old records stay, marked stale, until new ones replace them.
 the Mosaic kernels' warpgroup handshakes run on a GPU only) and records it as failed, so the next
 run goes past it; a suite chunk ended so marks its modules, and `--retry-failed` runs them one per
 chunk to find the one that hangs. Sooner than that, the kernel, gather and expert-matmul
-benchmarks give each Mosaic call `kernels.CALL_SECONDS` once compiled (`kernels.watchdog`): one
-that has not returned by then ends its benchmark with status `kernels.HUNG_EXIT` and the hang in
-its JSON, which report.md names; a kernels.py unit so ended runs again at once with --no-mosaic,
+benchmarks give each Mosaic call `attention_kernels.CALL_SECONDS` once compiled (`attention_kernels.watchdog`): one
+that has not returned by then ends its benchmark with status `attention_kernels.HUNG_EXIT` and the hang in
+its JSON, which report.md names; an attention_kernels.py unit so ended runs again at once with --no-mosaic,
 for the Triton and XLA rows of the shapes the hang left. OUT/report.md is rewritten from the JSON
 at the end of every run.
 
@@ -97,7 +97,7 @@ import sys
 import tempfile
 import time
 
-from kernels import HUNG_EXIT
+from attention_kernels import HUNG_EXIT
 from projection import Calibration, note, step_seconds, target_peaks
 from suite_log import COMPILE_KEYS, empty_outcome, suite_outcomes
 
@@ -139,57 +139,57 @@ GMM_TRITON_TILES = (DEFAULT_VARIANT, "k128", "k128-split", "k64-int", GMM_E2E_TI
 # is tests/test_grouped_matmul_mosaic.py's.
 GMM_MOSAIC_TILES = (DEFAULT_VARIANT, "k64-s7", "k64-s3", "k64-int", GMM_E2E_TILES)
 SMOKE_GMM_MOSAIC_TILES = (GMM_E2E_TILES,)
-KERNELS_SCRIPT = "benchmarks/kernels.py"  # the benchmark whose Mosaic rows --no-mosaic leaves out
+KERNELS_SCRIPT = "benchmarks/attention_kernels.py"  # the benchmark whose Mosaic rows --no-mosaic leaves out
 # Each part's benchmark command: (unit, argv, argv under --smoke). "{json}" is replaced by a path.
 # A None smoke argv: the unit is not run under --smoke. The kernels run one op a unit, so that a
 # kernel failing or hanging on the device costs its own op's rows only.
 KERNEL_OPS = ("mla_attention", "sparse_mla", "indexer_scores", "v4_csa", "v4_hca")
 BENCHMARK_UNITS = {
-    "kernels": [(f"kernels/{op}", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096", "--queries",
+    "kernels": [(f"kernels/{op}", [KERNELS_SCRIPT, "--batch", "32", "8", "1", "--context", "4096", "--queries",
                                    "1", "4", "--ops", op, "--json", "{json}"],
                  # (smoke: with --part-slots, the path of the part kernels_part_slots, whose own
                  # smoke would start a process to repeat these rows)
-                 ["benchmarks/kernels.py", "--smoke", "--ops", op, "--no-xla", "--part-slots", "64", "--json",
+                 [KERNELS_SCRIPT, "--smoke", "--ops", op, "--no-xla", "--part-slots", "64", "--json",
                   "{json}"] if op == "mla_attention" else None)
                 for op in KERNEL_OPS]
                # Dense MLA at the long context the issue names (sparse MLA reads its top-k whatever the
                # context): after every op's 4096, so that a short lease has those first.
-               + [("kernels/mla_attention_32k", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "32768",
+               + [("kernels/mla_attention_32k", [KERNELS_SCRIPT, "--batch", "32", "1", "--context", "32768",
                                                  "--queries", "1", "4", "--ops", "mla_attention", "--json", "{json}"],
                    None)],
     # The Triton MLA kernels with three cache tiles in flight (default two): the sparse kernel's
     # loop waits for every copy at each 16-slot tile (PTX: cp.async.wait_group 0), so its tiles
     # in flight bound its bandwidth; then with 32-slot tiles (their default is 16: 32 spills
     # registers in dense MLA with jax 0.11's Triton); both against the kernels part's rows.
-    "tiles": [("kernels_stages3", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+    "tiles": [("kernels_stages3", [KERNELS_SCRIPT, "--batch", "32", "8", "1", "--context", "4096",
                                    "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--num-stages", "3",
                                    "--no-xla", "--no-mosaic", "--json", "{json}"],
                None),  # (smoke: --num-stages is a Triton setting, which interpret mode ignores)
               # Sparse MLA with both: 32-slot tiles, three in flight (sm_90a, jax 0.10.2: 207
               # registers, no spills, no synchronous load in its loop), half the tiles to wait for.
-              ("kernels_n32_stages3", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+              ("kernels_n32_stages3", [KERNELS_SCRIPT, "--batch", "32", "8", "1", "--context", "4096",
                                        "--queries", "1", "4", "--ops", "sparse_mla", "--block-n", "32",
                                        "--num-stages", "3", "--no-xla", "--no-mosaic", "--json", "{json}"], None),
-              ("kernels_block_n32", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+              ("kernels_block_n32", [KERNELS_SCRIPT, "--batch", "32", "8", "1", "--context", "4096",
                                      "--queries", "1", "4", "--ops", "mla_attention", "sparse_mla", "--block-n", "32",
                                      "--no-xla", "--no-mosaic", "--json", "{json}"],
-               ["benchmarks/kernels.py", "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
+               [KERNELS_SCRIPT, "--smoke", "--ops", "mla_attention", "--block-n", "32", "--no-xla",
                 "--no-mosaic", "--json", "{json}"]),
               # Triton's sparse MLA at small B with 16 parts of the top-k list (128 slots each) where its
               # default keeps parts of MIN_PART_SLOTS (512: 4 parts, 8 programs at B 1, a launch of
               # 99 us on the H200 for 2.4 MB): a byte rule, where one token's launch is latency-bound.
-              ("kernels_sparse_parts16", ["benchmarks/kernels.py", "--batch", "8", "1", "--context", "4096",
+              ("kernels_sparse_parts16", [KERNELS_SCRIPT, "--batch", "8", "1", "--context", "4096",
                                           "--queries", "1", "4", "--ops", "sparse_mla", "--num-splits", "16",
                                           "--no-xla", "--no-mosaic", "--json", "{json}"], None),
               # The Mosaic MLA kernel's split-KV parts (PART_SLOTS, 1024) against longer ones: the float32
               # partials they write are 45% of the cache's bytes at Q 1 and twice them at Q 4 (docs/kernels.md).
-              ("kernels_part_slots", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "32768",
+              ("kernels_part_slots", [KERNELS_SCRIPT, "--batch", "32", "1", "--context", "4096", "32768",
                                       "--queries", "1", "4", "--ops", "mla_attention", "--part-slots", "2048", "4096",
                                       "--no-xla", "--json", "{json}"], None),
               # V4's Mosaic kernel with split-KV parts of one tile (the most programs) and of 16 (one part
               # for V4-Flash's 12-tile CSA list: the layout before the split) beside its 4, and with its
               # key copies issued by warp or by thread (as the gather part's sparse MLA rows).
-              ("kernels_v4_tunings", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+              ("kernels_v4_tunings", [KERNELS_SCRIPT, "--batch", "32", "8", "1", "--context", "4096",
                                       "--queries", "1", "4", "--ops", "v4_csa", "--part-slots", "64", "1024",
                                       "--copies-by-warp", "--copies-by-thread", "--no-xla", "--json", "{json}"],
                None)],
@@ -197,7 +197,7 @@ BENCHMARK_UNITS = {
     # copy; then the sparse MLA kernel with those fixes and other part lengths beside itself and Triton.
     "gather": [("gather", ["benchmarks/gather_copies.py", "--json", "{json}"],
                 ["benchmarks/gather_copies.py", "--smoke", "--json", "{json}"]),
-               ("gather/sparse_mla", ["benchmarks/kernels.py", "--batch", "32", "1", "--context", "4096", "--queries",
+               ("gather/sparse_mla", [KERNELS_SCRIPT, "--batch", "32", "1", "--context", "4096", "--queries",
                                       "1", "4", "--ops", "sparse_mla", "--no-auto-barriers", "--copies-by-warp",
                                       "--copies-by-thread", "--part-slots", "256", "2048", "--json", "{json}"],
                 None)],
@@ -231,7 +231,7 @@ BENCHMARK_UNITS = {
     # built where nvcc is and carried: benchmarks/flashmla.py), then jaxspec's sparse MLA and V4
     # kernels on the FP8 caches FlashMLA's sparse decode reads, so that its rows have ours beside them.
     "flashmla": [("flashmla", ["benchmarks/flashmla.py", "--json", "{json}"], None),
-                 ("flashmla/fp8_caches", ["benchmarks/kernels.py", "--batch", "32", "8", "1", "--context", "4096",
+                 ("flashmla/fp8_caches", [KERNELS_SCRIPT, "--batch", "32", "8", "1", "--context", "4096",
                                           "--queries", "1", "4", "--ops", "sparse_mla", "v4_csa", "v4_hca",
                                           "--cache-dtype", "fp8", "--json", "{json}"], None)],
     "exactness": [("exactness", ["benchmarks/exactness.py", "--json", "{json}"],
@@ -243,7 +243,7 @@ MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-ne
                   None if k == 0 else ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k),
                                        "--max-new-tokens", "2"])
                  for k in (0, 3)]
-# kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
+# attention_kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
 AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
 # Every attention row's op, V4's included (which do not calibrate the V3.2 step), for the choice
 # between its Triton and Mosaic kernels.
@@ -487,8 +487,8 @@ def run_benchmark(argv: list[str], clock: Clock, args) -> tuple[dict, dict | Non
 
 
 def part_benchmark(name: str, report: Report, clock: Clock, args) -> None:
-    """Each unit of part `name` not yet recorded, within the clock. A kernels.py unit that a hung
-    Mosaic call ended (`kernels.HUNG_EXIT`) runs again at once without the Mosaic kernels
+    """Each unit of part `name` not yet recorded, within the clock. An attention_kernels.py unit that a hung
+    Mosaic call ended (`attention_kernels.HUNG_EXIT`) runs again at once without the Mosaic kernels
     (`--no-mosaic`): the stuck device ended it before its later shapes, whose Triton and XLA rows
     the Mosaic rows are read against. Its record keeps the hang (a failure) and the Mosaic rows
     finished before it."""
@@ -578,7 +578,7 @@ def part_e2e(report: Report, clock: Clock, args, variant: str | None = None) -> 
 
 
 def auto_impl(device: str, op: str, impl: str) -> str:
-    """`impl`, or for "auto" the implementation backend="auto" picks for kernels.py's row `op` on
+    """`impl`, or for "auto" the implementation backend="auto" picks for attention_kernels.py's row `op` on
     `device` (nvidia-smi's name, which is JAX's device kind)."""
     if impl != "auto":
         return impl
@@ -689,7 +689,7 @@ def grouped_matmul_verdict(units: dict) -> dict | None:
 
 def against_flashmla(units: dict) -> list[str]:
     """report.md's section on FlashMLA: each shape its harness timed (op, B, context, Q, cache dtype),
-    its time a call and our kernels' (kernels.py's default tunings: the kernels part's rows and the
+    its time a call and our kernels' (attention_kernels.py's default tunings: the kernels part's rows and the
     flashmla part's FP8-cache rows) as a multiple of it, each by `row_seconds`."""
     theirs, ours = {}, {}
     for name, record in units.items():

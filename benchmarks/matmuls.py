@@ -20,7 +20,7 @@ under each variant it names; --w8a8-tiles adds them on the W8A8 Mosaic kernel
 (`grouped_matmul_mosaic_w8a8`: activations quantized to e4m3 as DeepSeek's inference does, on a
 copy of the weight stored [out, in], made before the timing; rows `fp8:w8a8:VARIANT`, other
 numerics within FP8's rounding); --dtypes picks the weights' rows. A timing is
-`benchmarks/kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
+`benchmarks/attention_kernels.py`'s: the best of three runs of --iters back-to-back calls after --warmup,
 beside the device time of the layer's kernels a call ("dev ms", which the rates use).
 """
 
@@ -33,7 +33,8 @@ import sys
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from kernels import add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matmul_runs, time_cells, timings, write_rows
+from attention_kernels import (add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matmul_runs, time_cells, timings,
+                               write_rows)
 
 from jaxspec.models.layers import Linear
 from jaxspec.pallas_kernels.grouped_matmul_mosaic import accepts

@@ -35,7 +35,7 @@ V3.2, 12.9 GB for V4-Flash); a path whose memory would not fit is skipped and sa
 
 A timing is the best of three runs of --iters back-to-back calls (after --warmup calls), beside
 the layer's kernels' device time a call ("dev ms", which the rates use), as in
-`benchmarks/kernels.py`, whose timing and copy-bandwidth helpers this script imports (run it as
+`benchmarks/attention_kernels.py`, whose timing and copy-bandwidth helpers this script imports (run it as
 a script from the repository: `benchmarks/` is on the path then).
 """
 
@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from kernels import (MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matmul_runs, time_cells,
-                     timings, write_rows)
+from attention_kernels import (MEMORY_FRACTION, add_timing_flags, copy_bandwidth, gpu_or_smoke, grouped_matmul_runs,
+                               time_cells, timings, write_rows)
 
 from jaxspec import progress
 from jaxspec.memory_plan import device_memory

@@ -3,7 +3,7 @@
 interpreted on the CPU).
 
 "auto" is the reference off a GPU. On a GPU it looks the op up in `AUTO_KERNELS` by the device
-kind: an entry names the implementation measured fastest there (`benchmarks/kernels.py` on a lent
+kind: an entry names the implementation measured fastest there (`benchmarks/attention_kernels.py` on a lent
 GPU); an op with no entry takes its Triton kernel. A measurement that finds a Mosaic kernel faster
 flips one entry, nothing else. "mosaic" asks for the Mosaic GPU kernels; an op that has none
 (it is not in `MOSAIC_OPS`) runs its Triton kernel instead, so one backend name serves a whole model.

@@ -16,7 +16,7 @@ filled with -inf without reading keys.
 Top-k. The scores go to `select_topk`, the reference's own selection (`lax.top_k`): it is exact,
 breaks ties towards the lower slot exactly as the reference does, and XLA's GPU top-k for
 k = 2048 over <= 128k slots costs about as much as writing the scores (the benchmark,
-`benchmarks/kernels.py`, times it against `lax.approx_max_k` and a full sort). An in-kernel
+`benchmarks/attention_kernels.py`, times it against `lax.approx_max_k` and a full sort). An in-kernel
 selection would save that write and read, but would have to reproduce the exact tie order to stay
 equal to the reference; a radix-select kernel is the next step if the benchmark says top-k
 dominates.

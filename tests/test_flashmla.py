@@ -1,5 +1,5 @@
 """`benchmarks/flashmla.py`, FlashMLA's decode kernels beside ours: its driver (the harness calls
-it makes, the rows it writes in `kernels.py`'s form, a failing call recorded while the others go
+it makes, the rows it writes in `attention_kernels.py`'s form, a failing call recorded while the others go
 on, what it refuses before building) against a stand-in for the harness binary, which needs a
 Hopper GPU to run; and the report's section that sets its rows beside ours."""
 

@@ -42,6 +42,19 @@ def smoke_report(tmp_path_factory):
         return out, json.load(f)
 
 
+def test_no_benchmark_module_shadows_an_installed_package():
+    """The benchmarks import one another as top-level modules (their directory on `sys.path`, as in
+    this module and the GPU report's units), so a script named like an installed package hides it:
+    `benchmarks/kernels.py` once hid Hugging Face's `kernels`, which transformers imports when it
+    builds a model, and the parity tests that ran after a module putting benchmarks on the path
+    failed with an ImportError."""
+    import importlib.metadata
+
+    installed = set(importlib.metadata.packages_distributions())
+    scripts = {name[:-len(".py")] for name in os.listdir(os.path.join(REPO, "benchmarks")) if name.endswith(".py")}
+    assert scripts and not scripts & installed, sorted(scripts & installed)
+
+
 def test_smoke_run_records_every_part(smoke_report):
     out, data = smoke_report
     (device, units), = data["devices"].items()
@@ -389,22 +402,22 @@ def test_failed_units_are_kept_and_run_again_only_when_asked(tmp_path):
 
 
 def test_kernel_benchmark_reads_fp8_caches(tmp_path):
-    """`benchmarks/kernels.py --cache-dtype fp8` (smoke, Triton kernels only): every row says so,
+    """`benchmarks/attention_kernels.py --cache-dtype fp8` (smoke, Triton kernels only): every row says so,
     and the bytes an op must move are its FP8 slots' (sparse MLA at the smoke widths: 128 e4m3
     values, one float32 scale, 64 bfloat16 RoPE values = 260 bytes a slot, beside 384 in bfloat16;
     the indexer: 64 e4m3 values and their scale = 68 bytes a key, beside 128)."""
-    import kernels
+    import attention_kernels
     path = tmp_path / "rows.json"
     argv = ["--smoke", "--ops", "sparse_mla", "indexer_scores", "v4_hca", "--no-xla", "--no-mosaic",
             "--json", str(path)]
     op_bytes = {}
     for cache_dtype in ("fp8", None):
-        assert kernels.main(argv + (["--cache-dtype", cache_dtype] if cache_dtype else [])) == 0
+        assert attention_kernels.main(argv + (["--cache-dtype", cache_dtype] if cache_dtype else [])) == 0
         rows = json.loads(path.read_text())["rows"]
         assert {row["cache_dtype"] for row in rows} == {cache_dtype or "bfloat16"}
         assert {row["op"] for row in rows} == {"sparse_mla", "indexer_scores", "indexer_topk", "v4_hca"}
         op_bytes[cache_dtype] = {row["op"]: row["bytes"] for row in rows if row["impl"] == "pallas"}
-    dims, (batch, context, queries) = kernels.SMOKE, (2, 128, 2)
+    dims, (batch, context, queries) = attention_kernels.SMOKE, (2, 128, 2)
     selected = batch * queries * dims.topk  # every token's top-k slots, each read with its index
     assert op_bytes[None]["sparse_mla"] - op_bytes["fp8"]["sparse_mla"] == selected * (384 - 260)
     assert op_bytes[None]["indexer_scores"] - op_bytes["fp8"]["indexer_scores"] == batch * context * (128 - 68)
@@ -658,14 +671,14 @@ def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(
     """A Mosaic kernel that fails for any reason but refusing the shape (a compile or launch error
     on a GPU) is a failure in the JSON, beside the rows the other kernels measured; every row
     carries its error against the reference."""
-    import kernels
+    import attention_kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("mosaic launch failed")
 
-    monkeypatch.setattr(kernels, "mla_attention_mosaic", broken)
+    monkeypatch.setattr(attention_kernels, "mla_attention_mosaic", broken)
     path = tmp_path / "rows.json"
-    assert kernels.main(["--smoke", "--ops", "mla_attention", "--json", str(path)]) == 0
+    assert attention_kernels.main(["--smoke", "--ops", "mla_attention", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     [failure] = data["failures"]
     assert (failure["op"], failure["impl"]) == ("mla_attention", "mosaic")
@@ -682,23 +695,23 @@ def test_kernel_benchmark_records_a_kernel_that_fails_on_the_device_and_goes_on(
 HANGING_RUN = """
 import sys, time
 import jax, jax.numpy as jnp
-import kernels
+import attention_kernels
 
 def never_returns(q_nope, q_rope, latent_cache, page_table, vis, **options):
     wait = lambda x: (time.sleep(600), x)[1]
     out = jax.pure_callback(wait, jax.ShapeDtypeStruct(q_nope.shape, q_nope.dtype), q_nope)
     return out, jnp.zeros(q_nope.shape[:-1], jnp.float32)
 
-kernels.mla_attention_mosaic = never_returns
-kernels.mla_attention_pallas = kernels.mla_attention_reference
-kernels.call_limit = lambda: 1.0
-sys.exit(kernels.main(["--smoke", "--ops", "mla_attention", "--json", sys.argv[1]]))
+attention_kernels.mla_attention_mosaic = never_returns
+attention_kernels.mla_attention_pallas = attention_kernels.mla_attention_reference
+attention_kernels.call_limit = lambda: 1.0
+sys.exit(attention_kernels.main(["--smoke", "--ops", "mla_attention", "--json", sys.argv[1]]))
 """
 
 
 def test_a_kernel_that_hangs_ends_its_benchmark_at_once_and_the_report_says_which(tmp_path):
-    """On a GPU a Mosaic kernel's call gets `kernels.CALL_SECONDS` once compiled
-    (`kernels.first_call`). One that never returns ends the run then, with status HUNG_EXIT and the
+    """On a GPU a Mosaic kernel's call gets `attention_kernels.CALL_SECONDS` once compiled
+    (`attention_kernels.first_call`). One that never returns ends the run then, with status HUNG_EXIT and the
     hang in its JSON, not at the report's --unit-timeout minutes later (the subprocess' timeout is
     shorter than the sleep); report.md names the unit and the call."""
     path = tmp_path / "rows.json"
@@ -718,7 +731,7 @@ def test_a_kernel_that_hangs_ends_its_benchmark_at_once_and_the_report_says_whic
 
 
 def test_a_kernels_unit_a_mosaic_hang_ended_measures_its_other_kernels_again_at_once(tmp_path, monkeypatch):
-    """A kernels.py unit ended by a hung Mosaic call (exit HUNG_EXIT) runs again at once with
+    """An attention_kernels.py unit ended by a hung Mosaic call (exit HUNG_EXIT) runs again at once with
     --no-mosaic: its record has that run's rows, the Mosaic rows finished before the hang, and the
     hang, a failure (--retry-failed runs the whole unit again); other exits run nothing more."""
     def row(impl, batch):
@@ -737,7 +750,7 @@ def test_a_kernels_unit_a_mosaic_hang_ended_measures_its_other_kernels_again_at_
         return {"returncode": returncode, "seconds": 1.0, "output": "", "timed_out": False, "hung": False}
 
     monkeypatch.setattr(gpu_report, "run", fake_run)
-    unit = ["benchmarks/kernels.py", "--ops", "mla_attention", "--json", "{json}"]
+    unit = ["benchmarks/attention_kernels.py", "--ops", "mla_attention", "--json", "{json}"]
     monkeypatch.setitem(gpu_report.BENCHMARK_UNITS, "kernels", [("kernels/mla_attention", unit, None)])
     report = gpu_report.Report(str(tmp_path), "NVIDIA H200")
     gpu_report.part_benchmark("kernels", report, gpu_report.Clock(600.0), benchmark_args())

@@ -18,11 +18,11 @@ Queries and keys are random: RoPE (on their last 64 dims) is applied before the 
 see it. The V4 caches are laid out as `jaxspec.cache_v4` sizes them (ring of window - 1 + Q slots,
 entries for the context), in random page order.
 
-    python benchmarks/kernels.py                       # the full sweep, on a GPU
-    python benchmarks/kernels.py --batch 8 --context 16384 --queries 2
-    python benchmarks/kernels.py --ops v4_csa v4_hca   # only DeepSeek-V4's attention
-    python benchmarks/kernels.py --ops mla_attention --part-slots 2048 4096   # Mosaic split-KV parts
-    python benchmarks/kernels.py --smoke               # tiny shapes, any machine (interpret mode)
+    python benchmarks/attention_kernels.py                       # the full sweep, on a GPU
+    python benchmarks/attention_kernels.py --batch 8 --context 16384 --queries 2
+    python benchmarks/attention_kernels.py --ops v4_csa v4_hca   # only DeepSeek-V4's attention
+    python benchmarks/attention_kernels.py --ops mla_attention --part-slots 2048 4096   # Mosaic split-KV parts
+    python benchmarks/attention_kernels.py --smoke               # tiny shapes, any machine (interpret mode)
 
 Shapes whose inputs (or a reference's intermediates) do not fit in device memory are skipped and
 said so. A timing ("ms") is the best of three runs of --iters back-to-back calls (after --warmup
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
     if any(n < BLOCK_N or n % BLOCK_N for n in args.part_slots):
         parser.error(f"--part-slots {args.part_slots}: each must be a positive multiple of {BLOCK_N} (the kernel's tile)")
 
-    if not gpu_or_smoke("benchmarks/kernels.py", args.smoke):
+    if not gpu_or_smoke("benchmarks/attention_kernels.py", args.smoke):
         return 2
     dims = SMOKE if args.smoke else DEEPSEEK_V32
     v4 = preset("tiny-v4" if args.smoke else args.v4_preset)
