@@ -110,7 +110,7 @@ def aot(args: argparse.Namespace) -> None:
           tile_variant(args.tiles), auto_kernels(**dict(args.auto))):  # both read while tracing
         compiled = compile_model(config, decode, phase=args.phase, batch=args.batch, context=args.context,
                                  devices=devices, dtype=DTYPES[args.dtype], dump_dir=args.dump_dir,
-                                 fail_on_spill=not args.allow_spills, mesh_shape=args.mesh, plan=args.plan)
+                                 fail_on_spill=args.fail_on_spills, mesh_shape=args.mesh, plan=args.plan)
     drafting = f"tree {args.tree}" if args.tree else (f"MTP chain k={args.mtp}" if args.mtp else "plain")
     mesh = f", mesh {args.mesh[0]}x{args.mesh[1]} plan {args.plan}" if args.mesh else ""
     title = (f"{args.phase} of {args.preset or args.config} ({config.num_hidden_layers} layers, {args.dtype}), "
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "names none; --auto changes an entry)")
     add_kernel_choice_flags(aot_parser)
     aot_parser.add_argument("--dump-dir", help="keep XLA's dump here (default: a temporary directory)")
-    aot_parser.add_argument("--allow-spills", action="store_true", help="do not fail on register spills")
+    aot_parser.add_argument("--fail-on-spills", action="store_true",
+                            help="fail when a kernel of XLA's PTX spills registers, as XLA does it: without naming "
+                                 "the kernel (default: compile, and the report names every kernel that spills)")
     aot_parser.add_argument("--unroll-layers", action="store_true",
                             help="compile the decoder layers unrolled instead of as scans (DecodeConfig.unroll_layers)")
     aot_parser.add_argument("--mesh", type=mesh_shape, metavar="DATAxMODEL",
@@ -187,13 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             convert(args.src, args.dst, dtype=None if args.dtype is None else DTYPES[args.dtype])
     except (ValueError, RuntimeError) as error:
-        # XLA names no kernel when ptxas spills. The report's spills column covers the Pallas kernels
-        # (grouped_matmul's masked tiles at the tiny presets' unaligned widths spill on sm_90a); the
-        # spilling kernel may also be one of XLA's own (the indexer's lax.top_k sort over 32k slots;
-        # the fusion that writes a V3 decode step's latent entries: docs/kernels.md).
-        hint = (" (a kernel spills registers: --allow-spills compiles anyway; the report's spills column names "
-                "a Pallas kernel that spills, and none there means one of XLA's own: --dump-dir D and "
-                "jaxspec.aot.analysis.ptxas_resources over D/*.ptx name it)"
+        # XLA names no kernel when it refuses a spill (--fail-on-spills); the report names them.
+        hint = (" (a kernel spills registers: without --fail-on-spills the report names every kernel that spills)"
                 if "register spilling" in str(error) else "")
         _log(f"jaxspec {args.command}: error: {error}{hint}")
         return 1

@@ -4,7 +4,7 @@ H100 (sm_90a) on this CPU host, and the facts the compiler reports about them.
 The compiles need JAX's CUDA plugin and a process whose JAX platforms exclude CUDA
 (`JAX_PLATFORMS=cpu`, as `.ci/run` sets); without either, they skip and say which is missing.
 Kernel resources are facts of the compiled program: shared memory within the 227 KB a block may
-opt into on sm_90, no register spills (the compile itself fails on one), and the stated cost the
+opt into on sm_90, no register spills (the compile itself fails on one, or names it), and the stated cost the
 program counts for each kernel equals the kernel's arithmetic.
 """
 
@@ -19,6 +19,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model, reduced_depth
@@ -47,7 +49,8 @@ def test_cli_compiles_under_the_tile_variant_and_auto_choices_it_is_given(monkey
     """`jaxspec aot --backend auto --tiles k64-split --auto grouped_matmul=mosaic` traces the step
     with that tile variant and "auto" choosing the Mosaic grouped matmul on the target (the
     settings a GPU run of the variant has), names them in the report's title and leaves both as
-    they were; an --auto naming no Mosaic kernel is refused before compiling."""
+    they were; an --auto naming no Mosaic kernel is refused before compiling. Spills are reported,
+    not refused, unless --fail-on-spills."""
     from jaxspec import cli
     from jaxspec.pallas_kernels import backend, grouped_matmul_pallas
 
@@ -56,7 +59,7 @@ def test_cli_compiles_under_the_tile_variant_and_auto_choices_it_is_given(monkey
     def compile_model(config, decode, **options):  # what tracing the step would read
         with backend.gpu_lowering():
             seen.update(tiles=grouped_matmul_pallas.current_tiles(), backend=decode.backend,
-                        gmm=backend.resolve_backend(decode.backend, "grouped_matmul"),
+                        fail_on_spill=options["fail_on_spill"], gmm=backend.resolve_backend(decode.backend, "grouped_matmul"),
                         attention=backend.resolve_backend(decode.backend, "sparse_mla_attention"))
         return "compiled"
 
@@ -65,9 +68,10 @@ def test_cli_compiles_under_the_tile_variant_and_auto_choices_it_is_given(monkey
     argv = ["aot", "--preset", "tiny", "--batch", "2", "--context", "64", "--mtp", "3", "--backend", "auto"]
     assert cli.main([*argv, "--tiles", "k64-split", "--auto", "grouped_matmul=mosaic"]) == 0
     assert seen == dict(tiles=grouped_matmul_pallas.VARIANTS["k64-split"], backend="auto", gmm="mosaic",
-                        attention="pallas")
+                        attention="pallas", fail_on_spill=False)
     title = capsys.readouterr().out
     assert "backend auto, auto grouped_matmul=mosaic, grouped matmul tiles k64-split" in title
+    assert cli.main([*argv, "--fail-on-spills"]) == 0 and seen["fail_on_spill"]
     variants = grouped_matmul_pallas.VARIANTS
     assert grouped_matmul_pallas.current_tiles() == variants[grouped_matmul_pallas.DEFAULT_VARIANT]
     with backend.gpu_lowering():
@@ -150,6 +154,36 @@ def test_kernel_compiles_for_h100_at_v32_shapes(h100, kernel, num_queries, tree)
     assert call.flops == flops
     cost = aot.program_cost(compiled)
     assert cost.kernel_flops == flops and cost.flops >= flops and not cost.uncounted
+
+
+def holds_a_block(x):
+    """A Triton kernel that spills: one warp holds a [128, 128] float32 block (512 values a thread)
+    across the reduction over its rows."""
+
+    def kernel(x_ref, o_ref):
+        block = x_ref[...]
+        o_ref[...] = block - jnp.max(block, axis=0, keepdims=True)
+
+    return pl.pallas_call(kernel, out_shape=Spec(x.shape, x.dtype), name="holds_a_block",
+                          compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))(x)
+
+
+def test_spills_are_reported_by_kernel_or_refused(h100):
+    """A compile that allows spills names each kernel of XLA's PTX that spills, with ptxas' bytes
+    (the same figures as its launch row); one that refuses them (`fail_on_spill`, the default)
+    fails on that kernel, and its report says that none spills."""
+    block = Spec((128, 128), jnp.float32)
+    compiled = aot.compile_gpu(holds_a_block, block, fail_on_spill=False)
+    (launch,) = aot.kernel_launches(compiled)
+    assert launch.spill_stores > 0 and launch.spill_loads > 0
+    assert aot.register_spills(compiled) == {"holds_a_block": (launch.spill_stores, launch.spill_loads)}
+    assert (f"register spills (ptxas, bytes stored + loaded): holds_a_block {launch.spill_stores + launch.spill_loads}"
+            in aot.report(compiled, "spills").splitlines())
+    with pytest.raises(jax.errors.JaxRuntimeError, match="register spilling"):
+        aot.compile_gpu(holds_a_block, block)
+    refused = aot.compile_gpu(lambda x: jnp.sin(x) * 2, block)
+    assert aot.register_spills(refused) == {}
+    assert "register spills: none (the compile refuses a kernel that spills)" in aot.report(refused, "none")
 
 
 def test_collectives_of_a_two_device_program(h100):

@@ -9,6 +9,8 @@
   * `kernel_launches`: each Pallas kernel's grid, threads and shared memory from the dumped thunk
     sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
     dumped PTX;
+  * `register_spills`: every kernel of the dumped PTX that spills registers (ptxas), for a compile
+    that allowed them;
   * `mosaic_launches`: each Mosaic GPU kernel's grid, threads and shared memory, from the launch in
     the Mosaic module its custom call carries (its registers are not in the program: see
     `MosaicLaunch`);
@@ -20,6 +22,7 @@ small and fails loudly (an unreadable dump raises instead of reporting zeros).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import glob
@@ -525,14 +528,30 @@ _PTXAS_ENTRY = re.compile(r"Function properties for (\S+)\n\s*(\d+) bytes stack 
 
 
 def ptxas_resources(ptx_files: list[str], arch: str = "sm_90a") -> dict[str, tuple[int, int, int]]:
-    """Entry name -> (registers, spill store bytes, spill load bytes), from `ptxas -arch -v`."""
-    resources = {}
-    for path in ptx_files:
-        run = subprocess.run([ptxas_path(), f"-arch={arch}", "-v", path, "-o", os.devnull],
+    """Entry name -> (registers, spill store bytes, spill load bytes), from `ptxas -arch -v`, one
+    process per file, as many at once as this host has cores (a full model's XLA dumps hundreds)."""
+    ptxas = ptxas_path()
+
+    def entries(path: str) -> list[tuple[str, ...]]:
+        run = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull],
                              capture_output=True, text=True, check=True)
-        for name, _, stores, loads, registers in _PTXAS_ENTRY.findall(run.stdout + run.stderr):
-            resources[name] = (int(registers), int(stores), int(loads))
-    return resources
+        return _PTXAS_ENTRY.findall(run.stdout + run.stderr)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        found = list(pool.map(entries, ptx_files))
+    return {name: (int(registers), int(stores), int(loads))
+            for file_entries in found for name, _, stores, loads, registers in file_entries}
+
+
+def register_spills(compiled: GpuCompiled) -> dict[str, tuple[int, int]]:
+    """Every kernel of a `compile_gpu` result's PTX (XLA's own kernels and the Triton ones) that
+    spills registers: name -> (spill store bytes, spill load bytes), from ptxas over each dumped
+    PTX file. Empty without running ptxas when the compile refused spills (`fail_on_spill`). The
+    Mosaic GPU kernels are not in XLA's PTX (`MosaicLaunch`)."""
+    if compiled.fail_on_spill:
+        return {}
+    files = [path for path in _dump_files(compiled, ".ptx") if os.path.getsize(path)]  # a part without kernels: empty
+    return {name: (stores, loads) for name, (_, stores, loads) in ptxas_resources(files).items() if stores or loads}
 
 
 def _ptx_files(compiled: GpuCompiled, entries: set[str]) -> dict[str, str]:

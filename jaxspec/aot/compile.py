@@ -143,11 +143,13 @@ def _not_persistently_cached():
 class GpuCompiled:
     """A program compiled for a GPU target: the `jax.stages.Compiled` (its attributes are reachable
     on this object too), the directory XLA dumped it into (optimized HLO, thunk sequence, PTX) and
-    the wall time of lowering plus compiling."""
+    the wall time of lowering plus compiling. `fail_on_spill`: whether XLA refused any kernel of its
+    PTX that spills registers (then none does; else `analysis.register_spills` names those that do)."""
 
     compiled: jax.stages.Compiled
     dump_dir: str
     compile_seconds: float
+    fail_on_spill: bool
     _dump_owner: Any = dataclasses.field(default=None, repr=False)  # keeps a temporary dump alive
 
     def __getattr__(self, name):
@@ -165,8 +167,10 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
     on `devices`, see `_place`), and the static arguments named in `static_argnames`.
     devices: from `gpu_devices` (default: one H100). donate_argnums / donate_argnames: as in `jax.jit`.
     dump_dir: where XLA dumps the compilation (default: a temporary directory kept as long as the
-    result). fail_on_spill: a kernel that spills registers fails the compile (XLA's
-    `xla_gpu_fail_ptx_compilation_on_register_spilling`); over-budget shared memory always does.
+    result). fail_on_spill: a kernel of XLA's PTX (its own kernels and the Triton ones) that spills
+    registers fails the compile (XLA's `xla_gpu_fail_ptx_compilation_on_register_spilling`, which
+    does not say which kernel: `analysis.register_spills` of a compile without it does); over-budget
+    shared memory always fails it.
     Large sorts use XLA's sort kernel instead of CUB's (see below). The ops trace inside
     `gpu_lowering(device kind)`: "auto" picks the kernels `backend.AUTO_KERNELS` names for the
     target (Triton by default), and they take the GPU lowering although the process's default
@@ -199,4 +203,4 @@ def compile_gpu(fn: Callable, *args, devices: Sequence | None = None, static_arg
             # XLA_FLAGS say (the test suite lowers XLA's optimization level for its CPU programs; at
             # level 0 ptxas spills kernels that fit at the default level).
             "xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False})
-    return GpuCompiled(compiled, dump_dir, time.perf_counter() - start, owner)
+    return GpuCompiled(compiled, dump_dir, time.perf_counter() - start, fail_on_spill, owner)

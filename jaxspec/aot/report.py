@@ -6,7 +6,7 @@ import math
 from collections import Counter
 
 from .analysis import (collectives, kernel_launches, kernel_name, memory, mosaic_launches, pallas_calls,
-                       program_cost)
+                       program_cost, register_spills)
 from .compile import GpuCompiled
 
 GIB = 2 ** 30
@@ -17,7 +17,8 @@ def report(compiled: GpuCompiled, title: str) -> str:
     counted as often as they run: `program_cost`), collectives (as often as they run), each Pallas
     kernel's launch resources (identical launch sites counted once, with how many; a site in a
     loop's body launches once per trip, and how many times each kernel runs is listed when loops
-    make that differ) and the compile time, as text."""
+    make that differ), the kernels that spill registers (XLA's own included: `register_spills`;
+    a compile with `fail_on_spill` has none) and the compile time, as text."""
     mem, cost = memory(compiled), program_cost(compiled)
     lines = [title, f"compile time {compiled.compile_seconds:.1f} s",
              f"memory per device: arguments {mem.argument / GIB:.2f} GiB, outputs {mem.output / GIB:.2f} GiB, "
@@ -59,6 +60,12 @@ def report(compiled: GpuCompiled, title: str) -> str:
     if mosaic:
         lines.append("Mosaic GPU kernels (-): registers and spills in DIR/*.ptxas when run with "
                      "MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=DIR")
+    if compiled.fail_on_spill:
+        lines.append("register spills: none (the compile refuses a kernel that spills)")
+    else:
+        spills = register_spills(compiled)
+        lines.append("register spills (ptxas, bytes stored + loaded): " + (", ".join(
+            f"{name} {stores + loads}" for name, (stores, loads) in sorted(spills.items())) or "none"))
     runs, sites = Counter(), Counter()
     for call in pallas_calls(compiled):
         runs[kernel_name(call.name)] += call.runs
