@@ -86,7 +86,7 @@ class V4DecoderLayer(nnx.Module):
         each = functools.partial(per_position, enabled=window_invariant)
 
         def enter(hc, norm, streams):  # the block's input: its mHC weights and the normed collapse
-            post, comb, collapsed = hc(streams)
+            post, comb, collapsed = hc(streams, backend=backend)
             return post, comb, norm(collapsed)
 
         post, comb, x = each(functools.partial(enter, self.attn_hc, self.input_layernorm), streams)

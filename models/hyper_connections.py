@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.model_config import ModelConfig
+from jaxspec.pallas_kernels import sinkhorn
 
 from .layers import param, unit_rms_norm
 
@@ -41,32 +42,6 @@ def _mixes(streams: jax.Array, fn: jax.Array, eps: float) -> jax.Array:
     return unit_rms_norm(flat, eps) @ fn.astype(jnp.float32).T
 
 
-def sinkhorn(comb: jax.Array, iters: int, eps: float) -> jax.Array:
-    """comb [..., N, N] positive -> approximately doubly stochastic, as transformers iterates:
-    columns normalized once, then `iters - 1` rounds of rows then columns (each sum + eps)."""
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-    def round_(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    def loop(c):
-        return jax.lax.fori_loop(0, iters - 1, round_, c)
-
-    def unrolled(c):
-        return jax.lax.fori_loop(0, iters - 1, round_, jax.lax.optimization_barrier(c), unroll=True)
-
-    # On a GPU the rounds are unrolled: as a loop each round is a while trip of one-thread kernels
-    # whose predicate the host reads, outside the step's CUDA graph (19 trips at each mHC site, two
-    # a layer). The full-depth V4-Flash decode step at B 1, compiled for an H200, launched 14,414
-    # kernels and copies with the loops (each trip's predicate read counted), 6,244 unrolled, in
-    # 21.0 s of compile against 18.9. The barrier keeps XLA from fusing the 19 rounds into the
-    # softmax that makes `comb`: that fusion saved another 1,500 launches but took 33.9 s to
-    # compile. On the CPU the loop stays: no launch to save, and unrolled a tiny V4's speculative
-    # loop took 60% longer to compile.
-    return jax.lax.platform_dependent(comb, cpu=loop, default=unrolled)
-
-
 class HyperConnection(nnx.Module):
     """One mHC site (`attn_hc` or `ffn_hc` of a layer). Parameters, float32 (transformers keeps
     them so): fn [(2 + N) * N, N * D], base [(2 + N) * N], scale [3]; replicated (no axis is
@@ -81,9 +56,9 @@ class HyperConnection(nnx.Module):
         self.scale = param(jnp.ones((3,), jnp.float32), None)
         self.hc_mult, self.iters, self.hc_eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
 
-    def __call__(self, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, streams: jax.Array, *, backend: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
         """streams [B, Q, N, D] -> (post [B, Q, N] float32, comb [B, Q, N, N] float32, the collapsed
-        block input [B, Q, D] in the streams' dtype)."""
+        block input [B, Q, D] in the streams' dtype). backend: the Sinkhorn rounds' (`sinkhorn`)."""
         n = self.hc_mult
         mixes = _mixes(streams, self.fn[...], self.norm_eps)
         base, scale = self.base[...], self.scale[...]
@@ -91,7 +66,7 @@ class HyperConnection(nnx.Module):
         post = 2 * jax.nn.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
         logits = mixes[..., 2 * n:] * scale[2] + base[2 * n:]
         comb = jax.nn.softmax(logits.reshape(*logits.shape[:-1], n, n), axis=-1) + self.hc_eps
-        return post, sinkhorn(comb, self.iters, self.hc_eps), _collapse(pre, streams)
+        return post, sinkhorn(comb, self.iters, self.hc_eps, backend=backend), _collapse(pre, streams)
 
     @staticmethod
     def merge(post: jax.Array, comb: jax.Array, block_out: jax.Array, streams: jax.Array) -> jax.Array:

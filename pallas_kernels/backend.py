@@ -17,9 +17,10 @@ import jax
 
 BACKENDS = ("auto", "xla", "pallas", "mosaic")
 
-# Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...).
+# Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...). `sinkhorn` has no Triton kernel: its "pallas"
+# is its reference.
 MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention", "sliding_compressed_attention",
-                        "grouped_matmul"})
+                        "grouped_matmul", "sinkhorn"})
 
 # device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}; an op
 # or a device it does not name runs on Triton ("pallas"). Each entry is a measurement's verdict

@@ -130,7 +130,7 @@ def test_sinkhorn_rounds_are_a_loop_on_the_cpu_and_straight_line_on_a_gpu(h100):
     does not run 19 loop trips of one-thread kernels, each read by the host, at every mHC site."""
     from jaxspec import aot
     from jaxspec.aot.hlo_loops import parse_module
-    from jaxspec.models.hyper_connections import sinkhorn
+    from jaxspec.pallas_kernels import sinkhorn
 
     comb = jax.ShapeDtypeStruct((2, 3, 4, 4), jnp.float32)
     rounds = lambda c: sinkhorn(c, 20, 1e-6)  # noqa: E731
