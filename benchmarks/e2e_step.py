@@ -1,11 +1,12 @@
-"""A measured decode step of a full-width DeepSeek-V3.2 on one GPU, beside the projection of the
-same compiled program.
+"""A measured decode step of a full-width DeepSeek-V3.2 (or V4-Flash) on one GPU, beside the
+projection of the same compiled program.
 
     python benchmarks/e2e_step.py --json e2e.json                    # B 1, 8, 32 x k 0, 1, 3 at ctx 4096
     python benchmarks/e2e_step.py --points 32,3 --layers 5
     python benchmarks/e2e_step.py --points 32,3 --backend mosaic --cache-dtype fp8 --json e2e_mosaic.json
     python benchmarks/e2e_step.py --points 32,3 1,0 --tiles k128-split     # a grouped-matmul tile variant
     python benchmarks/e2e_step.py --smoke --json e2e.json            # preset tiny, any machine
+    python benchmarks/e2e_step.py --v4 --points 1,0 32,3 --auto sinkhorn=mosaic   # DeepSeek-V4-Flash
 
 The model: preset deepseek-v3.2 at full width with DeepSeek's FP8 weights (float8_e4m3fn, 128 x 128
 block scales), cut to its dense first layer, as many MoE layers as fit the device (at least 3;
@@ -35,6 +36,11 @@ matmul's tile variant (`grouped_matmul_pallas.VARIANTS`: the experts and every F
 `--auto OP=IMPL` what "auto" runs for an op as if `AUTO_KERNELS` named it (`backend.auto_kernels`;
 `--auto grouped_matmul=mosaic`: the experts and the FP8 linears on the Mosaic GPU grouped matmul,
 the step as it would run once the table says so); each point records all four.
+
+`--v4` measures DeepSeek-V4-Flash the same way (no dense layer: as many layers as fit, at least
+four, and its MTP block; every cache array drawn at random, the window rings, compressed entries
+and compressor states included), `--auto sinkhorn=mosaic` with each mHC site's Sinkhorn rounds in
+one Mosaic GPU launch.
 
 On a CPU "auto" runs the XLA references ("pallas" and "mosaic" their kernels, interpreted) and
 the projection uses the H100's peaks: the ratio then only shows that the code path runs.
@@ -77,6 +83,8 @@ MIN_MOE_LAYERS = 3
 # plan's temporaries are estimates, and XLA's autotuner and the step's own scratch need room.
 FILL = 0.9
 FULL = dict(preset="deepseek-v3.2", batches=(1, 8, 32), drafts=(0, 1, 3), context=4096, iters=10, warmup=2)
+# --v4: the DeepSeek-V4 preset of the same size.
+V4_PRESETS = {"deepseek-v3.2": "deepseek-v4-flash", "tiny": "tiny-v4"}
 SMOKE = dict(preset="tiny", batches=(2,), drafts=(0, 1), context=64, iters=2, warmup=1)
 # FP8 values drawn as e4m3fn bit patterns: root mean square of those values (exponent uniform in
 # 0..7 once its top bit is cleared), which the block scales divide out.
@@ -109,8 +117,9 @@ def fitting_layers(config, decode: DecodeConfig, batch: int, memory: int | None)
 
 
 def shallow(config, layers: int):
-    """`config` cut to `layers` decoder layers, the first dense and the rest MoE (and its MTP block)."""
-    return reduced_depth(config, layers).replace(first_k_dense_replace=min(1, layers - 1))
+    """`config` cut to `layers` decoder layers, the first dense where the model has dense layers
+    (V3.2; V4 has none) and the rest MoE, and its MTP block."""
+    return reduced_depth(config, layers).replace(first_k_dense_replace=min(config.first_k_dense_replace, 1, layers - 1))
 
 
 def _draw(key, shape, dtype, kind: str, scale_fmt: str | None = None):
@@ -164,26 +173,24 @@ def _at_context(state, context: int):
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _random_caches(state, key):
-    """`state` with random entries in every cache page (the latents and indexer keys of both
-    caches; an FP8 pool's quantized by its rule): attention reads real-looking data, not the zeros
-    `init_cache` wrote."""
+    """`state` with random entries in every cache array of both caches (V3.2's latents and indexer
+    keys, V4's window rings, compressed entries and compressor states; an FP8 pool's quantized by
+    its rule): attention reads real-looking data, not the zeros `init_cache` wrote. Integer arrays
+    (page tables, lengths) stay."""
     def drawn(pool, key):  # a stacked pool [L, ...], drawn a layer at a time: float32 for one layer only
-        if pool is None:
-            return None
-
-        def layer(k):  # `Fp8Pool.shape` is its entries' (dequantized) shape, as a plain pool's
-            values = jax.random.normal(k, pool.shape[1:], jnp.float32)
-            if isinstance(pool, Fp8Pool):
-                return quantize_entries(values, pool.rule, pool.values.shape[-1])
-            return values.astype(pool.dtype)
-
-        return jax.lax.map(layer, jax.random.split(key, pool.shape[0]))
+        if isinstance(pool, Fp8Pool):  # `Fp8Pool.shape` is its entries' (dequantized) shape, as a plain pool's
+            return jax.lax.map(lambda k: quantize_entries(jax.random.normal(k, pool.shape[1:], jnp.float32), pool.rule,
+                                                          pool.values.shape[-1]), jax.random.split(key, pool.shape[0]))
+        if pool is None or not jnp.issubdtype(pool.dtype, jnp.floating):
+            return pool
+        return jax.lax.map(lambda k: jax.random.normal(k, pool.shape[1:], jnp.float32).astype(pool.dtype),
+                           jax.random.split(key, pool.shape[0]))
 
     def fill(cache, key):
-        if cache is None:
-            return None
-        latent_key, index_key = jax.random.split(key)
-        return cache.replace(latent=drawn(cache.latent, latent_key), index_keys=drawn(cache.index_keys, index_key))
+        is_pool = lambda x: isinstance(x, Fp8Pool)  # noqa: E731
+        leaves, treedef = jax.tree.flatten(cache, is_leaf=is_pool)
+        keys = jax.random.split(key, max(len(leaves), 1))
+        return jax.tree.unflatten(treedef, [drawn(leaf, k) for leaf, k in zip(leaves, keys)])
 
     target_key, mtp_key = jax.random.split(key)
     return state.replace(target_cache=fill(state.target_cache, target_key), mtp_cache=fill(state.mtp_cache, mtp_key))
@@ -217,12 +224,13 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 
 @dataclasses.dataclass
 class Point:
-    """One measured point: batch, drafts, context, the model's depth, the backend, cache dtype,
+    """One measured point: the preset, batch, drafts, context, the model's depth, the backend, cache dtype,
     grouped-matmul tile variant and `auto_kernels` choices it ran with, the step's median and
     spread (seconds), the compiled program's flops and bytes, the projections (seconds) and, with
     `--profile`, one more step's kernel times by op class (`kernel_profile.profile_call`;
     {"error": ...} where the profiler failed)."""
 
+    model: str
     batch: int
     drafts: int
     context: int
@@ -250,7 +258,7 @@ class Point:
         return self.projected_s / self.measured_s
 
 
-def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
+def measure_point(model, name: str, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
                   calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None,
                   tiles: str = DEFAULT_VARIANT, auto: dict | None = None, profile: bool = False) -> Point:
     """Build the state at `context`, compile the step, time it, project it (module docstring) and,
@@ -281,7 +289,7 @@ def measure_point(model, batch: int, drafts: int, context: int, *, iters: int, w
     cost = compiled_cost(compiled)
     target = target_of(jax.devices()[0])
     peaks = target_peaks(target)
-    return Point(batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
+    return Point(model=name, batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
                  backend=backend, cache_dtype=cache_dtype or "bfloat16", tiles=tiles, auto=auto,
                  measured_s=statistics.median(times), spread_s=(min(times), max(times)), compile_s=compile_s,
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
@@ -312,6 +320,8 @@ def parse_point(text: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="preset tiny at tiny sizes; runs anywhere")
+    parser.add_argument("--v4", action="store_true",
+                        help="DeepSeek-V4-Flash instead of V3.2 (under --smoke tiny-v4 instead of tiny)")
     parser.add_argument("--points", type=parse_point, nargs="+", metavar="B,K",
                         help="(batch, drafts) points (default: B 1, 8, 32 x k 0, 1, 3; --smoke: 2,0 2,1)")
     parser.add_argument("--context", type=int, help="committed tokens per row (default 4096; --smoke 64)")
@@ -336,7 +346,8 @@ def main(argv=None) -> int:
     if iters < 1 or context < 1:
         parser.error("--iters and --context must be >= 1")
     calibration = ROOFLINE if args.calibration is None else load_calibration(args.calibration)
-    config = preset(setting["preset"])
+    name = V4_PRESETS[setting["preset"]] if args.v4 else setting["preset"]
+    config = preset(name)
     widest = DecodeConfig(num_draft=max(k for _, k in points), max_new_tokens=context, backend=args.backend,
                           cache_dtype=args.cache_dtype)
     layers = args.layers or fitting_layers(config, widest, max(b for b, _ in points), device_memory())
@@ -344,7 +355,8 @@ def main(argv=None) -> int:
         parser.error(f"--layers {layers}: must be in [{1 + MIN_MOE_LAYERS}, {config.num_hidden_layers}]")
     started = time.perf_counter()
     model = random_fp8_model(shallow(config, layers))
-    print(f"device: {jax.devices()[0].device_kind}; {setting['preset']} FP8, {layers} layers (1 dense) + MTP, "
+    dense = f" ({model.config.first_k_dense_replace} dense)" if model.config.first_k_dense_replace else ""
+    print(f"device: {jax.devices()[0].device_kind}; {name} FP8, {layers} layers{dense} + MTP, "
           f"random weights built in {time.perf_counter() - started:.1f} s; context {context}; "
           f"backend {args.backend}; {'FP8' if args.cache_dtype else 'bfloat16'} caches; tiles {args.tiles}; "
           f"auto {dict(args.auto) or 'as AUTO_KERNELS'}; "
@@ -359,7 +371,7 @@ def main(argv=None) -> int:
         if args.deadline is not None and time.perf_counter() - started > args.deadline:
             print(f"deadline: B={batch} k={drafts} not started", flush=True)
             continue
-        point = measure_point(model, batch, drafts, context, iters=iters, warmup=setting["warmup"],
+        point = measure_point(model, name, batch, drafts, context, iters=iters, warmup=setting["warmup"],
                               calibration=calibration, backend=args.backend, cache_dtype=args.cache_dtype,
                               tiles=args.tiles, auto=dict(args.auto), profile=args.profile)
         calibrated = f"{point.calibrated_s * 1e3:>13.3f}" if point.calibrated_s else f"{'-':>13}"
@@ -373,7 +385,7 @@ def main(argv=None) -> int:
             # Keyed by everything that sets the program, so runs with other settings add to the file.
             key = f"B={batch},k={drafts},ctx={context},backend={point.backend},cache={point.cache_dtype}" + (
                 "" if args.tiles == DEFAULT_VARIANT else f",tiles={args.tiles}") + "".join(
-                f",auto={op}={impl}" for op, impl in sorted(args.auto))
+                f",auto={op}={impl}" for op, impl in sorted(args.auto)) + (f",model={name}" if args.v4 else "")
             done[key] = {**dataclasses.asdict(point), "ratio": point.ratio,
                                                           "device": jax.devices()[0].device_kind}
             with open(args.json, "w") as f:

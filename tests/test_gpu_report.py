@@ -477,6 +477,34 @@ def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path,
         "pallas", "fp8", "k64-split", 2, 1)
     assert point["auto"] == {"grouped_matmul": "mosaic"}
     assert key.endswith(",tiles=k64-split,auto=grouped_matmul=mosaic")
+    assert point["measured_s"] > 0 and point["bytes"] > 0 and point["model"] == "tiny"
+
+
+def test_e2e_step_times_a_v4_step_on_caches_filled_at_random(tmp_path, monkeypatch):
+    """`benchmarks/e2e_step.py --v4` (smoke: tiny-v4, one draft): every cache array of both V4
+    caches that holds values (the window rings, the CSA and HCA entries and the compressors' states) is drawn
+    at random, every layer of it, and the point names its model in its record and its key."""
+    import e2e_step
+
+    random_caches, drawn = e2e_step._random_caches, []
+
+    def inspected(state, key):  # the point's own caches, read before the step donates them
+        state = random_caches(state, key)
+        # the target's layers have every kind (window, CSA and HCA entries and states), the MTP block a window
+        for cache, kinds in ((state.target_cache, 5), (state.mtp_cache, 1)):
+            arrays = [leaf for leaf in jax.tree.leaves(cache) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+            assert len(arrays) >= kinds
+            for array in arrays:  # [L, ...]: each layer's slice at unit scale
+                assert (np.asarray(array, np.float32).reshape(array.shape[0], -1).std(axis=1) > 0.5).all()
+        drawn.append(key)
+        return state
+
+    monkeypatch.setattr(e2e_step, "_random_caches", inspected)
+    path = tmp_path / "e2e.json"
+    assert e2e_step.main(["--smoke", "--v4", "--points", "1,1", "--iters", "1", "--json", str(path)]) == 0
+    assert len(drawn) == 1
+    [(key, point)] = json.loads(path.read_text()).items()
+    assert key.endswith(",model=tiny-v4") and point["model"] == "tiny-v4" and point["layers"] == 4
     assert point["measured_s"] > 0 and point["bytes"] > 0
 
 
