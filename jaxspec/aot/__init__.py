@@ -22,6 +22,5 @@ __all__ = [
     "OP_CLASSES", "TARGETS", "Collective", "GpuCompiled", "KernelLaunch", "Memory", "MosaicLaunch", "PallasCall",
     "ProgramCost", "collectives", "compile_gpu", "gpu_devices", "kernel_launches", "kernel_name", "kernel_ptx",
     "memory", "mosaic_launches", "op_class_costs", "pallas_calls", "program_cost", "ptxas_path", "register_spills",
-    "report",
-    "shape_bytes", "target_config",
+    "report", "shape_bytes", "target_config",
 ]
