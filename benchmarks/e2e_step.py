@@ -178,18 +178,20 @@ def _random_caches(state, key):
     its rule): attention reads real-looking data, not the zeros `init_cache` wrote. Integer arrays
     (page tables, lengths) stay."""
     def drawn(pool, key):  # a stacked pool [L, ...], drawn a layer at a time: float32 for one layer only
-        if isinstance(pool, Fp8Pool):  # `Fp8Pool.shape` is its entries' (dequantized) shape, as a plain pool's
-            return jax.lax.map(lambda k: quantize_entries(jax.random.normal(k, pool.shape[1:], jnp.float32), pool.rule,
-                                                          pool.values.shape[-1]), jax.random.split(key, pool.shape[0]))
-        if pool is None or not jnp.issubdtype(pool.dtype, jnp.floating):
+        if not (isinstance(pool, Fp8Pool) or jnp.issubdtype(pool.dtype, jnp.floating)):
             return pool
-        return jax.lax.map(lambda k: jax.random.normal(k, pool.shape[1:], jnp.float32).astype(pool.dtype),
-                           jax.random.split(key, pool.shape[0]))
 
-    def fill(cache, key):
-        is_pool = lambda x: isinstance(x, Fp8Pool)  # noqa: E731
-        leaves, treedef = jax.tree.flatten(cache, is_leaf=is_pool)
-        keys = jax.random.split(key, max(len(leaves), 1))
+        def layer(k):  # `Fp8Pool.shape` is its entries' (dequantized) shape, as a plain pool's
+            values = jax.random.normal(k, pool.shape[1:], jnp.float32)
+            if isinstance(pool, Fp8Pool):
+                return quantize_entries(values, pool.rule, pool.values.shape[-1])
+            return values.astype(pool.dtype)
+
+        return jax.lax.map(layer, jax.random.split(key, pool.shape[0]))
+
+    def fill(cache, key):  # None (no MTP cache) has no leaves
+        leaves, treedef = jax.tree.flatten(cache, is_leaf=lambda x: isinstance(x, Fp8Pool))
+        keys = jax.random.split(key, len(leaves))
         return jax.tree.unflatten(treedef, [drawn(leaf, k) for leaf, k in zip(leaves, keys)])
 
     target_key, mtp_key = jax.random.split(key)
@@ -224,8 +226,8 @@ def state_at(model, batch: int, decode: DecodeConfig) -> DecodeState:
 
 @dataclasses.dataclass
 class Point:
-    """One measured point: the preset, batch, drafts, context, the model's depth, the backend, cache dtype,
-    grouped-matmul tile variant and `auto_kernels` choices it ran with, the step's median and
+    """One measured point: the preset, batch, drafts, context, the model's depth, the backend,
+    cache dtype, grouped-matmul tile variant and `auto_kernels` choices it ran with, the step's median and
     spread (seconds), the compiled program's flops and bytes, the projections (seconds) and, with
     `--profile`, one more step's kernel times by op class (`kernel_profile.profile_call`;
     {"error": ...} where the profiler failed)."""
@@ -258,7 +260,7 @@ class Point:
         return self.projected_s / self.measured_s
 
 
-def measure_point(model, name: str, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
+def measure_point(model, model_name: str, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
                   calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None,
                   tiles: str = DEFAULT_VARIANT, auto: dict | None = None, profile: bool = False) -> Point:
     """Build the state at `context`, compile the step, time it, project it (module docstring) and,
@@ -289,7 +291,7 @@ def measure_point(model, name: str, batch: int, drafts: int, context: int, *, it
     cost = compiled_cost(compiled)
     target = target_of(jax.devices()[0])
     peaks = target_peaks(target)
-    return Point(model=name, batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
+    return Point(model=model_name, batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
                  backend=backend, cache_dtype=cache_dtype or "bfloat16", tiles=tiles, auto=auto,
                  measured_s=statistics.median(times), spread_s=(min(times), max(times)), compile_s=compile_s,
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,

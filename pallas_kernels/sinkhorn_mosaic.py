@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .cost import stating
-from .mosaic_gpu import compiler_params, interpret_params, interpreting
+from .mosaic_gpu import compiler_params, interpret_params, interpreting, store
 
 TOKENS = 128  # a program's tokens: one a thread of its warpgroup
 
@@ -35,6 +35,8 @@ def _normalized(entries: list, n: int, eps: float, *, rows: bool) -> list:
 
 
 def _sinkhorn_kernel(comb_gmem, out_gmem, tile, arrived, *, n: int, iters: int, eps: float):
+    """One program's 128 tokens. comb_gmem, out_gmem [N * N, T] float32 (T a multiple of 128,
+    component-major); tile: SMEM [N * N, 128] float32, in then out; arrived: the copy's barrier."""
     tokens = pl.ds(jax.lax.axis_index("tile") * TOKENS, TOKENS)
     plgpu.copy_gmem_to_smem(comb_gmem.at[:, tokens], tile, arrived)
     plgpu.barrier_wait(arrived)
@@ -42,7 +44,7 @@ def _sinkhorn_kernel(comb_gmem, out_gmem, tile, arrived, *, n: int, iters: int, 
     for _ in range(iters - 1):
         entries = _normalized(_normalized(entries, n, eps, rows=True), n, eps, rows=False)
     for k, value in enumerate(entries):
-        tile[k] = value
+        store(tile.at[k], value)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(tile, out_gmem.at[:, tokens])
     plgpu.wait_smem_to_gmem(0)
