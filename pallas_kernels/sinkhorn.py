@@ -4,8 +4,8 @@
 
 as transformers iterates it: columns normalized once, then `iters - 1` rounds of rows then columns,
 each sum plus `eps`. Every token's N x N matrix is its own (N = `hc_mult`, 4 in DeepSeek-V4), so
-the op is tiny: what it costs on a GPU is its kernel launches, about 40 an mHC site as XLA
-compiles the rounds (a reduction a normalization), two sites a layer. The Mosaic GPU kernel
+the op is tiny: what it costs on a GPU is its kernel launches, about 20 an mHC site as XLA
+compiles the rounds (a kernel a round), two sites a layer. The Mosaic GPU kernel
 (`sinkhorn_mosaic`) runs a site's rounds in one launch.
 """
 

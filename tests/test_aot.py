@@ -4,8 +4,8 @@ H100 (sm_90a) on this CPU host, and the facts the compiler reports about them.
 The compiles need JAX's CUDA plugin and a process whose JAX platforms exclude CUDA
 (`JAX_PLATFORMS=cpu`, as `.ci/run` sets); without either, they skip and say which is missing.
 Kernel resources are facts of the compiled program: shared memory within the 227 KB a block may
-opt into on sm_90, no register spills (the compile itself fails on one, or names it), and the stated cost the
-program counts for each kernel equals the kernel's arithmetic.
+opt into on sm_90, no register spills (the compile itself fails on one, or names it), and the
+stated cost the program counts for each kernel equals the kernel's arithmetic.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def test_cli_compiles_under_the_tile_variant_and_auto_choices_it_is_given(monkey
     def compile_model(config, decode, **options):  # what tracing the step would read
         with backend.gpu_lowering():
             seen.update(tiles=grouped_matmul_pallas.current_tiles(), backend=decode.backend,
-                        fail_on_spill=options["fail_on_spill"], gmm=backend.resolve_backend(decode.backend, "grouped_matmul"),
+                        fail_on_spill=options["fail_on_spill"],
+                        gmm=backend.resolve_backend(decode.backend, "grouped_matmul"),
                         attention=backend.resolve_backend(decode.backend, "sparse_mla_attention"))
         return "compiled"
 
