@@ -7,6 +7,8 @@ The compiles need JAX's CUDA plugin and `JAX_PLATFORMS=cpu` (the `h100` fixture 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -132,6 +134,31 @@ def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, inner):
     assert not cost.uncounted
     assert aot.op_class_costs(compiled)["xla"][0] == cost.flops  # an unnamed kernel is an "xla" op
     assert f"scale_and_shift {layers * chunks}" in aot.report(compiled, "scan")
+
+
+def test_launches_count_each_loop_body_as_often_as_it_runs(h100):
+    """`aot.launch_counts` reads the thunk sequence: in a scan of 5 holding a conditional and a lax.map
+    of 3, the Pallas kernel launches as often as the HLO says it runs (a branch as often as its
+    conditional, the map's body 15 times), each loop's condition once more than its body, and the
+    report states the total."""
+    def body(x, _):
+        x = jax.lax.cond(x[0, 0] > 0, _scale_and_shift, jnp.negative, x)
+        return jax.lax.map(lambda i: _scale_and_shift(x + i), jnp.arange(3, dtype=jnp.float32)).sum(0), None
+
+    compiled = aot.compile_gpu(lambda x: jax.lax.scan(body, x, length=5)[0], Spec(BLOCK, jnp.float32), devices=h100)
+    launched = aot.launch_counts(compiled)
+    assert launched["scale_and_shift"] == sum(call.runs for call in aot.pallas_calls(compiled)) == 5 + 15
+    module = hlo_loops.parse_module(compiled.as_text())
+    runs = hlo_loops.executions(module)
+    assert sorted((loop.trip_count, runs[loop.computation]) for loop in module.loops) == [(3, 5), (5, 1)]
+    for loop in module.loops:
+        names = {re.sub(r"[.-]", "_", name) for name in  # kernels are named as XLA sanitizes instructions
+                 re.findall(r"^\s*(?:ROOT )?%?(\S+) = ", "\n".join(module.computations[loop.condition]), re.M)}
+        checked = [launched[name] for name in names if name in launched]
+        assert checked == [(loop.trip_count + 1) * runs[loop.computation]]  # its one kernel, once a trip and once to end
+    assert launched["kCopy"] > 0
+    assert f"launches per execution (loops' bodies as often as they run): {sum(launched.values())}, " in aot.report(
+        compiled, "nested")
 
 
 def test_a_loop_of_unknown_trip_count_counts_once_and_says_so(h100):

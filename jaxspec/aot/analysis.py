@@ -9,6 +9,8 @@
   * `kernel_launches`: each Pallas kernel's grid, threads and shared memory from the dumped thunk
     sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
     dumped PTX;
+  * `launch_counts`: what one execution launches (kernels, copies, custom calls), from the dumped thunk
+    sequence, loops' bodies as often as they run;
   * `register_spills`: every kernel of the dumped PTX that spills registers (ptxas), for a compile
     that allowed them;
   * `mosaic_launches`: each Mosaic GPU kernel's grid, threads and shared memory, from the launch in
@@ -40,7 +42,7 @@ import jax
 from jaxspec.pallas_kernels.cost import KERNEL_ATTRIBUTE, cost_of, read_cost_metadata
 
 from .compile import GpuCompiled
-from .hlo_loops import HloModuleText, executions, module_with_entry, parse_module
+from .hlo_loops import HloModuleText, control_flow, executions, module_with_entry, parse_module
 
 # Custom-call targets of a Pallas kernel lowered through Triton: jaxlib <= 0.10.2 (metadata in
 # `serialized_metadata`) and later (metadata inside the zlib-compressed `opaque` kernel proto).
@@ -592,6 +594,109 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
         launches.append(KernelLaunch(name, (int(gx), int(gy), int(gz)), (int(tx), int(ty), int(tz)), int(smem),
                                      registers, stores, loads))
     return launches
+
+
+_THUNK_LINE = re.compile(r"^( *)\d+: (k\w+)\s+\[[^\]]*\]\s*(\S*)")
+_THUNK_HEADER = re.compile(r"^\s*([\w ]+):\s*$")  # condition:, body:, true_branch:, ...
+# Thunks that only hold or order others: their inner thunks are the launches.
+_STRUCTURAL_THUNKS = frozenset({"kWhile", "kConditional", "kDynamicSliceFusion", "kSequential", "kCommandBuffer"})
+
+
+@dataclasses.dataclass
+class _Block:
+    """A run of thunks in XLA's thunk sequence: the entry's, or one under a header ("body:") of a
+    loop or conditional thunk, the `owner`-th of those in its `parent` block's `thunks`."""
+
+    indent: int
+    header: str | None = None
+    parent: int | None = None
+    owner: int | None = None
+    thunks: list = dataclasses.field(default_factory=list)  # (kind, name)
+    computation: str | None = None
+
+
+def _thunk_blocks(paths: list[str]) -> list[_Block]:
+    """The thunk sequence's blocks, the entry's first. A header's thunks are indented past their
+    owner's; a thunk indented deeper without a header belongs to a wrapper (a dynamic slice's
+    copy) and is launched in its block."""
+    blocks, stack, header = [_Block(0)], [0], None
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                heading = _THUNK_HEADER.match(line)
+                if heading:
+                    header = heading.group(1).strip()
+                    continue
+                thunk = _THUNK_LINE.match(line)
+                if thunk is None:
+                    continue
+                indent = len(thunk.group(1))
+                if header is not None:
+                    while blocks[stack[-1]].indent >= indent and len(stack) > 1:
+                        stack.pop()
+                    parent = blocks[stack[-1]]
+                    owner = max(i for i, (kind, _) in enumerate(parent.thunks) if kind in ("kWhile", "kConditional"))
+                    blocks.append(_Block(indent, header, stack[-1], owner))
+                    stack.append(len(blocks) - 1)
+                    header = None
+                else:
+                    while blocks[stack[-1]].indent > indent and len(stack) > 1:
+                        stack.pop()
+                blocks[stack[-1]].thunks.append((thunk.group(2), thunk.group(3)))
+    return blocks
+
+
+def launch_counts(compiled: GpuCompiled) -> Counter:
+    """What one execution of a `compile_gpu` result launches, from XLA's thunk sequence: name ->
+    count, each kernel under its kernel name (an XLA fusion's, or the Pallas kernel's) and every
+    other launch (a device copy, a custom call such as a Mosaic GPU kernel, a memset) under its
+    thunk kind ("kCopy", "kCustomCall", ...). A while loop's body counts as often as it runs
+    where XLA knows its trip count (`hlo_loops.executions`; once where it does not) and its
+    condition once more than that; each branch of a conditional as often as the conditional (an
+    upper bound, as `program_cost` counts them). A thunk that only holds others (a loop, a
+    conditional, a dynamic slice's wrapper) is not a launch; the thunks it holds are.
+
+    Why its own parser: a launch costs microseconds whatever its kernel does, launch-bound steps
+    (B 1) are decided by this count, and no XLA API reports it. A block of the sequence is matched
+    to its HLO computation by position: the k-th loop thunk of a block is the k-th while of the
+    block's computation (the optimized module prints each computation in its schedule's order,
+    which the thunks follow), its "condition" and "body" that while's; a conditional's branches
+    by name. RuntimeError when the two disagree."""
+    module = parse_module(compiled.as_text())
+    runs = executions(module)
+    flow = control_flow(module)
+    blocks = _thunk_blocks(_dump_files(compiled, "thunk_sequence.txt"))
+    blocks[0].computation = module.entry
+    for block in blocks[1:]:
+        parent = blocks[block.parent]
+        kind = parent.thunks[block.owner][0]
+        opcode = "while" if kind == "kWhile" else "conditional"
+        position = sum(k == kind for k, _ in parent.thunks[:block.owner])
+        held = [called for op, called in flow[parent.computation] if op == opcode]
+        if position >= len(held):
+            raise RuntimeError(f"thunk sequence: {kind} #{position} of {parent.computation}, which holds "
+                               f"{len(held)} {opcode}(s) in the HLO")
+        attribute = {"true_branch": "true_computation", "false_branch": "false_computation"}.get(
+            block.header, re.sub(r"^branch[ _](\d+)$", r"branch_computations[\1]", block.header))
+        if attribute not in held[position]:
+            raise RuntimeError(f"thunk sequence: block {block.header!r} of a {opcode} in {parent.computation} "
+                               f"names none of its computations ({sorted(held[position])})")
+        block.computation = held[position][attribute]
+    counted = Counter()
+    for block in blocks:
+        n = runs[block.computation]
+        if block.header == "condition":  # checked once a trip and once to end
+            n = runs[flow_body(block, blocks)] + runs[blocks[block.parent].computation]
+        for kind, name in block.thunks:
+            if kind not in _STRUCTURAL_THUNKS:
+                counted[kernel_name(name) if kind in ("kCustomKernel", "kKernel") and name else kind] += n
+    return counted
+
+
+def flow_body(condition: _Block, blocks: list[_Block]) -> str:
+    """The body computation of the loop whose condition block is `condition`."""
+    return next(block.computation for block in blocks
+                if block.parent == condition.parent and block.owner == condition.owner and block.header == "body")
 
 
 @dataclasses.dataclass(frozen=True)

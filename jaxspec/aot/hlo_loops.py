@@ -124,6 +124,21 @@ def _called_computations(line: str, computations: dict) -> dict[str, str]:
     return found
 
 
+def control_flow(module: HloModuleText) -> dict[str, list[tuple[str, dict[str, str]]]]:
+    """Computation -> its while loops and conditionals in the order of its text (an optimized
+    module is printed in its schedule's order), each as (opcode, {attribute: computation}): a
+    while's "condition" and "body", a conditional's "true_computation" and "false_computation" or
+    "branch_computations[i]"."""
+    found = {}
+    for name, lines in module.computations.items():
+        found[name] = []
+        for line in lines[1:-1]:
+            instruction = _INSTRUCTION.match(line)
+            if instruction is not None and instruction.group(2) in ("while", "conditional"):
+                found[name].append((instruction.group(2), _called_computations(line, module.computations)))
+    return found
+
+
 def executions(module: HloModuleText) -> dict[str, int]:
     """Computation -> how many times it runs in one execution of the module (0 where the entry
     never calls it), through every call chain from the entry: a loop's body n times its caller

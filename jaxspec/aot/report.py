@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .analysis import (collectives, kernel_launches, kernel_name, memory, mosaic_launches, pallas_calls,
+from .analysis import (collectives, kernel_launches, kernel_name, launch_counts, memory, mosaic_launches, pallas_calls,
                        program_cost, register_spills)
 from .compile import GpuCompiled
 
@@ -18,7 +18,8 @@ def report(compiled: GpuCompiled, title: str) -> str:
     kernel's launch resources (identical launch sites counted once, with how many; a site in a
     loop's body launches once per trip, and how many times each kernel runs is listed when loops
     make that differ), the kernels that spill registers (XLA's own included: `register_spills`;
-    a compile with `fail_on_spill` has none) and the compile time, as text."""
+    a compile with `fail_on_spill` has none), what one execution launches (`launch_counts`) and the
+    compile time, as text."""
     mem, cost = memory(compiled), program_cost(compiled)
     lines = [title, f"compile time {compiled.compile_seconds:.1f} s",
              f"memory per device: arguments {mem.argument / GIB:.2f} GiB, outputs {mem.output / GIB:.2f} GiB, "
@@ -73,4 +74,9 @@ def report(compiled: GpuCompiled, title: str) -> str:
     if runs != sites:
         lines.append("Pallas kernel runs per execution (loops' bodies as often as they run): "
                      + ", ".join(f"{name} {n}" for name, n in sorted(runs.items())))
+    launched = launch_counts(compiled)
+    kernels = sum(n for name, n in launched.items() if not name.startswith("k"))
+    others = ", ".join(f"{n} {kind[1:]}" for kind, n in sorted(launched.items()) if kind.startswith("k"))
+    lines.append(f"launches per execution (loops' bodies as often as they run): {sum(launched.values())}, "
+                 f"{kernels} kernels{', ' + others if others else ''}")
     return "\n".join(lines)
