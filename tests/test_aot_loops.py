@@ -161,6 +161,22 @@ def test_launches_count_each_loop_body_as_often_as_it_runs(h100):
         compiled, "nested")
 
 
+def test_launches_of_two_loops_sharing_their_kernels(h100):
+    """Two scans of one body, 3 and 7 trips: XLA compiles the body's kernels once and names them
+    after the first loop's instructions in both, and each loop's thunks still count its own trips
+    (a block is its loop's by position, not by its kernels' names)."""
+    def body(x, _):
+        return _scale_and_shift(jnp.tanh(x) * 0.5), None
+
+    def two_loops(x):
+        return jax.lax.scan(body, jax.lax.scan(body, x, length=3)[0], length=7)[0]
+
+    launched = aot.launch_counts(aot.compile_gpu(two_loops, Spec(BLOCK, jnp.float32), devices=h100))
+    assert launched["scale_and_shift"] == 10
+    shared = [name for name, n in launched.items() if "tanh" in name or "multiply" in name]
+    assert shared and all(launched[name] == 10 for name in shared), launched
+
+
 def test_a_loop_of_unknown_trip_count_counts_once_and_says_so(h100):
     """A `lax.while_loop` on data: XLA cannot know its trips, its body (holding a kernel) counts
     once, and the cost says one loop was counted so."""

@@ -686,14 +686,14 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
     for block in blocks:
         n = runs[block.computation]
         if block.header == "condition":  # checked once a trip and once to end
-            n = runs[flow_body(block, blocks)] + runs[blocks[block.parent].computation]
+            n = runs[_loop_body(block, blocks)] + runs[blocks[block.parent].computation]
         for kind, name in block.thunks:
             if kind not in _STRUCTURAL_THUNKS:
                 counted[kernel_name(name) if kind in ("kCustomKernel", "kKernel") and name else kind] += n
     return counted
 
 
-def flow_body(condition: _Block, blocks: list[_Block]) -> str:
+def _loop_body(condition: _Block, blocks: list[_Block]) -> str:
     """The body computation of the loop whose condition block is `condition`."""
     return next(block.computation for block in blocks
                 if block.parent == condition.parent and block.owner == condition.owner and block.header == "body")
