@@ -15,7 +15,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from jaxspec import aot
-from jaxspec.aot import hlo_loops
+from jaxspec.aot import analysis, hlo_loops
 from jaxspec.aot.analysis import _cost_analysis
 from jaxspec.pallas_kernels.tiling import launch
 
@@ -175,6 +175,28 @@ def test_launches_of_two_loops_sharing_their_kernels(h100):
     assert launched["scale_and_shift"] == 10
     shared = [name for name, n in launched.items() if "tanh" in name or "multiply" in name]
     assert shared and all(launched[name] == 10 for name in shared), launched
+
+
+def test_a_thunk_block_that_cannot_be_placed_is_refused(tmp_path):
+    """A loop whose body printed no thunk would have the thunks after it counted as its body: the
+    reader refuses it, at the top level and inside another loop's body, and reads the nested
+    blocks of a well-formed sequence."""
+    loop = ["001: kWhile [source | sink]", "condition:", "    002: kCustomKernel [source | sink] compare",
+            "  body:"]
+    nested = ["001: kWhile [source | sink]", "condition:", "    002: kCustomKernel [source | sink] compare",
+              "  body:", "    003: kWhile [source | sink]", "condition:",
+              "        004: kCustomKernel [source | sink] compare_1", "      body:"]
+    for lines in (loop + ["005: kCopy [source | sink] kCopy"], nested + ["    005: kCopy [source | sink] kCopy"]):
+        path = tmp_path / "module.thunk_sequence.txt"
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(RuntimeError, match="does not follow the loop or conditional before it"):
+            analysis._thunk_blocks([str(path)])
+    path.write_text("\n".join(nested + ["        005: kCopy [source | sink] kCopy"]) + "\n")
+    blocks = analysis._thunk_blocks([str(path)])
+    assert [(block.header, block.parent, block.thunks) for block in blocks] == [
+        (None, None, [("kWhile", "")]), ("condition", 0, [("kCustomKernel", "compare")]),
+        ("body", 0, [("kWhile", "")]), ("condition", 2, [("kCustomKernel", "compare_1")]),
+        ("body", 2, [("kCopy", "kCopy")])]
 
 
 def test_a_loop_of_unknown_trip_count_counts_once_and_says_so(h100):

@@ -618,8 +618,9 @@ class _Block:
 def _thunk_blocks(paths: list[str]) -> list[_Block]:
     """The thunk sequence's blocks, the entry's first. A header's thunks are indented past their
     owner's; a thunk indented deeper without a header belongs to a wrapper (a dynamic slice's
-    copy) and is launched in its block."""
-    blocks, stack, header = [_Block(0)], [0], None
+    copy) and is launched in its block. RuntimeError where a header's block would not belong to
+    the loop or conditional printed last (an empty block: its thunks would be counted elsewhere)."""
+    blocks, stack, header, last_owner = [_Block(0)], [0], None, None
     for path in paths:
         with open(path) as f:
             for line in f:
@@ -635,7 +636,11 @@ def _thunk_blocks(paths: list[str]) -> list[_Block]:
                     while blocks[stack[-1]].indent >= indent and len(stack) > 1:
                         stack.pop()
                     parent = blocks[stack[-1]]
-                    owner = max(i for i, (kind, _) in enumerate(parent.thunks) if kind in ("kWhile", "kConditional"))
+                    owner = max((i for i, (kind, _) in enumerate(parent.thunks) if kind in ("kWhile", "kConditional")),
+                                default=None)
+                    if (stack[-1], owner) != last_owner or indent <= parent.indent:
+                        raise RuntimeError(f"thunk sequence {path}: block {header!r} at {line.strip()[:80]!r} does not "
+                                           "follow the loop or conditional before it")
                     blocks.append(_Block(indent, header, stack[-1], owner))
                     stack.append(len(blocks) - 1)
                     header = None
@@ -643,6 +648,8 @@ def _thunk_blocks(paths: list[str]) -> list[_Block]:
                     while blocks[stack[-1]].indent > indent and len(stack) > 1:
                         stack.pop()
                 blocks[stack[-1]].thunks.append((thunk.group(2), thunk.group(3)))
+                if thunk.group(2) in ("kWhile", "kConditional"):
+                    last_owner = (stack[-1], len(blocks[stack[-1]].thunks) - 1)
     return blocks
 
 
