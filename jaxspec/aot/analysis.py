@@ -635,13 +635,10 @@ def _thunk_blocks(paths: list[str]) -> list[_Block]:
                 if header is not None:
                     while blocks[stack[-1]].indent >= indent and len(stack) > 1:
                         stack.pop()
-                    parent = blocks[stack[-1]]
-                    owner = max((i for i, (kind, _) in enumerate(parent.thunks) if kind in ("kWhile", "kConditional")),
-                                default=None)
-                    if (stack[-1], owner) != last_owner or indent <= parent.indent:
+                    if last_owner is None or last_owner[0] != stack[-1] or indent <= blocks[stack[-1]].indent:
                         raise RuntimeError(f"thunk sequence {path}: block {header!r} at {line.strip()[:80]!r} does not "
                                            "follow the loop or conditional before it")
-                    blocks.append(_Block(indent, header, stack[-1], owner))
+                    blocks.append(_Block(indent, header, *last_owner))
                     stack.append(len(blocks) - 1)
                     header = None
                 else:
@@ -698,6 +695,11 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
             if kind not in _STRUCTURAL_THUNKS:
                 counted[kernel_name(name) if kind in ("kCustomKernel", "kKernel") and name else kind] += n
     return counted
+
+
+def is_thunk_kind(name: str) -> bool:
+    """Whether a `launch_counts` key is a thunk kind ("kCopy") rather than a kernel's name."""
+    return re.match(r"k[A-Z]", name) is not None
 
 
 def _loop_body(condition: _Block, blocks: list[_Block]) -> str:
