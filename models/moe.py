@@ -9,6 +9,9 @@ Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`; transformers' DeepseekV4T
      `topk_group` groups, mask the rest to -inf
   4. experts = top-k(choice); weights = scores at those experts (no bias)
   5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
+The selections of 3 and 4, and the grouped path's sort of the assignments by expert, count
+comparisons for a decode step's few tokens instead of sorting (`models.ranks`: on a GPU a sort is
+launches a step pays at every layer); more tokens sort, to the same integers.
 V4's hash layers (`mlp_layer_types` "hash_moe", transformers' DeepseekV4HashRouter) skip 2-4:
 experts = tid2eid[token id], a fixed table [V, k], and have no bias; the weights are still the
 learned gate's scores at those experts (5).
@@ -63,6 +66,7 @@ from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
 from jaxspec.pallas_kernels.block_fp8 import dequantize
 from jaxspec.sharding import Parallel, current
 
+from . import ranks
 from .layers import MLP, param, swiglu, weight_params
 from .stack import in_place
 
@@ -92,12 +96,11 @@ def _top_k_experts(config: ModelConfig, choice: jax.Array) -> jax.Array:
     if config.n_group > 1:
         per_group = num_experts // config.n_group
         grouped = choice.reshape(num_tokens, config.n_group, per_group)
-        group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)  # [T, G]
-        _, best_groups = jax.lax.top_k(group_score, config.topk_group)
-        keep = jnp.zeros((num_tokens, config.n_group), bool).at[
-            jnp.arange(num_tokens)[:, None], best_groups].set(True)
+        # The sum of each group's best 2, as the rest added as exact zeros: [T, G].
+        group_score = jnp.sum(jnp.where(ranks.places(grouped) < min(2, per_group), grouped, 0.0), axis=-1)
+        keep = ranks.places(group_score) < config.topk_group
         choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
-    return jax.lax.top_k(choice, config.num_experts_per_tok)[1]
+    return ranks.top_k_indices(choice, config.num_experts_per_tok)
 
 
 EXPERT_PATHS = ("grouped", "gathered")
@@ -293,8 +296,8 @@ class MoE(nnx.Module):
         stack (the grouped matmul leaves rows past the local groups zero), and rotated back."""
         num_tokens, topk = experts.shape
         flat_expert = experts.reshape(-1)
-        order = jnp.argsort(flat_expert, stable=True)  # sorted position -> assignment
-        group_sizes = jnp.bincount(flat_expert, length=self.config.n_routed_experts).astype(jnp.int32)
+        # order: sorted position -> assignment; position: assignment -> sorted position.
+        order, position, group_sizes = ranks.sort_by_group(flat_expert, self.config.n_routed_experts)
         run = order
         if par is not None:
             first, held = self._first_expert(par)
@@ -312,7 +315,6 @@ class MoE(nnx.Module):
         down = matmul(hidden, "down_proj")
         if par is not None:
             down = jnp.roll(down, start, axis=0)
-        position = jnp.argsort(order)  # assignment -> sorted position
         return down[position].reshape(num_tokens, topk, -1)
 
 

@@ -1,0 +1,98 @@
+"""Top-k and stable sorts of short rows by counting comparisons: the MoE router's selections and
+its dispatch order, without XLA's sort.
+
+Why: a decode step routes a handful of tokens (B x (k + 1) of them), and there XLA's sort costs
+launches, not work. On a GPU a `lax.top_k` or `argsort` is one to three sort kernels plus a copy
+of its operand, one after another; a row of 256 experts needs none of that. Its element's place
+in the order is the number of elements ahead of it, one reduction over a [..., N, N] comparison
+that XLA fuses with what computes the row. Compiled for an H200 without a GPU, a V3.2 MoE layer
+at B = 1 launched 88 kernels and copies with the sorts and 75 with the counts (routing: the
+group-limited top-k, the experts' order and their group sizes).
+
+Past `COUNT_LIMIT` comparisons a call (more than 128 tokens over 256 experts: a tree of 8 at
+B 32, a prefill, whose [A, A] dispatch comparison would grow quadratically) the same functions sort, on the same integer keys, so both
+ways give the same integers and the choice, which depends on how many rows share the call, never
+changes a row's result: a token routes to the same experts, in the same order, alone or among
+others (speculative decoding's verification window relies on it).
+
+The order is `lax.top_k`'s on floats: descending in IEEE total order (+NaN > +inf > ... > +0.0 >
+-0.0 > ... > -inf > -NaN), equal values by lower index first. `total_order_keys` makes it an
+order of int32 keys, which both ways compare, so NaN and signed zeros sort the same on every
+platform.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Comparisons (elements of the [..., N, N] or [A, A] comparison) a call may count before it sorts
+# instead: 2^23 counts a row of 256 experts for up to 128 tokens (B 32 at k = 3) and the dispatch
+# of 8 experts a token for up to 362. The bound is XLA's: compiled for sm_90a (jax 0.10.2), its
+# reduction over 256 experts takes output tiles of 16 x 8 up to 128 tokens and spills registers at
+# 160 and 256 tokens (tiles of 16 x 16 and 32 x 8); past it a sort's work also grows slower.
+COUNT_LIMIT = 1 << 23
+
+
+def total_order_keys(values: jax.Array) -> jax.Array:
+    """values [...] float (float32 or narrower) -> int32 keys [...] whose signed order is the values'
+    IEEE total order (each key is the value's float32 bits, with the magnitude bits flipped for a
+    negative sign)."""
+    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _counted(elements: int) -> bool:
+    return elements <= COUNT_LIMIT
+
+
+def places(values: jax.Array) -> jax.Array:
+    """values [..., N] float -> [..., N] int32: each element's place in its row's order (0 = best),
+    a permutation of 0..N-1 per row. Counted where the [..., N, N] comparison has at most
+    `COUNT_LIMIT` elements (an element's place is how many are ahead of it), else sorted."""
+    keys = total_order_keys(values)
+    n = keys.shape[-1]
+    if not _counted(keys.size * n):
+        # ~key reverses the order without overflow; a stable sort keeps ties by index.
+        return jnp.argsort(jnp.argsort(~keys, axis=-1, stable=True), axis=-1).astype(jnp.int32)
+    index = jnp.arange(n)
+    other, own = keys[..., None, :], keys[..., :, None]
+    ahead = (other > own) | ((other == own) & (index < index[:, None]))
+    return jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+
+
+def _at_places(place: jax.Array, k: int) -> jax.Array:
+    """place [..., N] (a permutation of 0..N-1 per row) -> [..., k] int32: the index at places 0..k-1."""
+    index = jnp.arange(place.shape[-1], dtype=jnp.int32)
+    return jnp.sum(jnp.where(place[..., None, :] == jnp.arange(k)[:, None], index, 0), axis=-1, dtype=jnp.int32)
+
+
+def top_k_indices(values: jax.Array, k: int) -> jax.Array:
+    """values [..., N] float, 1 <= k <= N -> [..., k] int32: `lax.top_k(values, k)[1]`, best first.
+    Counted as `places` is, else `lax.top_k` of `total_order_keys`: the same integers either way."""
+    if not 1 <= k <= values.shape[-1]:
+        raise ValueError(f"k={k}: must be in [1, {values.shape[-1]}] (the last axis of values {values.shape})")
+    if not _counted(values.size * values.shape[-1]):
+        return jax.lax.top_k(total_order_keys(values), k)[1].astype(jnp.int32)
+    return _at_places(places(values), k)
+
+
+def sort_by_group(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """groups [A] int in [0, num_groups) -> (order [A], position [A], sizes [num_groups]), int32:
+    order = `argsort(groups, stable=True)` (sorted place -> element), position its inverse
+    (element -> sorted place), sizes = `bincount(groups, length=num_groups)`.
+
+    Counted where the [A, A] and [num_groups, A] comparisons have at most `COUNT_LIMIT` elements
+    each, else sorted: the same integers either way."""
+    if groups.ndim != 1:
+        raise ValueError(f"groups: must be [A], got shape {groups.shape}")
+    count = groups.shape[0]
+    if not (_counted(count * count) and _counted(num_groups * count)):
+        order = jnp.argsort(groups, stable=True).astype(jnp.int32)
+        position = jnp.zeros(count, jnp.int32).at[order].set(jnp.arange(count, dtype=jnp.int32))
+        return order, position, jnp.bincount(groups, length=num_groups).astype(jnp.int32)
+    index = jnp.arange(count)
+    other, own = groups[None, :], groups[:, None]
+    position = jnp.sum((other < own) | ((other == own) & (index < index[:, None])), axis=-1, dtype=jnp.int32)
+    sizes = jnp.sum(groups[None, :] == jnp.arange(num_groups)[:, None], axis=-1, dtype=jnp.int32)
+    return _at_places(position, count), position, sizes

@@ -1,0 +1,106 @@
+"""models.ranks: top-k and stable sorts by counting comparisons equal XLA's sorts, integer for
+integer, on both sides of COUNT_LIMIT; the router built on them routes a token as the sorts did,
+alone or among other tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.models import moe, ranks
+from jaxspec.presets import preset
+
+
+@pytest.fixture(params=["counted", "sorted"])
+def way(request, monkeypatch):
+    """Each test runs once counting and once sorting (a limit no call reaches)."""
+    if request.param == "sorted":
+        monkeypatch.setattr(ranks, "COUNT_LIMIT", 0)
+    return request.param
+
+
+def _tied(key, shape, levels=7):
+    """Random float32 values drawn from `levels` values, so that most rows hold ties."""
+    return jax.random.randint(key, shape, 0, levels).astype(jnp.float32) / levels - 0.5
+
+
+def test_top_k_indices_are_lax_top_k_with_its_tie_rule(way):
+    for seed, (shape, k) in enumerate([((5, 9), 4), ((3, 4, 32), 2), ((2, 256), 8), ((7,), 7)]):
+        values = _tied(jax.random.key(seed), shape)
+        values = values.at[..., 0].set(jnp.inf).at[..., -1].set(-jnp.inf)
+        got = ranks.top_k_indices(values, k)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, jax.lax.top_k(values, k)[1])
+
+
+def test_places_are_the_order_of_a_stable_descending_sort(way):
+    values = _tied(jax.random.key(3), (6, 40), levels=5)
+    order = np.argsort(-np.asarray(values), axis=-1, kind="stable")
+    expected = np.argsort(order, axis=-1)
+    np.testing.assert_array_equal(ranks.places(values), expected)
+
+
+def test_both_ways_order_nan_and_signed_zeros_alike(monkeypatch):
+    """The IEEE total order: +NaN > +inf > 1 > +0.0 > -0.0 > -inf > -NaN, equal keys by index."""
+    nan = jnp.float32(jnp.nan)
+    row = jnp.array([0.0, -0.0, nan, 1.0, -nan, jnp.inf, -jnp.inf, 1.0, -0.0, 0.0, nan], jnp.float32)
+    expected = [2, 10, 5, 3, 7, 0, 9, 1, 8, 6, 4]
+    counted = ranks.top_k_indices(row, row.shape[0])
+    monkeypatch.setattr(ranks, "COUNT_LIMIT", 0)
+    np.testing.assert_array_equal(counted, expected)
+    np.testing.assert_array_equal(ranks.top_k_indices(row, row.shape[0]), expected)
+    assert int(ranks.total_order_keys(jnp.float32(-0.0))) < int(ranks.total_order_keys(jnp.float32(0.0)))
+
+
+def test_sort_by_group_is_a_stable_argsort_its_inverse_and_bincount(way):
+    for seed, (count, groups) in enumerate([(1, 4), (24, 5), (96, 256)]):
+        ids = jax.random.randint(jax.random.key(seed), (count,), 0, groups)
+        order, position, sizes = ranks.sort_by_group(ids, groups)
+        np.testing.assert_array_equal(order, np.argsort(np.asarray(ids), kind="stable"))
+        np.testing.assert_array_equal(np.asarray(order)[np.asarray(position)], np.arange(count))
+        np.testing.assert_array_equal(sizes, np.bincount(np.asarray(ids), minlength=groups))
+        assert order.dtype == position.dtype == sizes.dtype == jnp.int32
+
+
+def test_bad_k_and_shapes_are_refused():
+    with pytest.raises(ValueError, match=r"k=0: must be in \[1, 5\]"):
+        ranks.top_k_indices(jnp.zeros((2, 5)), 0)
+    with pytest.raises(ValueError, match=r"k=6: must be in \[1, 5\]"):
+        ranks.top_k_indices(jnp.zeros((2, 5)), 6)
+    with pytest.raises(ValueError, match=r"groups: must be \[A\]"):
+        ranks.sort_by_group(jnp.zeros((2, 3), jnp.int32), 4)
+
+
+def _sorted_router(config, choice):
+    """The group-limited top-k as the router computed it with XLA's sorts (an independent
+    implementation of DeepSeek-V3's `noaux_tc` selection)."""
+    tokens, experts = choice.shape
+    per_group = experts // config.n_group
+    grouped = choice.reshape(tokens, config.n_group, per_group)
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    best = jax.lax.top_k(group_score, config.topk_group)[1]
+    keep = jnp.zeros((tokens, config.n_group), bool).at[jnp.arange(tokens)[:, None], best].set(True)
+    return jax.lax.top_k(jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf),
+                         config.num_experts_per_tok)[1]
+
+
+def test_router_selects_as_the_sorts_did_and_a_token_alone_as_among_others(monkeypatch):
+    """DeepSeek-V3.2's router (256 experts in 8 groups, top-4 groups, top-8): the counted selection
+    equals the sorts', ties included (scores on a coarse grid), and a token's experts chosen alone
+    (counted) equal its row's among 300 tokens chosen with COUNT_LIMIT forcing the sorts."""
+    config = preset("deepseek-v3.2")
+    dim, experts = 64, config.n_routed_experts
+    key_x, key_w, key_b = jax.random.split(jax.random.key(11), 3)
+    x = jax.random.normal(key_x, (300, dim))
+    gate = jnp.round(jax.random.normal(key_w, (dim, experts)) * 4) / 64  # coarse: tied scores
+    bias = jnp.round(jax.random.normal(key_b, (experts,)) * 8) / 64
+    choice = jax.nn.sigmoid(x @ gate) + bias
+    assert len(np.unique(np.asarray(choice[:40]))) < 40 * experts  # ties exist
+    counted = moe._top_k_experts(config, choice[:40])
+    np.testing.assert_array_equal(counted, _sorted_router(config, choice[:40]))
+
+    alone = [moe._top_k_experts(config, choice[t:t + 1])[0] for t in (0, 7, 299)]
+    monkeypatch.setattr(ranks, "COUNT_LIMIT", 0)
+    among = moe._top_k_experts(config, choice)
+    for row, t in zip(alone, (0, 7, 299)):
+        np.testing.assert_array_equal(row, among[t])
