@@ -32,7 +32,8 @@ def report(compiled: GpuCompiled, title: str) -> str:
                      "once (the flops and bytes above are per iteration of them)")
     if cost.rematerialized:
         lines.append(f"rematerialized: {cost.rematerialized} instructions recomputed to fit the device's memory "
-                     "(counted above; gpu_devices(device_memory=) costs the program without them)")
+                     "(counted above and in the launches below; --device-memory, or gpu_devices(device_memory=), "
+                     "compiles the program without them)")
     if cost.uncounted:
         lines.append("not counted (no cost known): " + ", ".join(f"{n} x {t}" for t, n in sorted(cost.uncounted.items())))
     found = collectives(compiled)
