@@ -304,7 +304,9 @@ def profile_line(profile: dict) -> str:
     """A point's profile (`Point.profile`) in one line."""
     if "error" in profile:
         return f"profile failed: {profile['error']}"
-    classes = ", ".join(f"{name} {ms:.2f}" for name, ms in profile["by_class_ms"].items())
+    counts = profile.get("by_class_kernels", {})  # profiles recorded before the counts have none
+    classes = ", ".join(f"{name} {ms:.2f}" + (f" ({counts[name]} kernels)" if name in counts else "")
+                        for name, ms in profile["by_class_ms"].items())
     return (f"profile (ms): {classes}; kernels {profile['busy_ms']:.2f} busy of {profile['span_ms']:.2f} "
             f"from first to last ({profile['kernels']} kernels)")
 

@@ -170,12 +170,16 @@ def _no_device_times(calls: dict, failure: Exception) -> dict:
 
 def summarize(events: list[tuple[str, int, int]]) -> dict:
     """events (name, start ns, duration ns) -> {"kernels": count, "busy_ms", "span_ms",
-    "by_class_ms": {class: ms} over `OP_CLASSES`, "top": [[name, ms, count], ...] (the
+    "by_class_ms": {class: ms} over `OP_CLASSES`, "by_class_kernels": {class: count} (a class's
+    ms over its count is what a launch of it takes on average: the launch-bound share of a small
+    step, beside `jaxspec aot`'s deviceless launch count), "top": [[name, ms, count], ...] (the
     TOP_KERNELS longest in total, XLA's numbered repeats of a name counted as one)}."""
     by_class = dict.fromkeys(OP_CLASSES, 0.0)
+    by_class_kernels = dict.fromkeys(OP_CLASSES, 0)
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for name, _, duration in events:
         by_class[op_class(name)] += duration / 1e6
+        by_class_kernels[op_class(name)] += 1
         entry = by_name[re.sub(r"(_|\.)\d+$", "", name)]
         entry[0] += duration / 1e6
         entry[1] += 1
@@ -183,7 +187,7 @@ def summarize(events: list[tuple[str, int, int]]) -> dict:
         if events else 0.0
     top = sorted(by_name.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
     return {"kernels": len(events), "busy_ms": sum(by_class.values()), "span_ms": span, "by_class_ms": by_class,
-            "top": [[name, ms, count] for name, (ms, count) in top]}
+            "by_class_kernels": by_class_kernels, "top": [[name, ms, count] for name, (ms, count) in top]}
 
 
 def profile_call(fn: Callable[[], object]) -> dict:

@@ -119,6 +119,7 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
         profile = point["profile"]
         assert profile["kernels"] > 0 and set(profile["by_class_ms"]) == {"attention", "grouped_matmul", "xla"}
         assert sum(profile["by_class_ms"].values()) == pytest.approx(profile["busy_ms"]) and profile["busy_ms"] > 0
+        assert sum(profile["by_class_kernels"].values()) == profile["kernels"]
     assert "measured step (profiled)" in (out / "report.md").read_text()
     # report.md projects each point with the calibration the kernel rows gave, whichever part ran first
     calibration = Calibration("report", data["calibration"]["fractions"])
@@ -916,6 +917,7 @@ def test_kernel_profile_sums_kernels_by_op_class():
     found = summarize(events)
     assert found["by_class_ms"] == {"attention": 1.5, "grouped_matmul": 4.0, "xla": 1.5}
     assert found["busy_ms"] == 7.0 and found["span_ms"] == 10.0 and found["kernels"] == 6
+    assert found["by_class_kernels"] == {"attention": 2, "grouped_matmul": 1, "xla": 3}
     assert found["top"][0] == ["grouped_matmul", 4.0, 1]
     assert ["loop_add_fusion", 0.5, 2] in found["top"]
     assert summarize([])["busy_ms"] == 0.0
