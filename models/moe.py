@@ -96,7 +96,8 @@ def _top_k_experts(config: ModelConfig, choice: jax.Array) -> jax.Array:
     if config.n_group > 1:
         per_group = num_experts // config.n_group
         grouped = choice.reshape(num_tokens, config.n_group, per_group)
-        # The sum of each group's best 2, as the rest added as exact zeros: [T, G].
+        # The sum of each group's best 2 with the rest added as zeros, which changes no bit: choice is
+        # never -0.0 (scores are >= +0.0, and +0.0 + -0.0 is +0.0). [T, G].
         group_score = jnp.sum(jnp.where(ranks.places(grouped) < min(2, per_group), grouped, 0.0), axis=-1)
         keep = ranks.places(group_score) < config.topk_group
         choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
