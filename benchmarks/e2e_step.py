@@ -7,6 +7,7 @@ projection of the same compiled program.
     python benchmarks/e2e_step.py --points 32,3 1,0 --tiles k128-split     # a grouped-matmul tile variant
     python benchmarks/e2e_step.py --smoke --json e2e.json            # preset tiny, any machine
     python benchmarks/e2e_step.py --v4 --points 1,0 32,3 --auto sinkhorn=mosaic   # DeepSeek-V4-Flash
+    python benchmarks/e2e_step.py --points 1,0 1,3 --unroll-layers --profile   # the layers unrolled
 
 The model: preset deepseek-v3.2 at full width with DeepSeek's FP8 weights (float8_e4m3fn, 128 x 128
 block scales), cut to its dense first layer, as many MoE layers as fit the device (at least 3;
@@ -36,6 +37,9 @@ matmul's tile variant (`grouped_matmul_pallas.VARIANTS`: the experts and every F
 `--auto OP=IMPL` what "auto" runs for an op as if `AUTO_KERNELS` named it (`backend.auto_kernels`;
 `--auto grouped_matmul=mosaic`: the experts and the FP8 linears on the Mosaic GPU grouped matmul,
 the step as it would run once the table says so); each point records all four.
+`--unroll-layers` compiles the layers unrolled (`DecodeConfig.unroll_layers`) instead of as
+scans: the same values, and fewer launches where a scan's body copies each layer's small
+parameters out of their stacks (`jaxspec aot` counts both), for a longer compile.
 
 `--v4` measures DeepSeek-V4-Flash the same way (no dense layer: as many layers as fit, at least
 four, and its MTP block; every cache array drawn at random, the window rings, compressed entries
@@ -252,6 +256,7 @@ class Point:
     calibrated_s: float | None
     calibration: str
     profile: dict | None = None
+    unrolled: bool = False
 
     @property
     def ratio(self) -> float:
@@ -262,10 +267,12 @@ class Point:
 
 def measure_point(model, model_name: str, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
                   calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None,
-                  tiles: str = DEFAULT_VARIANT, auto: dict | None = None, profile: bool = False) -> Point:
+                  tiles: str = DEFAULT_VARIANT, auto: dict | None = None, profile: bool = False,
+                  unrolled: bool = False) -> Point:
     """Build the state at `context`, compile the step, time it, project it (module docstring) and,
     if asked, profile one more step."""
-    decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype)
+    decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype,
+                          unroll_layers=unrolled)
     graphdef, params = nnx.split(model)
     state = _at_context(_random_caches(state_at(model, batch, decode), jax.random.key(drafts)), context)
     start = time.perf_counter()
@@ -297,7 +304,7 @@ def measure_point(model, model_name: str, batch: int, drafts: int, context: int,
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
                  projected_s=step_seconds(cost, peaks),
                  calibrated_s=step_seconds(cost, peaks, calibration) if calibration.fractions else None,
-                 calibration=calibration.describe(), profile=found)
+                 calibration=calibration.describe(), profile=found, unrolled=unrolled)
 
 
 def profile_line(profile: dict) -> str:
@@ -342,6 +349,8 @@ def main(argv=None) -> int:
                         help="start no new point after this many seconds")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step per point: kernel time by op class, time between kernels")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="compile the decoder layers unrolled instead of as scans (DecodeConfig.unroll_layers)")
     args = parser.parse_args(argv)
     setting = SMOKE if args.smoke else FULL
     context = args.context or setting["context"]
@@ -363,7 +372,7 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}; {name} FP8, {layers} layers{dense} + MTP, "
           f"random weights built in {time.perf_counter() - started:.1f} s; context {context}; "
           f"backend {args.backend}; {'FP8' if args.cache_dtype else 'bfloat16'} caches; tiles {args.tiles}; "
-          f"auto {dict(args.auto) or 'as AUTO_KERNELS'}; "
+          f"auto {dict(args.auto) or 'as AUTO_KERNELS'}; layers {'unrolled' if args.unroll_layers else 'as scans'}; "
           f"calibration {calibration.describe()}", flush=True)
     print(f"{'B':>4} {'k':>2} {'measured ms':>11} {'min-max':>15} {'projected ms':>12} {'m/p':>6} "
           f"{'calibrated ms':>13} {'TFLOP':>7} {'GB':>7} {'compile s':>9}", flush=True)
@@ -377,7 +386,8 @@ def main(argv=None) -> int:
             continue
         point = measure_point(model, name, batch, drafts, context, iters=iters, warmup=setting["warmup"],
                               calibration=calibration, backend=args.backend, cache_dtype=args.cache_dtype,
-                              tiles=args.tiles, auto=dict(args.auto), profile=args.profile)
+                              tiles=args.tiles, auto=dict(args.auto), profile=args.profile,
+                              unrolled=args.unroll_layers)
         calibrated = f"{point.calibrated_s * 1e3:>13.3f}" if point.calibrated_s else f"{'-':>13}"
         print(f"{batch:>4} {drafts:>2} {point.measured_s * 1e3:>11.3f} "
               f"{point.spread_s[0] * 1e3:>7.2f}-{point.spread_s[1] * 1e3:<7.2f} {point.projected_s * 1e3:>12.3f} "
@@ -389,7 +399,8 @@ def main(argv=None) -> int:
             # Keyed by everything that sets the program, so runs with other settings add to the file.
             key = f"B={batch},k={drafts},ctx={context},backend={point.backend},cache={point.cache_dtype}" + (
                 "" if args.tiles == DEFAULT_VARIANT else f",tiles={args.tiles}") + "".join(
-                f",auto={op}={impl}" for op, impl in sorted(args.auto)) + (f",model={name}" if args.v4 else "")
+                f",auto={op}={impl}" for op, impl in sorted(args.auto)) + (f",model={name}" if args.v4 else "") + (
+                ",unrolled" if args.unroll_layers else "")
             done[key] = {**dataclasses.asdict(point), "ratio": point.ratio,
                                                           "device": jax.devices()[0].device_kind}
             with open(args.json, "w") as f:

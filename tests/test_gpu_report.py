@@ -444,9 +444,10 @@ def test_e2e_steps_random_scales_follow_the_configs_scale_fmt(scale_fmt):
 
 
 def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path, monkeypatch):
-    """`benchmarks/e2e_step.py --backend pallas --cache-dtype fp8` (smoke): the caches it times are
-    FP8 pools holding random quantized entries (every page, both caches), its point records the
-    backend and cache dtype, and a point of other settings already in the JSON file is kept."""
+    """`benchmarks/e2e_step.py --backend pallas --cache-dtype fp8 --unroll-layers` (smoke): the
+    caches it times are FP8 pools holding random quantized entries (every page, both caches), the
+    step it compiles has its layers unrolled, its point records the backend, cache dtype and
+    unrolling, and a point of other settings already in the JSON file is kept."""
     import e2e_step
 
     from jaxspec.pallas_kernels.fp8_cache import Fp8Pool, entries
@@ -465,19 +466,28 @@ def test_e2e_step_runs_a_chosen_backend_on_fp8_caches_filled_at_random(tmp_path,
         return state
 
     monkeypatch.setattr(e2e_step, "_random_caches", inspected)
+    compiled_configs = []
+    step = e2e_step._step
+
+    def traced_step(graphdef, params, state, *, config):  # the step as compiled: its DecodeConfig
+        compiled_configs.append(config)
+        return step(graphdef, params, state, config=config)
+
+    monkeypatch.setattr(e2e_step, "_step", traced_step)
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps({"earlier": {"batch": 1}}))
     argv = ["--smoke", "--points", "2,1", "--iters", "1", "--backend", "pallas", "--cache-dtype", "fp8",
-            "--tiles", "k64-split", "--auto", "grouped_matmul=mosaic", "--json", str(path)]
+            "--tiles", "k64-split", "--auto", "grouped_matmul=mosaic", "--unroll-layers", "--json", str(path)]
     assert e2e_step.main(argv) == 0
     assert len(draws) == 1  # the one point's caches were drawn, and checked
+    assert compiled_configs and all(config.unroll_layers for config in compiled_configs)
     points = json.loads(path.read_text())
     assert points["earlier"] == {"batch": 1}
     [(key, point)] = [(k, v) for k, v in points.items() if k != "earlier"]
     assert (point["backend"], point["cache_dtype"], point["tiles"], point["batch"], point["drafts"]) == (
         "pallas", "fp8", "k64-split", 2, 1)
-    assert point["auto"] == {"grouped_matmul": "mosaic"}
-    assert key.endswith(",tiles=k64-split,auto=grouped_matmul=mosaic")
+    assert point["auto"] == {"grouped_matmul": "mosaic"} and point["unrolled"] is True
+    assert key.endswith(",tiles=k64-split,auto=grouped_matmul=mosaic,unrolled")
     assert point["measured_s"] > 0 and point["bytes"] > 0 and point["model"] == "tiny"
 
 
