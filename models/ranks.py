@@ -10,10 +10,10 @@ at B = 1 launched 88 kernels and copies with the sorts and 75 with the counts (r
 group-limited top-k, the experts' order and their group sizes).
 
 Past `COUNT_LIMIT` comparisons a call (more than 128 tokens over 256 experts: a tree of 8 at
-B 32, a prefill, whose [A, A] dispatch comparison would grow quadratically) the same functions sort, on the same integer keys, so both
-ways give the same integers and the choice, which depends on how many rows share the call, never
-changes a row's result: a token routes to the same experts, in the same order, alone or among
-others (speculative decoding's verification window relies on it).
+B 32, or a prefill, whose [A, A] dispatch comparison would grow quadratically) the same functions
+sort, on the same integer keys. Both ways give the same integers, so the choice, which depends on
+how many rows share the call, never changes a row's result: a token routes to the same experts,
+in the same order, alone or among others (speculative decoding's verification window relies on it).
 
 The order is `lax.top_k`'s on floats: descending in IEEE total order (+NaN > +inf > ... > +0.0 >
 -0.0 > ... > -inf > -NaN), equal values by lower index first. `total_order_keys` makes it an
@@ -46,19 +46,24 @@ def _counted(elements: int) -> bool:
     return elements <= COUNT_LIMIT
 
 
+def _counted_places(keys: jax.Array) -> jax.Array:
+    """keys [..., N] int32 -> [..., N] int32: how many elements of its row are ahead of each, in
+    descending order with ties to the lower index (a permutation of 0..N-1 per row)."""
+    index = jnp.arange(keys.shape[-1])
+    other, own = keys[..., None, :], keys[..., :, None]
+    ahead = (other > own) | ((other == own) & (index < index[:, None]))
+    return jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+
+
 def places(values: jax.Array) -> jax.Array:
     """values [..., N] float -> [..., N] int32: each element's place in its row's order (0 = best),
     a permutation of 0..N-1 per row. Counted where the [..., N, N] comparison has at most
     `COUNT_LIMIT` elements (an element's place is how many are ahead of it), else sorted."""
     keys = total_order_keys(values)
-    n = keys.shape[-1]
-    if not _counted(keys.size * n):
+    if not _counted(keys.size * keys.shape[-1]):
         # ~key reverses the order without overflow; a stable sort keeps ties by index.
         return jnp.argsort(jnp.argsort(~keys, axis=-1, stable=True), axis=-1).astype(jnp.int32)
-    index = jnp.arange(n)
-    other, own = keys[..., None, :], keys[..., :, None]
-    ahead = (other > own) | ((other == own) & (index < index[:, None]))
-    return jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+    return _counted_places(keys)
 
 
 def _at_places(place: jax.Array, k: int) -> jax.Array:
@@ -91,8 +96,6 @@ def sort_by_group(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Ar
         order = jnp.argsort(groups, stable=True).astype(jnp.int32)
         position = jnp.zeros(count, jnp.int32).at[order].set(jnp.arange(count, dtype=jnp.int32))
         return order, position, jnp.bincount(groups, length=num_groups).astype(jnp.int32)
-    index = jnp.arange(count)
-    other, own = groups[None, :], groups[:, None]
-    position = jnp.sum((other < own) | ((other == own) & (index < index[:, None])), axis=-1, dtype=jnp.int32)
+    position = _counted_places(~groups.astype(jnp.int32))  # ascending: descending in ~group
     sizes = jnp.sum(groups[None, :] == jnp.arange(num_groups)[:, None], axis=-1, dtype=jnp.int32)
     return _at_places(position, count), position, sizes
