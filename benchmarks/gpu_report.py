@@ -718,8 +718,9 @@ def against_flashmla(units: dict) -> list[str]:
 
 
 def headline(report: Report) -> dict | None:
-    """The e2e point HEADLINE: measured / projected, and per op class its time, share of the step
-    and fraction of its roofline (classes under GOAL named). From the point's profile where it has
+    """The e2e point HEADLINE: measured / projected, and per op class its time (with its kernel
+    count where the profile has one), share of the step and fraction of its roofline (classes
+    under GOAL named). From the point's profile where it has
     one ("profiled": the kernels' own times on the device, and the step's time outside them),
     else from the calibration ("calibrated": each class's roofline time over its benchmarks'
     fraction, shares of the calibrated step)."""
@@ -731,9 +732,11 @@ def headline(report: Report) -> dict | None:
     roofline = {name: max(nbytes / bandwidth, flops / peak) for name, (flops, nbytes) in point["by_class"].items()}
     profile = point.get("profile") or {}
     step = point["measured_s"]
+    kernels = {}
     if profile.get("by_class_ms"):
         source, outside = "profiled", step - profile["busy_ms"] / 1e3
         times = {name: ms / 1e3 for name, ms in profile["by_class_ms"].items()}
+        kernels = profile.get("by_class_kernels", {})  # none in profiles recorded before the counts
         fractions = {name: roofline.get(name, 0.0) / t if t else None for name, t in times.items()}
         shares = {name: t / step for name, t in times.items()}
     else:
@@ -746,8 +749,8 @@ def headline(report: Report) -> dict | None:
             "measured_ms": step * 1e3, "projected_ms": point["projected_s"] * 1e3,
             "outside_ms": None if outside is None else outside * 1e3,
             "top": profile.get("top", []) if source == "profiled" else [],
-            "classes": {name: {"ms": times[name] * 1e3, "share": shares[name], "fraction": fractions[name]}
-                        for name in times},
+            "classes": {name: {"ms": times[name] * 1e3, "share": shares[name], "fraction": fractions[name],
+                               "kernels": kernels.get(name)} for name in times},
             "missing_goal": sorted(n for n in times if fractions[n] is not None and fractions[n] < GOAL)}
 
 
@@ -911,7 +914,9 @@ def markdown(report: Report) -> str:
                      f"{GOAL}: {'met' if top['ratio'] >= GOAL else 'missed'}).")
         step = "measured step (profiled)" if top["source"] == "profiled" else "calibrated step"
         unknown = "no kernel of it profiled" if top["source"] == "profiled" else "not measured"
-        lines += [f"- {name}: {c['ms']:.2f} ms, {100 * c['share']:.0f}% of the {step}, fraction of roofline "
+        lines += [f"- {name}: {c['ms']:.2f} ms"
+                  + (f" in {c['kernels']} kernels ({1e3 * c['ms'] / c['kernels']:.1f} us each)" if c["kernels"] else "")
+                  + f", {100 * c['share']:.0f}% of the {step}, fraction of roofline "
                   f"{unknown if c['fraction'] is None else format(c['fraction'], '.2f')}"
                   for name, c in top["classes"].items()]
         if top["outside_ms"] is not None:

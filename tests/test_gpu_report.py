@@ -121,6 +121,9 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
         assert sum(profile["by_class_ms"].values()) == pytest.approx(profile["busy_ms"]) and profile["busy_ms"] > 0
         assert sum(profile["by_class_kernels"].values()) == profile["kernels"]
     assert "measured step (profiled)" in (out / "report.md").read_text()
+    # the headline's classes with their profiled kernel counts and the time a kernel of each
+    ratio_lines = (out / "report.md").read_text().split("## The ratio")[1].splitlines()
+    assert any(re.search(r"^- xla: [\d.]+ ms in \d+ kernels \([\d.]+ us each\)", line) for line in ratio_lines)
     # report.md projects each point with the calibration the kernel rows gave, whichever part ran first
     calibration = Calibration("report", data["calibration"]["fractions"])
     point = units["e2e/B=2,k=1"]
