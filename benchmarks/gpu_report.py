@@ -720,10 +720,10 @@ def against_flashmla(units: dict) -> list[str]:
 def headline(report: Report) -> dict | None:
     """The e2e point HEADLINE: measured / projected, and per op class its time (with its kernel
     count where the profile has one), share of the step and fraction of its roofline (classes
-    under GOAL named). From the point's profile where it has
-    one ("profiled": the kernels' own times on the device, and the step's time outside them),
-    else from the calibration ("calibrated": each class's roofline time over its benchmarks'
-    fraction, shares of the calibrated step)."""
+    under GOAL named). From the point's profile where it has one ("profiled": the kernels' own
+    times on the device, and the step's time outside them), else from the calibration
+    ("calibrated": each class's roofline time over its benchmarks' fraction, shares of the
+    calibrated step)."""
     point = report.units.get(f"e2e/B={HEADLINE[0]},k={HEADLINE[1]}") or (
         report.units.get(f"e2e/B={SMOKE_E2E_POINTS[-1][0]},k={SMOKE_E2E_POINTS[-1][1]}"))
     if point is None:
