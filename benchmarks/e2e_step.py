@@ -295,7 +295,7 @@ def measure_point(model, model_name: str, batch: int, drafts: int, context: int,
             found = profile_call(lambda: compiled(params, state))
         except Exception as error:  # the measured point stands without it; the error is kept and printed
             found = {"error": f"{type(error).__name__}: {error}"[:500]}
-    cost = compiled_cost(compiled)
+    cost = compiled_cost(compiled, launches=(found or {}).get("by_class_kernels"))
     target = target_of(jax.devices()[0])
     peaks = target_peaks(target)
     return Point(model=model_name, batch=batch, drafts=drafts, context=context, layers=model.config.num_hidden_layers,
@@ -303,7 +303,8 @@ def measure_point(model, model_name: str, batch: int, drafts: int, context: int,
                  measured_s=statistics.median(times), spread_s=(min(times), max(times)), compile_s=compile_s,
                  flops=cost.flops, bytes=cost.bytes_accessed, by_class=cost.by_class, target=target,
                  projected_s=step_seconds(cost, peaks),
-                 calibrated_s=step_seconds(cost, peaks, calibration) if calibration.fractions else None,
+                 calibrated_s=step_seconds(cost, peaks, calibration)
+                 if calibration.fractions or calibration.launch_seconds else None,
                  calibration=calibration.describe(), profile=found, unrolled=unrolled)
 
 

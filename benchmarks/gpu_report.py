@@ -79,7 +79,9 @@ reached (`aot.OP_CLASSES`: roofline time max(bytes / HBM bandwidth, flops / peak
 target over measured time, summed over the class's rows; attention from the rows of the kernel
 backend="auto" runs for each op on the device, as the e2e step does); report.json's "calibration"
 is the input of `projection.py --calibration`, and report.md projects every e2e point with the
-calibration of the moment (whichever part ran first). Collectives are not measured on one GPU and
+calibration of the moment (whichever part ran first). The calibration's time a launch comes from
+the e2e profile with the fewest tokens a step (`launch_seconds`): each class then takes at least
+its launches x that, the floor of a one-token step. Collectives are not measured on one GPU and
 stay at 1.0 (said so).
 """
 
@@ -98,10 +100,9 @@ import tempfile
 import time
 
 from attention_kernels import HUNG_EXIT
-from projection import Calibration, note, step_seconds, target_peaks
+from projection import Calibration, StepCost, note, step_seconds, target_peaks
 from suite_log import COMPILE_KEYS, empty_outcome, suite_outcomes
 
-from jaxspec.aot.model import DepthCost
 from jaxspec.pallas_kernels.backend import AUTO_KERNELS
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT
 
@@ -601,14 +602,32 @@ def row_seconds(row: dict) -> float:
     return row["seconds"] if device is None else device
 
 
-def calibrated_seconds(point: dict, fractions: dict) -> float | None:
-    """An e2e point's step projected with the calibration `fractions` (`projection.step_seconds` of
-    its own program's cost by op class; one GPU: no collectives); None without fractions."""
-    if not fractions:
+def calibrated_seconds(point: dict, cal: dict | None) -> float | None:
+    """An e2e point's step projected with the calibration `cal` (report.json's "calibration":
+    `projection.step_seconds` of the point's own program's cost by op class, its launches the
+    kernels its profile counted where it has them; one GPU: no collectives); None without one."""
+    if not cal or not (cal.get("fractions") or cal.get("launch_seconds")):
         return None
-    cost = DepthCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
-                     by_class={name: tuple(value) for name, value in point["by_class"].items()})
-    return step_seconds(cost, target_peaks(point["target"]), Calibration("report", fractions))
+    cost = StepCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
+                    by_class={name: tuple(value) for name, value in point["by_class"].items()},
+                    launches=(point.get("profile") or {}).get("by_class_kernels", {}))
+    return step_seconds(cost, target_peaks(point["target"]),
+                        Calibration("report", cal.get("fractions", {}), cal.get("launch_seconds")))
+
+
+def launch_seconds(units: dict) -> tuple[float, str] | None:
+    """The device time a launch takes at the least, and the e2e unit it was read from: the mean of
+    XLA's kernels (`by_class_ms["xla"]` over `by_class_kernels["xla"]`) in the profile of the e2e
+    point with the fewest tokens a step (B x (k + 1)) among those whose profile counted its kernels.
+    At one token XLA's kernels (norms, pads, routing, copies) move a few kilobytes each, so their
+    mean is what a launch costs inside the step's CUDA graphs; the few that move more (the LM
+    head's matmul) make it an upper bound. None without such a profile."""
+    counted = [(record["batch"] * (record["drafts"] + 1), name, record["profile"]) for name, record in units.items()
+               if name.startswith("e2e/B=") and (record.get("profile") or {}).get("by_class_kernels", {}).get("xla")]
+    if not counted:
+        return None
+    _, name, profile = min(counted)
+    return profile["by_class_ms"]["xla"] / 1e3 / profile["by_class_kernels"]["xla"], name
 
 
 def calibration(report: Report) -> dict | None:
@@ -626,11 +645,13 @@ def calibration(report: Report) -> dict | None:
                     counts[name] = counts.get(name, 0) + 1
         if measured:
             fractions[name] = roofline / measured
-    if not fractions:
+    launch = launch_seconds(report.units)
+    if not fractions and launch is None:
         return None
     return {"label": f"measured on {report.device} ({target_of(report.device)} peaks)", "device": report.device,
             "fractions": fractions, "rows": counts,
-            "not_measured": sorted({"attention", "grouped_matmul", "xla", "collectives"} - set(fractions))}
+            "not_measured": sorted({"attention", "grouped_matmul", "xla", "collectives"} - set(fractions)),
+            "launch_seconds": launch and launch[0], "launch_source": launch and launch[1]}
 
 
 def mosaic_against_triton(units: dict) -> dict[str, dict]:
@@ -866,15 +887,17 @@ def markdown(report: Report) -> str:
     lines += ["", "## End-to-end decode step (measured beside its projection)", ""]
     points = [v for k, v in units.items() if k.startswith("e2e/B=")]
     cal = report.data.get("calibration")
-    fractions = cal["fractions"] if cal and cal.get("device") == device else {}
+    cal = cal if cal and cal.get("device") == device else None
     if points:
         lines += [f"{points[0]['layers']} layers (1 dense + MoE) + MTP, FP8 random weights, context "
                   f"{points[0]['context']}; projection: roofline of the same compiled program on {points[0]['target']} "
-                  f"peaks; calibrated: {cal['label'] if fractions else 'no calibration for this device yet'}.", "",
+                  f"peaks; calibrated: {cal['label'] if cal else 'no calibration for this device yet'} (each op "
+                  "class at its measured fraction of the roofline, and at least its profiled kernels x the "
+                  "calibration's time a launch where both are known).", "",
                   "| B | k | measured ms | projected ms | measured / projected throughput | calibrated ms | TFLOP | GB |",
                   "|---|---|---|---|---|---|---|---|"]
         for p in sorted(points, key=lambda p: (p["batch"], p["drafts"])):
-            calibrated_s = calibrated_seconds(p, fractions)
+            calibrated_s = calibrated_seconds(p, cal)
             calibrated = "-" if calibrated_s is None else f"{calibrated_s * 1e3:.2f}"
             lines.append(f"| {p['batch']} | {p['drafts']} | {p['measured_s'] * 1e3:.2f} | {p['projected_s'] * 1e3:.2f} | "
                          f"{p['ratio']:.2f} | {calibrated} | {p['flops'] / 1e12:.3f} | {p['bytes'] / 1e9:.2f} |")
@@ -901,9 +924,13 @@ def markdown(report: Report) -> str:
                                              f"{gmm['points']} points, step time {gmm['ratio']:.2f}x the default's: "
                                              f"{gmm_verdicts[gmm['verdict']]}")]
     lines += ["", "## Calibration (fraction of the roofline per op class)", ""]
-    if cal and cal.get("device") == device:
+    if cal:
         lines += [f"- {name}: {value:.3f} ({cal['rows'][name]} rows)" for name, value in cal["fractions"].items()]
         lines.append(f"- not measured (1.0 in the projection): {', '.join(cal['not_measured'])}")
+        lines.append("- a launch: " + ("not measured (no launch floor in the projection)"
+                                       if cal.get("launch_seconds") is None else
+                                       f"{cal['launch_seconds'] * 1e6:.2f} us (the mean of XLA's kernels in "
+                                       f"{cal['launch_source']}'s profile)"))
     else:
         lines.append("none for this device")
     top = headline(report)

@@ -36,6 +36,11 @@ SHARED_MEMORY_LIMIT = 232448  # bytes a block may opt into on sm_90 (227 KB), th
 Spec = jax.ShapeDtypeStruct
 
 
+def test_device_memory_must_be_positive():
+    with pytest.raises(ValueError, match=r"device_memory=0: must be >= 1"):
+        aot.gpu_devices("h100", device_memory=0)
+
+
 def test_unknown_target_names_the_known_ones():
     with pytest.raises(ValueError, match=r"target='a100': must be one of \['h100', 'h200'\]"):
         aot.gpu_devices("a100")

@@ -136,11 +136,12 @@ def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, inner):
     assert f"scale_and_shift {layers * chunks}" in aot.report(compiled, "scan")
 
 
-def test_launches_count_each_loop_body_as_often_as_it_runs(h100):
+def test_launches_count_each_loop_body_as_often_as_it_runs(h100, monkeypatch):
     """`aot.launch_counts` reads the thunk sequence: in a scan of 5 holding a conditional and a lax.map
     of 3, the Pallas kernel launches as often as the HLO says it runs (a branch as often as its
     conditional, the map's body 15 times), each loop's condition once more than its body, and the
-    report states the total."""
+    report states the total. `op_class_launches` gives the kernel's launches to its op class and
+    every other launch to XLA's."""
     def body(x, _):
         x = jax.lax.cond(x[0, 0] > 0, _scale_and_shift, jnp.negative, x)
         return jax.lax.map(lambda i: _scale_and_shift(x + i), jnp.arange(3, dtype=jnp.float32)).sum(0), None
@@ -157,6 +158,9 @@ def test_launches_count_each_loop_body_as_often_as_it_runs(h100):
         checked = [launched[name] for name in names if name in launched]
         assert checked == [(loop.trip_count + 1) * runs[loop.computation]]  # its one kernel, once a trip and once to end
     assert launched["kCopy"] > 0
+    assert aot.op_class_launches(compiled) == {"attention": 0, "grouped_matmul": 0, "xla": sum(launched.values())}
+    monkeypatch.setitem(analysis.KERNEL_CLASSES, "scale_and_shift", "attention")
+    assert aot.op_class_launches(compiled) == {"attention": 20, "grouped_matmul": 0, "xla": sum(launched.values()) - 20}
     assert f"launches per execution (loops' bodies as often as they run): {sum(launched.values())}, " in aot.report(
         compiled, "nested")
 

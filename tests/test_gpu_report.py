@@ -6,6 +6,7 @@ class from the benchmark rows)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -22,9 +23,8 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gather_copies  # noqa: E402
 import gpu_report  # noqa: E402
 import suite_log  # noqa: E402
-from projection import Calibration, load_calibration, step_seconds, target_peaks  # noqa: E402
+from projection import Calibration, StepCost, load_calibration, step_seconds, target_peaks  # noqa: E402
 
-from jaxspec.aot.model import DepthCost  # noqa: E402
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT  # noqa: E402
 
 
@@ -109,8 +109,8 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
     for key in [f"e2e/B={b},k={k}" for b, k in gpu_report.SMOKE_E2E_POINTS]:
         point = units[key]
         assert point["measured_s"] > 0 and point["flops"] > 0 and point["bytes"] > 0
-        cost = DepthCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
-                         by_class={k: tuple(v) for k, v in point["by_class"].items()})
+        cost = StepCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
+                        by_class={k: tuple(v) for k, v in point["by_class"].items()})
         assert point["projected_s"] == pytest.approx(step_seconds(cost, target_peaks(point["target"])))
         assert point["ratio"] == pytest.approx(point["projected_s"] / point["measured_s"])
         assert sum(f for f, _ in point["by_class"].values()) == pytest.approx(point["flops"])
@@ -124,11 +124,15 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
     # the headline's classes with their profiled kernel counts and the time a kernel of each
     ratio_lines = (out / "report.md").read_text().split("## The ratio")[1].splitlines()
     assert any(re.search(r"^- xla: [\d.]+ ms in \d+ kernels \([\d.]+ us each\)", line) for line in ratio_lines)
-    # report.md projects each point with the calibration the kernel rows gave, whichever part ran first
-    calibration = Calibration("report", data["calibration"]["fractions"])
+    # report.md projects each point with the calibration the kernel rows and the profiles gave,
+    # whichever part ran first: each class at least its profiled kernels x the time a launch
+    found = data["calibration"]
+    calibration = Calibration("report", found["fractions"], found["launch_seconds"])
+    assert found["launch_seconds"] > 0 and found["launch_source"].startswith("e2e/B=")
     point = units["e2e/B=2,k=1"]
-    cost = DepthCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
-                     by_class={k: tuple(v) for k, v in point["by_class"].items()})
+    cost = StepCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
+                    by_class={k: tuple(v) for k, v in point["by_class"].items()},
+                    launches=point["profile"]["by_class_kernels"])
     calibrated = step_seconds(cost, target_peaks(point["target"]), calibration)
     assert calibrated != pytest.approx(point["projected_s"])
     [row] = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| 2 | 1 |")]
@@ -151,8 +155,8 @@ def test_second_run_skips_what_is_recorded(smoke_report):
 
 def test_calibrated_step_divides_each_class_by_its_fraction():
     bandwidth, peak = 1e12, 1e15
-    cost = DepthCost(flops=3e12, bytes_accessed=6e9, compile_seconds=0.0, collective_bytes=4.5e8,
-                     by_class={"attention": (1e12, 1e9), "grouped_matmul": (0.0, 4e9), "xla": (2e12, 1e9)})
+    cost = StepCost(flops=3e12, bytes_accessed=6e9, compile_seconds=0.0, collective_bytes=4.5e8,
+                    by_class={"attention": (1e12, 1e9), "grouped_matmul": (0.0, 4e9), "xla": (2e12, 1e9)})
     # roofline of the totals: max(6 ms, 3 ms) + 1 ms of collectives at 450 GB/s
     assert step_seconds(cost, (bandwidth, peak)) == pytest.approx(7e-3)
     every_class = {"attention": 1.0, "grouped_matmul": 1.0, "xla": 1.0}
@@ -160,11 +164,21 @@ def test_calibrated_step_divides_each_class_by_its_fraction():
     assert step_seconds(cost, (bandwidth, peak), Calibration("all", every_class)) == pytest.approx(8e-3)
     halved = Calibration("half", {**every_class, "grouped_matmul": 0.5, "collectives": 0.25})
     assert step_seconds(cost, (bandwidth, peak), halved) == pytest.approx((1 + 8 + 2 + 4) * 1e-3)
+    # a launch's time: a class takes at least its launches x 1 us (XLA's 3,000: 3 ms over its 2);
+    # without counted launches the term is absent
+    launched = dataclasses.replace(cost, launches={"attention": 10, "grouped_matmul": 100, "xla": 3000})
+    assert step_seconds(launched, (bandwidth, peak), Calibration("launch", {}, 1e-6)) == pytest.approx(9e-3)
+    assert step_seconds(launched, (bandwidth, peak), halved._replace(launch_seconds=1e-6)) == pytest.approx(16e-3)
+    assert step_seconds(cost, (bandwidth, peak), Calibration("launch", every_class, 1e-6)) == pytest.approx(8e-3)
 
 
 @pytest.mark.parametrize("content, message", [({"calibration": {"label": "x"}}, "no"),
                                               ({"calibration": {"fractions": {"moe": 0.5}}}, "classes must be"),
-                                              ({"calibration": {"fractions": {"xla": 0.0}}}, r"in \(0, 1.5\]")])
+                                              ({"calibration": {"fractions": {"xla": 0.0}}}, r"in \(0, 1.5\]"),
+                                              ({"calibration": {"fractions": {}, "launch_seconds": 0}},
+                                               r"launch_seconds 0: must be in \(0, 0.001\]"),
+                                              ({"calibration": {"fractions": {}, "launch_seconds": "2us"}},
+                                               "launch_seconds '2us'")])
 def test_load_calibration_refuses_what_it_cannot_use(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(content))
@@ -188,6 +202,34 @@ def test_calibration_is_roofline_over_measured_time_per_class():
     found = gpu_report.calibration(report)
     assert found["fractions"] == pytest.approx({"attention": 1.0, "grouped_matmul": 0.9})
     assert found["not_measured"] == ["collectives", "xla"]
+
+
+def test_a_launchs_time_comes_from_the_profile_of_the_fewest_tokens_and_floors_each_class(tmp_path):
+    """The calibration's time a launch is the mean of XLA's kernels in the e2e profile with the
+    fewest tokens a step among those that counted their kernels (B 1, k = 3 here: a B 1, k = 0
+    profile recorded before the counts has none), with no benchmark rows needed; it reaches
+    `projection.py --calibration`, and a profiled point's calibrated step counts its own kernels."""
+    report = gpu_report.Report.__new__(gpu_report.Report)
+    report.device, report.data = "NVIDIA H100 80GB HBM3", {}
+    profile = lambda xla_ms, xla_kernels: {"by_class_ms": {"attention": 1.0, "grouped_matmul": 2.0, "xla": xla_ms},
+                                           "by_class_kernels": {"attention": 5, "grouped_matmul": 20,
+                                                                "xla": xla_kernels}}
+    point = lambda batch, drafts, found: {"batch": batch, "drafts": drafts, "profile": found, "flops": 0.0,
+                                          "bytes": 0.0, "target": "h100",
+                                          "by_class": {"attention": [0, 0], "grouped_matmul": [0, 0], "xla": [0, 0]}}
+    report.units = {"e2e/B=32,k=3": point(32, 3, profile(10.0, 1000)),
+                    "e2e/B=1,k=3": point(1, 3, profile(4.0, 2000)),
+                    "e2e/B=1,k=0": point(1, 0, {"by_class_ms": {"xla": 1.0}})}
+    found = gpu_report.calibration(report)
+    assert found["launch_seconds"] == pytest.approx(2e-6) and found["launch_source"] == "e2e/B=1,k=3"
+    assert found["fractions"] == {}
+    # a point of no bytes is its launches: (5 + 20 + 1000) x 2 us
+    assert gpu_report.calibrated_seconds(report.units["e2e/B=32,k=3"], found) == pytest.approx(1025 * 2e-6)
+    assert gpu_report.calibrated_seconds(report.units["e2e/B=1,k=0"], found) == 0.0  # no counts: no floor
+    (tmp_path / "report.json").write_text(json.dumps({"calibration": found}))
+    assert load_calibration(str(tmp_path / "report.json")).launch_seconds == pytest.approx(2e-6)
+    del report.units["e2e/B=1,k=3"], report.units["e2e/B=32,k=3"]
+    assert gpu_report.calibration(report) is None
 
 
 def test_attention_calibrates_from_the_kernels_auto_runs_on_the_device(monkeypatch):

@@ -14,13 +14,13 @@ projections (`benchmarks/projection.py`).
 
 from .analysis import (OP_CLASSES, Collective, KernelLaunch, Memory, MosaicLaunch, PallasCall, ProgramCost, collectives,
                        kernel_launches, kernel_name, kernel_ptx, launch_counts, memory, mosaic_launches, op_class_costs,
-                       pallas_calls, program_cost, ptxas_path, register_spills, shape_bytes)
+                       op_class_launches, pallas_calls, program_cost, ptxas_path, register_spills, shape_bytes)
 from .compile import TARGETS, GpuCompiled, compile_gpu, gpu_devices, target_config
 from .report import report
 
 __all__ = [
     "OP_CLASSES", "TARGETS", "Collective", "GpuCompiled", "KernelLaunch", "Memory", "MosaicLaunch", "PallasCall",
     "ProgramCost", "collectives", "compile_gpu", "gpu_devices", "kernel_launches", "kernel_name", "kernel_ptx",
-    "launch_counts", "memory", "mosaic_launches", "op_class_costs", "pallas_calls", "program_cost", "ptxas_path",
-    "register_spills", "report", "shape_bytes", "target_config",
+    "launch_counts", "memory", "mosaic_launches", "op_class_costs", "op_class_launches", "pallas_calls",
+    "program_cost", "ptxas_path", "register_spills", "report", "shape_bytes", "target_config",
 ]

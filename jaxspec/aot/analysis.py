@@ -10,7 +10,7 @@
     sequence, and its registers and spills from the CUDA toolkit's `ptxas -arch=sm_90a -v` on the
     dumped PTX;
   * `launch_counts`: what one execution launches (kernels, copies, custom calls), from the dumped thunk
-    sequence, loops' bodies as often as they run;
+    sequence, loops' bodies as often as they run (`op_class_launches`: the same split by op class);
   * `register_spills`: every kernel of the dumped PTX that spills registers (ptxas), for a compile
     that allowed them;
   * `mosaic_launches`: each Mosaic GPU kernel's grid, threads and shared memory, from the launch in
@@ -416,6 +416,21 @@ def op_class_costs(compiled) -> dict[str, tuple[float, float]]:
             part[0] += call.flops * call.runs
             part[1] += call.bytes_accessed * call.runs
     return {name: (flops, nbytes) for name, (flops, nbytes) in split.items()}
+
+
+def op_class_launches(compiled: GpuCompiled) -> dict[str, int]:
+    """What one execution launches, split as `op_class_costs` splits the cost -> {class: launches}
+    over `OP_CLASSES`: each Pallas kernel's launches (its `runs`) under `KERNEL_CLASSES`, and every
+    other launch `launch_counts` counts (XLA's kernels, device copies, library GEMMs, memsets) as
+    "xla". The classes sum to `launch_counts`' total. What a launch-bound step (B 1) pays per class
+    beside its bytes: `benchmarks/projection.py`'s launch term."""
+    split = dict.fromkeys(OP_CLASSES, 0)
+    split["xla"] = sum(launch_counts(compiled).values())
+    for call in pallas_calls(compiled):
+        named = KERNEL_CLASSES.get(kernel_name(call.name), "xla")
+        split[named] += call.runs
+        split["xla"] -= call.runs
+    return split
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,18 +9,12 @@ the loop state donated as at `step`'s jit boundary; prefill is `jaxspec.loop.pre
 prompt of `context` tokens with its caches donated. Cache geometry: a step sees caches of
 `required_capacity` slots per row for `context` tokens (the context plus one step's window), so
 its attention kernels' stated costs are those of a full context.
-
-`depth_cost` gives a full-depth program's flops and bytes from three compiles of one or two
-layers (tens of seconds each instead of minutes): for the decode step it equals a direct compile
-to float32 rounding as long as nothing is rematerialized (`benchmarks/projection.py` says where
-that was checked).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +29,6 @@ from jaxspec.model_config import ModelConfig
 from jaxspec.orbax_io import abstract_model
 from jaxspec.sampling import base_key
 
-from .analysis import OP_CLASSES, collectives, op_class_costs, program_cost
 from .compile import GpuCompiled, compile_gpu
 
 PHASES = ("prefill", "decode")
@@ -149,65 +142,3 @@ def _compile_on_mesh(graphdef, params, model, decode: DecodeConfig, *, phase: st
     options["static_argnames"] = ("graphdef", "config", "mesh", "plan")
     return compile_gpu(_step_mesh, graphdef=graphdef, params=params, state=state, config=decode, mesh=mesh,
                        plan=plan, donate_argnames=("state",), **options)
-
-
-# The three shallow models of `depth_cost`: (name, layers, dense layers).
-SHALLOW_MODELS = (("A: one MoE layer", 1, 0), ("D: one dense + one MoE layer", 2, 1), ("M: two MoE layers", 2, 0))
-
-
-@dataclasses.dataclass(frozen=True)
-class DepthCost:
-    """Flops and bytes accessed of one full-depth program (XLA ops plus Pallas kernels), and the
-    seconds its shallow compiles took. by_class: the same split by op class (`aot.op_class_costs`:
-    class -> (flops, bytes)), each extrapolated as the totals are."""
-
-    flops: float
-    bytes_accessed: float
-    compile_seconds: float
-    collective_bytes: float = 0.0  # bytes the program's collectives produce (`collectives`), per device
-    by_class: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-
-
-def depth_cost(config: ModelConfig, decode: DecodeConfig, *, phase: str, batch: int, context: int, devices: Sequence,
-               dtype=jnp.bfloat16, on_compile: Callable[[str, float], None] | None = None,
-               mesh_shape: tuple[int, int] | None = None, plan: str = sharding.DEFAULT_PLAN) -> DepthCost:
-    """The cost of `compile_model(config, ...)` at full depth from three full-width compiles:
-    A = one MoE layer, D = one dense + one MoE layer, M = two MoE layers (the MTP block, the
-    embedding, the LM head and everything outside the layers are in each). Layers of a kind
-    compile to the same ops (unrolled or in a `lax.scan`: `program_cost` counts a loop's body as
-    many times as it runs), so with d dense and m MoE layers
-
-        cost = A + d (D - A) + (m - 1) (M - A).
-
-    devices: from `gpu_devices(..., device_memory=)` with room for the whole program. On a device
-    the program overflows, XLA recomputes values to save memory, by an amount that depends on the
-    overflow rather than on the layers: raises RuntimeError when a shallow compile was
-    rematerialized. on_compile(name, seconds) is called after each compile (progress). mesh_shape /
-    plan: as for `compile_model`; the costs are then per device, collectives included.
-    Raises ValueError for a config without MoE layers (and as `compile_model`).
-    """
-    dense = config.first_k_dense_replace
-    moe = config.num_hidden_layers - dense
-    if moe < 1:
-        raise ValueError(f"config: first_k_dense_replace={dense} leaves no MoE layer of num_hidden_layers="
-                         f"{config.num_hidden_layers}: depth_cost extrapolates over MoE layers")
-    costs, seconds = [], 0.0
-    for name, layers, dense_layers in SHALLOW_MODELS:
-        compiled = compile_model(config.replace(num_hidden_layers=layers, first_k_dense_replace=dense_layers),
-                                 decode, phase=phase, batch=batch, context=context, devices=devices, dtype=dtype,
-                                 mesh_shape=mesh_shape, plan=plan)
-        cost = program_cost(compiled)
-        if cost.rematerialized:
-            raise RuntimeError(f"{name}: XLA rematerialized {cost.rematerialized} instructions to fit the "
-                               "device's memory; pass devices from gpu_devices(..., device_memory=) with room for "
-                               "the program")
-        classes = op_class_costs(compiled)
-        costs.append((cost.flops, cost.bytes_accessed, sum(c.bytes * c.runs for c in collectives(compiled)),
-                      *(value for name in OP_CLASSES for value in classes[name])))
-        seconds += compiled.compile_seconds
-        if on_compile is not None:
-            on_compile(name, compiled.compile_seconds)
-    full = [a + dense * (d - a) + (moe - 1) * (m - a) for a, d, m in zip(*costs)]
-    by_class = {name: (full[3 + 2 * i], full[4 + 2 * i]) for i, name in enumerate(OP_CLASSES)}
-    return DepthCost(flops=full[0], bytes_accessed=full[1], collective_bytes=full[2], compile_seconds=seconds,
-                     by_class=by_class)
