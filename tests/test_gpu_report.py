@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gather_copies  # noqa: E402
 import gpu_report  # noqa: E402
+import projection  # noqa: E402
 import suite_log  # noqa: E402
 from projection import Calibration, StepCost, load_calibration, step_seconds, target_peaks  # noqa: E402
 
@@ -170,6 +171,22 @@ def test_calibrated_step_divides_each_class_by_its_fraction():
     assert step_seconds(launched, (bandwidth, peak), Calibration("launch", {}, 1e-6)) == pytest.approx(9e-3)
     assert step_seconds(launched, (bandwidth, peak), halved._replace(launch_seconds=1e-6)) == pytest.approx(16e-3)
     assert step_seconds(cost, (bandwidth, peak), Calibration("launch", every_class, 1e-6)) == pytest.approx(8e-3)
+
+
+def test_a_projected_step_is_the_full_depth_compile_and_refuses_recomputation(monkeypatch):
+    """`projection.step_cost` costs the program `compile_model` compiled, launches included, and
+    refuses one where XLA recomputed values to fit the device (its costs would count them)."""
+    compiled = jax.jit(lambda x: jnp.tanh(x @ x)).lower(jnp.ones((8, 8))).compile()
+    seen = {}
+    monkeypatch.setattr(projection, "compile_model", lambda config, decode, **point: seen.update(point) or compiled)
+    monkeypatch.setattr(projection.aot, "op_class_launches", lambda _: {"attention": 0, "grouped_matmul": 0, "xla": 2})
+    cost = projection.step_cost("config", "decode", batch=4, context=64, devices="d", dtype=jnp.bfloat16)
+    assert seen == dict(phase="decode", batch=4, context=64, devices="d", dtype=jnp.bfloat16)
+    assert cost.flops == projection.aot.program_cost(compiled).flops > 0 and cost.launches["xla"] == 2
+    remat = dataclasses.replace(projection.aot.program_cost(compiled), rematerialized=3)
+    monkeypatch.setattr(projection.aot, "program_cost", lambda _: remat)
+    with pytest.raises(RuntimeError, match="rematerialized 3 instructions"):
+        projection.step_cost("config", "decode", batch=4, context=64, devices="d", dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("content, message", [({"calibration": {"label": "x"}}, "no"),
