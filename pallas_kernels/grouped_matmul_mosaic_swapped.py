@@ -152,7 +152,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, scale_ref, out_ref,
                         plgpu.commit_smem()
                         operand = staging
                     plgpu.barrier_wait(x_barriers.at[slot])
-                    plgpu.wgmma(acc_ref, operand, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, operand, x_smem.at[slot].transpose((1, 0)))
                     # Done before the registers holding the A operand are written again, and before
                     # the activation buffer takes step i + stages.
                     plgpu.wgmma_wait(0)

@@ -138,7 +138,7 @@ def _kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, lhs_scale_ref, scal
 
                 def block_product(acc_ref):
                     plgpu.wgmma(acc_ref, x_smem.at[pl.ds(slot * BLOCK_M, WGMMA_M)],
-                                plgpu.transpose_ref(w_smem.at[slot], (1, 0)))
+                                w_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     return acc_ref[...]
 
