@@ -260,15 +260,15 @@ def test_prefill_and_cached_decode_logits(built):
         np.testing.assert_allclose(np.asarray(logits[row, :length]), reference[row].logits[0].numpy(),
                                    rtol=1e-4, atol=1e-4, err_msg=f"prefill row {row}")
 
-    past = [r.past_key_values for r in reference]
+    past = [r.cache for r in reference]
     for window in (1, 3, 1):
         step = rng.integers(0, VOCAB, (len(PROMPTS), window)).astype(np.int32)
         positions = jnp.asarray(np.asarray(lengths)[:, None] + np.arange(window)[None, :], jnp.int32)
         logits, _, cache = model(jnp.asarray(step), positions, cache, _vis(lengths, [window] * 3), form="absorbed",
                                  backend="xla")
         for row in range(len(PROMPTS)):
-            out = _hf_logits(b.hf, step[row].tolist(), past_key_values=past[row], use_cache=True)
-            past[row] = out.past_key_values
+            out = _hf_logits(b.hf, step[row].tolist(), cache=past[row], use_cache=True)
+            past[row] = out.cache
             np.testing.assert_allclose(np.asarray(logits[row]), out.logits[0].numpy(), rtol=1e-4, atol=1e-4,
                                        err_msg=f"decode window {window} row {row} at {lengths[row]}")
         lengths = [n + window for n in lengths]
@@ -303,7 +303,7 @@ def _transformers_mtp(b: Built, ids: list[int], hidden: torch.Tensor):
         positions = torch.arange(1, count + 1)[None]
         causal = torch.full((count, count), float("-inf")).triu(1)[None, None]
         out_hidden = b.mtp.layers[0](embeds, hidden[:, :count], position_embeddings=b.mtp.rotary_emb(embeds, positions),
-                                     attention_mask=causal, position_ids=positions, past_key_values=None)
+                                     attention_mask=causal, position_ids=positions, cache=None)
         return b.mtp._project_to_logits(out_hidden)[0].numpy(), out_hidden[0].numpy()
 
 

@@ -162,7 +162,7 @@ def hf_call(layer, rotary, config, x, start, cache):
     xt = torch.from_numpy(np.array(x))
     embeddings = {kind: rotary(xt, positions, layer_type=kind) for kind in ("main", "compress")}
     with torch.no_grad():
-        out, _ = layer(xt, embeddings, positions, mask, past_key_values=cache)
+        out, _ = layer(xt, embeddings, positions, mask, cache=cache)
     return out.numpy()
 
 
