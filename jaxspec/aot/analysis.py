@@ -670,10 +670,16 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
     count, each kernel under its kernel name (an XLA fusion's, or the Pallas kernel's) and every
     other launch (a device copy, a custom call such as a Mosaic GPU kernel, a memset) under its
     thunk kind ("kCopy", "kCustomCall", ...). A while loop's body counts as often as it runs
-    where XLA knows its trip count (`hlo_loops.executions`; once where it does not) and its
-    condition once more than that; each branch of a conditional as often as the conditional (an
-    upper bound, as `program_cost` counts them). A thunk that only holds others (a loop, a
-    conditional, a dynamic slice's wrapper) is not a launch; the thunks it holds are.
+    where XLA knows its trip count (`hlo_loops.executions`; once where it does not); each branch
+    of a conditional as often as the conditional (an upper bound, as `program_cost` counts them).
+    A thunk that only holds others (a loop, a conditional, a dynamic slice's wrapper) is not a
+    launch; the thunks it holds are.
+
+    A loop's condition runs only where XLA does not know the trip count: XLA's `WhileThunk` runs
+    a known count's body that many times and never evaluates the condition (a `lax.scan` over
+    layers). An unknown count's loop (a `lax.while_loop` on data) evaluates it once a trip and
+    once to end, and each time copies the predicate to the host and waits for it (a host
+    synchronization, counted as "kWhile"): both counted as often as the body plus once.
 
     Why its own parser: a launch costs microseconds whatever its kernel does, launch-bound steps
     (B 1) are decided by this count, and no XLA API reports it. A block of the sequence is matched
@@ -701,11 +707,16 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
             raise RuntimeError(f"thunk sequence: block {block.header!r} of a {opcode} in {parent.computation} "
                                f"names none of its computations ({sorted(held[position])})")
         block.computation = held[position][attribute]
+    trip_counts = {loop.condition: loop.trip_count for loop in module.loops}
     counted = Counter()
     for block in blocks:
         n = runs[block.computation]
-        if block.header == "condition":  # checked once a trip and once to end
-            n = runs[_loop_body(block, blocks)] + runs[blocks[block.parent].computation]
+        if block.header == "condition":
+            n = 0 if trip_counts[block.computation] is not None else (
+                runs[_loop_body(block, blocks)] + runs[blocks[block.parent].computation])
+            if not n:
+                continue
+            counted["kWhile"] += n  # the predicate's copy to the host, each time it is evaluated
         for kind, name in block.thunks:
             if kind not in _STRUCTURAL_THUNKS:
                 counted[kernel_name(name) if kind in ("kCustomKernel", "kKernel") and name else kind] += n

@@ -77,7 +77,8 @@ def report(compiled: GpuCompiled, title: str) -> str:
                      + ", ".join(f"{name} {n}" for name, n in sorted(runs.items())))
     launched = launch_counts(compiled)
     kernels = sum(n for name, n in launched.items() if not is_thunk_kind(name))
-    others = ", ".join(f"{n} {kind[1:]}" for kind, n in sorted(launched.items()) if is_thunk_kind(kind))
+    label = lambda kind: "loop predicate read by the host" if kind == "kWhile" else kind[1:]  # noqa: E731
+    others = ", ".join(f"{n} {label(kind)}" for kind, n in sorted(launched.items()) if is_thunk_kind(kind))
     lines.append(f"launches per execution (loops' bodies as often as they run): {sum(launched.values())}, "
                  f"{kernels} kernels{', ' + others if others else ''}")
     return "\n".join(lines)
