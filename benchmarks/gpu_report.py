@@ -20,7 +20,9 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   moe        benchmarks/moe.py (one V3.2 MoE layer, 8 to 1024 tokens);
   matmuls    benchmarks/matmuls.py (bf16 and FP8 linear layers at decode shapes);
   exactness  benchmarks/exactness.py (rows equal to plain greedy per backend and window_invariant);
-  mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens);
+  mainjob    examples/generate.py --mtp 0 and --mtp 3 (the shipped model, 96 new tokens), and --mtp 3
+             once more with XLA keeping the generation loop on the device as a CUDA graph
+             (LOOP_GRAPH_FLAGS; XLA's default reads the loop's predicate on the host every step);
   gather     benchmarks/gather_copies.py: the Mosaic kernels' gather of scattered rows alone (one
              copy a row, with and without Pallas' automatic barriers, issued by two
              warpgroups, by four warps or by one thread a row) beside a tile copy; then the
@@ -239,11 +241,17 @@ BENCHMARK_UNITS = {
                    ["benchmarks/exactness.py", "--backend", "xla", "--drafts", "k=1", "--invariant-only", "--prompts",
                     "2", "--max-new-tokens", "2", "--json", "{json}"])],
 }
-# (smoke: k = 3 only, on a random tiny model: the part's code path once, at the least CPU)
+# XLA's command buffers for while loops and conditionals (CUDA graph conditional nodes), which its
+# defaults leave out: the generation loop then runs on the device without the host reading its
+# predicate every step (docs/aot.md#loops).
+LOOP_GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+# (unit, argv, smoke argv, XLA flags added to the environment's). Smoke: k = 3 only, on a random
+# tiny model: the part's code path once, at the least CPU.
 MAINJOB_UNITS = [(f"mtp{k}", ["examples/generate.py", "--mtp", str(k), "--max-new-tokens", "96"],
                   None if k == 0 else ["examples/generate.py", "--random", "--preset", "tiny", "--mtp", str(k),
-                                       "--max-new-tokens", "2"])
-                 for k in (0, 3)]
+                                       "--max-new-tokens", "2"], None)
+                 for k in (0, 3)] + [("mtp3-loop-graph", ["examples/generate.py", "--mtp", "3", "--max-new-tokens", "96"],
+                                      None, LOOP_GRAPH_FLAGS)]
 # attention_kernels.py's attention rows (by op name prefix) -> the op `AUTO_KERNELS` names.
 AUTO_OPS = {"mla_attention": "mla_attention", "sparse_mla": "sparse_mla_attention", "indexer_scores": "indexer_topk"}
 # Every attention row's op, V4's included (which do not calibrate the V3.2 step), for the choice
@@ -529,10 +537,13 @@ def part_gmm(report: Report, clock: Clock, args) -> None:
 
 
 def part_mainjob(report: Report, clock: Clock, args) -> None:
-    for unit, argv, smoke_argv in MAINJOB_UNITS:
+    for unit, argv, smoke_argv, xla_flags in MAINJOB_UNITS:
         if report.has(f"mainjob/{unit}") or clock.expired(30) or (args.smoke and smoke_argv is None):
             continue
-        result = run(smoke_argv if args.smoke else argv, clock, child_env(args.smoke), args.unit_timeout)
+        env = child_env(args.smoke)
+        if xla_flags:
+            env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS"), xla_flags) if f)
+        result = run(smoke_argv if args.smoke else argv, clock, env, args.unit_timeout)
         note(f"mainjob {unit}: exit {result['returncode']} in {result['seconds']:.0f} s")
         found = {key: re.search(pattern, result["output"]) for key, pattern in
                  (("tokens_per_s", r"decode .*?: ([\d,.]+) tokens/s"), ("mean_accepted", r"mean accepted length ([\d.]+)"),

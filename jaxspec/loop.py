@@ -38,7 +38,8 @@ inside one `jax.shard_map` (`on_mesh`): each device decodes its own rows with it
 the caches, the routed experts exchange tokens inside the MoE, and the while loop stops when no
 row of any device is left (`jaxspec.sharding.any_row`), so all devices take the same steps.
 Finished rows ride along with an empty window (query_len 0): they write nothing and change nothing.
-Everything runs inside one `jax.lax.while_loop` with no host round trip.
+Everything runs inside one `jax.lax.while_loop`: no host code runs between steps (on a GPU, XLA's
+runtime reads the loop's one-byte predicate once a step before it launches the next: docs/aot.md#loops).
 """
 
 from __future__ import annotations
