@@ -187,6 +187,23 @@ def test_a_loop_on_data_counts_its_condition_and_the_hosts_read_of_it(h100):
     assert "8 loop predicate read by the host" in aot.report(compiled, "data loop")
 
 
+def test_an_async_wrapper_is_no_launch_but_what_it_holds_is(h100, tmp_path, monkeypatch):
+    """jax 0.11's XLA runs some thunks (a dynamic slice's copy) on another stream between an async
+    start and an async done: the copy is a launch, the start and the done are not (a thunk
+    sequence as jax 0.11.2 prints it, for a program whose entry holds no loop)."""
+    compiled = aot.compile_gpu(lambda x: x * 2.0, Spec(BLOCK, jnp.float32), devices=h100)
+    path = tmp_path / "module_0001.async.thunk_sequence.txt"
+    path.write_text("\n".join([
+        "001: kAsyncStart   [source        | next=004 (1) ] stream=computation_stream[0], async_id=1",
+        "    003: kDynamicSliceFusion [source | sink] params=1, results=1",
+        "        002: kCopy [source | sink] kCopy",
+        "004: kAsyncDone    [prev=001 (1)  | sink         ] ",
+        "005: kCustomKernel [source        | sink         ] loop_multiply_fusion grid: [1, 1, 1] threads: [128, 1, 1]"
+        "  shared_memory: 0 bytes"]) + "\n")
+    monkeypatch.setattr(analysis, "_dump_files", lambda compiled, suffix: [str(path)])
+    assert aot.launch_counts(compiled) == {"kCopy": 1, "loop_multiply_fusion": 1}
+
+
 def test_launches_of_two_loops_sharing_their_kernels(h100):
     """Two scans of one body, 3 and 7 trips: XLA compiles the body's kernels once and names them
     after the first loop's instructions in both, and each loop's thunks still count its own trips

@@ -613,8 +613,11 @@ def kernel_launches(compiled: GpuCompiled) -> list[KernelLaunch]:
 
 _THUNK_LINE = re.compile(r"^( *)\d+: (k\w+)\s+\[[^\]]*\]\s*(\S*)")
 _THUNK_HEADER = re.compile(r"^\s*([\w ]+):\s*$")  # condition:, body:, true_branch:, ...
-# Thunks that only hold or order others: their inner thunks are the launches.
-_STRUCTURAL_THUNKS = frozenset({"kWhile", "kConditional", "kDynamicSliceFusion", "kSequential", "kCommandBuffer"})
+# Thunks that only hold or order others: their inner thunks are the launches. jax 0.11's XLA wraps
+# some thunks (a dynamic slice's copy) in an async start, on another stream, and an async done,
+# which waits for it.
+_STRUCTURAL_THUNKS = frozenset({"kWhile", "kConditional", "kDynamicSliceFusion", "kSequential", "kCommandBuffer",
+                                "kAsyncStart", "kAsyncDone"})
 
 
 @dataclasses.dataclass
