@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gather_copies  # noqa: E402
 import gpu_report  # noqa: E402
+import launch_check  # noqa: E402
 import projection  # noqa: E402
 import suite_log  # noqa: E402
 from projection import Calibration, StepCost, load_calibration, step_seconds, target_peaks  # noqa: E402
@@ -1024,3 +1025,55 @@ def test_the_main_job_runs_once_more_with_the_loop_as_a_cuda_graph(tmp_path, mon
     assert rates == {"mtp0": 100.0, "mtp3": 250.0, "mtp3-loop-graph": 260.0}
     markdown = gpu_report.markdown(report)
     assert "- mtp3-loop-graph: 260.0 tokens/s" in markdown and "- mtp0: 100.0 tokens/s" in markdown
+
+
+def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_path, monkeypatch, capsys):
+    """benchmarks/launch_check.py: each e2e point whose profile counted its device events (the e2e
+    and gmm parts' units; one without a count, and other units, are left out) is compiled here with
+    the point's model, layers, drafts, backend, cache dtype, tiles, --auto choices and unrolling,
+    for its GPU, and printed beside the profile's count, per class where the profile has them.
+    A point recorded before the model and unrolling were is V3.2's, as scans."""
+    from collections import Counter
+
+    from jaxspec.pallas_kernels import backend, grouped_matmul_pallas
+    built = []
+
+    def fake_compile(config, decode, *, phase, batch, context, devices, dtype):
+        built.append(dict(model=config.model_type, layers=config.num_hidden_layers, drafts=decode.num_draft,
+                          backend=decode.backend, cache=decode.cache_dtype, unrolled=decode.unroll_layers, phase=phase,
+                          batch=batch, context=context, gpu=devices[0].device_kind, dtype=dtype,
+                          tiles=grouped_matmul_pallas.current_tiles(), auto=dict(backend._auto_choices)))
+        return len(built)
+
+    monkeypatch.setattr(launch_check, "compile_model", fake_compile)
+    monkeypatch.setattr(launch_check.aot, "launch_counts", lambda n: Counter({"kCopy": 10 * n, "fusion": 100}))
+    monkeypatch.setattr(launch_check.aot, "op_class_launches",
+                        lambda n: {"attention": n, "grouped_matmul": 2 * n, "xla": 100 + 7 * n})
+    old = dict(batch=1, drafts=0, context=4096, layers=10, backend="auto", cache_dtype="bfloat16", tiles="k64",
+               auto={"grouped_matmul": "mosaic"}, target="h200", profile={"kernels": 112})
+    new = dict(model="deepseek-v4-flash", batch=32, drafts=3, context=4096, layers=4, backend="mosaic",
+               cache_dtype="fp8", tiles="k64-int", auto={}, unrolled=True, target="h100",
+               profile={"kernels": 125, "by_class_kernels": {"attention": 2, "grouped_matmul": 4, "xla": 119}})
+    report = {"devices": {"NVIDIA H200": {"gmm/e2e-mosaic/B=1,k=0": old, "e2e/B=8,k=1": {**old, "profile": None},
+                                          "moe": {"profile": {"kernels": 3}}},
+                          "NVIDIA H100 80GB HBM3": {"e2e/B=32,k=3": new}}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert launch_check.main([str(path)]) == 0
+    assert [(b["model"], b["layers"], b["drafts"], b["backend"], b["cache"], b["unrolled"], b["batch"], b["tiles"],
+             b["auto"], "H200" in b["gpu"], "H100" in b["gpu"]) for b in built] == [
+        ("deepseek_v32", 10, 0, "auto", None, False, 1, grouped_matmul_pallas.VARIANTS["k64"],
+         {"grouped_matmul": "mosaic"}, True, False),
+        ("deepseek_v4", 4, 3, "mosaic", "fp8", True, 32, grouped_matmul_pallas.VARIANTS["k64-int"], {}, False, True)]
+    assert all(b["phase"] == "decode" and b["context"] == 4096 and b["dtype"] == jnp.float8_e4m3fn for b in built)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[1].split()[-5:] == ["gmm/e2e-mosaic/B=1,k=0", "112", "110", "0.982", "-"]
+    assert lines[2].split()[-16:-12] == ["e2e/B=32,k=3", "125", "120", "0.960"]
+    assert lines[2].endswith(" attention 2 / 2, grouped_matmul 4 / 4, xla 114 / 119")
+    path.write_text(json.dumps({"devices": {"NVIDIA H200": {"e2e/B=8,k=1": {**old, "profile": None}}}}))
+    assert launch_check.main([str(path)]) == 1 and "no e2e point with a profiled kernel count" in capsys.readouterr().out
+    path.write_text("{not json")
+    with pytest.raises(SystemExit):
+        launch_check.main([str(path)])
+    assert f"{path}: " in capsys.readouterr().err
