@@ -715,10 +715,9 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
     for block in blocks:
         n = runs[block.computation]
         if block.header == "condition":
-            n = 0 if trip_counts[block.computation] is not None else (
-                runs[_loop_body(block, blocks)] + runs[blocks[block.parent].computation])
-            if not n:
-                continue
+            if trip_counts[block.computation] is not None:
+                continue  # never evaluated
+            n = runs[_loop_body(block, blocks)] + runs[blocks[block.parent].computation]
             counted["kWhile"] += n  # the predicate's copy to the host, each time it is evaluated
         for kind, name in block.thunks:
             if kind not in _STRUCTURAL_THUNKS:
