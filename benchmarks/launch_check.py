@@ -40,7 +40,13 @@ def profiled_points(report: dict) -> list[tuple[str, str, dict]]:
     and "gmm/e2e-.../...") whose profile counted its device events, in the report's order."""
     return [(device, unit, point) for device, record in report.get("devices", {}).items()
             for unit, point in record.items()
-            if unit.startswith(("e2e/", "gmm/e2e-")) and isinstance((point.get("profile") or {}).get("kernels"), int)]
+            if unit.startswith(("e2e/", "gmm/e2e-")) and _profiled_events(point) > 0]
+
+
+def _profiled_events(point: dict) -> int:
+    """The device events a point's profile counted (0 without a profile or a count)."""
+    events = (point.get("profile") or {}).get("kernels")
+    return events if isinstance(events, int) else 0
 
 
 def counted_launches(point: dict) -> tuple[int, dict[str, int]]:

@@ -1029,10 +1029,11 @@ def test_the_main_job_runs_once_more_with_the_loop_as_a_cuda_graph(tmp_path, mon
 
 def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_path, monkeypatch, capsys):
     """benchmarks/launch_check.py: each e2e point whose profile counted its device events (the e2e
-    and gmm parts' units; one without a count, and other units, are left out) is compiled here with
-    the point's model, layers, drafts, backend, cache dtype, tiles, --auto choices and unrolling,
-    for its GPU, and printed beside the profile's count, per class where the profile has them.
-    A point recorded before the model and unrolling were is V3.2's, as scans."""
+    and gmm parts' units; one without a profile or with a count of 0, and other units, are left
+    out) is compiled here with the point's model, layers, drafts, backend, cache dtype, tiles,
+    --auto choices and unrolling, for its GPU, and printed beside the profile's count, per class
+    where the profile has them. A point recorded before the model and unrolling were is V3.2's,
+    as scans; a report without such a point, or not JSON, is said so."""
     from collections import Counter
 
     from jaxspec.pallas_kernels import backend, grouped_matmul_pallas
@@ -1055,6 +1056,7 @@ def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_pat
                cache_dtype="fp8", tiles="k64-int", auto={}, unrolled=True, target="h100",
                profile={"kernels": 125, "by_class_kernels": {"attention": 2, "grouped_matmul": 4, "xla": 119}})
     report = {"devices": {"NVIDIA H200": {"gmm/e2e-mosaic/B=1,k=0": old, "e2e/B=8,k=1": {**old, "profile": None},
+                                          "e2e/B=8,k=0": {**old, "profile": {"kernels": 0}},
                                           "moe": {"profile": {"kernels": 3}}},
                           "NVIDIA H100 80GB HBM3": {"e2e/B=32,k=3": new}}}
     path = tmp_path / "report.json"
@@ -1072,7 +1074,8 @@ def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_pat
     assert lines[2].split()[-16:-12] == ["e2e/B=32,k=3", "125", "120", "0.960"]
     assert lines[2].endswith(" attention 2 / 2, grouped_matmul 4 / 4, xla 114 / 119")
     path.write_text(json.dumps({"devices": {"NVIDIA H200": {"e2e/B=8,k=1": {**old, "profile": None}}}}))
-    assert launch_check.main([str(path)]) == 1 and "no e2e point with a profiled kernel count" in capsys.readouterr().out
+    assert launch_check.main([str(path)]) == 1
+    assert "no e2e point with a profiled kernel count" in capsys.readouterr().out
     path.write_text("{not json")
     with pytest.raises(SystemExit):
         launch_check.main([str(path)])
