@@ -265,14 +265,21 @@ class Point:
         return self.projected_s / self.measured_s
 
 
+def step_decode(drafts: int, context: int, backend: str = "auto", cache_dtype: str | None = None,
+                unrolled: bool = False) -> DecodeConfig:
+    """The decode settings a point's step is compiled with (`measure_point`; `launch_check.py`
+    compiles a recorded point's step again with them)."""
+    return DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype,
+                        unroll_layers=unrolled)
+
+
 def measure_point(model, model_name: str, batch: int, drafts: int, context: int, *, iters: int, warmup: int,
                   calibration=ROOFLINE, backend: str = "auto", cache_dtype: str | None = None,
                   tiles: str = DEFAULT_VARIANT, auto: dict | None = None, profile: bool = False,
                   unrolled: bool = False) -> Point:
     """Build the state at `context`, compile the step, time it, project it (module docstring) and,
     if asked, profile one more step."""
-    decode = DecodeConfig(num_draft=drafts, max_new_tokens=context, backend=backend, cache_dtype=cache_dtype,
-                          unroll_layers=unrolled)
+    decode = step_decode(drafts, context, backend, cache_dtype, unrolled)
     graphdef, params = nnx.split(model)
     state = _at_context(_random_caches(state_at(model, batch, decode), jax.random.key(drafts)), context)
     start = time.perf_counter()

@@ -22,11 +22,10 @@ import json
 import sys
 
 import jax.numpy as jnp
-from e2e_step import shallow
+from e2e_step import shallow, step_decode
 
 from jaxspec import aot
 from jaxspec.aot.model import compile_model
-from jaxspec.decode_config import DecodeConfig
 from jaxspec.pallas_kernels.backend import auto_kernels
 from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT, tile_variant
 from jaxspec.presets import preset
@@ -53,9 +52,8 @@ def counted_launches(point: dict) -> tuple[int, dict[str, int]]:
     """A point's step compiled here for its GPU -> (launches a step, {op class: launches})."""
     config = shallow(preset(point.get("model", DEFAULT_MODEL)), point["layers"])
     cache_dtype = point.get("cache_dtype")
-    decode = DecodeConfig(num_draft=point["drafts"], max_new_tokens=point["context"], backend=point["backend"],
-                          cache_dtype=None if cache_dtype in (None, "bfloat16") else cache_dtype,
-                          unroll_layers=point.get("unrolled", False))
+    decode = step_decode(point["drafts"], point["context"], point["backend"],
+                         None if cache_dtype in (None, "bfloat16") else cache_dtype, point.get("unrolled", False))
     with tile_variant(point.get("tiles", DEFAULT_VARIANT)), auto_kernels(**point.get("auto", {})):
         compiled = compile_model(config, decode, phase="decode", batch=point["batch"], context=point["context"],
                                  devices=aot.gpu_devices(point["target"], 1), dtype=jnp.float8_e4m3fn)
