@@ -136,6 +136,13 @@ def test_a_pallas_kernel_in_a_loop_counts_once_per_run(h100, layers, inner):
     assert f"scale_and_shift {layers * chunks}" in aot.report(compiled, "scan")
 
 
+def _condition_kernels(module, loop) -> set[str]:
+    """The kernel names a loop's condition's instructions would launch under (XLA sanitizes an
+    instruction's name into its kernel's)."""
+    return {re.sub(r"[.-]", "_", name) for name in
+            re.findall(r"^\s*(?:ROOT )?%?(\S+) = ", "\n".join(module.computations[loop.condition]), re.M)}
+
+
 def test_launches_count_each_loop_body_as_often_as_it_runs(h100, monkeypatch):
     """`aot.launch_counts` reads the thunk sequence: in a scan of 5 holding a conditional and a lax.map
     of 3, the Pallas kernel launches as often as the HLO says it runs (a branch as often as its
@@ -153,8 +160,7 @@ def test_launches_count_each_loop_body_as_often_as_it_runs(h100, monkeypatch):
     runs = hlo_loops.executions(module)
     assert sorted((loop.trip_count, runs[loop.computation]) for loop in module.loops) == [(3, 5), (5, 1)]
     for loop in module.loops:
-        names = {re.sub(r"[.-]", "_", name) for name in  # kernels are named as XLA sanitizes instructions
-                 re.findall(r"^\s*(?:ROOT )?%?(\S+) = ", "\n".join(module.computations[loop.condition]), re.M)}
+        names = _condition_kernels(module, loop)
         assert names and not names & set(launched), (names, launched)
     assert "kWhile" not in launched
     assert launched["kCopy"] > 0
@@ -180,8 +186,7 @@ def test_a_loop_on_data_counts_its_condition_and_the_hosts_read_of_it(h100):
     launched = aot.launch_counts(compiled)
     assert launched["scale_and_shift"] == 4
     (data_loop,) = [loop for loop in module.loops if loop.trip_count is None]
-    names = {re.sub(r"[.-]", "_", name) for name in
-             re.findall(r"^\s*(?:ROOT )?%?(\S+) = ", "\n".join(module.computations[data_loop.condition]), re.M)}
+    names = _condition_kernels(module, data_loop)
     assert [launched[name] for name in names if name in launched] == [4 + 4]
     assert launched["kWhile"] == 4 + 4
     assert "8 loop predicate read by the host" in aot.report(compiled, "data loop")

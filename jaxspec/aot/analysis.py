@@ -618,6 +618,8 @@ _THUNK_HEADER = re.compile(r"^\s*([\w ]+):\s*$")  # condition:, body:, true_bran
 # which waits for it.
 _STRUCTURAL_THUNKS = frozenset({"kWhile", "kConditional", "kDynamicSliceFusion", "kSequential", "kCommandBuffer",
                                 "kAsyncStart", "kAsyncDone"})
+# `launch_counts`' key for a loop's predicate copied to the host (the while thunk's own copy).
+PREDICATE_READS = "kWhile"
 
 
 @dataclasses.dataclass
@@ -682,7 +684,7 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
     a known count's body that many times and never evaluates the condition (a `lax.scan` over
     layers). An unknown count's loop (a `lax.while_loop` on data) evaluates it once a trip and
     once to end, and each time copies the predicate to the host and waits for it (a host
-    synchronization, counted as "kWhile"): both counted as often as the body plus once.
+    synchronization, counted as `PREDICATE_READS`): both counted as often as the body plus once.
 
     Why its own parser: a launch costs microseconds whatever its kernel does, launch-bound steps
     (B 1) are decided by this count, and no XLA API reports it. A block of the sequence is matched
@@ -718,7 +720,7 @@ def launch_counts(compiled: GpuCompiled) -> Counter:
             if trip_counts[block.computation] is not None:
                 continue  # never evaluated
             n = runs[_loop_body(block, blocks)] + runs[blocks[block.parent].computation]
-            counted["kWhile"] += n  # the predicate's copy to the host, each time it is evaluated
+            counted[PREDICATE_READS] += n  # the predicate's copy to the host, each time it is evaluated
         for kind, name in block.thunks:
             if kind not in _STRUCTURAL_THUNKS:
                 counted[kernel_name(name) if kind in ("kCustomKernel", "kKernel") and name else kind] += n

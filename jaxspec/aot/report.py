@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .analysis import (collectives, is_thunk_kind, kernel_launches, kernel_name, launch_counts, memory,
-                       mosaic_launches, pallas_calls, program_cost, register_spills)
+from .analysis import (PREDICATE_READS, collectives, is_thunk_kind, kernel_launches, kernel_name, launch_counts,
+                       memory, mosaic_launches, pallas_calls, program_cost, register_spills)
 from .compile import GpuCompiled
 
 GIB = 2 ** 30
@@ -77,7 +77,7 @@ def report(compiled: GpuCompiled, title: str) -> str:
                      + ", ".join(f"{name} {n}" for name, n in sorted(runs.items())))
     launched = launch_counts(compiled)
     kernels = sum(n for name, n in launched.items() if not is_thunk_kind(name))
-    label = lambda kind: "loop predicate read by the host" if kind == "kWhile" else kind[1:]  # noqa: E731
+    label = lambda kind: "loop predicate read by the host" if kind == PREDICATE_READS else kind[1:]  # noqa: E731
     others = ", ".join(f"{n} {label(kind)}" for kind, n in sorted(launched.items()) if is_thunk_kind(kind))
     lines.append(f"launches per execution (loops' bodies as often as they run): {sum(launched.values())}, "
                  f"{kernels} kernels{', ' + others if others else ''}")
