@@ -56,7 +56,10 @@ Each part runs its work as subprocesses, so this process never holds the GPU:
   e2e        benchmarks/e2e_step.py: full-width DeepSeek-V3.2 in FP8, B 1, 8, 32 x k 0, 1, 3 at
              context 4096, each step measured beside its projection (and the calibrated one),
              and one more step profiled (`kernel_profile`: the kernels' time per op class, and the
-             time outside them); a point recorded without a profile is measured again.
+             time outside them); a point recorded without a profile is measured again;
+  e2e_v4     the same for DeepSeek-V4-Flash (`e2e_step.py --v4`: as many MoE layers as fit, and its
+             MTP block) at V4_E2E_POINTS (B 32, k 3 and B 1, k 0), after V3.2's: V4's step measured
+             beside its projection (the calibration is V3.2's kernels' and stays so).
 
 Resuming: every finished unit (a test module, a benchmark, an e2e point) goes into OUT/report.json
 at once, under the device it ran on (`nvidia-smi`'s name, "cpu" without one); a later run on the
@@ -110,11 +113,14 @@ from jaxspec.pallas_kernels.grouped_matmul_pallas import DEFAULT_VARIANT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(REPO, "benchmarks")
-PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "gather", "gmm", "e2e", "flashmla")
+PARTS = ("suite", "kernels", "moe", "matmuls", "exactness", "mainjob", "tiles", "gather", "gmm", "e2e", "flashmla",
+         "e2e_v4")
 # The headline point first, then the rest of its batch: a short lease measures what matters most.
 E2E_POINTS = [(b, k) for b in (32, 8, 1) for k in (3, 0, 1)]
 SMOKE_E2E_POINTS = [(2, 1)]  # one step with a draft: the part's code path
 HEADLINE = (32, 3)  # the e2e point whose measured / projected the report states
+# DeepSeek-V4-Flash's points: the headline and the one-token step, whose time is mostly launches.
+V4_E2E_POINTS = [HEADLINE, (1, 0)]
 E2E_POINT_SECONDS = 60  # the most one e2e point (compile, timing, profile) is given to finish
 GOAL = 0.7  # measured / projected the headline aims at; op classes under it are named
 # The grouped-matmul tile variant the gmm part runs the e2e step with, at these points: K splits
@@ -556,10 +562,13 @@ def part_mainjob(report: Report, clock: Clock, args) -> None:
 
 
 def part_e2e(report: Report, clock: Clock, args, variant: str | None = None) -> None:
-    """The e2e points (units "e2e/B=..,k=.."), or with one of GMM_E2E_VARIANTS the gmm part's
-    (units "gmm/e2e-VARIANT/B=..,k=..")."""
+    """The e2e points (units "e2e/B=..,k=.."); with variant "v4" the e2e_v4 part's, V4-Flash's
+    (units "e2e_v4/B=..,k=..", under --smoke tiny-v4's at SMOKE_E2E_POINTS); with one of
+    GMM_E2E_VARIANTS the gmm part's (units "gmm/e2e-VARIANT/B=..,k=..")."""
     if variant is None:
         prefix, points, flags = "e2e", SMOKE_E2E_POINTS if args.smoke else E2E_POINTS, []
+    elif variant == "v4":
+        prefix, points, flags = "e2e_v4", SMOKE_E2E_POINTS if args.smoke else V4_E2E_POINTS, ["--v4"]
     else:  # (--smoke: a variant's points are not run; the default's run the same code path)
         prefix, points, flags = f"gmm/e2e-{variant}", [] if args.smoke else GMM_E2E_POINTS, GMM_E2E_VARIANTS[variant]
     # A point measured before the step was profiled is measured again, with its profile.
@@ -611,6 +620,28 @@ def row_seconds(row: dict) -> float:
     step pays an op's kernels, not a Python call's dispatch."""
     device = row.get("device_seconds")
     return row["seconds"] if device is None else device
+
+
+def e2e_lines(points: list[dict], cal: dict | None, layers: str) -> list[str]:
+    """report.md's table of e2e points (`e2e_step.py`'s records, one model's), each measured beside
+    its projection and calibrated with `cal` (None: no calibration for the device); layers: what the
+    model's layers are, for the table's caption ("1 dense + MoE")."""
+    if not points:
+        return ["not measured"]
+    first = points[0]
+    lines = [f"{first.get('model', 'deepseek-v3.2')}: {first['layers']} layers ({layers}) + MTP, FP8 random "
+             f"weights, context {first['context']}; projection: roofline of the same compiled program on "
+             f"{first['target']} peaks; calibrated: {cal['label'] if cal else 'no calibration for this device yet'} "
+             "(each op class at its measured fraction of the roofline, and at least its profiled kernels x the "
+             "calibration's time a launch where both are known).", "",
+             "| B | k | measured ms | projected ms | measured / projected throughput | calibrated ms | TFLOP | GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (p["batch"], p["drafts"])):
+        calibrated_s = calibrated_seconds(p, cal)
+        calibrated = "-" if calibrated_s is None else f"{calibrated_s * 1e3:.2f}"
+        lines.append(f"| {p['batch']} | {p['drafts']} | {p['measured_s'] * 1e3:.2f} | {p['projected_s'] * 1e3:.2f} | "
+                     f"{p['ratio']:.2f} | {calibrated} | {p['flops'] / 1e12:.3f} | {p['bytes'] / 1e9:.2f} |")
+    return lines
 
 
 def calibrated_seconds(point: dict, cal: dict | None) -> float | None:
@@ -895,28 +926,17 @@ def markdown(report: Report) -> str:
         lines.append(f"- {unit}: " + ("not run" if record is None else
                                       f"{record['tokens_per_s']} tokens/s, mean accepted length "
                                       f"{record['mean_accepted']}, exit {record['returncode']}"))
-    lines += ["", "## End-to-end decode step (measured beside its projection)", ""]
-    points = [v for k, v in units.items() if k.startswith("e2e/B=")]
     cal = report.data.get("calibration")
     cal = cal if cal and cal.get("device") == device else None
-    if points:
-        lines += [f"{points[0]['layers']} layers (1 dense + MoE) + MTP, FP8 random weights, context "
-                  f"{points[0]['context']}; projection: roofline of the same compiled program on {points[0]['target']} "
-                  f"peaks; calibrated: {cal['label'] if cal else 'no calibration for this device yet'} (each op "
-                  "class at its measured fraction of the roofline, and at least its profiled kernels x the "
-                  "calibration's time a launch where both are known).", "",
-                  "| B | k | measured ms | projected ms | measured / projected throughput | calibrated ms | TFLOP | GB |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for p in sorted(points, key=lambda p: (p["batch"], p["drafts"])):
-            calibrated_s = calibrated_seconds(p, cal)
-            calibrated = "-" if calibrated_s is None else f"{calibrated_s * 1e3:.2f}"
-            lines.append(f"| {p['batch']} | {p['drafts']} | {p['measured_s'] * 1e3:.2f} | {p['projected_s'] * 1e3:.2f} | "
-                         f"{p['ratio']:.2f} | {calibrated} | {p['flops'] / 1e12:.3f} | {p['bytes'] / 1e9:.2f} |")
-    else:
-        lines.append("not measured")
+    lines += ["", "## End-to-end decode step (measured beside its projection)", ""]
+    lines += e2e_lines([v for k, v in units.items() if k.startswith("e2e/B=")], cal, "1 dense + MoE")
     failed = [k for k in units if k.startswith(("e2e/failed", "gmm/e2e-")) and "/failed" in k]
     lines += [f"(e2e runs that failed: {', '.join(failed)}; their output is in report.json)" if failed else ""]
     lines += tile_variant_lines(units)
+    lines += ["", "## DeepSeek-V4-Flash's decode step (the e2e_v4 part)", ""]
+    lines += e2e_lines([v for k, v in units.items() if k.startswith("e2e_v4/B=")], cal, "MoE")
+    failed = [k for k in units if k.startswith("e2e_v4/failed")]
+    lines += [f"(runs that failed: {', '.join(failed)}; their output is in report.json)" if failed else ""]
     choice = mosaic_against_triton(units)
     lines += ["", "## Mosaic against Triton (what `AUTO_KERNELS` should say)", ""]
     if choice:
@@ -1047,6 +1067,8 @@ def main(argv=None) -> int:
             part_mainjob(report, clock, args)
         elif part == "e2e":
             part_e2e(report, clock, args)
+        elif part == "e2e_v4":
+            part_e2e(report, clock, args, "v4")
         elif part == "gmm":
             part_gmm(report, clock, args)
         else:

@@ -35,11 +35,12 @@ DEFAULT_MODEL = "deepseek-v3.2"
 
 
 def profiled_points(report: dict) -> list[tuple[str, str, dict]]:
-    """(device, unit, point) for every e2e point of a gpu_report.py report.json (units "e2e/..."
-    and "gmm/e2e-.../...") whose profile counted its device events, in the report's order."""
+    """(device, unit, point) for every e2e point of a gpu_report.py report.json (units "e2e/...",
+    V4-Flash's "e2e_v4/..." and "gmm/e2e-.../...") whose profile counted its device events, in the
+    report's order."""
     return [(device, unit, point) for device, record in report.get("devices", {}).items()
             for unit, point in record.items()
-            if unit.startswith(("e2e/", "gmm/e2e-")) and _profiled_events(point) > 0]
+            if unit.startswith(("e2e/", "e2e_v4/", "gmm/e2e-")) and _profiled_events(point) > 0]
 
 
 def _profiled_events(point: dict) -> int:

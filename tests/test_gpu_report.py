@@ -62,7 +62,8 @@ def test_smoke_run_records_every_part(smoke_report):
     (device, units), = data["devices"].items()
     assert device.endswith("(smoke)")
     expected = {"suite/test_config.py", "kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls",
-                "gmm/expert_matmuls", "gmm/matmuls", "gmm/moe_fp8", "exactness", "mainjob/mtp3", "e2e/B=2,k=1"}
+                "gmm/expert_matmuls", "gmm/matmuls", "gmm/moe_fp8", "exactness", "mainjob/mtp3", "e2e/B=2,k=1",
+                "e2e_v4/B=2,k=1"}
     assert set(units) == expected
     assert units["suite/test_config.py"]["collected_only"] > 0 and not units["suite/test_config.py"]["failed"]
     for name in ("kernels/mla_attention", "kernels_block_n32", "gather", "moe", "matmuls", "gmm/expert_matmuls",
@@ -99,17 +100,19 @@ def test_smoke_run_records_every_part(smoke_report):
     text = (out / "report.md").read_text()
     for heading in ("## Test suite", "## kernels", "## kernels_block_n32", "## kernels_part_slots",
                     "## gather", "## moe", "## matmuls", "## gmm", "## Exactness", "## Main job", "## End-to-end decode step",
+                    "## DeepSeek-V4-Flash's decode step",
                     "## Calibration", "## The ratio"):
         assert heading in text
 
 
 def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
-    """Each point's projection is projection.py's roofline of the flops and bytes of the program
-    it timed, and the op classes split those totals exactly."""
+    """Each point's projection (V3.2's and V4's) is projection.py's roofline of the flops and bytes
+    of the program it timed, and the op classes split those totals exactly."""
     out, data = smoke_report
     (units,) = data["devices"].values()
-    for key in [f"e2e/B={b},k={k}" for b, k in gpu_report.SMOKE_E2E_POINTS]:
+    for key in [f"{part}/B={b},k={k}" for part in ("e2e", "e2e_v4") for b, k in gpu_report.SMOKE_E2E_POINTS]:
         point = units[key]
+        assert point["model"] == ("tiny-v4" if key.startswith("e2e_v4") else "tiny")
         assert point["measured_s"] > 0 and point["flops"] > 0 and point["bytes"] > 0
         cost = StepCost(flops=point["flops"], bytes_accessed=point["bytes"], compile_seconds=0.0,
                         by_class={k: tuple(v) for k, v in point["by_class"].items()})
@@ -137,7 +140,8 @@ def test_smoke_e2e_points_are_projected_from_their_own_program(smoke_report):
                     launches=point["profile"]["by_class_kernels"])
     calibrated = step_seconds(cost, target_peaks(point["target"]), calibration)
     assert calibrated != pytest.approx(point["projected_s"])
-    [row] = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| 2 | 1 |")]
+    v32_section = (out / "report.md").read_text().split("## End-to-end decode step")[1].split("## DeepSeek-V4")[0]
+    [row] = [line for line in v32_section.splitlines() if line.startswith("| 2 | 1 |")]
     assert row.split(" | ")[5] == f"{calibrated * 1e3:.2f}"
 
 
@@ -575,7 +579,8 @@ def test_e2e_step_times_a_v4_step_on_caches_filled_at_random(tmp_path, monkeypat
 
     monkeypatch.setattr(e2e_step, "_random_caches", inspected)
     path = tmp_path / "e2e.json"
-    assert e2e_step.main(["--smoke", "--v4", "--points", "1,1", "--iters", "1", "--json", str(path)]) == 0
+    # the smoke report's e2e_v4 point: one program for both (the persistent compilation cache's)
+    assert e2e_step.main(["--smoke", "--v4", "--points", "2,1", "--iters", "1", "--json", str(path)]) == 0
     assert len(drawn) == 1
     [(key, point)] = json.loads(path.read_text()).items()
     assert key.endswith(",model=tiny-v4") and point["model"] == "tiny-v4" and point["layers"] == 4
@@ -1028,8 +1033,8 @@ def test_the_main_job_runs_once_more_with_the_loop_as_a_cuda_graph(tmp_path, mon
 
 
 def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_path, monkeypatch, capsys):
-    """benchmarks/launch_check.py: each e2e point whose profile counted its device events (the e2e
-    and gmm parts' units; one without a profile or with a count of 0, and other units, are left
+    """benchmarks/launch_check.py: each e2e point whose profile counted its device events (the e2e,
+    e2e_v4 and gmm parts' units; one without a profile or with a count of 0, and other units, are left
     out) is compiled here with the point's model, layers, drafts, backend, cache dtype, tiles,
     --auto choices and unrolling, for its GPU, and printed beside the profile's count, per class
     where the profile has them. A point recorded before the model and unrolling were is V3.2's,
@@ -1058,7 +1063,7 @@ def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_pat
     report = {"devices": {"NVIDIA H200": {"gmm/e2e-mosaic/B=1,k=0": old, "e2e/B=8,k=1": {**old, "profile": None},
                                           "e2e/B=8,k=0": {**old, "profile": {"kernels": 0}},
                                           "moe": {"profile": {"kernels": 3}}},
-                          "NVIDIA H100 80GB HBM3": {"e2e/B=32,k=3": new}}}
+                          "NVIDIA H100 80GB HBM3": {"e2e_v4/B=32,k=3": new}}}
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     assert launch_check.main([str(path)]) == 0
@@ -1071,7 +1076,7 @@ def test_launch_check_compiles_each_profiled_point_as_its_step_was_built(tmp_pat
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
     assert lines[1].split()[-5:] == ["gmm/e2e-mosaic/B=1,k=0", "112", "110", "0.982", "-"]
-    assert lines[2].split()[-16:-12] == ["e2e/B=32,k=3", "125", "120", "0.960"]
+    assert lines[2].split()[-16:-12] == ["e2e_v4/B=32,k=3", "125", "120", "0.960"]
     assert lines[2].endswith(" attention 2 / 2, grouped_matmul 4 / 4, xla 114 / 119")
     path.write_text(json.dumps({"devices": {"NVIDIA H200": {"e2e/B=8,k=1": {**old, "profile": None}}}}))
     assert launch_check.main([str(path)]) == 1
