@@ -77,8 +77,9 @@ def report(compiled: GpuCompiled, title: str) -> str:
                      + ", ".join(f"{name} {n}" for name, n in sorted(runs.items())))
     launched = launch_counts(compiled)
     kernels = sum(n for name, n in launched.items() if not is_thunk_kind(name))
-    label = lambda kind: "loop predicate read by the host" if kind == PREDICATE_READS else kind[1:]  # noqa: E731
-    others = ", ".join(f"{n} {label(kind)}" for kind, n in sorted(launched.items()) if is_thunk_kind(kind))
+    labels = {PREDICATE_READS: "loop predicate read by the host"}  # else the thunk kind without its "k"
+    others = ", ".join(f"{n} {labels.get(kind, kind[1:])}" for kind, n in sorted(launched.items())
+                       if is_thunk_kind(kind))
     lines.append(f"launches per execution (loops' bodies as often as they run): {sum(launched.values())}, "
                  f"{kernels} kernels{', ' + others if others else ''}")
     return "\n".join(lines)
