@@ -16,7 +16,7 @@ host. This replaced an extrapolation from three compiles of one or two layers, w
 direct compiles in flops and bytes to 2e-6 but not in launches: a stack of one layer compiles
 without its loop, and the extrapolated full-depth step launched 4,666 kernels where the direct
 compile launched 4,171 (B 1, plain, FP8 weights; both counts then included the layer scans'
-conditions, which never run: the direct compile launches 4,108).
+conditions, which never run: without them the direct compile launched 4,108).
 
 The device is compiled as having 1 PiB of memory (`gpu_devices(device_memory=)`). With its own
 80 GB, XLA fits a program into 80% of it by rematerializing (recomputing) values, and where the

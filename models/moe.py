@@ -11,7 +11,8 @@ Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`; transformers' DeepseekV4T
   5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
 The selections of 3 and 4, and the grouped path's sort of the assignments by expert, count
 comparisons for a decode step's few tokens instead of sorting (`models.ranks`: on a GPU a sort is
-launches a step pays at every layer); more tokens sort, to the same integers.
+launches a step pays at every layer); more tokens sort, to the same integers. The sum of 5 adds a
+token's k weights left to right (a reduction would be a kernel of its own).
 V4's hash layers (`mlp_layer_types` "hash_moe", transformers' DeepseekV4HashRouter) skip 2-4:
 experts = tid2eid[token id], a fixed table [V, k], and have no bias; the weights are still the
 learned gate's scores at those experts (5).
@@ -57,6 +58,8 @@ On one device (no shard_map, `current()` is None) none of this runs.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -82,11 +85,20 @@ def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.A
         scores = jnp.sqrt(jax.nn.softplus(logits))
     else:
         scores = jax.nn.sigmoid(logits)
+    return choose(config, scores, bias, experts=experts)
+
+
+def choose(config: ModelConfig, scores: jax.Array, bias: jax.Array | None, *, experts: jax.Array | None = None):
+    """The router after its gate (steps 2-5 of the module docstring): scores [T, E] float32, bias
+    [E] -> (weights [T, k] float32, experts [T, k] int32); experts as for `route`."""
     if experts is None:
         experts = _top_k_experts(config, scores + bias.astype(jnp.float32))
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if config.norm_topk_prob:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        # Added left to right, elementwise: one fusion with the gather and the division, where a
+        # reduction over k would be a kernel of its own; and a token's sum in a fixed order.
+        total = functools.reduce(jnp.add, (weights[:, j:j + 1] for j in range(weights.shape[1])))
+        weights = weights / (total + 1e-20)
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
@@ -96,9 +108,8 @@ def _top_k_experts(config: ModelConfig, choice: jax.Array) -> jax.Array:
     if config.n_group > 1:
         per_group = num_experts // config.n_group
         grouped = choice.reshape(num_tokens, config.n_group, per_group)
-        # The sum of each group's best 2 with the rest added as zeros, which changes no bit: choice is
-        # never -0.0 (scores are >= +0.0, and +0.0 + -0.0 is +0.0). [T, G].
-        group_score = jnp.sum(jnp.where(ranks.places(grouped) < min(2, per_group), grouped, 0.0), axis=-1)
+        # The sum of each group's best 2 (DeepSeek's `topk(2).sum`), [T, G].
+        group_score = ranks.sum_of_best_two(grouped) if per_group > 1 else grouped[..., 0]
         keep = ranks.places(group_score) < config.topk_group
         choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
     return ranks.top_k_indices(choice, config.num_experts_per_tok)

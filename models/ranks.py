@@ -7,7 +7,10 @@ of its operand, one after another; a row of 256 experts needs none of that. Its 
 in the order is the number of elements ahead of it, one reduction over a [..., N, N] comparison
 that XLA fuses with what computes the row. Compiled for an H200 without a GPU, a V3.2 MoE layer
 at B = 1 launched 88 kernels and copies with the sorts and 75 with the counts (routing: the
-group-limited top-k, the experts' order and their group sizes).
+group-limited top-k, the experts' order and their group sizes). Three reductions fewer since: a
+group's best two summed in one reduction (`sum_of_best_two`), and rows of at most
+`UNROLLED_LIMIT` elements (the 8 groups' ranking, a B 1 token's 8 assignments by expert) counted
+by elementwise additions that XLA fuses into their reader.
 
 Past `COUNT_LIMIT` comparisons a call (more than 128 tokens over 256 experts: a tree of 8 at
 B 32, or a prefill, whose [A, A] dispatch comparison would grow quadratically) the same functions
@@ -23,6 +26,8 @@ platform.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -32,6 +37,10 @@ import jax.numpy as jnp
 # reduction over 256 experts takes output tiles of 16 x 8 up to 128 tokens and spills registers at
 # 160 and 256 tokens (tiles of 16 x 16 and 32 x 8); past it a sort's work also grows slower.
 COUNT_LIMIT = 1 << 23
+# Rows at most this long are counted by adding their N comparisons one after another, elementwise:
+# XLA fuses that into whatever reads the places, where a reduction is a kernel of its own (the
+# router's eight groups: one launch fewer a MoE layer).
+UNROLLED_LIMIT = 16
 
 
 def total_order_keys(values: jax.Array) -> jax.Array:
@@ -50,6 +59,9 @@ def _counted_places(keys: jax.Array) -> jax.Array:
     """keys [..., N] int32 -> [..., N] int32: how many elements of its row are ahead of each, in
     descending order with ties to the lower index (a permutation of 0..N-1 per row)."""
     index = jnp.arange(keys.shape[-1])
+    if keys.shape[-1] <= UNROLLED_LIMIT:
+        ahead = lambda j: (keys[..., j:j + 1] > keys) | ((keys[..., j:j + 1] == keys) & (j < index))  # noqa: E731
+        return functools.reduce(jnp.add, (ahead(j).astype(jnp.int32) for j in range(keys.shape[-1])))
     other, own = keys[..., None, :], keys[..., :, None]
     ahead = (other > own) | ((other == own) & (index < index[:, None]))
     return jnp.sum(ahead, axis=-1, dtype=jnp.int32)
@@ -64,6 +76,29 @@ def places(values: jax.Array) -> jax.Array:
         # ~key reverses the order without overflow; a stable sort keeps ties by index.
         return jnp.argsort(jnp.argsort(~keys, axis=-1, stable=True), axis=-1).astype(jnp.int32)
     return _counted_places(keys)
+
+
+def sum_of_best_two(values: jax.Array) -> jax.Array:
+    """values [..., N] float32, N >= 2 -> [...] float32: the sum of each row's two best values in
+    the order above (`jnp.sum(lax.top_k(values, 2)[0], -1)`), the larger first. One reduction
+    whose state is a row's best two keys: where counting places would take two (the places, then
+    the sum), on every N."""
+    if values.shape[-1] < 2:
+        raise ValueError(f"values: the last axis of {values.shape} must hold at least 2 values")
+    lowest = jnp.int32(jnp.iinfo(jnp.int32).min)  # below every key, or equal to -NaN's and as good
+
+    def best_two(a, b):  # (best, second) of two rows' bests -> of their union
+        return jnp.maximum(a[0], b[0]), jnp.maximum(jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1]))
+
+    keys = total_order_keys(values)
+    first, second = jax.lax.reduce((keys, jnp.full_like(keys, lowest)), (lowest, lowest), best_two,
+                                   (keys.ndim - 1,))
+    return _values(first) + _values(second)
+
+
+def _values(keys: jax.Array) -> jax.Array:
+    """`total_order_keys`' inverse: int32 keys -> the float32 values they order."""
+    return jax.lax.bitcast_convert_type(keys ^ ((keys >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
 def _at_places(place: jax.Array, k: int) -> jax.Array:

@@ -52,6 +52,33 @@ def test_both_ways_order_nan_and_signed_zeros_alike(monkeypatch):
     assert int(ranks.total_order_keys(jnp.float32(-0.0))) < int(ranks.total_order_keys(jnp.float32(0.0)))
 
 
+def test_sum_of_best_two_is_the_sum_of_lax_top_k_in_one_reduction():
+    """Bit for bit `jnp.sum(lax.top_k(values, 2)[0], -1)` on rows with ties, infinities and NaN
+    (whose place in the total order decides what is summed), at 2 values a row and at 32."""
+    nan = jnp.float32(jnp.nan)
+    special = jnp.array([[nan, 1.0, 0.5, -jnp.inf], [-nan, -jnp.inf, -jnp.inf, -nan], [jnp.inf, 2.0, jnp.inf, 0.0],
+                         [-0.0, 0.0, -0.0, -1.0]], jnp.float32)
+    for values in (special, _tied(jax.random.key(5), (3, 8, 32)), _tied(jax.random.key(6), (4, 2))):
+        got = ranks.sum_of_best_two(values)
+        want = jnp.sum(jax.lax.top_k(values, 2)[0], axis=-1)
+        assert got.shape == values.shape[:-1] and got.dtype == jnp.float32
+        bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731  (signed zeros, NaN's sign)
+        np.testing.assert_array_equal(bits(got), bits(want))
+    with pytest.raises(ValueError, match=r"at least 2 values"):
+        ranks.sum_of_best_two(jnp.zeros((3, 1)))
+
+
+def test_short_rows_count_their_places_without_a_reduction():
+    """Rows of at most UNROLLED_LIMIT values are counted by elementwise additions (no reduce in the
+    program), longer ones by a reduction; both give the places of a stable descending sort."""
+    for length in (ranks.UNROLLED_LIMIT, ranks.UNROLLED_LIMIT + 1):
+        values = _tied(jax.random.key(length), (5, length), levels=4)
+        expected = np.argsort(np.argsort(-np.asarray(values), axis=-1, kind="stable"), axis=-1)
+        np.testing.assert_array_equal(ranks.places(values), expected)
+        reduces = "reduce_sum" in str(jax.make_jaxpr(ranks.places)(values))
+        assert reduces == (length > ranks.UNROLLED_LIMIT)
+
+
 def test_sort_by_group_is_a_stable_argsort_its_inverse_and_bincount(way):
     for seed, (count, groups) in enumerate([(1, 4), (24, 5), (96, 256)]):
         ids = jax.random.randint(jax.random.key(seed), (count,), 0, groups)
@@ -104,3 +131,42 @@ def test_router_selects_as_the_sorts_did_and_a_token_alone_as_among_others(monke
     among = moe._top_k_experts(config, choice)
     for row, t in zip(alone, (0, 7, 299)):
         np.testing.assert_array_equal(row, among[t])
+
+
+def _router_by_places(config, scores, bias):
+    """The router as it ran before its chain was shortened: a group's best two summed through their
+    places, a reduction over the weights for their sum. Weights and experts [T, k]."""
+    choice = scores + bias
+    tokens, experts = choice.shape
+    per_group = experts // config.n_group
+    grouped = choice.reshape(tokens, config.n_group, per_group)
+    group_score = jnp.sum(jnp.where(ranks._counted_places(ranks.total_order_keys(grouped)) < 2, grouped, 0.0), -1)
+    keep = ranks._counted_places(ranks.total_order_keys(group_score)) < config.topk_group
+    chosen = ranks.top_k_indices(jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf),
+                                 config.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, chosen, axis=1)
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, chosen
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32])
+def test_router_chain_compiled_for_h100_launches_fewer_kernels(h100, num_tokens):
+    """DeepSeek-V3.2's routing after its gate, compiled for sm_90a without a GPU: fewer kernels than
+    the places-and-reductions formulation, which picks the same experts (bit for bit, on the
+    CPU) and weights within float32 rounding of a sum's order."""
+    from jaxspec import aot
+    from jaxspec.aot.analysis import is_thunk_kind
+
+    config = preset("deepseek-v3.2")
+    key_s, key_b = jax.random.split(jax.random.key(num_tokens))
+    scores = jax.nn.sigmoid(jax.random.normal(key_s, (num_tokens, config.n_routed_experts)))
+    bias = jax.random.normal(key_b, (config.n_routed_experts,)) / 8
+
+    shortened = lambda s, b: moe.choose(config, s, b)  # noqa: E731
+    (got_w, got_e), (want_w, want_e) = shortened(scores, bias), _router_by_places(config, scores, bias)
+    np.testing.assert_array_equal(got_e, want_e)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-6)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (scores, bias)]
+    kernels = lambda fn: sum(n for name, n in aot.launch_counts(aot.compile_gpu(  # noqa: E731
+        fn, *specs, devices=h100)).items() if not is_thunk_kind(name))
+    assert kernels(shortened) < kernels(lambda s, b: _router_by_places(config, s, b))
