@@ -66,6 +66,7 @@ from flax import nnx
 
 from jaxspec.model_config import ModelConfig
 from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
+from jaxspec.pallas_kernels.backend import interpret_mode
 from jaxspec.pallas_kernels.block_fp8 import dequantize
 from jaxspec.sharding import Parallel, current
 
@@ -75,31 +76,61 @@ from .stack import in_place
 
 
 def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.Array | None, *,
-          experts: jax.Array | None = None):
+          experts: jax.Array | None = None, backend: str = "auto"):
     """x [T, D], gate_weight [D, E], bias [E] -> (weights [T, k] float32, experts [T, k] int32).
 
     experts: None (learned top-k), or [T, k] expert ids fixed in advance (hash routing: the
-    weights are the scores there; bias is unused and may be None)."""
+    weights are the scores there; bias is unused and may be None). backend: as `choose`'s."""
     logits = x.astype(jnp.float32) @ gate_weight.astype(jnp.float32)
+    if experts is None and config.scoring_func == "sigmoid" and _router_kernel(backend):
+        return _mosaic_route(config, logits, bias, logits=True)  # the sigmoid in the kernel too
     if config.scoring_func == "sqrtsoftplus":
         scores = jnp.sqrt(jax.nn.softplus(logits))
     else:
         scores = jax.nn.sigmoid(logits)
-    return choose(config, scores, bias, experts=experts)
+    return choose(config, scores, bias, experts=experts, backend=backend)
 
 
-def choose(config: ModelConfig, scores: jax.Array, bias: jax.Array | None, *, experts: jax.Array | None = None):
+def choose(config: ModelConfig, scores: jax.Array, bias: jax.Array | None, *, experts: jax.Array | None = None,
+           backend: str = "auto"):
     """The router after its gate (steps 2-5 of the module docstring): scores [T, E] float32, bias
-    [E] -> (weights [T, k] float32, experts [T, k] int32); experts as for `route`."""
+    [E] -> (weights [T, k] float32, experts [T, k] int32); experts as for `route`.
+
+    backend: as the kernels' (`pallas_kernels.resolve_backend`, op "router"). Where it resolves to
+    "mosaic" and the program lowers for a GPU, learned routing runs as one Mosaic GPU kernel
+    (`pallas_kernels.router_mosaic`, the same bits); everywhere else, and for hash routing, this
+    function's own jnp, which XLA compiles as a kernel per reduction. Interpreted on the CPU the
+    kernel would cost seconds a layer, so a model on "mosaic" there keeps the jnp (the kernel's
+    own test interprets it). The router has no Triton kernel: "pallas", and "auto" until a
+    measurement names the kernel in `AUTO_KERNELS`, run the jnp."""
+    if experts is None and _router_kernel(backend):
+        return _mosaic_route(config, scores, bias, logits=False)
     if experts is None:
         experts = _top_k_experts(config, scores + bias.astype(jnp.float32))
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if config.norm_topk_prob:
         # Added left to right, elementwise: one fusion with the gather and the division, where a
-        # reduction over k would be a kernel of its own; and a token's sum in a fixed order.
+        # reduction over k would be a kernel of its own; and a token's sum in a fixed order. Times
+        # the sum's reciprocal, as XLA rewrites a division by it anyway: written out, every
+        # implementation (`pallas_kernels.router_mosaic`) rounds the same way.
         total = functools.reduce(jnp.add, (weights[:, j:j + 1] for j in range(weights.shape[1])))
-        weights = weights / (total + 1e-20)
+        weights = weights * (1.0 / (total + 1e-20))
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def _router_kernel(backend: str) -> bool:
+    """Whether learned routing runs on the Mosaic GPU kernel (`choose`)."""
+    return resolve_backend(backend, "router") == "mosaic" and not interpret_mode()
+
+
+def _mosaic_route(config: ModelConfig, values: jax.Array, bias: jax.Array, *, logits: bool):
+    """`choose` on the Mosaic GPU kernel, from the scores or (`logits`, sigmoid scoring) the gate's
+    logits; imported where it runs, as the ops import their Mosaic kernels."""
+    from jaxspec.pallas_kernels.router_mosaic import router_mosaic
+
+    return router_mosaic(values, bias, logits=logits, n_group=config.n_group, topk_group=config.topk_group,
+                         top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                         scaling=config.routed_scaling_factor)
 
 
 def _top_k_experts(config: ModelConfig, choice: jax.Array) -> jax.Array:
@@ -224,7 +255,8 @@ class MoE(nnx.Module):
             weights, experts = route(self.config, tokens, self.gate_weight[...], None,
                                      experts=self.tid2eid[...][token_ids.reshape(-1)])
         else:
-            weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...])
+            weights, experts = route(self.config, tokens, self.gate_weight[...], self.e_score_correction_bias[...],
+                                     backend=backend)
         backend = resolve_backend(backend, "grouped_matmul")
         par = current()
         if par is None:

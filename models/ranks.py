@@ -19,9 +19,9 @@ how many rows share the call, never changes a row's result: a token routes to th
 in the same order, alone or among others (speculative decoding's verification window relies on it).
 
 The order is `lax.top_k`'s on floats: descending in IEEE total order (+NaN > +inf > ... > +0.0 >
--0.0 > ... > -inf > -NaN), equal values by lower index first. `total_order_keys` makes it an
-order of int32 keys, which both ways compare, so NaN and signed zeros sort the same on every
-platform.
+-0.0 > ... > -inf > -NaN), equal values by lower index first. `total_order_keys`
+(`pallas_kernels.order_keys`) makes it an order of int32 keys, which both ways compare, so NaN
+and signed zeros sort the same on every platform.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxspec.pallas_kernels.order_keys import ordered_values, total_order_keys
 
 # Comparisons (elements of the [..., N, N] or [A, A] comparison) a call may count before it sorts
 # instead: 2^23 counts a row of 256 experts for up to 128 tokens (B 32 at k = 3) and the dispatch
@@ -41,14 +43,6 @@ COUNT_LIMIT = 1 << 23
 # XLA fuses that into whatever reads the places, where a reduction is a kernel of its own (the
 # router's eight groups: one launch fewer a MoE layer).
 UNROLLED_LIMIT = 16
-
-
-def total_order_keys(values: jax.Array) -> jax.Array:
-    """values [...] float (float32 or narrower) -> int32 keys [...] whose signed order is the values'
-    IEEE total order (each key is the value's float32 bits, with the magnitude bits flipped for a
-    negative sign)."""
-    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def _counted(elements: int) -> bool:
@@ -93,12 +87,7 @@ def sum_of_best_two(values: jax.Array) -> jax.Array:
     keys = total_order_keys(values)
     first, second = jax.lax.reduce((keys, jnp.full_like(keys, lowest)), (lowest, lowest), best_two,
                                    (keys.ndim - 1,))
-    return _values(first) + _values(second)
-
-
-def _values(keys: jax.Array) -> jax.Array:
-    """`total_order_keys`' inverse: int32 keys -> the float32 values they order."""
-    return jax.lax.bitcast_convert_type(keys ^ ((keys >> 31) & 0x7FFFFFFF), jnp.float32)
+    return ordered_values(first) + ordered_values(second)
 
 
 def _at_places(place: jax.Array, k: int) -> jax.Array:

@@ -17,10 +17,10 @@ import jax
 
 BACKENDS = ("auto", "xla", "pallas", "mosaic")
 
-# Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...). `sinkhorn` has no Triton kernel: its "pallas"
-# is its reference.
+# Ops with a Mosaic GPU kernel (`mla_attention_mosaic.py`, ...). `sinkhorn` and the MoE `router`
+# (`router_mosaic.py`) have no Triton kernel: their "pallas" is their reference.
 MOSAIC_OPS = frozenset({"mla_attention", "indexer_topk", "sparse_mla_attention", "sliding_compressed_attention",
-                        "grouped_matmul", "sinkhorn"})
+                        "grouped_matmul", "sinkhorn", "router"})
 
 # device kind (as `jax.Device.device_kind` spells it) -> {op: implementation "auto" picks}; an op
 # or a device it does not name runs on Triton ("pallas"). Each entry is a measurement's verdict
