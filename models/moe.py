@@ -82,7 +82,7 @@ def route(config: ModelConfig, x: jax.Array, gate_weight: jax.Array, bias: jax.A
     experts: None (learned top-k), or [T, k] expert ids fixed in advance (hash routing: the
     weights are the scores there; bias is unused and may be None). backend: as `choose`'s."""
     logits = x.astype(jnp.float32) @ gate_weight.astype(jnp.float32)
-    if experts is None and config.scoring_func == "sigmoid" and _router_kernel(backend):
+    if experts is None and config.scoring_func == "sigmoid" and _routes_on_mosaic(backend):
         return _mosaic_route(config, logits, bias, logits=True)  # the sigmoid in the kernel too
     if config.scoring_func == "sqrtsoftplus":
         scores = jnp.sqrt(jax.nn.softplus(logits))
@@ -103,7 +103,7 @@ def choose(config: ModelConfig, scores: jax.Array, bias: jax.Array | None, *, ex
     kernel would cost seconds a layer, so a model on "mosaic" there keeps the jnp (the kernel's
     own test interprets it). The router has no Triton kernel: "pallas", and "auto" until a
     measurement names the kernel in `AUTO_KERNELS`, run the jnp."""
-    if experts is None and _router_kernel(backend):
+    if experts is None and _routes_on_mosaic(backend):
         return _mosaic_route(config, scores, bias, logits=False)
     if experts is None:
         experts = _top_k_experts(config, scores + bias.astype(jnp.float32))
@@ -118,7 +118,7 @@ def choose(config: ModelConfig, scores: jax.Array, bias: jax.Array | None, *, ex
     return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def _router_kernel(backend: str) -> bool:
+def _routes_on_mosaic(backend: str) -> bool:
     """Whether learned routing runs on the Mosaic GPU kernel (`choose`)."""
     return resolve_backend(backend, "router") == "mosaic" and not interpret_mode()
 

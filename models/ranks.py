@@ -7,10 +7,10 @@ of its operand, one after another; a row of 256 experts needs none of that. Its 
 in the order is the number of elements ahead of it, one reduction over a [..., N, N] comparison
 that XLA fuses with what computes the row. Compiled for an H200 without a GPU, a V3.2 MoE layer
 at B = 1 launched 88 kernels and copies with the sorts and 75 with the counts (routing: the
-group-limited top-k, the experts' order and their group sizes). Three reductions fewer since: a
-group's best two summed in one reduction (`sum_of_best_two`), and rows of at most
-`UNROLLED_LIMIT` elements (the 8 groups' ranking, a B 1 token's 8 assignments by expert) counted
-by elementwise additions that XLA fuses into their reader.
+group-limited top-k, the experts' order and their group sizes). Fewer since: a group's best two
+are summed in one reduction (`sum_of_best_two`), and rows of at most `UNROLLED_LIMIT` elements are
+counted by elementwise additions, which XLA can fuse into their reader (a B 1 token's 8
+assignments by expert; not the 8 groups' ranking, which the experts' comparison reads twice).
 
 Past `COUNT_LIMIT` comparisons a call (more than 128 tokens over 256 experts: a tree of 8 at
 B 32, or a prefill, whose [A, A] dispatch comparison would grow quadratically) the same functions
@@ -40,8 +40,8 @@ from jaxspec.pallas_kernels.order_keys import ordered_values, total_order_keys
 # 160 and 256 tokens (tiles of 16 x 16 and 32 x 8); past it a sort's work also grows slower.
 COUNT_LIMIT = 1 << 23
 # Rows at most this long are counted by adding their N comparisons one after another, elementwise:
-# XLA fuses that into whatever reads the places, where a reduction is a kernel of its own (the
-# router's eight groups: one launch fewer a MoE layer).
+# XLA can fuse that into what reads the places, where a reduction is a kernel of its own (a B 1
+# token's 8 assignments by expert: one launch fewer a MoE layer).
 UNROLLED_LIMIT = 16
 
 

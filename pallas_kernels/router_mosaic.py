@@ -128,8 +128,8 @@ def router_mosaic(scores: jax.Array, bias: jax.Array, *, n_group: int, topk_grou
                   norm_topk_prob: bool, scaling: float, logits: bool = False,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`models.moe.choose` (learned routing) on the Mosaic GPU kernel: scores [T, E] float32 (the
-    gate's, >= +0.0 as sigmoid and sqrt-softplus make them), bias [E] -> (weights [T, top_k]
-    float32, experts [T, top_k] int32), bit for bit the reference's. n_group must divide E;
+    gate's), bias [E] -> (weights [T, top_k] float32, experts [T, top_k] int32), bit for bit the
+    reference's. n_group must divide E;
     top_k <= min(E, LANES). logits: `scores` are the gate's logits, and the kernel takes their
     `jax.nn.sigmoid` itself (V3's scoring: one launch fewer than XLA's sigmoid beside the kernel;
     compiled for sm_90a, its PTX is XLA's, instruction for instruction). `interpret` runs it on
