@@ -39,9 +39,9 @@ from jaxspec.pallas_kernels.order_keys import ordered_values, total_order_keys
 # reduction over 256 experts takes output tiles of 16 x 8 up to 128 tokens and spills registers at
 # 160 and 256 tokens (tiles of 16 x 16 and 32 x 8); past it a sort's work also grows slower.
 COUNT_LIMIT = 1 << 23
-# Rows at most this long are counted by adding their N comparisons one after another, elementwise:
-# XLA can fuse that into what reads the places, where a reduction is a kernel of its own (a B 1
-# token's 8 assignments by expert: one launch fewer a MoE layer).
+# Rows at most this long are counted by adding their N terms one after another, elementwise
+# (`_summed`): XLA can fuse that into what reads the count, where a reduction is a kernel of its
+# own (a B 1 token's 8 assignments by expert: their places, order and experts' sizes).
 UNROLLED_LIMIT = 16
 
 
@@ -49,16 +49,21 @@ def _counted(elements: int) -> bool:
     return elements <= COUNT_LIMIT
 
 
+def _summed(terms: jax.Array) -> jax.Array:
+    """terms [..., N] int or bool -> [...] int32: their sum over the last axis; for
+    0 < N <= UNROLLED_LIMIT one elementwise addition after another, else a reduction."""
+    count = terms.shape[-1]
+    if 0 < count <= UNROLLED_LIMIT:
+        return functools.reduce(jnp.add, (terms[..., j].astype(jnp.int32) for j in range(count)))
+    return jnp.sum(terms, axis=-1, dtype=jnp.int32)
+
+
 def _counted_places(keys: jax.Array) -> jax.Array:
     """keys [..., N] int32 -> [..., N] int32: how many elements of its row are ahead of each, in
     descending order with ties to the lower index (a permutation of 0..N-1 per row)."""
     index = jnp.arange(keys.shape[-1])
-    if keys.shape[-1] <= UNROLLED_LIMIT:
-        ahead = lambda j: (keys[..., j:j + 1] > keys) | ((keys[..., j:j + 1] == keys) & (j < index))  # noqa: E731
-        return functools.reduce(jnp.add, (ahead(j).astype(jnp.int32) for j in range(keys.shape[-1])))
     other, own = keys[..., None, :], keys[..., :, None]
-    ahead = (other > own) | ((other == own) & (index < index[:, None]))
-    return jnp.sum(ahead, axis=-1, dtype=jnp.int32)
+    return _summed((other > own) | ((other == own) & (index < index[:, None])))
 
 
 def places(values: jax.Array) -> jax.Array:
@@ -93,7 +98,7 @@ def sum_of_best_two(values: jax.Array) -> jax.Array:
 def _at_places(place: jax.Array, k: int) -> jax.Array:
     """place [..., N] (a permutation of 0..N-1 per row) -> [..., k] int32: the index at places 0..k-1."""
     index = jnp.arange(place.shape[-1], dtype=jnp.int32)
-    return jnp.sum(jnp.where(place[..., None, :] == jnp.arange(k)[:, None], index, 0), axis=-1, dtype=jnp.int32)
+    return _summed(jnp.where(place[..., None, :] == jnp.arange(k)[:, None], index, 0))
 
 
 def top_k_indices(values: jax.Array, k: int) -> jax.Array:
@@ -121,5 +126,5 @@ def sort_by_group(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Ar
         position = jnp.zeros(count, jnp.int32).at[order].set(jnp.arange(count, dtype=jnp.int32))
         return order, position, jnp.bincount(groups, length=num_groups).astype(jnp.int32)
     position = _counted_places(~groups.astype(jnp.int32))  # ascending: descending in ~group
-    sizes = jnp.sum(groups[None, :] == jnp.arange(num_groups)[:, None], axis=-1, dtype=jnp.int32)
+    sizes = _summed(groups[None, :] == jnp.arange(num_groups)[:, None])
     return _at_places(position, count), position, sizes

@@ -68,19 +68,22 @@ def test_sum_of_best_two_is_the_sum_of_lax_top_k_in_one_reduction():
         ranks.sum_of_best_two(jnp.zeros((3, 1)))
 
 
-def test_short_rows_count_their_places_without_a_reduction():
+def test_short_rows_count_without_a_reduction():
     """Rows of at most UNROLLED_LIMIT values are counted by elementwise additions (no reduce in the
-    program), longer ones by a reduction; both give the places of a stable descending sort."""
+    program), longer ones by a reduction, both giving a stable descending sort's places; likewise
+    the dispatch of as many assignments (a B 1 token's 8): its order, places and group sizes."""
     for length in (ranks.UNROLLED_LIMIT, ranks.UNROLLED_LIMIT + 1):
         values = _tied(jax.random.key(length), (5, length), levels=4)
         expected = np.argsort(np.argsort(-np.asarray(values), axis=-1, kind="stable"), axis=-1)
         np.testing.assert_array_equal(ranks.places(values), expected)
-        reduces = "reduce_sum" in str(jax.make_jaxpr(ranks.places)(values))
-        assert reduces == (length > ranks.UNROLLED_LIMIT)
+        assert ("reduce_sum" in str(jax.make_jaxpr(ranks.places)(values))) == (length > ranks.UNROLLED_LIMIT)
+        ids = jax.random.randint(jax.random.key(length), (length,), 0, 256)
+        dispatch = str(jax.make_jaxpr(lambda g: ranks.sort_by_group(g, 256))(ids))
+        assert ("reduce_sum" in dispatch) == (length > ranks.UNROLLED_LIMIT)
 
 
 def test_sort_by_group_is_a_stable_argsort_its_inverse_and_bincount(way):
-    for seed, (count, groups) in enumerate([(1, 4), (24, 5), (96, 256)]):
+    for seed, (count, groups) in enumerate([(1, 4), (8, 256), (24, 5), (96, 256)]):
         ids = jax.random.randint(jax.random.key(seed), (count,), 0, groups)
         order, position, sizes = ranks.sort_by_group(ids, groups)
         np.testing.assert_array_equal(order, np.argsort(np.asarray(ids), kind="stable"))
