@@ -136,15 +136,23 @@ def test_router_selects_as_the_sorts_did_and_a_token_alone_as_among_others(monke
         np.testing.assert_array_equal(row, among[t])
 
 
+def _places_by_reduction(values):
+    """values [..., N] -> each one's place in its row, as one reduction over the [..., N, N] comparison."""
+    keys, index = ranks.total_order_keys(values), jnp.arange(values.shape[-1])
+    other, own = keys[..., None, :], keys[..., :, None]
+    return jnp.sum((other > own) | ((other == own) & (index < index[:, None])), axis=-1)
+
+
 def _router_by_places(config, scores, bias):
     """The router as it ran before its chain was shortened: a group's best two summed through their
-    places, a reduction over the weights for their sum. Weights and experts [T, k]."""
+    places, every place a reduction, a reduction over the weights for their sum. Weights and
+    experts [T, k]."""
     choice = scores + bias
     tokens, experts = choice.shape
     per_group = experts // config.n_group
     grouped = choice.reshape(tokens, config.n_group, per_group)
-    group_score = jnp.sum(jnp.where(ranks._counted_places(ranks.total_order_keys(grouped)) < 2, grouped, 0.0), -1)
-    keep = ranks._counted_places(ranks.total_order_keys(group_score)) < config.topk_group
+    group_score = jnp.sum(jnp.where(_places_by_reduction(grouped) < 2, grouped, 0.0), -1)
+    keep = _places_by_reduction(group_score) < config.topk_group
     chosen = ranks.top_k_indices(jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf),
                                  config.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, chosen, axis=1)
