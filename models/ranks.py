@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.pallas_kernels.backend import lowers_for_gpu
 from jaxspec.pallas_kernels.order_keys import ordered_values, total_order_keys
 
 # Comparisons (elements of the [..., N, N] or [A, A] comparison) a call may count before it sorts
@@ -39,9 +40,9 @@ from jaxspec.pallas_kernels.order_keys import ordered_values, total_order_keys
 # reduction over 256 experts takes output tiles of 16 x 8 up to 128 tokens and spills registers at
 # 160 and 256 tokens (tiles of 16 x 16 and 32 x 8); past it a sort's work also grows slower.
 COUNT_LIMIT = 1 << 23
-# Rows at most this long are counted by adding their N terms one after another, elementwise
-# (`_summed`): XLA can fuse that into what reads the count, where a reduction is a kernel of its
-# own (a B 1 token's 8 assignments by expert: their places, order and experts' sizes).
+# Rows at most this long are counted, on a GPU, by adding their N terms one after another,
+# elementwise (`_summed`): XLA can fuse that into what reads the count, where a reduction is a
+# kernel of its own (a B 1 token's 8 assignments by expert: their places, order and sizes).
 UNROLLED_LIMIT = 16
 
 
@@ -50,10 +51,12 @@ def _counted(elements: int) -> bool:
 
 
 def _summed(terms: jax.Array) -> jax.Array:
-    """terms [..., N] int or bool -> [...] int32: their sum over the last axis; for
-    0 < N <= UNROLLED_LIMIT one elementwise addition after another, else a reduction."""
+    """terms [..., N] int or bool -> [...] int32: their sum over the last axis. Lowered for a GPU
+    with 0 < N <= UNROLLED_LIMIT, one elementwise addition after another (fewer launches); else a
+    reduction (on the CPU there is no launch to save, and XLA's CPU compiler took half as long
+    again over the tiny model's routing programs unrolled). The same integers either way."""
     count = terms.shape[-1]
-    if 0 < count <= UNROLLED_LIMIT:
+    if 0 < count <= UNROLLED_LIMIT and lowers_for_gpu():
         return functools.reduce(jnp.add, (terms[..., j].astype(jnp.int32) for j in range(count)))
     return jnp.sum(terms, axis=-1, dtype=jnp.int32)
 

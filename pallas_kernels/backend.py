@@ -103,7 +103,9 @@ def auto_kernels(**choices: str):
         jax.clear_caches()
 
 
-def _lowers_for_gpu() -> bool:
+def lowers_for_gpu() -> bool:
+    """Whether what is traced now lowers for a GPU: a GPU is JAX's default backend, or the trace
+    runs inside `gpu_lowering` (`jaxspec.aot`)."""
     return _gpu_lowering is not None or jax.default_backend() == "gpu"
 
 
@@ -126,7 +128,7 @@ def resolve_backend(backend: str, op: str | None = None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")
     if backend == "auto":
-        if not _lowers_for_gpu():
+        if not lowers_for_gpu():
             return "xla"
         backend = _auto_choices.get(op) or AUTO_KERNELS.get(_device_kind(), {}).get(op, "pallas")
     if backend == "mosaic" and op not in MOSAIC_OPS:
@@ -147,4 +149,4 @@ def interpret_mode() -> bool:
     """Pallas kernels run in interpret mode wherever there is no GPU (CPU tests), except inside
     `gpu_lowering`. The ops pass the answer to their jitted kernels as the static `interpret`
     argument, so a kernel traced one way is never reused from the jit cache the other way."""
-    return not _lowers_for_gpu()
+    return not lowers_for_gpu()

@@ -68,18 +68,27 @@ def test_sum_of_best_two_is_the_sum_of_lax_top_k_in_one_reduction():
         ranks.sum_of_best_two(jnp.zeros((3, 1)))
 
 
-def test_short_rows_count_without_a_reduction():
-    """Rows of at most UNROLLED_LIMIT values are counted by elementwise additions (no reduce in the
-    program), longer ones by a reduction, both giving a stable descending sort's places; likewise
-    the dispatch of as many assignments (a B 1 token's 8): its order, places and group sizes."""
+def test_short_rows_count_without_a_reduction_for_a_gpu():
+    """Traced for a GPU, rows of at most UNROLLED_LIMIT values are counted by elementwise additions
+    (no reduce in the program), longer ones by a reduction; on the CPU always by a reduction. Each
+    way gives a stable descending sort's places; likewise the dispatch of as many assignments (a
+    B 1 token's 8): its order, places and group sizes."""
+    from jaxspec.pallas_kernels.backend import gpu_lowering
+
     for length in (ranks.UNROLLED_LIMIT, ranks.UNROLLED_LIMIT + 1):
         values = _tied(jax.random.key(length), (5, length), levels=4)
         expected = np.argsort(np.argsort(-np.asarray(values), axis=-1, kind="stable"), axis=-1)
-        np.testing.assert_array_equal(ranks.places(values), expected)
-        assert ("reduce_sum" in str(jax.make_jaxpr(ranks.places)(values))) == (length > ranks.UNROLLED_LIMIT)
         ids = jax.random.randint(jax.random.key(length), (length,), 0, 256)
-        dispatch = str(jax.make_jaxpr(lambda g: ranks.sort_by_group(g, 256))(ids))
-        assert ("reduce_sum" in dispatch) == (length > ranks.UNROLLED_LIMIT)
+        programs = lambda: (jax.make_jaxpr(ranks.places)(values),  # noqa: E731
+                            jax.make_jaxpr(lambda g: ranks.sort_by_group(g, 256))(ids))
+        for jaxpr in programs():
+            assert "reduce_sum" in str(jaxpr)
+        with gpu_lowering():
+            for jaxpr in programs():
+                assert ("reduce_sum" in str(jaxpr)) == (length > ranks.UNROLLED_LIMIT)
+            places = jax.core.eval_jaxpr(programs()[0].jaxpr, programs()[0].consts, values)[0]
+        np.testing.assert_array_equal(ranks.places(values), expected)
+        np.testing.assert_array_equal(places, expected)
 
 
 def test_sort_by_group_is_a_stable_argsort_its_inverse_and_bincount(way):
