@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.pallas_kernels.backend import lowers_for_gpu
-from jaxspec.pallas_kernels.order_keys import ordered_values, total_order_keys
+from jaxspec.pallas_kernels.order_keys import LOWEST_KEY, ordered_values, total_order_keys
 
 # Comparisons (elements of the [..., N, N] or [A, A] comparison) a call may count before it sorts
 # instead: 2^23 counts a row of 256 experts for up to 128 tokens (B 32 at k = 3) and the dispatch
@@ -87,7 +87,7 @@ def sum_of_best_two(values: jax.Array) -> jax.Array:
     the sum), on every N."""
     if values.shape[-1] < 2:
         raise ValueError(f"values: the last axis of {values.shape} must hold at least 2 values")
-    lowest = jnp.int32(jnp.iinfo(jnp.int32).min)  # below every key, or equal to -NaN's and as good
+    lowest = jnp.int32(LOWEST_KEY)
 
     def best_two(a, b):  # (best, second) of two rows' bests -> of their union
         return jnp.maximum(a[0], b[0]), jnp.maximum(jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1]))

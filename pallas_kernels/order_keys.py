@@ -10,6 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Below every key, or equal to the lowest -NaN's, which no selection can tell from it.
+LOWEST_KEY = jnp.iinfo(jnp.int32).min
+
 
 def total_order_keys(values: jax.Array) -> jax.Array:
     """values [...] float (float32 or narrower) -> int32 keys [...] whose signed order is the values'

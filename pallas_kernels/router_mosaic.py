@@ -38,12 +38,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .cost import stating
 from .mosaic_gpu import compiler_params, interpret_params, interpreting, store
-from .order_keys import ordered_values, total_order_keys
+from .order_keys import LOWEST_KEY as LOWEST, ordered_values, total_order_keys
 
 LANES = 128  # a warpgroup's threads; a token's experts are padded to a multiple of it
 # A TMA copy moves at most this many elements along a dimension: longer rows arrive in pieces.
 TMA_BOX = 256
-LOWEST = jnp.iinfo(jnp.int32).min  # below every key, or equal to -NaN's, which is as low
 
 
 def _pieces(width: int) -> list[tuple[int, int]]:
@@ -105,7 +104,7 @@ def _router_kernel(scores_gmem, bias_gmem, experts_gmem, weights_gmem, row, bias
         chosen.append(pick)
         weights.append(ordered_values(jnp.max(jnp.where(index == pick, score_key, LOWEST))))
     if norm:
-        reciprocal = 1.0 / (functools.reduce(lambda a, b: a + b, weights) + 1e-20)
+        reciprocal = 1.0 / (functools.reduce(jnp.add, weights) + 1e-20)
         weights = [w * reciprocal for w in weights]
     weights = [w * scaling for w in weights]
 
