@@ -273,14 +273,15 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *ref
                            block_k: int, split_steps: int, integer_upcast: bool):
     """One (row tile, column block, K range) program.
 
-    lhs_ref [M, K] with M >= BLOCK_M, rhs_ref [G * K, N] (the groups' matrices stacked),
+    lhs_ref [M, K], rhs_ref [G * K, N] (the groups' matrices stacked),
     group_ref / start_ref / end_ref [W] int32 (the work table); refs: (out_ref,) or, for FP8
     weights, (scale_ref, out_ref) with scale_ref [G * ceil(K / 128) * ceil(N / 128)] float32 (the
-    scales flattened); out_ref [splits, M, N padded to BLOCK_N]: the program's K range's sum, in
-    the output dtype without a split, float32 partial sums with one.
+    scales flattened); out_ref [splits, max(M, BLOCK_M), N padded to BLOCK_N]: the program's K
+    range's sum, in the output dtype without a split, float32 partial sums with one.
 
-    The program computes the BLOCK_M rows from `first = min(start, M - BLOCK_M)`, a window that
-    holds its tile's rows [start, end) and never runs past M, and stores only those rows. Loading
+    The program computes the BLOCK_M rows from `first = min(start, max(M - BLOCK_M, 0))`, a window
+    that holds its tile's rows [start, end) and never runs past M (with M < BLOCK_M the rows past
+    M read zeros: `_activation_block`), and stores only its tile's rows. Loading
     that window as a plain slice is what lets Triton prefetch the activations with asynchronous
     copies like the weights: an index-array gather of the rows is a synchronous global load in
     every K step, and its latency, not HBM bandwidth, then sets the pace of the weight stream.
@@ -293,7 +294,7 @@ def _grouped_matmul_kernel(lhs_ref, rhs_ref, group_ref, start_ref, end_ref, *ref
 
     @pl.when(start < end)
     def _():
-        first = jnp.minimum(start, lhs_ref.shape[0] - BLOCK_M)
+        first = jnp.minimum(start, max(lhs_ref.shape[0] - BLOCK_M, 0))
         group = group_ref[item]
         column_start = _column_start(column_block, width)
 
@@ -319,12 +320,20 @@ def _activation_block(lhs_ref, first, step, depth: int, block_k: int):
     """Rows [first, first + BLOCK_M) of lhs_ref [M, K] at K step `step`: [BLOCK_M, block_k].
 
     A plain slice when K is a whole number of steps (DeepSeek's are), so Triton pipelines it;
-    otherwise a gather whose columns past K read zeros (they meet the weight rows past K).
+    otherwise a gather whose columns past K read zeros (they meet the weight rows past K). With
+    fewer rows than a window (M < BLOCK_M: decode at a small batch, first = 0) the slice is a
+    masked load whose rows past M read zeros: still contiguous along K, so Triton still copies it
+    asynchronously (a masked copy fills zeros), and the caller needs no padded copy of lhs, which
+    XLA would make in a kernel of its own before every linear.
     """
+    num_rows = lhs_ref.shape[0]
+    row_valid = None if num_rows >= BLOCK_M else jnp.arange(BLOCK_M, dtype=jnp.int32) < num_rows
     if depth % block_k == 0:
-        return lhs_ref[pl.ds(first, BLOCK_M), pl.ds(step * block_k, block_k)]
+        window = lhs_ref.at[pl.ds(first, BLOCK_M), pl.ds(step * block_k, block_k)]
+        return window[...] if row_valid is None else plgpu.load(window, mask=row_valid[:, None], other=0.0)
     inner, inner_valid = _tile(step * block_k, block_k, depth)
-    return load_block(lhs_ref, first + jnp.arange(BLOCK_M, dtype=jnp.int32), inner, column_valid=inner_valid)
+    rows = jnp.minimum(first + jnp.arange(BLOCK_M, dtype=jnp.int32), num_rows - 1)
+    return load_block(lhs_ref, rows, inner, row_valid, inner_valid)
 
 
 def _dequantized(tile, scale_ref, group, step, column_block, depth: int, width: int, block_k: int,
@@ -390,18 +399,17 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     group, start, end = work_items(group_sizes, num_rows, num_groups)
     if rhs_row is not None:
         group = group + rhs_row.astype(jnp.int32) * num_groups
-    operand = window_rows(lhs)
-    padded = operand.shape[0]
     column_blocks = pl.cdiv(width, BLOCK_N)
     steps = pl.cdiv(depth, tiles.block_k)
     kernel = functools.partial(_grouped_matmul_kernel, depth=depth, width=width, block_k=tiles.block_k,
                                split_steps=steps // splits,
                                integer_upcast=rhs_scale_inv is not None and tiles.integer_upcast and not interpret)
     partial_dtype = out_dtype if splits == 1 else jnp.float32
-    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((splits, padded, column_blocks * BLOCK_N), partial_dtype),
+    out_rows = max(num_rows, BLOCK_M)  # a window's rows are stored from row 0 at the least
+    out = launch(kernel, out_shape=jax.ShapeDtypeStruct((splits, out_rows, column_blocks * BLOCK_N), partial_dtype),
                  grid=(group.shape[0], column_blocks, splits), num_warps=NUM_WARPS, num_stages=tiles.stages,
                  name="grouped_matmul", interpret=interpret, cost=cost)(
-        operand, rhs.reshape(stacked_groups * depth, width), group, start, end,
+        lhs, rhs.reshape(stacked_groups * depth, width), group, start, end,
         *([] if rhs_scale_inv is None else [rhs_scale_inv.reshape(-1)]))
     return summed_splits(out, group_sizes, num_rows, width, out_dtype)
 
@@ -409,7 +417,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
 def window_rows(lhs: jax.Array) -> jax.Array:
     """lhs [M, K] as the kernels read it: whole BLOCK_M-row windows, so fewer rows than one (decode
     at a small batch) are padded with zero rows, which no work item covers -> [max(M, BLOCK_M), K].
-    Shared by the Triton and Mosaic GPU kernels."""
+    Shared by the Mosaic GPU kernels, whose TMA copies move whole windows (the Triton kernel masks
+    its loads instead: `_activation_block`)."""
     pad = BLOCK_M - lhs.shape[0]
     return jnp.pad(lhs, ((0, pad), (0, 0))) if pad > 0 else lhs
 

@@ -104,6 +104,10 @@ CASES = {
     "bf16-decode": (32, 128, 128, 32, 32, 0.0, jnp.bfloat16),  # one row in most groups
     "bf16-one-group": (40, 64, 128, 5, 40, 0.9, jnp.bfloat16),
     "bf16-last-block-shifted": (70, 128, 200, 8, 64, 0.4, jnp.bfloat16),  # N past a block, not whole: sliced
+    # Fewer rows than a tile (decode at a small batch): the window's rows past M load as zeros,
+    # by a masked slice where K is whole and by a masked gather where it is not.
+    "bf16-few-rows": (5, 128, 256, 3, 4, 0.0, jnp.bfloat16),
+    "f32-few-rows-edges": (3, 48, 40, 2, 3, 0.0, jnp.float32),
 }
 
 
@@ -128,6 +132,7 @@ FP8_CASES = {
     "edges": (40, 200, 300, 4, 36, 0.3),  # partial 128-blocks and partial kernel tiles both ways
     "blocks": (24, 256, 256, 16, 24, 0.0),  # whole blocks (the sliced weight loads), mostly one row per group
     "last-block-shifted": (24, 256, 320, 3, 24, 0.0),  # N not whole: its last block a slice ending at N
+    "one-token": (1, 256, 256, 1, 1, 0.0),  # a dense linear at B 1: one row of the 16-row window
 }
 
 
@@ -295,7 +300,8 @@ def test_fp8_kernel_compiled_for_h100_at_v32_shapes(h100, weight, rows, variant)
     kernel fits the H100's shared memory without spills, launches the variant's K splits, its
     stated bytes are 1 per weight of the groups that can be hit plus their scales (and the split's
     partial sums), not 2, and its K loop reads global memory only by asynchronous copies (a
-    synchronous load there stalls every step of the weight stream); it unpacks e4m3 by conversions,
+    synchronous load there stalls every step of the weight stream), the 8 tokens' window of 16
+    rows too, which it loads masked rather than from a padded copy; it unpacks e4m3 by conversions,
     or under `integer_upcast` by byte permutes with no e4m3 conversion left, and multiplies
     power-of-two scales in bfloat16 (ptxas pairs those multiplies: 32 HMUL2.BF16_V2 a K step of 64
     in the SASS)."""
