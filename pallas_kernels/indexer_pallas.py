@@ -35,7 +35,7 @@ from .cost import indexer_cost
 from .contracts import select_topk
 from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
-                     slot_rows, tile_range, visibility_operands, visible)
+                     slot_counts, slot_rows, tile_range, token_bounds, visibility_operands, visible)
 from .visibility import VisibleSlots
 
 # Query rows (tokens x heads) per program: a 128 x 128 bf16 query block plus a 128 x 64 float32
@@ -45,18 +45,16 @@ QUERY_ROWS = 128
 MAX_TILES_PER_PROGRAM = 16
 
 
-def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, bound_ref, span_ref, *refs, num_queries: int,
-                    heads: int, heads_block: int, dim_block: int, page_size: int, num_pages: int, block_q: int,
+def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, *refs, counts: bool, num_queries: int, heads: int, heads_block: int, dim_block: int, page_size: int, num_pages: int, block_q: int,
                     block_n: int, queries_padded: int, chunks: int):
     """One (token block, slot chunk, sequence row) program.
 
     q_ref [B * Q * Hi, Di], weights_ref [B * Q * Hi], key_ref [P * page, Di] (FP8 keys: an
     `Fp8Pool` of e4m3 values [P * page, Di] and scales [P * page]), page_table_ref
-    [B, max_pages], bound_ref [B, Q], span_ref [B], then for a tree prefix_ref [B] and
-    ancestor_ref [B * Q, Q]; output scores_ref [B * Qp, S padded to block_n] float32.
+    [B, max_pages], then the visibility's refs (`tiling.visibility_operands`; counts: whether
+    they are slot counts); output scores_ref [B * Qp, S padded to block_n] float32.
     """
-    *tree_refs, scores_ref = refs
-    prefix_ref, ancestor_ref = tree_refs or (None, None)
+    *vis_refs, scores_ref = refs
     token_block, chunk, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     fp8 = isinstance(key_ref, Fp8Pool)
     key_values_ref = key_ref.values if fp8 else key_ref
@@ -73,8 +71,8 @@ def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, bound_ref, span
     weights = load_vector(weights_ref, q_rows, row_valid).astype(jnp.float32)
 
     tokens, token_valid = block_indices(token_block * block_q, block_q, num_queries)
-    bounds = load_block(bound_ref, seq, tokens, column_valid=token_valid)
-    span = span_ref[seq]
+    bounds, span, prefix_ref, ancestor_ref = token_bounds(vis_refs, seq, tokens, token_valid,
+                                                          num_queries=num_queries, counts=counts)
     out_rows = pl.ds(seq * queries_padded + token_block * block_q, block_q)
     lo, hi = tile_range(chunk, chunks, scores_ref.shape[1] // block_n)
     seen_hi = jnp.clip(jax.lax.div(span + block_n - 1, block_n), lo, hi)
@@ -130,9 +128,9 @@ def indexer_scores_pallas(q_idx: jax.Array, weights: jax.Array, key_cache: jax.A
     chunks = pl.cdiv(num_tiles, tiles_per_program)
 
     kernel = functools.partial(
-        _indexer_kernel, num_queries=num_queries, heads=heads, heads_block=heads_block, dim_block=block_size(dim),
-        page_size=page_size, num_pages=num_pages, block_q=block_q, block_n=block_n, queries_padded=queries_padded,
-        chunks=chunks)
+        _indexer_kernel, counts=slot_counts(vis), num_queries=num_queries, heads=heads, heads_block=heads_block,
+        dim_block=block_size(dim), page_size=page_size, num_pages=num_pages, block_q=block_q, block_n=block_n,
+        queries_padded=queries_padded, chunks=chunks)
     out_shape = jax.ShapeDtypeStruct((batch * queries_padded, num_tiles * block_n), jnp.float32)
     vis_operands = visibility_operands(vis, num_queries)
     # Stated at full capacity (every slot visible): a row's keys come from HBM once; each head's

@@ -26,28 +26,27 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .flash_decoding import LatentDims, attend_tiles, flash_decode, load_queries, part_start, store_part
-from .tiling import block_indices, load_block, slot_rows, tile_range, visibility_operands, visible
+from .tiling import block_indices, slot_rows, tile_range, token_bounds, visibility_operands, visible
 from .visibility import Visibility
 
 
-def _mla_kernel(q_nope_ref, q_rope_ref, cache_ref, page_table_ref, bound_ref, span_ref, *refs, dims: LatentDims,
+def _mla_kernel(q_nope_ref, q_rope_ref, cache_ref, page_table_ref, *refs, dims: LatentDims,
                 rows: int, rows_padded: int, page_size: int, num_pages: int, block_m: int, block_n: int, parts: int,
                 heads: int, softmax_scale: float):
     """One (row block, part, sequence row) program.
 
     q_nope_ref [B * M, Dl], q_rope_ref [B * M, Dr] (M = rows = Q * H), cache_ref [P * page, Dl + Dr],
-    page_table_ref [B, max_pages], bound_ref [B, Q], span_ref [B], then for a tree prefix_ref [B]
-    and ancestor_ref [B * Q, Q]; outputs out_ref [B * parts * Mp, Dl], lse_ref [B * parts * Mp].
+    page_table_ref [B, max_pages], then the window's visibility refs (`tiling.visibility_operands`);
+    outputs out_ref [B * parts * Mp, Dl], lse_ref [B * parts * Mp].
     """
-    *tree_refs, out_ref, lse_ref = refs
-    prefix_ref, ancestor_ref = tree_refs or (None, None)
+    *vis_refs, out_ref, lse_ref = refs
     row_block, part, seq = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     query_rows, valid = block_indices(row_block * block_m, block_m, rows)
     queries = load_queries(q_nope_ref, q_rope_ref, seq * rows + query_rows, valid, dims)
     tokens = jax.lax.div(query_rows, heads)
-    bounds = load_block(bound_ref, seq, tokens, column_valid=valid)
-    span = span_ref[seq]
+    bounds, span, prefix_ref, ancestor_ref = token_bounds(vis_refs, seq, tokens, valid, num_queries=rows // heads,
+                                                          counts=False)
     lo, hi = tile_range(part, parts, jax.lax.div(span + block_n - 1, block_n))
 
     def tile(t):

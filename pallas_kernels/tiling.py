@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .backend import interpret_mode
 from .cost import cost_metadata
-from .visibility import VisibleSlots, kv_bound, tree_mask_of
+from .visibility import Visibility, VisibleSlots, kv_bound, tree_mask_of
 
 # Triton's tl.dot needs every extent >= 16, so a block is never smaller than that.
 MIN_BLOCK = 16
@@ -144,19 +144,48 @@ def dot_nn(a, b):
 
 
 def visibility_operands(vis: VisibleSlots, num_queries: int) -> list[jax.Array]:
-    """Per-token visibility as kernel operands: what `visibility.visible_mask` says, in a form a block can read.
+    """Per-token visibility as kernel operands, which a kernel reads with `token_bounds` (and
+    `visible`): what `visibility.visible_mask` says, in a form a block can read.
 
-    Chain (or slot counts): `[bound [B, Q], span [B]]` — the exclusive slot bound of each token (0
-    for padding) and the largest bound of each row (the slots any of its tokens may see). A tree
-    adds `prefix [B]` and `ancestor [B * Q, Q]` int32 (the tree mask as 0/1). Kernels take them as
-    `bound_ref, span_ref, *tree_refs` and pass `tree_refs or (None, None)` on as (prefix_ref, ancestor_ref).
+    A window's `Visibility`: `[prefix [B], query_len [B]]` int32, from which the kernel computes
+    each token's bound itself; a tree adds `ancestor [B * Q, Q]` int32 (the tree mask as 0/1).
+    Why not the bounds: passed as they are, the window's two vectors leave XLA nothing to compute
+    before the launch, where bounds [B, Q] took a kernel of XLA's at every layer of a one-token
+    decode step (the same bounds at every layer: XLA does not hoist them out of the layer scan).
+    Slot counts [B, Q] (`slot_counts(vis)`): `[bound [B, Q], span [B]]`, the counts clipped at 0
+    and their largest in each row.
     """
-    bound = kv_bound(vis, num_queries)
-    operands = [bound, jnp.max(bound, axis=1)]
+    if slot_counts(vis):
+        bound = kv_bound(vis, num_queries)
+        return [bound, jnp.max(bound, axis=1)]
+    operands = [vis.prefix_len.astype(jnp.int32), vis.query_len.astype(jnp.int32)]
     tree_mask = tree_mask_of(vis)
     if tree_mask is not None:
-        operands += [vis.prefix_len.astype(jnp.int32), tree_mask.reshape(-1, num_queries).astype(jnp.int32)]
+        operands.append(tree_mask.reshape(-1, num_queries).astype(jnp.int32))
     return operands
+
+
+def slot_counts(vis: VisibleSlots) -> bool:
+    """Whether `vis` is slot counts [B, Q] rather than a window's `Visibility`: the static switch
+    between `visibility_operands`' two forms."""
+    return not isinstance(vis, Visibility)
+
+
+def token_bounds(vis_refs, row, tokens, token_valid, *, num_queries: int, counts: bool):
+    """The visibility of sequence row `row`'s tokens from `visibility_operands`' refs ->
+    (bounds [R] int32: each token's exclusive slot bound, 0 for padding and where token_valid is
+    False; span: the largest bound of the row's Q tokens, a scalar; prefix_ref and ancestor_ref
+    for `visible`, None for a chain and for slot counts). tokens [R] in-bounds window indices;
+    num_queries: the call's Q; counts: `slot_counts(vis)` of the call. A window's bounds are
+    `visibility.kv_bound`'s, computed here: prefix_len + q + 1 for q < query_len, else 0."""
+    if counts:
+        bound_ref, span_ref = vis_refs
+        return load_block(bound_ref, row, tokens, column_valid=token_valid), span_ref[row], None, None
+    prefix_ref, query_len_ref, *tree_refs = vis_refs
+    prefix, length = prefix_ref[row], query_len_ref[row]
+    bounds = jnp.where(token_valid & (tokens < length), jnp.maximum(prefix + tokens + 1, 0), 0)
+    span = jnp.where(length > 0, jnp.maximum(prefix + jnp.minimum(length, num_queries), 0), 0)
+    return bounds, span, (prefix_ref if tree_refs else None), (tree_refs[0] if tree_refs else None)
 
 
 def visible(slots, bounds, row, tokens, prefix_ref, ancestor_ref):
