@@ -45,8 +45,9 @@ QUERY_ROWS = 128
 MAX_TILES_PER_PROGRAM = 16
 
 
-def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, *refs, counts: bool, num_queries: int, heads: int, heads_block: int, dim_block: int, page_size: int, num_pages: int, block_q: int,
-                    block_n: int, queries_padded: int, chunks: int):
+def _indexer_kernel(q_ref, weights_ref, key_ref, page_table_ref, *refs, counts: bool, num_queries: int, heads: int,
+                    heads_block: int, dim_block: int, page_size: int, num_pages: int, block_q: int, block_n: int,
+                    queries_padded: int, chunks: int):
     """One (token block, slot chunk, sequence row) program.
 
     q_ref [B * Q * Hi, Di], weights_ref [B * Q * Hi], key_ref [P * page, Di] (FP8 keys: an
