@@ -404,6 +404,20 @@ def test_pallas_compiled_on_gpu(rows, empty):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8], ids=["one-token", "eight-tokens"])
+def test_fewer_rows_than_a_window_give_their_bits_among_more_on_gpu(rows):
+    """Natively on a GPU, an FP8 dense linear of DeepSeek-V3.2's shape (one group): rows fewer
+    than a 16-row window, which the kernel loads masked, give the bits they give among 40 rows,
+    which it loads as plain slices (a decoded token's linear must not depend on the batch)."""
+    rng = np.random.default_rng(rows)
+    lhs = jnp.asarray(rng.normal(size=(40, 7168)), jnp.bfloat16)
+    quantized, scale_inv = device_fp8_experts(rows, 1, 7168, 2048)
+    run = lambda x: np.asarray(grouped_matmul_pallas(x, quantized, jnp.asarray([x.shape[0]], jnp.int32), scale_inv,
+                                                     interpret=False))
+    np.testing.assert_array_equal(run(lhs[:rows]), run(lhs)[:rows])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("power_of_two", [True, False], ids=["ue8m0", "amax"])
 def test_integer_upcast_on_gpu_gives_the_conversions_bits(power_of_two):
     """Natively on a GPU (the only place the inline PTX runs), FP8 experts of DeepSeek-V3.2's
