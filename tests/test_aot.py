@@ -26,7 +26,7 @@ from jaxspec import aot
 from jaxspec.aot.model import compile_model, reduced_depth
 from jaxspec.decode_config import DecodeConfig
 from jaxspec.pallas_kernels import Visibility
-from jaxspec.pallas_kernels.indexer_pallas import indexer_topk_pallas
+from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
 from jaxspec.presets import preset
@@ -160,6 +160,18 @@ def test_kernel_compiles_for_h100_at_v32_shapes(h100, kernel, num_queries, tree)
     assert call.flops == flops
     cost = aot.program_cost(compiled)
     assert cost.kernel_flops == flops and cost.flops >= flops and not cost.uncounted
+
+
+@pytest.mark.parametrize("num_queries", [1, 4])
+def test_a_chain_windows_visibility_takes_no_kernel_before_the_indexer(h100, num_queries):
+    """The Triton indexer's scores for a chain window compile to its one launch: it takes the
+    window's prefix and query lengths as they are and computes its tokens' bounds itself
+    (`tiling.token_bounds`), where bounds passed in took a kernel of XLA's before it, at every
+    layer of a decode step."""
+    _, args, _ = _indexer(num_queries, False)
+    compiled = aot.compile_gpu(indexer_scores_pallas, *args, devices=h100, interpret=False,
+                               static_argnames=("interpret",))
+    assert aot.launch_counts(compiled) == {"indexer_scores": 1}
 
 
 def holds_a_block(x):
