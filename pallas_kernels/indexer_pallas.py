@@ -35,8 +35,8 @@ from .cost import indexer_cost
 from .contracts import select_topk
 from .fp8_cache import Fp8Pool, cache_token_bytes, flat_pool
 from .tiling import (TARGET_PROGRAMS, block_indices, block_size, column_span, dot_nt, launch, load_block, load_vector,
-                     slot_counts, slot_rows, tile_range, token_bounds, visibility_operands, visible)
-from .visibility import VisibleSlots
+                     slot_rows, tile_range, token_bounds, visibility_operands, visible)
+from .visibility import VisibleSlots, slot_counts
 
 # Query rows (tokens x heads) per program: a 128 x 128 bf16 query block plus a 128 x 64 float32
 # score tile stay in registers at 4 warps.

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .backend import interpret_mode
 from .cost import cost_metadata
-from .visibility import Visibility, VisibleSlots, kv_bound, tree_mask_of
+from .visibility import VisibleSlots, kv_bound, slot_bound, slot_counts, tree_mask_of
 
 # Triton's tl.dot needs every extent >= 16, so a block is never smaller than that.
 MIN_BLOCK = 16
@@ -152,8 +152,8 @@ def visibility_operands(vis: VisibleSlots, num_queries: int) -> list[jax.Array]:
     Why not the bounds: passed as they are, the window's two vectors leave XLA nothing to compute
     before the launch, where bounds [B, Q] took a kernel of XLA's at every layer of a one-token
     decode step (the same bounds at every layer: XLA does not hoist them out of the layer scan).
-    Slot counts [B, Q] (`slot_counts(vis)`): `[bound [B, Q], span [B]]`, the counts clipped at 0
-    and their largest in each row.
+    Slot counts [B, Q] (`visibility.slot_counts(vis)`): `[bound [B, Q], span [B]]`, the counts
+    clipped at 0 and their largest in each row.
     """
     if slot_counts(vis):
         bound = kv_bound(vis, num_queries)
@@ -165,25 +165,19 @@ def visibility_operands(vis: VisibleSlots, num_queries: int) -> list[jax.Array]:
     return operands
 
 
-def slot_counts(vis: VisibleSlots) -> bool:
-    """Whether `vis` is slot counts [B, Q] rather than a window's `Visibility`: the static switch
-    between `visibility_operands`' two forms."""
-    return not isinstance(vis, Visibility)
-
-
 def token_bounds(vis_refs, row, tokens, token_valid, *, num_queries: int, counts: bool):
     """The visibility of sequence row `row`'s tokens from `visibility_operands`' refs ->
     (bounds [R] int32: each token's exclusive slot bound, 0 for padding and where token_valid is
     False; span: the largest bound of the row's Q tokens, a scalar; prefix_ref and ancestor_ref
     for `visible`, None for a chain and for slot counts). tokens [R] in-bounds window indices;
-    num_queries: the call's Q; counts: `slot_counts(vis)` of the call. A window's bounds are
-    `visibility.kv_bound`'s, computed here: prefix_len + q + 1 for q < query_len, else 0."""
+    num_queries: the call's Q; counts: `visibility.slot_counts(vis)` of the call. A window's
+    bounds are `visibility.kv_bound`'s, computed here by its definition (`visibility.slot_bound`)."""
     if counts:
         bound_ref, span_ref = vis_refs
         return load_block(bound_ref, row, tokens, column_valid=token_valid), span_ref[row], None, None
     prefix_ref, query_len_ref, *tree_refs = vis_refs
     prefix, length = prefix_ref[row], query_len_ref[row]
-    bounds = jnp.where(token_valid & (tokens < length), jnp.maximum(prefix + tokens + 1, 0), 0)
+    bounds = jnp.where(token_valid, slot_bound(prefix, length, tokens), 0)
     span = jnp.where(length > 0, jnp.maximum(prefix + jnp.minimum(length, num_queries), 0), 0)
     return bounds, span, (prefix_ref if tree_refs else None), (tree_refs[0] if tree_refs else None)
 

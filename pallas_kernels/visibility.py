@@ -39,9 +39,14 @@ class Visibility(NamedTuple):
 VisibleSlots = Visibility | jax.Array
 
 
+def slot_counts(vis: VisibleSlots) -> bool:
+    """Whether `vis` is slot counts [B, Q] rather than a window's `Visibility` (static)."""
+    return not isinstance(vis, Visibility)
+
+
 def tree_mask_of(vis: VisibleSlots) -> jax.Array | None:
     """The tree mask [B, Q, Q] of a tree's `Visibility`; None for a chain and for slot counts."""
-    return vis.tree_mask if isinstance(vis, Visibility) else None
+    return None if slot_counts(vis) else vis.tree_mask
 
 
 def query_valid(vis: Visibility, num_queries: int) -> jax.Array:
@@ -63,15 +68,23 @@ def kv_bound(vis: VisibleSlots, num_queries: int) -> jax.Array:
     kernels use to skip pages, refined by the mask inside the window. Slot counts are their own
     bound (negative counts read as 0).
     """
-    if not isinstance(vis, Visibility):
+    if slot_counts(vis):
         return jnp.maximum(vis.astype(jnp.int32), 0)
-    return jnp.maximum(window_slots(vis, num_queries) + 1, 0)
+    q = jnp.arange(num_queries, dtype=jnp.int32)
+    return slot_bound(vis.prefix_len[:, None], vis.query_len[:, None], q[None, :])
+
+
+def slot_bound(prefix_len, query_len, q):
+    """Window token q's exclusive slot bound, elementwise over broadcastable int32 arrays:
+    prefix_len + q + 1 for a real token (q < query_len), 0 for padding. The one definition that
+    `kv_bound` and the kernels computing their tokens' bounds (`tiling.token_bounds`) share."""
+    return jnp.where(q < query_len, jnp.maximum(prefix_len + q + 1, 0), 0)
 
 
 def visible_mask(vis: VisibleSlots, num_queries: int, num_slots: int) -> jax.Array:
     """[B, Q, S] bool: token (b, q) sees slot s. The dense definition the kernels must equal."""
     s = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]
-    if not isinstance(vis, Visibility):
+    if slot_counts(vis):
         return s < kv_bound(vis, num_queries)[:, :, None]
     prefix = vis.prefix_len[:, None, None]
     bound = kv_bound(vis, num_queries)[:, :, None]
