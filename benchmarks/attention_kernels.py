@@ -6,8 +6,9 @@ reference, and prints time, achieved HBM bandwidth (the bytes the op must move a
 cache reads, queries and outputs), TFLOP/s, and the bandwidth as a fraction of a device-to-device
 copy measured in the same run; on a device kind `PEAKS` knows, a roofline row gives the time the
 op's bytes and flops allow. The indexer's top-k is timed separately on the
-kernel's scores, for `lax.top_k` (what `indexer_topk_pallas` uses), `lax.approx_max_k` and a full
-stable sort, with approx_max_k's recall against the exact top-k.
+kernel's scores: `lax.top_k` and the count of ranks (`ranks.top_k_indices`), the two ways
+`select_topk` selects (it counts up to `SELECT_COUNT_LIMIT` comparisons a call), beside
+`lax.approx_max_k` and a full stable sort, with approx_max_k's recall against the exact top-k.
 
 The ops: DeepSeek-V3.2's `mla_attention`, `sparse_mla` and `indexer_scores` (with its top-k), and
 DeepSeek-V4's `sliding_compressed_attention` in its two compressed layer kinds, `v4_csa` (the
@@ -55,7 +56,7 @@ from jaxspec import progress
 from jaxspec.cache_v4 import ring_capacities
 from jaxspec.memory_plan import device_memory
 from jaxspec.model_config import CSA, HCA, ModelConfig
-from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference,
+from jaxspec.pallas_kernels import (Visibility, indexer_scores_reference, mla_attention_reference, ranks,
                                     sliding_compressed_attention_reference, sparse_mla_attention_reference)
 from jaxspec.pallas_kernels.fp8_cache import (INDEX_RULE, LATENT_RULE, V4_RULE, cache_token_bytes, fp8_index_queries,
                                               quantize_entries)
@@ -449,6 +450,8 @@ def topk_rows(scores, topk: int, iters: int, warmup: int):
     k = min(topk, scores.shape[-1])
     variants = {
         "lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, k)[1]),
+        # counted at every shape here (no limit), to find where the sort overtakes it
+        "rank count": jax.jit(lambda s: ranks.top_k_indices(s, k, limit=s.size * s.shape[-1])),
         "lax.approx_max_k": jax.jit(lambda s: jax.lax.approx_max_k(s, k, recall_target=0.95)[1]),
         "stable sort": jax.jit(lambda s: jnp.argsort(-s, axis=-1, stable=True)[..., :k]),
     }

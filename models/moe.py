@@ -10,7 +10,7 @@ Routing (DeepSeek-V3 `Gate`, `topk_method="noaux_tc"`; transformers' DeepseekV4T
   4. experts = top-k(choice); weights = scores at those experts (no bias)
   5. norm_topk_prob: weights /= sum(weights); then weights *= routed_scaling_factor
 The selections of 3 and 4, and the grouped path's sort of the assignments by expert, count
-comparisons for a decode step's few tokens instead of sorting (`models.ranks`: on a GPU a sort is
+comparisons for a decode step's few tokens instead of sorting (`pallas_kernels.ranks`: on a GPU a sort is
 launches a step pays at every layer); more tokens sort, to the same integers. The sum of 5 adds a
 token's k weights left to right (a reduction would be a kernel of its own).
 V4's hash layers (`mlp_layer_types` "hash_moe", transformers' DeepseekV4HashRouter) skip 2-4:
@@ -65,12 +65,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.model_config import ModelConfig
-from jaxspec.pallas_kernels import grouped_matmul, resolve_backend
+from jaxspec.pallas_kernels import grouped_matmul, ranks, resolve_backend
 from jaxspec.pallas_kernels.backend import interpret_mode
 from jaxspec.pallas_kernels.block_fp8 import dequantize
 from jaxspec.sharding import Parallel, current
 
-from . import ranks
 from .layers import MLP, param, swiglu, weight_params
 from .stack import in_place
 

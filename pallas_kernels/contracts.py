@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import block_fp8
+from . import block_fp8, ranks
 from .fp8_cache import Fp8Pool, as_stored
 from .visibility import Visibility
 
@@ -20,15 +20,39 @@ from .visibility import Visibility
 # exp(EMPTY_LSE - m) == 0 for any real m, so a split-KV combine weights it out.
 EMPTY_LSE = -1e30
 
+# Score comparisons (rows x S x S) a `select_topk` call may count before it sorts instead: up to
+# 3 tokens a call (B x Q) at a 4,096-token context (S = 4,160 slots, 65 pages of 64). Why: on an
+# H200 XLA's sort of one row of 4,096 took 37 us (a decode step's profile, one sort a layer),
+# where counting is two fused reductions over [S, S] and [topk, S] (2.6 x 10^7 comparisons a row
+# at top-2048, a few microseconds spread over the SMs). The sort's rows run side by side, one
+# block each, so its time barely grows with the rows where the count's grows linearly: past a few
+# rows the sort is the faster. The bound is a projection from that one measured sort;
+# `benchmarks/attention_kernels.py` times both ("rank count" beside "lax.top_k") on a GPU.
+SELECT_COUNT_LIMIT = 1 << 26
+# Rows of at most this many scores keep the sort: compiled for sm_90a, XLA sorts them (with their
+# indices) in one kernel, one block's shared memory, where the count takes three (the keys and
+# its two reductions); a row of 4,160 took the sort three passes. V4's compressed entries at a
+# 4,096-token context (1,024 a row) stay sorted.
+SELECT_SORT_ONE_PASS = 4096
+
 
 def select_topk(scores: jax.Array, topk: int) -> jax.Array:
     """scores [B, Q, S] (-inf = invisible) -> indices [B, Q, topk] int32, best first, -1 padded.
 
-    Ties go to the lower slot (`lax.top_k` is stable), so kernels and reference agree exactly.
+    The order is `lax.top_k`'s (IEEE total order, ties to the lower slot), so kernels and
+    reference agree exactly. Counted (`ranks.top_k_indices`) where a row is longer than
+    `SELECT_SORT_ONE_PASS` and the call's comparisons are at most `SELECT_COUNT_LIMIT`, else
+    sorted: the same integers either way, so a token's selection does not depend on how many rows
+    share the call.
     """
-    k = min(topk, scores.shape[-1])
-    values, indices = jax.lax.top_k(scores, k)
-    indices = jnp.where(values > -jnp.inf, indices, -1).astype(jnp.int32)
+    num_slots = scores.shape[-1]
+    k = min(topk, num_slots)
+    if SELECT_SORT_ONE_PASS < num_slots and scores.size * num_slots <= SELECT_COUNT_LIMIT:
+        labels = jnp.where(scores > -jnp.inf, jnp.arange(num_slots, dtype=jnp.int32), -1)
+        indices = ranks.top_k_indices(scores, k, limit=SELECT_COUNT_LIMIT, labels=labels)
+    else:  # sorted on the floats themselves: XLA's sort keys them in the same total order
+        values, indices = jax.lax.top_k(scores, k)
+        indices = jnp.where(values > -jnp.inf, indices, -1).astype(jnp.int32)
     if k < topk:
         indices = jnp.pad(indices, ((0, 0), (0, 0), (0, topk - k)), constant_values=-1)
     return indices

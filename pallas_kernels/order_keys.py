@@ -1,4 +1,4 @@
-"""IEEE total order as int32 keys: what the MoE router's selections compare (`jaxspec.models.ranks`,
+"""IEEE total order as int32 keys: what the MoE router's selections compare (`jaxspec.pallas_kernels.ranks`,
 `router_mosaic`), so that NaN and signed zeros order the same way on every platform and in every
 implementation.
 

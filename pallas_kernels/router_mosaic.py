@@ -3,7 +3,7 @@ weights at the chosen experts and their normalization, in one launch.
 
 XLA compiles that chain as a kernel per reduction (a group's best two, the groups' ranking, the
 experts' places, the indices at places 0..k-1, the weights: six launches a MoE layer at B 1 after
-the gate, `jaxspec.models.ranks`), each a few microseconds of launch for 256 numbers a token. Here
+the gate, `jaxspec.pallas_kernels.ranks`), each a few microseconds of launch for 256 numbers a token. Here
 one program routes one token: its warpgroup holds the E scores, two a thread (E / 128 a thread in
 Mosaic GPU's strided layout), and every selection is a reduction over the whole warpgroup (warp
 `redux` of int32 keys, then shared memory across the four warps):

@@ -350,7 +350,7 @@ def test_moe_layer_compiled_at_routed_cost(h100, num_tokens, slack):
     activation size only, kernels within the H100's shared memory with no spills, and no while
     loop: a loop on a GPU splits the decode step's CUDA graph around it at every MoE layer (a
     binary search for the work table's groups would be one, 9 trips of one-thread kernels), and
-    no sort where the router counts (`models.ranks`)."""
+    no sort where the router counts (`pallas_kernels.ranks`)."""
     from jaxspec import aot
     from jaxspec.aot.hlo_loops import parse_module
 
@@ -376,7 +376,7 @@ def test_moe_layer_compiled_at_routed_cost(h100, num_tokens, slack):
     launches = aot.kernel_launches(compiled)
     assert launches and all(l.shared_memory <= 227 * 1024 and l.spill_stores == l.spill_loads == 0 for l in launches)
     assert parse_module(compiled.as_text()).loops == []
-    # Up to 128 tokens the router's selections and the experts' order are counted (models.ranks),
+    # Up to 128 tokens the router's selections and the experts' order are counted (pallas_kernels.ranks),
     # with no sort: on a GPU a sort is one to three launches and a copy. The tree of 8 and the
     # prefill sort the experts (and the prefill its assignments).
     assert bool(re.search(r"[)}\]] sort\(", compiled.as_text())) == (num_tokens > 128)

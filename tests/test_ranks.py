@@ -1,13 +1,15 @@
-"""models.ranks: top-k and stable sorts by counting comparisons equal XLA's sorts, integer for
-integer, on both sides of COUNT_LIMIT; the router built on them routes a token as the sorts did,
-alone or among other tokens."""
+"""pallas_kernels.ranks: top-k and stable sorts by counting comparisons equal XLA's sorts, integer
+for integer, on both sides of COUNT_LIMIT; the router built on them routes a token as the sorts
+did, alone or among other tokens; the indexer's selection (`select_topk`) counts few rows and sorts
+many, with the same indices."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.models import moe, ranks
+from jaxspec.models import moe
+from jaxspec.pallas_kernels import contracts, ranks, select_topk
 from jaxspec.presets import preset
 
 
@@ -31,6 +33,78 @@ def test_top_k_indices_are_lax_top_k_with_its_tie_rule(way):
         got = ranks.top_k_indices(values, k)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, jax.lax.top_k(values, k)[1])
+
+
+def test_top_k_indices_give_the_chosen_elements_labels_within_a_callers_limit(way):
+    """With labels, the chosen elements' labels (in the count, summed in the same reduction); a
+    call's own limit decides whether it counts (a reduction, no sort) or sorts, beside
+    COUNT_LIMIT's default."""
+    values = _tied(jax.random.key(7), (3, 2, 24))
+    labels = jax.random.randint(jax.random.key(8), values.shape, -5, 100)
+    want = jnp.take_along_axis(labels, jax.lax.top_k(values, 9)[1], axis=-1)
+    np.testing.assert_array_equal(ranks.top_k_indices(values, 9, labels=labels), want)
+    comparisons = values.size * values.shape[-1]
+    for limit, counts in ((comparisons, True), (comparisons - 1, False)):
+        jaxpr = str(jax.make_jaxpr(lambda v: ranks.top_k_indices(v, 9, limit=limit, labels=labels))(values))  # noqa: B023
+        assert ("sort" in jaxpr or "top_k" in jaxpr) != counts and ("reduce_sum" in jaxpr) == counts
+        np.testing.assert_array_equal(ranks.top_k_indices(values, 9, limit=limit, labels=labels), want)
+
+
+def _stable_top(scores: np.ndarray, topk: int) -> np.ndarray:
+    """numpy's stable sort of the total-order keys, descending: the selection `select_topk` defines
+    (-1 for invisible slots and past the row), independent of XLA's sort and of the count."""
+    keys = np.asarray(ranks.total_order_keys(jnp.asarray(scores)), np.int64)
+    order = np.argsort(-keys, axis=-1, kind="stable")[..., :topk]
+    order = np.where(np.take_along_axis(scores, order, axis=-1) > -np.inf, order, -1)
+    return np.pad(order, [(0, 0)] * (scores.ndim - 1) + [(0, topk - order.shape[-1])], constant_values=-1)
+
+
+@pytest.mark.parametrize("shape, topk", [((1, 1, 64), 16), ((2, 3, 40), 48), ((4, 4, 96), 32)],
+                         ids=["one-token", "fewer-slots-than-topk", "window"])
+def test_select_topk_counts_few_long_rows_and_sorts_others_with_the_same_indices(shape, topk, monkeypatch):
+    """The indexer's selection over scores with ties, signed zeros and invisible slots (-inf, and
+    in a call of several rows one with none visible): counted where rows are longer than
+    SELECT_SORT_ONE_PASS and the call's comparisons within SELECT_COUNT_LIMIT (here with the rows'
+    bound lowered: the suite's rows are short), sorted otherwise, both numpy's stable descending
+    order of the total-order keys with -1 for invisible slots and past the row's slots."""
+    rng = np.random.default_rng(sum(shape))
+    scores = rng.integers(-3, 4, shape).astype(np.float32) / 2
+    scores[rng.random(shape) < 0.2] = -0.0
+    scores[rng.random(shape) < 0.3] = -np.inf
+    several = scores[..., 0].size > 1
+    if several:
+        scores[-1, -1] = -np.inf
+    want = _stable_top(scores, topk)
+    comparisons = scores.size * shape[-1]
+    assert comparisons <= contracts.SELECT_COUNT_LIMIT and shape[-1] <= contracts.SELECT_SORT_ONE_PASS
+    for one_pass, limit, sorts in ((0, contracts.SELECT_COUNT_LIMIT, False), (0, comparisons - 1, True),
+                                   (contracts.SELECT_SORT_ONE_PASS, contracts.SELECT_COUNT_LIMIT, True)):
+        monkeypatch.setattr(contracts, "SELECT_SORT_ONE_PASS", one_pass)
+        monkeypatch.setattr(contracts, "SELECT_COUNT_LIMIT", limit)
+        select = lambda s: select_topk(s, topk)  # noqa: E731  (a new function: no trace cached under the old bounds)
+        assert ("top_k" in str(jax.make_jaxpr(select)(scores))) == sorts
+        np.testing.assert_array_equal(jax.jit(select)(scores), want)
+    assert (want >= 0).any() and (want[-1, -1] == -1).all() == several
+
+
+def test_a_tokens_long_row_counts_in_as_many_kernels_as_its_sort(h100, monkeypatch):
+    """Compiled for an H100 without a GPU, one token's row of 4,160 scores (a 4,096-token context)
+    selects its top-2048 by counting in no more launches than the sort it replaces (the sort with
+    the bound lowered), none of them spilling registers (the compile refuses spills); 4 tokens a
+    call are past the bound and sort."""
+    from jaxspec import aot
+
+    def compiled(rows):
+        return aot.compile_gpu(lambda s: select_topk(s, 2048), jax.ShapeDtypeStruct((1, rows, 4160), jnp.float32),
+                               devices=h100)
+
+    assert 4160 * 4160 * 4 > contracts.SELECT_COUNT_LIMIT >= 4160 * 4160
+    counted, window = compiled(1), compiled(4)
+    monkeypatch.setattr(contracts, "SELECT_COUNT_LIMIT", 0)
+    sorted_ = compiled(1)
+    # the [S, S] comparison's work where it counts, none where it sorts
+    assert aot.program_cost(counted).flops > 4160 * 4160 > max(aot.program_cost(p).flops for p in (sorted_, window))
+    assert 0 < sum(aot.launch_counts(counted).values()) <= sum(aot.launch_counts(sorted_).values())
 
 
 def test_places_are_the_order_of_a_stable_descending_sort(way):

@@ -1,5 +1,5 @@
-"""Top-k and stable sorts of short rows by counting comparisons: the MoE router's selections and
-its dispatch order, without XLA's sort.
+"""Top-k and stable sorts by counting comparisons: the MoE router's selections and its dispatch
+order, and the DSA indexer's top-k of one token's row (`contracts.select_topk`), without XLA's sort.
 
 Why: a decode step routes a handful of tokens (B x (k + 1) of them), and there XLA's sort costs
 launches, not work. On a GPU a `lax.top_k` or `argsort` is one to three sort kernels plus a copy
@@ -14,13 +14,14 @@ assignments by expert; not the 8 groups' ranking, which the experts' comparison 
 
 Past `COUNT_LIMIT` comparisons a call (more than 128 tokens over 256 experts: a tree of 8 at
 B 32, or a prefill, whose [A, A] dispatch comparison would grow quadratically) the same functions
-sort, on the same integer keys. Both ways give the same integers, so the choice, which depends on
+sort, on the same integer keys. A caller with other rows passes its own `limit` (the indexer's
+rows of thousands of slots). Both ways give the same integers, so the choice, which depends on
 how many rows share the call, never changes a row's result: a token routes to the same experts,
 in the same order, alone or among others (speculative decoding's verification window relies on it).
 
 The order is `lax.top_k`'s on floats: descending in IEEE total order (+NaN > +inf > ... > +0.0 >
 -0.0 > ... > -inf > -NaN), equal values by lower index first. `total_order_keys`
-(`pallas_kernels.order_keys`) makes it an order of int32 keys, which both ways compare, so NaN
+(`order_keys`) makes it an order of int32 keys, which both ways compare, so NaN
 and signed zeros sort the same on every platform.
 """
 
@@ -31,8 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.pallas_kernels.backend import lowers_for_gpu
-from jaxspec.pallas_kernels.order_keys import LOWEST_KEY, ordered_values, total_order_keys
+from .backend import lowers_for_gpu
+from .order_keys import LOWEST_KEY, ordered_values, total_order_keys
 
 # Comparisons (elements of the [..., N, N] or [A, A] comparison) a call may count before it sorts
 # instead: 2^23 counts a row of 256 experts for up to 128 tokens (B 32 at k = 3) and the dispatch
@@ -46,8 +47,8 @@ COUNT_LIMIT = 1 << 23
 UNROLLED_LIMIT = 16
 
 
-def _counted(elements: int) -> bool:
-    return elements <= COUNT_LIMIT
+def _counted(elements: int, limit: int | None) -> bool:
+    return elements <= (COUNT_LIMIT if limit is None else limit)
 
 
 def _summed(terms: jax.Array) -> jax.Array:
@@ -69,12 +70,12 @@ def _counted_places(keys: jax.Array) -> jax.Array:
     return _summed((other > own) | ((other == own) & (index < index[:, None])))
 
 
-def places(values: jax.Array) -> jax.Array:
+def places(values: jax.Array, *, limit: int | None = None) -> jax.Array:
     """values [..., N] float -> [..., N] int32: each element's place in its row's order (0 = best),
-    a permutation of 0..N-1 per row. Counted where the [..., N, N] comparison has at most
-    `COUNT_LIMIT` elements (an element's place is how many are ahead of it), else sorted."""
+    a permutation of 0..N-1 per row. Counted where the [..., N, N] comparison has at most `limit`
+    elements (default `COUNT_LIMIT`; an element's place is how many are ahead of it), else sorted."""
     keys = total_order_keys(values)
-    if not _counted(keys.size * keys.shape[-1]):
+    if not _counted(keys.size * keys.shape[-1], limit):
         # ~key reverses the order without overflow; a stable sort keeps ties by index.
         return jnp.argsort(jnp.argsort(~keys, axis=-1, stable=True), axis=-1).astype(jnp.int32)
     return _counted_places(keys)
@@ -98,20 +99,28 @@ def sum_of_best_two(values: jax.Array) -> jax.Array:
     return ordered_values(first) + ordered_values(second)
 
 
-def _at_places(place: jax.Array, k: int) -> jax.Array:
-    """place [..., N] (a permutation of 0..N-1 per row) -> [..., k] int32: the index at places 0..k-1."""
-    index = jnp.arange(place.shape[-1], dtype=jnp.int32)
-    return _summed(jnp.where(place[..., None, :] == jnp.arange(k)[:, None], index, 0))
+def _at_places(place: jax.Array, k: int, labels: jax.Array | None = None) -> jax.Array:
+    """place [..., N] (a permutation of 0..N-1 per row) -> [..., k] int32: the label (default: the
+    index; else labels [..., N] int32) of the element at places 0..k-1."""
+    if labels is None:
+        labels = jnp.arange(place.shape[-1], dtype=jnp.int32)
+    else:
+        labels = labels[..., None, :]
+    return _summed(jnp.where(place[..., None, :] == jnp.arange(k)[:, None], labels, 0))
 
 
-def top_k_indices(values: jax.Array, k: int) -> jax.Array:
-    """values [..., N] float, 1 <= k <= N -> [..., k] int32: `lax.top_k(values, k)[1]`, best first.
-    Counted as `places` is, else `lax.top_k` of `total_order_keys`: the same integers either way."""
+def top_k_indices(values: jax.Array, k: int, *, limit: int | None = None,
+                  labels: jax.Array | None = None) -> jax.Array:
+    """values [..., N] float, 1 <= k <= N -> [..., k] int32: `lax.top_k(values, k)[1]`, best first
+    (with labels [..., N] int32: the chosen elements' labels instead of their indices, which the
+    count sums in the same reduction). Counted as `places` is (within `limit`), else `lax.top_k`
+    of `total_order_keys`: the same integers either way."""
     if not 1 <= k <= values.shape[-1]:
         raise ValueError(f"k={k}: must be in [1, {values.shape[-1]}] (the last axis of values {values.shape})")
-    if not _counted(values.size * values.shape[-1]):
-        return jax.lax.top_k(total_order_keys(values), k)[1].astype(jnp.int32)
-    return _at_places(places(values), k)
+    if not _counted(values.size * values.shape[-1], limit):
+        indices = jax.lax.top_k(total_order_keys(values), k)[1].astype(jnp.int32)
+        return indices if labels is None else jnp.take_along_axis(labels, indices, axis=-1)
+    return _at_places(places(values, limit=limit), k, labels)
 
 
 def sort_by_group(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -124,7 +133,7 @@ def sort_by_group(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Ar
     if groups.ndim != 1:
         raise ValueError(f"groups: must be [A], got shape {groups.shape}")
     count = groups.shape[0]
-    if not (_counted(count * count) and _counted(num_groups * count)):
+    if not (_counted(count * count, None) and _counted(num_groups * count, None)):
         order = jnp.argsort(groups, stable=True).astype(jnp.int32)
         position = jnp.zeros(count, jnp.int32).at[order].set(jnp.arange(count, dtype=jnp.int32))
         return order, position, jnp.bincount(groups, length=num_groups).astype(jnp.int32)
