@@ -41,10 +41,20 @@ def selected_rows(page_table: jax.Array, slots: jax.Array, page_size: int, num_p
 
 
 def write_slots(cache: jax.Array, page_table: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """cache [P, page, D], slots [B, Q] (-1 = skip), values [B, Q, D] -> updated cache."""
-    num_pages, page_size, _ = cache.shape
-    page, offset, _ = slot_address(page_table, slots, page_size, num_pages)
-    return cache.at[page, offset].set(values.astype(cache.dtype), mode="drop")
+    """cache [P, page, D], slots [B, Q] (-1 = skip), values [B, Q, D] -> updated cache.
+
+    One slot (B = Q = 1, a decode step's token) is written as a dynamic update of its entry with
+    the old entry kept where the slot is invalid: the same bits as the scatter, which XLA lowers
+    to that update plus two kernels of its own (the scatter's bounds predicate, a read of the old
+    entry) where this one fuses into the update."""
+    num_pages, page_size, width = cache.shape
+    page, offset, valid = slot_address(page_table, slots, page_size, num_pages)
+    if slots.size != 1:
+        return cache.at[page, offset].set(values.astype(cache.dtype), mode="drop")
+    start = (jnp.minimum(page, num_pages - 1).reshape(()), offset.reshape(()), 0)
+    old = jax.lax.dynamic_slice(cache, start, (1, 1, width))
+    new = jnp.where(valid.reshape(()), values.reshape(1, 1, width).astype(cache.dtype), old)
+    return jax.lax.dynamic_update_slice(cache, new, start)
 
 
 def read_slots(cache: jax.Array, page_table: jax.Array, slots: jax.Array) -> jax.Array:

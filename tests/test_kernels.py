@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas_kernels import (EMPTY_LSE, Visibility, indexer_scores_reference, indexer_topk_reference,
-                                    mla_attention_reference, sparse_mla_attention_reference)
+                                    mla_attention_reference, sparse_mla_attention_reference, write_slots)
 from jaxspec.pallas_kernels.indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
 from jaxspec.pallas_kernels.mla_attention_pallas import mla_attention_pallas
 from jaxspec.pallas_kernels.sparse_mla_attention_pallas import sparse_mla_attention_pallas
@@ -188,6 +188,68 @@ def naive_indexer(q_idx, weights, keys, window: Window, topk: int):
 
 def scale_for(latent: int, rope: int) -> float:
     return (latent + rope) ** -0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache writes
+# ----------------------------------------------------------------------------------------------
+
+
+def naive_write(cache: np.ndarray, page_table: np.ndarray, slots: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each valid slot's entry set, from the data model: row b's slot s at page page_table[b, s //
+    page], offset s % page; -1 and slots past the row's pages skipped."""
+    cache, page = cache.copy(), cache.shape[1]
+    for (b, q), slot in np.ndenumerate(slots):
+        if 0 <= slot < page_table.shape[1] * page:
+            cache[page_table[b, slot // page], slot % page] = values[b, q]
+    return cache
+
+
+@pytest.mark.parametrize("slot", [0, 37, 63, -1, 64], ids=["first", "mid-page", "last", "padding", "past-the-pages"])
+def test_one_slots_write_sets_its_entry_and_nothing_else(slot):
+    """A decode step's one token (B = Q = 1, written as a dynamic update of its entry) and a
+    window's tokens (the scatter) set the entries the data model says, bit for bit, and leave every
+    other entry: a slot -1 or past the row's pages writes nothing, at an out-of-order page table
+    whose last page is the pool's last."""
+    rng = np.random.default_rng(slot + 2)
+    cache = rng.standard_normal((5, 32, 24)).astype(jnp.bfloat16)
+    page_table = np.array([[3, 4]], np.int32)
+    write = jax.jit(write_slots)
+    for slots, table in ((np.array([[slot]], np.int32), page_table),
+                         (np.array([[slot, 5], [-1, 40]], np.int32), np.array([[3, 4], [1, 0]], np.int32))):
+        values = rng.standard_normal((*slots.shape, 24)).astype(jnp.bfloat16)
+        got = np.asarray(write(jnp.asarray(cache), jnp.asarray(table), jnp.asarray(slots), jnp.asarray(values)))
+        want = naive_write(cache, table, slots, values)
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        written = ((0 <= slots) & (slots < 64)).sum()
+        assert (got != cache).any(axis=-1).sum() == written  # those entries, no other
+
+
+def test_one_slots_write_compiles_to_one_kernel_in_place(h100):
+    """Compiled for an H100 without a GPU, a decode step's one-token write into each layer of a
+    donated stacked pool (a scan over 4 layers, the model's layout: `cache.stacked_pages`) is one
+    kernel a layer, the update of its entry in place (the scatter took three: its bounds
+    predicate, a read of the old entry and the update); a window's two tokens stay the scatter, one
+    kernel a layer. Either moves kilobytes, not the 19 MB layers (`aot.program_cost`: the update's
+    read of the old entry is a slice of the pool it updates, not the pool)."""
+    from jaxspec import aot
+    from jaxspec.cache import stacked_pages, unstacked_pages
+
+    def each_layer(cache, page_table, slots, values):
+        def layer(cache, row):
+            flat, rows = stacked_pages(cache, page_table, row)
+            return unstacked_pages(write_slots(flat, rows, slots, values), cache), None
+        return jax.lax.scan(layer, cache, jnp.arange(cache.shape[0]))[0]
+
+    for tokens in (1, 2):
+        compiled = aot.compile_gpu(each_layer, jax.ShapeDtypeStruct((4, 65, 64, 576), jnp.bfloat16),
+                                   jax.ShapeDtypeStruct((1, 65), jnp.int32), jax.ShapeDtypeStruct((1, tokens), jnp.int32),
+                                   jax.ShapeDtypeStruct((1, tokens, 576), jnp.bfloat16), devices=h100,
+                                   donate_argnums=(0,))
+        writes = {name: count for name, count in aot.launch_counts(compiled).items()
+                  if "update_slice" in name or "scatter" in name}
+        assert writes == {"loop_dynamic_update_slice_fusion" if tokens == 1 else "input_scatter_fusion": 4}, writes
+        assert 0 < aot.program_cost(compiled).bytes_accessed < 65_536
 
 
 # ----------------------------------------------------------------------------------------------

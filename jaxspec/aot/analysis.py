@@ -283,10 +283,15 @@ def _touched_bytes(lines: list[str]) -> float | None:
         return None
     read = 0.0
     for name, shape in params.items():
-        if in_place and name == root_op[1][0] and len(uses[name]) == 1:
-            continue
-        if uses[name] and all(opcode == "dynamic-slice" and position == 0 for _, _, opcode, position in uses[name]):
-            read += sum(shape_bytes(use_shape) for _, use_shape, _, _ in uses[name])
+        param_uses = uses[name]
+        if in_place and name == root_op[1][0]:
+            # The update moves only its entries (written, below); the parameter's other uses may
+            # slice it (a one-token write keeps the old entry where its slot is invalid).
+            param_uses = [use for use in param_uses if use[0] != root or use[3] != 0]
+            if not param_uses:
+                continue
+        if param_uses and all(opcode == "dynamic-slice" and position == 0 for _, _, opcode, position in param_uses):
+            read += sum(shape_bytes(use_shape) for _, use_shape, _, _ in param_uses)
         else:
             read += shape_bytes(shape)
     written = shape_bytes(shapes.get(root_op[1][1], "")) if in_place else shape_bytes(shapes.get(root, ""))
