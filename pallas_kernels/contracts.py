@@ -21,14 +21,16 @@ from .visibility import Visibility
 EMPTY_LSE = -1e30
 
 # Score comparisons (rows x S x S) a `select_topk` call may count before it sorts instead: up to
-# 3 tokens a call (B x Q) at a 4,096-token context (S = 4,160 slots, 65 pages of 64). Why: on an
-# H200 XLA's sort of one row of 4,096 took 37 us (a decode step's profile, one sort a layer),
-# where counting is two fused reductions over [S, S] and [topk, S] (2.6 x 10^7 comparisons a row
-# at top-2048, a few microseconds spread over the SMs). The sort's rows run side by side, one
-# block each, so its time barely grows with the rows where the count's grows linearly: past a few
-# rows the sort is the faster. The bound is a projection from that one measured sort;
-# `benchmarks/attention_kernels.py` times both ("rank count" beside "lax.top_k") on a GPU.
-SELECT_COUNT_LIMIT = 1 << 26
+# 7 tokens a call (B x Q) at a 4,096-token context (S = 4,160 slots, 65 pages of 64), so that the
+# main job's k = 3 window counts, and one token up to an 8,192-token context. Why: on an H200
+# XLA's sort of one row of 4,096 took 37 us (a decode step's profile, one sort a layer), where
+# counting is two fused reductions over [S, S] and [topk, S] (2.6 x 10^7 comparisons a row at
+# top-2048, 1.5 x 10^8 of XLA's flops, a few microseconds spread over the SMs). The sort's rows
+# run side by side, one block each, so its time barely grows with the rows where the count's
+# grows linearly: past a few rows the sort is the faster. The bound is a projection from that one
+# measured sort; `benchmarks/attention_kernels.py` times both ("rank count" beside "lax.top_k",
+# at B 1 and 8, Q 1 and 4) on a GPU, which is where it gets measured.
+SELECT_COUNT_LIMIT = 1 << 27
 # Rows of at most this many scores keep the sort: compiled for sm_90a, XLA sorts them (with their
 # indices) in one kernel, one block's shared memory, where the count takes three (the keys and
 # its two reductions); a row of 4,160 took the sort three passes. V4's compressed entries at a
