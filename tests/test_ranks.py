@@ -107,6 +107,26 @@ def test_a_tokens_long_row_counts_in_as_many_kernels_as_its_sort(h100, monkeypat
     assert 0 < sum(aot.launch_counts(counted).values()) <= sum(aot.launch_counts(sorted_).values())
 
 
+@pytest.mark.gpu
+def test_select_topk_counts_a_windows_long_rows_as_the_gpus_sort_selects():
+    """On a GPU, at the decode step's shapes (a k = 3 window's 4 tokens over 4,160 slots, top-2048),
+    the count gives the indices of XLA's GPU sort (its total order and ties, on scores with many
+    ties, signed zeros and invisible slots), and both numpy's."""
+    rng = np.random.default_rng(11)
+    scores = rng.integers(-40, 40, (1, 4, 4160)).astype(np.float32) / 4
+    scores[rng.random(scores.shape) < 0.05] = -0.0
+    scores[:, :, 3000:] = -np.inf
+    assert scores.size * scores.shape[-1] <= contracts.SELECT_COUNT_LIMIT < scores.shape[-1] * scores.size * 2
+    counted = np.asarray(jax.jit(lambda s: select_topk(s, 2048))(scores))
+    assert "top_k" not in str(jax.make_jaxpr(lambda s: select_topk(s, 2048))(scores))
+    doubled = np.concatenate([scores, scores], axis=1)  # 8 tokens a call: past the bound, sorted
+    assert "top_k" in str(jax.make_jaxpr(lambda s: select_topk(s, 2048))(doubled))
+    sorted_ = np.asarray(jax.jit(lambda s: select_topk(s, 2048))(doubled))
+    np.testing.assert_array_equal(counted, sorted_[:, :4])
+    np.testing.assert_array_equal(counted, sorted_[:, 4:])
+    np.testing.assert_array_equal(counted, _stable_top(scores, 2048))
+
+
 def test_places_are_the_order_of_a_stable_descending_sort(way):
     values = _tied(jax.random.key(3), (6, 40), levels=5)
     order = np.argsort(-np.asarray(values), axis=-1, kind="stable")
