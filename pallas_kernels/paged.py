@@ -51,6 +51,7 @@ def write_slots(cache: jax.Array, page_table: jax.Array, slots: jax.Array, value
     page, offset, valid = slot_address(page_table, slots, page_size, num_pages)
     if slots.size != 1:
         return cache.at[page, offset].set(values.astype(cache.dtype), mode="drop")
+    # An invalid slot's page (num_pages) is clamped into the pool: its entry is read and written back.
     start = (jnp.minimum(page, num_pages - 1).reshape(()), offset.reshape(()), 0)
     old = jax.lax.dynamic_slice(cache, start, (1, 1, width))
     new = jnp.where(valid.reshape(()), values.reshape(1, 1, width).astype(cache.dtype), old)

@@ -1,5 +1,6 @@
 """Top-k and stable sorts by counting comparisons: the MoE router's selections and its dispatch
-order, and the DSA indexer's top-k of one token's row (`contracts.select_topk`), without XLA's sort.
+order, and the DSA indexer's top-k of a decode step's few tokens (`contracts.select_topk`),
+without XLA's sort.
 
 Why: a decode step routes a handful of tokens (B x (k + 1) of them), and there XLA's sort costs
 launches, not work. On a GPU a `lax.top_k` or `argsort` is one to three sort kernels plus a copy
