@@ -32,7 +32,8 @@ with the transposition. Pages must then hold 32 slots or more: a TMA copy moves 
 128 bytes, 32 scales.
 
 Top-k. As in the Triton path (`indexer_pallas.py`), the scores go to `select_topk` (XLA's
-`lax.top_k`): exact, ties to the lower slot exactly as the reference. The cost is the score matrix
+`lax.top_k`, or for a call of few tokens a count of ranks giving the same indices): exact, ties
+to the lower slot exactly as the reference. The cost is the score matrix
 `[B, Q, S]` float32 written by the kernel and read once by the top-k: 4 bytes per (token, slot)
 against the keys' 2 * Di bytes per slot read once per row, so at B = 32, Q = 1, S = 4096 it is
 0.5 MiB written + 0.5 MiB read beside 32 MiB of keys. An in-kernel selection would have to keep the

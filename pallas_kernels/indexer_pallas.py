@@ -13,8 +13,9 @@ so every key tile is read from HBM once per sequence row. A chunk is `tiles_per_
 tiles, so the query block is loaded once per chunk; tiles past the row's last visible slot are
 filled with -inf without reading keys.
 
-Top-k. The scores go to `select_topk`, the reference's own selection (`lax.top_k`): it is exact,
-breaks ties towards the lower slot exactly as the reference does, and XLA's GPU top-k for
+Top-k. The scores go to `select_topk`, the reference's own selection (`lax.top_k`, or for a call
+of few tokens a count of ranks giving the same indices): it is exact, breaks ties towards the
+lower slot exactly as the reference does, and XLA's GPU top-k for
 k = 2048 over <= 128k slots costs about as much as writing the scores (the benchmark,
 `benchmarks/attention_kernels.py`, times it against `lax.approx_max_k` and a full sort). An in-kernel
 selection would save that write and read, but would have to reproduce the exact tie order to stay
